@@ -1,0 +1,3 @@
+//! haulage's mover agent.
+
+fn main() {}

@@ -1,0 +1,20 @@
+//! haulage moves the data of Kubernetes PersistentVolumeClaims between
+//! clusters, through an S3-compatible backup storage location, without
+//! overrunning the shared storage other workloads live on.
+//!
+//! The map of the crate, pure cores first:
+//!
+//! - [`repo`]: the repository format (config, chunker, packs, indexes, trees,
+//!   snapshots): pure encode/decode, no I/O.
+//! - [`plan`]: the stage-pod planner, a pure function from cluster facts to a
+//!   plan.
+//! - [`store`]: the object-store trait and its backends (`file://`).
+//! - [`engine`]: backup, restore and verify of a directory tree against a
+//!   repository held in a store: walk, chunk, hash, dedup, compress, pack,
+//!   upload; restore writer; throttling; progress.
+//! - [`cli`]: the `haulage` command line.
+//!
+//! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
+
+pub mod cli;
+pub mod store;

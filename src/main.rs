@@ -1,0 +1,5 @@
+//! The `haulage` binary: parse, set up tracing, run, map errors to exit codes.
+
+fn main() -> std::process::ExitCode {
+    haulage::cli::main()
+}

@@ -1,0 +1,261 @@
+//! The `file://` backend: a repository in a local (or mounted) directory.
+//!
+//! Writes are atomic: the bytes go to a hidden temporary file in the target
+//! directory, are fsynced, and are then renamed (or hard-linked, for
+//! [`PutMode::Create`]) into place, and the directory is fsynced. Two
+//! processes writing the same repository therefore never see each other's
+//! half-written objects, and a crash leaves at most a temporary file that
+//! listings ignore.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+use super::{ObjectMeta, ObjectStore, PutMode, StoreError, validate_key};
+
+/// Prefix of temporary files; listings skip them.
+const TEMP_PREFIX: &str = ".tmp-";
+
+/// A store rooted at a local directory.
+#[derive(Debug, Clone)]
+pub struct LocalStore {
+    root: PathBuf,
+}
+
+impl LocalStore {
+    /// A store rooted at `root`. The directory is created on the first write.
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        LocalStore { root: root.into() }
+    }
+
+    /// The directory this store writes into.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn path_of(&self, operation: &'static str, key: &str) -> Result<PathBuf, StoreError> {
+        if !validate_key(key) {
+            return Err(StoreError::Permanent {
+                location: self.location(),
+                operation,
+                key: key.to_string(),
+                message: "invalid object key".to_string(),
+            });
+        }
+        Ok(self.root.join(key))
+    }
+
+    fn classify(&self, operation: &'static str, key: &str, err: io::Error) -> StoreError {
+        let location = self.location();
+        let key = key.to_string();
+        match err.kind() {
+            io::ErrorKind::NotFound => StoreError::NotFound { location, key },
+            io::ErrorKind::AlreadyExists => StoreError::AlreadyExists { location, key },
+            io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
+                StoreError::Transient {
+                    location,
+                    operation,
+                    key,
+                    message: err.to_string(),
+                }
+            }
+            _ => StoreError::Permanent {
+                location,
+                operation,
+                key,
+                message: err.to_string(),
+            },
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    match tokio::task::spawn_blocking(f).await {
+        Ok(result) => result,
+        Err(join_error) => std::panic::resume_unwind(join_error.into_panic()),
+    }
+}
+
+fn write_atomically(final_path: &Path, data: &[u8], mode: PutMode) -> io::Result<()> {
+    let dir = final_path
+        .parent()
+        .ok_or_else(|| io::Error::other("object path has no parent directory"))?;
+    fs::create_dir_all(dir)?;
+    let temp_path = dir.join(format!("{TEMP_PREFIX}{:016x}", rand::random::<u64>()));
+    let result = (|| {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp_path)?;
+        file.write_all(data)?;
+        file.sync_all()?;
+        drop(file);
+        match mode {
+            PutMode::Overwrite => fs::rename(&temp_path, final_path),
+            PutMode::Create => {
+                // link(2) fails with EEXIST instead of replacing, which is
+                // exactly the create-only semantics we need.
+                fs::hard_link(&temp_path, final_path)?;
+                fs::remove_file(&temp_path)
+            }
+        }
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&temp_path);
+    }
+    result?;
+    File::open(dir)?.sync_all()
+}
+
+fn list_into(root: &Path, dir: &Path, out: &mut Vec<ObjectMeta>) -> io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(err),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with(TEMP_PREFIX) {
+            continue;
+        }
+        let file_type = entry.file_type()?;
+        let path = entry.path();
+        if file_type.is_dir() {
+            list_into(root, &path, out)?;
+        } else if file_type.is_file() {
+            let size = match entry.metadata() {
+                Ok(meta) => meta.len(),
+                Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+                Err(err) => return Err(err),
+            };
+            let Ok(relative) = path.strip_prefix(root) else {
+                continue;
+            };
+            let Some(key) = relative.to_str() else {
+                continue;
+            };
+            out.push(ObjectMeta {
+                key: key.to_string(),
+                size,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl ObjectStore for LocalStore {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        let path = self.path_of("put", key)?;
+        let this = self.clone();
+        let key = key.to_string();
+        blocking(move || {
+            write_atomically(&path, &data, mode).map_err(|err| this.classify("put", &key, err))
+        })
+        .await
+    }
+
+    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
+        let path = self.path_of("get", key)?;
+        let this = self.clone();
+        let key = key.to_string();
+        blocking(move || {
+            let read = || -> io::Result<Vec<u8>> {
+                let mut file = File::open(&path)?;
+                match range {
+                    None => {
+                        let mut buffer = Vec::new();
+                        file.read_to_end(&mut buffer)?;
+                        Ok(buffer)
+                    }
+                    Some(range) => {
+                        let size = file.metadata()?.len();
+                        if range.start > range.end || range.end > size {
+                            return Err(io::Error::new(
+                                io::ErrorKind::InvalidInput,
+                                format!(
+                                    "byte range {}..{} is outside the object of {size} bytes",
+                                    range.start, range.end
+                                ),
+                            ));
+                        }
+                        file.seek(SeekFrom::Start(range.start))?;
+                        let mut buffer = vec![0; (range.end - range.start) as usize];
+                        file.read_exact(&mut buffer)?;
+                        Ok(buffer)
+                    }
+                }
+            };
+            read()
+                .map(Bytes::from)
+                .map_err(|err| this.classify("get", &key, err))
+        })
+        .await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        let path = self.path_of("head", key)?;
+        let this = self.clone();
+        let key = key.to_string();
+        blocking(move || match fs::metadata(&path) {
+            Ok(meta) if meta.is_file() => Ok(ObjectMeta {
+                key,
+                size: meta.len(),
+            }),
+            Ok(_) => Err(StoreError::NotFound {
+                location: this.location(),
+                key,
+            }),
+            Err(err) => Err(this.classify("head", &key, err)),
+        })
+        .await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        let this = self.clone();
+        let prefix = prefix.to_string();
+        blocking(move || {
+            // Start from the deepest directory the prefix names, then filter.
+            let dir_part = match prefix.rfind('/') {
+                Some(index) => &prefix[..index],
+                None => "",
+            };
+            let start = if dir_part.is_empty() {
+                this.root.clone()
+            } else {
+                this.root.join(dir_part)
+            };
+            let mut out = Vec::new();
+            list_into(&this.root, &start, &mut out)
+                .map_err(|err| this.classify("list", &prefix, err))?;
+            out.retain(|meta| meta.key.starts_with(&prefix));
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let path = self.path_of("delete", key)?;
+        let this = self.clone();
+        let key = key.to_string();
+        blocking(move || match fs::remove_file(&path) {
+            Ok(()) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(err) => Err(this.classify("delete", &key, err)),
+        })
+        .await
+    }
+
+    fn location(&self) -> String {
+        let absolute = std::path::absolute(&self.root).unwrap_or_else(|_| self.root.clone());
+        format!("file://{}", absolute.display())
+    }
+}
