@@ -114,9 +114,9 @@ build_kube() {
     # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
     # ./staging/... paths, which do not apply to a dependency. Replace every one of them
     # (the list is read from kubernetes' own go.mod) with its published version.
-    mod="$(go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
-    [[ -f "$mod" ]] || die "kube: could not download k8s.io/kubernetes@$KUBE_VERSION"
     w="$(new_wrapper kube 1.24.0)"
+    mod="$(cd "$w" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
+    [[ -f "$mod" ]] || die "kube: could not download k8s.io/kubernetes@$KUBE_VERSION"
     {
         printf '\n// as in kubernetes own go.mod\ngodebug default=go1.24\n'
         printf '\nreplace (\n'
