@@ -36,16 +36,15 @@ export GOFLAGS="-mod=mod -buildvcs=false"
 export CGO_ENABLED=0
 
 WORKDIRS=()
-cleanup() { local d; for d in "${WORKDIRS[@]}"; do rm -rf "$d"; done; }
+cleanup() { local d; for d in "${WORKDIRS[@]}"; do chmod -R u+w "$d" 2>/dev/null; rm -rf "$d"; done; }
 trap cleanup EXIT
 
-# new_wrapper NAME GO_LINE -> prints a fresh temp dir with go.mod (module + go line)
+# new_wrapper NAME GO_LINE : sets $w to a fresh temp dir holding a go.mod (module + go
+# line); the dir is removed when the script exits.
 new_wrapper() {
-    local d
-    d="$(mktemp -d "${TMPDIR:-/tmp}/haulage-infra-$1.XXXXXX")"
-    WORKDIRS+=("$d")
-    printf 'module haulage.local/infra/%s\n\ngo %s\n' "$1" "$2" >"$d/go.mod"
-    echo "$d"
+    w="$(mktemp -d "${TMPDIR:-/tmp}/haulage-infra-$1.XXXXXX")"
+    WORKDIRS+=("$w")
+    printf 'module haulage.local/infra/%s\n\ngo %s\n' "$1" "$2" >"$w/go.mod"
 }
 
 # fetch DIR PKG@VERSION... : add exactly what these commands need to the wrapper's
@@ -81,7 +80,7 @@ build_minio() {
     if have "$bin"; then log "minio: cached"; echo "$bin"; return; fi
     log "minio: building github.com/minio/minio@$MINIO_VERSION (several minutes)"
     local start=$SECONDS w
-    w="$(new_wrapper minio 1.24.0)"
+    new_wrapper minio 1.24.0
     fetch "$w" "github.com/minio/minio@$MINIO_VERSION" || die "minio: go get failed (module proxy reachable?)"
     mkdir -p "$w/out"
     go_build "$w" "$w/out/minio" github.com/minio/minio || die "minio: go build failed"
@@ -95,7 +94,7 @@ build_etcd() {
     if have "$bin"; then log "etcd: cached"; echo "$bin"; return; fi
     log "etcd: building go.etcd.io/etcd/server/v3@$ETCD_VERSION"
     local start=$SECONDS w
-    w="$(new_wrapper etcd 1.26.0)"
+    new_wrapper etcd 1.26.0
     fetch "$w" "go.etcd.io/etcd/server/v3@$ETCD_VERSION" || die "etcd: go get failed (module proxy reachable? Go >= 1.26?)"
     mkdir -p "$w/out"
     go_build "$w" "$w/out/etcd" go.etcd.io/etcd/server/v3 || die "etcd: go build failed"
@@ -114,7 +113,7 @@ build_kube() {
     # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
     # ./staging/... paths, which do not apply to a dependency. Replace every one of them
     # (the list is read from kubernetes' own go.mod) with its published version.
-    w="$(new_wrapper kube 1.24.0)"
+    new_wrapper kube 1.24.0
     mod="$(cd "$w" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
     [[ -f "$mod" ]] || die "kube: could not download k8s.io/kubernetes@$KUBE_VERSION"
     {
