@@ -17,4 +17,5 @@
 //! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
 
 pub mod cli;
+pub mod plan;
 pub mod store;

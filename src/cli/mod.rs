@@ -5,6 +5,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod plan;
+
 /// Move the data of Kubernetes PersistentVolumeClaims between clusters.
 #[derive(Debug, Parser)]
 #[command(name = "haulage", version, about, propagate_version = true)]
@@ -15,10 +17,15 @@ pub struct Cli {
 
 /// The verbs of `haulage`.
 #[derive(Debug, Subcommand)]
-pub enum Command {}
+pub enum Command {
+    /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
+    Plan(plan::PlanArgs),
+}
 
 /// Entry point of the `haulage` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {}
+    match cli.command {
+        Command::Plan(arguments) => plan::run(&arguments),
+    }
 }
