@@ -2,9 +2,10 @@
 //! the dump fixture through the `haulage plan` binary, malformed dumps, and
 //! property tests of every rule over generated clusters.
 
+use clap::Parser as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::process::Command;
 
+use haulage::cli::{Cli, Command};
 use haulage::plan::dump::{DumpError, parse_dump};
 use haulage::plan::facts::{
     AccessMode, ClaimFacts, ClaimPhase, ClusterFacts, NodeFacts, NodeSelector, PodFacts, PodPhase,
@@ -483,26 +484,18 @@ fn fixture_dump_plans_as_documented() {
     );
 }
 
+fn fixture_plan(selection: &Selection) -> StagePlan {
+    let text = std::fs::read_to_string(FIXTURE).expect("fixture readable");
+    plan_stage_pods(&parse_dump(&text).expect("fixture parses"), selection).expect("plan")
+}
+
 #[test]
-fn plan_command_prints_the_documented_json() {
-    let output = Command::new(env!("CARGO_BIN_EXE_haulage"))
-        .args([
-            "plan",
-            "--from-file",
-            FIXTURE,
-            "-o",
-            "json",
-            "--namespace",
-            "shop",
-        ])
-        .output()
-        .expect("haulage runs");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output");
+fn namespace_plan_serialises_to_the_documented_json() {
+    let plan = fixture_plan(&Selection {
+        namespaces: BTreeSet::from(["shop".to_string()]),
+        labels: LabelSelector::default(),
+    });
+    let json = serde_json::to_value(&plan).expect("plan serialises");
     assert_eq!(
         json["stagePods"],
         serde_json::json!([
@@ -517,55 +510,61 @@ fn plan_command_prints_the_documented_json() {
 }
 
 #[test]
-fn plan_command_table_shows_nodes_and_reasons() {
-    let output = Command::new(env!("CARGO_BIN_EXE_haulage"))
-        .args([
-            "plan",
-            "--from-file",
-            FIXTURE,
-            "--selector",
-            "app in (db,web)",
-        ])
-        .output()
-        .expect("haulage runs");
+fn table_shows_each_node_then_the_unplaceable_claims_with_reasons() {
+    let table = fixture_plan(&Selection::everything()).to_table();
+    let expected = "\
+NODE    STAGE PODS  VOLUMES  BYTES      NAMESPACES
+node-a  1           3        51.0 GiB   shop
+node-b  1           1        50.0 GiB   shop
+node-c  1           1        100.0 GiB  analytics
+
+3 stage pods on 3 nodes: 5 volumes, 201.0 GiB
+
+UNPLACEABLE (5)
+NAMESPACE  PVC      REASON
+analytics  fast     no node can take it: 3 nodes outside the volume's node affinity, 1 node tainted NoExecute
+";
+    assert!(table.starts_with(expected), "{table}");
     assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let table = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        table.starts_with("NODE    STAGE PODS  VOLUMES  BYTES     NAMESPACES\n"),
+        table.contains(
+            "shop       queue    ReadWriteOncePod volume is mounted by pod shop/queue-0: quiesce"
+        ),
         "{table}"
     );
-    assert!(
-        table.contains("node-b  1           1        50.0 GiB  shop"),
-        "{table}"
-    );
-    assert!(!table.contains("UNPLACEABLE"), "{table}");
 }
 
 #[test]
-fn plan_command_names_the_object_and_field_of_a_malformed_dump() {
-    let directory = tempfile::tempdir().expect("temporary directory");
-    let path = directory.path().join("dump.yaml");
-    std::fs::write(
-        &path,
-        "apiVersion: v1\nkind: List\nitems:\n- apiVersion: v1\n  kind: PersistentVolumeClaim\n  metadata: {name: data, namespace: shop}\n  spec: {accessModes: [ReadWriteOnce]}\n",
-    )
-    .expect("write dump");
-    let output = Command::new(env!("CARGO_BIN_EXE_haulage"))
-        .args(["plan", "--from-file"])
-        .arg(&path)
-        .output()
-        .expect("haulage runs");
-    assert!(!output.status.success());
-    let stderr = String::from_utf8_lossy(&output.stderr);
+fn plan_command_parses_its_arguments() {
+    let cli = Cli::try_parse_from([
+        "haulage",
+        "plan",
+        "--from-file",
+        "dump.yaml",
+        "-l",
+        "app=db",
+        "-n",
+        "shop",
+        "--namespace",
+        "web",
+        "-o",
+        "yaml",
+    ])
+    .expect("arguments parse");
+    #[allow(
+        unreachable_patterns,
+        reason = "the other verbs join Command as they land"
+    )]
+    let arguments = match cli.command {
+        Command::Plan(arguments) => arguments,
+        other => panic!("parsed as {other:?}"),
+    };
+    assert_eq!(arguments.from_file, std::path::PathBuf::from("dump.yaml"));
+    assert_eq!(arguments.selector.as_deref(), Some("app=db"));
+    assert_eq!(arguments.namespaces, ["shop", "web"]);
+    assert_eq!(format!("{:?}", arguments.output), "Yaml");
     assert!(
-        stderr.contains(
-            "PersistentVolumeClaim shop/data: spec.resources.requests.storage is missing"
-        ),
-        "{stderr}"
+        Cli::try_parse_from(["haulage", "plan"]).is_err(),
+        "--from-file is required"
     );
 }
 

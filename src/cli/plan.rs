@@ -2,16 +2,13 @@
 //! `kubectl get nodes,pods,pvc,pv,storageclasses,csinodes -A -o yaml` dump,
 //! without touching a cluster.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context as _;
-use bytesize::ByteSize;
 use clap::{Args, ValueEnum};
 
-use crate::plan::{LabelSelector, Selection, StagePlan, dump, plan_stage_pods};
+use crate::plan::{LabelSelector, Selection, dump, plan_stage_pods};
 
 /// Arguments of `haulage plan`.
 #[derive(Debug, Args)]
@@ -73,7 +70,7 @@ fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
     })?;
     let plan = plan_stage_pods(&facts, &selection).context("failed to plan stage pods")?;
     match arguments.output {
-        OutputFormat::Table => Ok(table(&plan)),
+        OutputFormat::Table => Ok(plan.to_table()),
         OutputFormat::Json => {
             let mut json =
                 serde_json::to_string_pretty(&plan).context("failed to encode the plan as JSON")?;
@@ -83,88 +80,5 @@ fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
         OutputFormat::Yaml => {
             serde_yaml::to_string(&plan).context("failed to encode the plan as YAML")
         }
-    }
-}
-
-fn human_bytes(bytes: u64) -> String {
-    ByteSize::b(bytes).display().iec().to_string()
-}
-
-/// The plan as a table: one row per node (stage pods, volumes, bytes,
-/// namespaces), a total, then each unplaceable claim with its reason.
-pub fn table(plan: &StagePlan) -> String {
-    #[derive(Default)]
-    struct NodeRow<'p> {
-        pods: usize,
-        volumes: usize,
-        bytes: u64,
-        namespaces: BTreeSet<&'p str>,
-    }
-    let mut rows: BTreeMap<&str, NodeRow> = BTreeMap::new();
-    for pod in &plan.stage_pods {
-        let row = rows.entry(pod.node.as_str()).or_default();
-        row.pods += 1;
-        row.volumes += pod.volumes.len();
-        row.bytes += pod.bytes;
-        row.namespaces.insert(&pod.namespace);
-    }
-    let mut lines: Vec<[String; 5]> = vec![[
-        "NODE".into(),
-        "STAGE PODS".into(),
-        "VOLUMES".into(),
-        "BYTES".into(),
-        "NAMESPACES".into(),
-    ]];
-    for (node, row) in &rows {
-        lines.push([
-            node.to_string(),
-            row.pods.to_string(),
-            row.volumes.to_string(),
-            human_bytes(row.bytes),
-            row.namespaces.iter().copied().collect::<Vec<_>>().join(","),
-        ]);
-    }
-    let mut out = String::new();
-    write_columns(&mut out, &lines);
-    let _ = writeln!(
-        out,
-        "\n{} stage pods on {} nodes: {} volumes, {}",
-        plan.stage_pods.len(),
-        rows.len(),
-        plan.placed_volume_count(),
-        human_bytes(plan.total_bytes())
-    );
-    if !plan.unplaceable.is_empty() {
-        let _ = writeln!(out, "\nUNPLACEABLE ({})", plan.unplaceable.len());
-        let mut lines: Vec<[String; 3]> = vec![["NAMESPACE".into(), "PVC".into(), "REASON".into()]];
-        for claim in &plan.unplaceable {
-            lines.push([
-                claim.namespace.clone(),
-                claim.pvc.clone(),
-                claim.reason.to_string(),
-            ]);
-        }
-        write_columns(&mut out, &lines);
-    }
-    out
-}
-
-fn write_columns<const WIDTH: usize>(out: &mut String, lines: &[[String; WIDTH]]) {
-    let mut widths = [0; WIDTH];
-    for line in lines {
-        for (width, cell) in widths.iter_mut().zip(line) {
-            *width = (*width).max(cell.chars().count());
-        }
-    }
-    for line in lines {
-        let mut text = String::new();
-        for (index, (cell, width)) in line.iter().zip(widths).enumerate() {
-            if index + 1 == WIDTH {
-                text.push_str(cell);
-            } else {
-                let _ = write!(text, "{cell:<width$}  ");
-            }
-        }
-        let _ = writeln!(out, "{}", text.trim_end());
     }
 }

@@ -6,7 +6,10 @@
 //! `{"stagePods":[{"namespace","node","volumes","bytes"}],
 //! "unplaceable":[{"namespace","pvc","reason"}]}`.
 
-use std::fmt;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::{self, Write as _};
+
+use bytesize::ByteSize;
 
 use serde::{Serialize, Serializer};
 
@@ -118,6 +121,10 @@ pub enum UnplaceableReason {
 /// the order the fields are listed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Exclusions {
+    /// Nodes outside the volume's node affinity.
+    pub outside_affinity: usize,
+    /// Nodes outside the storage class's allowed topologies.
+    pub outside_topology: usize,
     /// Nodes that have a NoExecute taint.
     pub no_execute: usize,
     /// Nodes whose Ready condition is not True.
@@ -126,10 +133,6 @@ pub struct Exclusions {
     pub cordoned: usize,
     /// Nodes with a NoSchedule taint.
     pub no_schedule: usize,
-    /// Nodes outside the volume's node affinity.
-    pub outside_affinity: usize,
-    /// Nodes outside the storage class's allowed topologies.
-    pub outside_topology: usize,
     /// Nodes whose CSINode does not list the volume's driver.
     pub driver_missing: usize,
     /// Nodes at the attach limit of the volume's driver.
@@ -142,10 +145,6 @@ impl fmt::Display for Exclusions {
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         let driver = self.driver.as_deref().unwrap_or("its driver");
         let causes = [
-            (self.no_execute, "tainted NoExecute".to_string()),
-            (self.not_ready, "not ready".to_string()),
-            (self.cordoned, "cordoned".to_string()),
-            (self.no_schedule, "tainted NoSchedule".to_string()),
             (
                 self.outside_affinity,
                 "outside the volume's node affinity".to_string(),
@@ -154,6 +153,10 @@ impl fmt::Display for Exclusions {
                 self.outside_topology,
                 "outside the storage class's allowed topologies".to_string(),
             ),
+            (self.no_execute, "tainted NoExecute".to_string()),
+            (self.not_ready, "not ready".to_string()),
+            (self.cordoned, "cordoned".to_string()),
+            (self.no_schedule, "tainted NoSchedule".to_string()),
             (self.driver_missing, format!("without CSI driver {driver}")),
             (
                 self.attach_limit_reached,
@@ -237,6 +240,94 @@ impl fmt::Display for UnplaceableReason {
 impl Serialize for UnplaceableReason {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         serializer.collect_str(self)
+    }
+}
+
+fn human_bytes(bytes: u64) -> String {
+    ByteSize::b(bytes).display().iec().to_string()
+}
+
+impl StagePlan {
+    /// The plan as a table for people: one row per node (stage pods,
+    /// volumes, bytes, namespaces), a total, then each unplaceable claim
+    /// with its reason.
+    pub fn to_table(&self) -> String {
+        let plan = self;
+        #[derive(Default)]
+        struct NodeRow<'p> {
+            pods: usize,
+            volumes: usize,
+            bytes: u64,
+            namespaces: BTreeSet<&'p str>,
+        }
+        let mut rows: BTreeMap<&str, NodeRow> = BTreeMap::new();
+        for pod in &plan.stage_pods {
+            let row = rows.entry(pod.node.as_str()).or_default();
+            row.pods += 1;
+            row.volumes += pod.volumes.len();
+            row.bytes += pod.bytes;
+            row.namespaces.insert(&pod.namespace);
+        }
+        let mut lines: Vec<[String; 5]> = vec![[
+            "NODE".into(),
+            "STAGE PODS".into(),
+            "VOLUMES".into(),
+            "BYTES".into(),
+            "NAMESPACES".into(),
+        ]];
+        for (node, row) in &rows {
+            lines.push([
+                node.to_string(),
+                row.pods.to_string(),
+                row.volumes.to_string(),
+                human_bytes(row.bytes),
+                row.namespaces.iter().copied().collect::<Vec<_>>().join(","),
+            ]);
+        }
+        let mut out = String::new();
+        write_columns(&mut out, &lines);
+        let _ = writeln!(
+            out,
+            "\n{} stage pods on {} nodes: {} volumes, {}",
+            plan.stage_pods.len(),
+            rows.len(),
+            plan.placed_volume_count(),
+            human_bytes(plan.total_bytes())
+        );
+        if !plan.unplaceable.is_empty() {
+            let _ = writeln!(out, "\nUNPLACEABLE ({})", plan.unplaceable.len());
+            let mut lines: Vec<[String; 3]> =
+                vec![["NAMESPACE".into(), "PVC".into(), "REASON".into()]];
+            for claim in &plan.unplaceable {
+                lines.push([
+                    claim.namespace.clone(),
+                    claim.pvc.clone(),
+                    claim.reason.to_string(),
+                ]);
+            }
+            write_columns(&mut out, &lines);
+        }
+        out
+    }
+}
+
+fn write_columns<const WIDTH: usize>(out: &mut String, lines: &[[String; WIDTH]]) {
+    let mut widths = [0; WIDTH];
+    for line in lines {
+        for (width, cell) in widths.iter_mut().zip(line) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    for line in lines {
+        let mut text = String::new();
+        for (index, (cell, width)) in line.iter().zip(widths).enumerate() {
+            if index + 1 == WIDTH {
+                text.push_str(cell);
+            } else {
+                let _ = write!(text, "{cell:<width$}  ");
+            }
+        }
+        let _ = writeln!(out, "{}", text.trim_end());
     }
 }
 

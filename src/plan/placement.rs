@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
 use crate::plan::PlanError;
 use crate::plan::facts::{
     ClaimFacts, ClaimPhase, ClusterFacts, NodeFacts, NodeSelector, PodFacts, PodPhase,
-    StorageClassFacts, TaintEffect, VolumeFacts,
+    RequirementSubject, SelectorOperator, StorageClassFacts, TaintEffect, VolumeFacts,
 };
 use crate::plan::output::{
     AttachedNodeProblem, Exclusions, StagePlan, StagePod, UnplaceableClaim, UnplaceableReason,
@@ -298,6 +298,8 @@ struct Balancer<'c, 'f> {
     /// planned).
     attachments: Vec<HashMap<&'f str, u32>>,
     heaps: HashMap<Constraints<'f>, CandidateHeap>,
+    /// Nodes per (label key, value), built when an affinity first needs it.
+    label_index: Option<HashMap<(&'f str, &'f str), Vec<usize>>>,
     stage_pods: BTreeMap<(&'f str, usize), (Vec<&'f str>, u64)>,
     unplaceable: Vec<UnplaceableClaim>,
 }
@@ -371,6 +373,7 @@ impl<'c, 'f> Balancer<'c, 'f> {
             rank: zone_interleaved_ranks(&cluster.nodes),
             attachments,
             heaps: HashMap::new(),
+            label_index: None,
             stage_pods: BTreeMap::new(),
             unplaceable: Vec::new(),
         }
@@ -479,22 +482,32 @@ impl<'c, 'f> Balancer<'c, 'f> {
 
     /// Build the heap of nodes that may take a new attachment under these
     /// constraints, counting the others by first cause.
-    fn candidates(&self, constraints: Constraints<'f>) -> CandidateHeap {
+    fn candidates(&mut self, constraints: Constraints<'f>) -> CandidateHeap {
         let mut exclusions = Exclusions {
             driver: constraints.driver.map(str::to_string),
             ..Exclusions::default()
         };
+        // Local volumes each carry their own affinity; scanning every node
+        // for each would make planning quadratic, so affinities that name
+        // their nodes are resolved through an index.
+        let narrowed = constraints
+            .affinity
+            .and_then(|affinity| self.nodes_named_by(affinity));
+        let all_nodes: Vec<usize>;
+        let considered: &[usize] = match &narrowed {
+            Some(nodes) => {
+                exclusions.outside_affinity = self.cluster.nodes.len() - nodes.len();
+                nodes
+            }
+            None => {
+                all_nodes = (0..self.cluster.nodes.len()).collect();
+                &all_nodes
+            }
+        };
         let mut entries = Vec::new();
-        for (index, node) in self.cluster.nodes.iter().enumerate() {
-            if node.taint_with_effect(TaintEffect::NoExecute).is_some() {
-                exclusions.no_execute += 1;
-            } else if !node.ready {
-                exclusions.not_ready += 1;
-            } else if node.unschedulable {
-                exclusions.cordoned += 1;
-            } else if node.taint_with_effect(TaintEffect::NoSchedule).is_some() {
-                exclusions.no_schedule += 1;
-            } else if constraints
+        for &index in considered {
+            let node = self.cluster.nodes[index];
+            if constraints
                 .affinity
                 .is_some_and(|affinity| !affinity.matches(node))
             {
@@ -504,6 +517,14 @@ impl<'c, 'f> Balancer<'c, 'f> {
                 .is_some_and(|topology| !topology.matches(node))
             {
                 exclusions.outside_topology += 1;
+            } else if node.taint_with_effect(TaintEffect::NoExecute).is_some() {
+                exclusions.no_execute += 1;
+            } else if !node.ready {
+                exclusions.not_ready += 1;
+            } else if node.unschedulable {
+                exclusions.cordoned += 1;
+            } else if node.taint_with_effect(TaintEffect::NoSchedule).is_some() {
+                exclusions.no_schedule += 1;
             } else if let (Some(driver), Some(drivers)) = (constraints.driver, &node.csi_drivers)
                 && !drivers.contains_key(driver)
             {
@@ -516,6 +537,47 @@ impl<'c, 'f> Balancer<'c, 'f> {
             heap: BinaryHeap::from(entries),
             exclusions,
         }
+    }
+
+    /// The nodes a selector can possibly match, sorted, when every term has
+    /// an `In` requirement (on the node name or a label) that bounds it;
+    /// `None` when some term could match nodes no `In` names.
+    fn nodes_named_by(&mut self, selector: &NodeSelector) -> Option<Vec<usize>> {
+        let mut nodes = Vec::new();
+        for term in &selector.terms {
+            let requirement = term
+                .requirements
+                .iter()
+                .find(|requirement| requirement.operator == SelectorOperator::In)?;
+            for value in &requirement.values {
+                match &requirement.subject {
+                    RequirementSubject::NodeName => {
+                        nodes.extend(self.cluster.node_index.get(value.as_str()).copied());
+                    }
+                    RequirementSubject::Label(key) => {
+                        let cluster = self.cluster;
+                        let index = self.label_index.get_or_insert_with(|| {
+                            let mut index: HashMap<(&'f str, &'f str), Vec<usize>> = HashMap::new();
+                            for (position, node) in cluster.nodes.iter().enumerate() {
+                                for (key, value) in &node.labels {
+                                    index
+                                        .entry((key.as_str(), value.as_str()))
+                                        .or_default()
+                                        .push(position);
+                                }
+                            }
+                            index
+                        });
+                        if let Some(matching) = index.get(&(key.as_str(), value.as_str())) {
+                            nodes.extend_from_slice(matching);
+                        }
+                    }
+                }
+            }
+        }
+        nodes.sort_unstable();
+        nodes.dedup();
+        Some(nodes)
     }
 
     fn finish(self) -> StagePlan {
