@@ -19,6 +19,7 @@
 
 pub mod cli;
 pub mod engine;
+pub mod plan;
 pub mod repo;
 pub mod sample;
 pub mod store;

@@ -9,6 +9,7 @@
 
 mod backup;
 mod demo;
+mod plan;
 mod progress;
 mod repo;
 mod restore;
@@ -49,6 +50,8 @@ pub enum Command {
     Snapshots(snapshots::SnapshotsArgs),
     /// Re-read and check everything a snapshot references.
     Verify(verify::VerifyArgs),
+    /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
+    Plan(plan::PlanArgs),
 }
 
 /// The repository a verb works on.
@@ -96,6 +99,9 @@ impl Outcome {
 /// Entry point of the `haulage` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Plan(arguments) = &cli.command {
+        return plan::run(arguments);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HAULAGE_LOG")
@@ -123,6 +129,7 @@ pub fn main() -> ExitCode {
             Command::Restore(args) => restore::run(args, cancel.clone()).await,
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Plan(_) => unreachable!("plan runs without the async runtime"),
         };
         match result {
             Ok(outcome) => outcome.exit_code(),
