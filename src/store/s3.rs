@@ -964,6 +964,11 @@ impl ObjectStore for S3Store {
     /// Abort the multipart uploads under the prefix that were initiated at
     /// least `older_than` ago (by the server's clock as it reports
     /// `Initiated`, compared with this machine's).
+    ///
+    /// The listing asks for every upload in the bucket and filters by prefix
+    /// here: MinIO answers a prefixed ListMultipartUploads only when the
+    /// prefix is exactly one object's key (minio/minio#20989), so a
+    /// server-side prefix would silently find nothing to sweep.
     async fn sweep_incomplete_uploads(
         &self,
         older_than: Duration,
@@ -978,7 +983,6 @@ impl ObjectStore for S3Store {
                 .client
                 .list_multipart_uploads()
                 .bucket(&self.location.bucket)
-                .prefix(&self.key_root)
                 .set_key_marker(key_marker.take())
                 .set_upload_id_marker(upload_id_marker.take())
                 .send()
@@ -986,6 +990,9 @@ impl ObjectStore for S3Store {
                 .map_err(|error| self.classify("sweep", "", error))?;
             for upload in output.uploads() {
                 let (Some(full_key), Some(upload_id)) = (upload.key(), upload.upload_id()) else {
+                    continue;
+                };
+                let Some(relative) = full_key.strip_prefix(&self.key_root) else {
                     continue;
                 };
                 report.found += 1;
@@ -998,7 +1005,6 @@ impl ObjectStore for S3Store {
                     report.kept_recent += 1;
                     continue;
                 }
-                let relative = full_key.strip_prefix(&self.key_root).unwrap_or(full_key);
                 match self
                     .client
                     .abort_multipart_upload()
