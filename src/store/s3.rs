@@ -35,7 +35,7 @@ use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{
     Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
 };
-use aws_sdk_s3::error::{DisplayErrorContext, ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
@@ -376,7 +376,7 @@ impl S3Store {
     {
         let bucket = &self.location.bucket;
         let endpoint = self.endpoint_text();
-        let detail = || bounded(&DisplayErrorContext(&error).to_string());
+        let detail = || error_chain(&error);
         match &error {
             SdkError::TimeoutError(_) => {
                 return self.transient(operation, key, "request timed out".to_string());
@@ -385,7 +385,7 @@ impl S3Store {
                 return self.transient(
                     operation,
                     key,
-                    format!("cannot reach {endpoint}: {}", detail()),
+                    format!("connection to {endpoint} failed: {}", detail()),
                 );
             }
             SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
@@ -697,7 +697,7 @@ async fn abort_upload(client: Client, bucket: String, key: String, upload_id: St
                     bucket,
                     key,
                     attempt,
-                    error = %bounded(&DisplayErrorContext(&error).to_string()),
+                    error = %error_chain(&error),
                     "cannot abort multipart upload"
                 );
                 if attempt < ABORT_ATTEMPTS {
@@ -720,6 +720,22 @@ fn bounded(text: &str) -> String {
     let mut cut: String = text.chars().take(MAX_MESSAGE_CHARS).collect();
     cut.push('…');
     cut
+}
+
+/// The error and its sources, `: `-joined, bounded: the Display texts only
+/// (the SDK's Debug forms repeat everything and can carry request details).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    bounded(&text)
 }
 
 /// `bytes first-last/total` → total.
@@ -820,10 +836,7 @@ impl ObjectStore for S3Store {
                 self.transient(
                     "get",
                     key,
-                    format!(
-                        "reading the response body failed: {}",
-                        bounded(&DisplayErrorContext(&error).to_string())
-                    ),
+                    format!("reading the response body failed: {}", error_chain(&error)),
                 )
             })?
             .into_bytes();

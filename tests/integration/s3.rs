@@ -49,7 +49,9 @@ fn multipart_options(mut options: S3Options) -> S3Options {
 }
 
 async fn s3_store(options: &S3Options, location: &str) -> S3Store {
-    S3Store::open(location, options).await.expect("open s3 store")
+    S3Store::open(location, options)
+        .await
+        .expect("open s3 store")
 }
 
 fn upstream(server: &MinioServer) -> SocketAddr {
@@ -60,11 +62,17 @@ fn upstream(server: &MinioServer) -> SocketAddr {
 async fn assert_no_pending_uploads(server: &MinioServer, prefix: &str) {
     let deadline = Instant::now() + ABORT_DEADLINE;
     loop {
-        let pending = server.multipart_uploads(BUCKET, prefix).await.expect("list uploads");
+        let pending = server
+            .multipart_uploads(BUCKET, prefix)
+            .await
+            .expect("list uploads");
         if pending.is_empty() {
             return;
         }
-        assert!(Instant::now() < deadline, "uploads still pending after {ABORT_DEADLINE:?}: {pending:?}");
+        assert!(
+            Instant::now() < deadline,
+            "uploads still pending after {ABORT_DEADLINE:?}: {pending:?}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -100,7 +108,11 @@ impl ObjectStore for CountingStore {
         self.count();
         self.inner.put(key, data, mode).await
     }
-    async fn get(&self, key: &str, range: Option<std::ops::Range<u64>>) -> Result<Bytes, StoreError> {
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, StoreError> {
         self.count();
         self.inner.get(key, range).await
     }
@@ -119,7 +131,10 @@ impl ObjectStore for CountingStore {
     fn location(&self) -> String {
         self.inner.location()
     }
-    async fn sweep_incomplete_uploads(&self, older_than: Duration) -> Result<SweepReport, StoreError> {
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
         self.count();
         self.inner.sweep_incomplete_uploads(older_than).await
     }
@@ -187,14 +202,24 @@ async fn s3_store_with_the_fallback_create_passes_the_conformance_suite() {
 #[tokio::test]
 async fn large_objects_go_up_in_parts_and_read_back_across_part_boundaries() {
     let server = server_with_bucket().await;
-    let store = s3_store(&multipart_options(server.s3_options()), &format!("{BUCKET}/{PREFIX}")).await;
+    let store = s3_store(
+        &multipart_options(server.s3_options()),
+        &format!("{BUCKET}/{PREFIX}"),
+    )
+    .await;
     let data = pattern(MULTIPART_OBJECT_BYTES, 11);
-    store.put("data/big", data.clone(), PutMode::Overwrite).await.expect("multipart put");
+    store
+        .put("data/big", data.clone(), PutMode::Overwrite)
+        .await
+        .expect("multipart put");
     assert_eq!(store.get("data/big", None).await.expect("get"), data);
     let boundary = PART_BYTES;
     let across = boundary - 100..boundary + 100;
     assert_eq!(
-        store.get("data/big", Some(across.clone())).await.expect("ranged get"),
+        store
+            .get("data/big", Some(across.clone()))
+            .await
+            .expect("ranged get"),
         data.slice(across.start as usize..across.end as usize)
     );
     // MinIO reports multipart ETags as "<md5>-<parts>".
@@ -206,14 +231,26 @@ async fn large_objects_go_up_in_parts_and_read_back_across_part_boundaries() {
         .send()
         .await
         .expect("head");
-    assert!(head.e_tag().unwrap_or_default().ends_with("-3\""), "{:?}", head.e_tag());
+    assert!(
+        head.e_tag().unwrap_or_default().ends_with("-3\""),
+        "{:?}",
+        head.e_tag()
+    );
     // Create over an existing multipart object is refused at completion.
     let error = store
-        .put("data/big", pattern(MULTIPART_OBJECT_BYTES, 12), PutMode::Create)
+        .put(
+            "data/big",
+            pattern(MULTIPART_OBJECT_BYTES, 12),
+            PutMode::Create,
+        )
         .await
         .expect_err("create over existing");
     assert!(matches!(error, StoreError::AlreadyExists { .. }), "{error}");
-    assert_eq!(store.get("data/big", None).await.expect("get"), data, "the original stays");
+    assert_eq!(
+        store.get("data/big", None).await.expect("get"),
+        data,
+        "the original stays"
+    );
     assert_no_pending_uploads(&server, "").await;
 }
 
@@ -225,7 +262,11 @@ async fn listings_follow_continuation_tokens() {
         .with_list_page_size(7);
     for index in 0..25 {
         store
-            .put(&format!("index/{index:03}"), pattern(index + 1, index as u64), PutMode::Overwrite)
+            .put(
+                &format!("index/{index:03}"),
+                pattern(index + 1, index as u64),
+                PutMode::Overwrite,
+            )
             .await
             .expect("put");
     }
@@ -249,30 +290,53 @@ async fn a_connection_cut_mid_multipart_upload_leaves_no_object_and_no_pending_u
     .await;
     proxy.cut_upload_after(7 * 1024 * 1024);
     let error = store
-        .put("data/cut", pattern(MULTIPART_OBJECT_BYTES, 21), PutMode::Overwrite)
+        .put(
+            "data/cut",
+            pattern(MULTIPART_OBJECT_BYTES, 21),
+            PutMode::Overwrite,
+        )
         .await
         .expect_err("the cut fails the put");
     assert_eq!(proxy.cuts(), 1, "the proxy cut one connection");
-    assert!(error.is_transient(), "a dropped connection is transient: {error}");
+    assert!(
+        error.is_transient(),
+        "a dropped connection is transient: {error}"
+    );
     let missing = store.head("data/cut").await.expect_err("no object");
     assert!(missing.is_not_found(), "{missing}");
     assert!(store.list("").await.expect("list").is_empty());
     // The failed put awaited its abort before returning.
-    assert!(server.multipart_uploads(BUCKET, "").await.expect("uploads").is_empty());
+    assert!(
+        server
+            .multipart_uploads(BUCKET, "")
+            .await
+            .expect("uploads")
+            .is_empty()
+    );
 }
 
 #[tokio::test]
 async fn a_connection_cut_mid_single_put_leaves_no_object() {
     let server = server_with_bucket().await;
     let proxy = FaultProxy::start(upstream(&server)).await.expect("proxy");
-    let store = s3_store(&server.s3_options_via(&proxy.endpoint()), &format!("{BUCKET}/{PREFIX}")).await;
+    let store = s3_store(
+        &server.s3_options_via(&proxy.endpoint()),
+        &format!("{BUCKET}/{PREFIX}"),
+    )
+    .await;
     proxy.cut_upload_after(300 * 1024);
     let error = store
         .put("data/single", pattern(1024 * 1024, 22), PutMode::Overwrite)
         .await
         .expect_err("the cut fails the put");
     assert!(error.is_transient(), "{error}");
-    assert!(store.head("data/single").await.expect_err("no object").is_not_found());
+    assert!(
+        store
+            .head("data/single")
+            .await
+            .expect_err("no object")
+            .is_not_found()
+    );
 }
 
 #[tokio::test]
@@ -290,7 +354,10 @@ async fn retries_carry_a_put_through_dropped_connections_and_the_object_is_intac
     let store = RetryStore::new(counted.clone(), quick_retries());
     let data = pattern(MULTIPART_OBJECT_BYTES, 23);
     proxy.cut_upload_after(6 * 1024 * 1024);
-    store.put("data/retried", data.clone(), PutMode::Overwrite).await.expect("put succeeds on retry");
+    store
+        .put("data/retried", data.clone(), PutMode::Overwrite)
+        .await
+        .expect("put succeeds on retry");
     assert_eq!(proxy.cuts(), 1);
     assert_eq!(counted.calls(), 2, "one failed attempt, one good one");
     assert_eq!(store.get("data/retried", None).await.expect("get"), data);
@@ -314,24 +381,48 @@ async fn dropping_a_put_mid_multipart_aborts_its_upload() {
         let store = store.clone();
         async move {
             store
-                .put("data/cancelled", pattern(MULTIPART_OBJECT_BYTES, 24), PutMode::Overwrite)
+                .put(
+                    "data/cancelled",
+                    pattern(MULTIPART_OBJECT_BYTES, 24),
+                    PutMode::Overwrite,
+                )
                 .await
         }
     });
     let deadline = Instant::now() + ABORT_DEADLINE;
-    while server.multipart_uploads(BUCKET, "").await.expect("uploads").is_empty() {
-        assert!(Instant::now() < deadline, "the multipart upload never started");
-        assert!(!put.is_finished(), "the put finished while the proxy stalled it");
+    while server
+        .multipart_uploads(BUCKET, "")
+        .await
+        .expect("uploads")
+        .is_empty()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the multipart upload never started"
+        );
+        assert!(
+            !put.is_finished(),
+            "the put finished while the proxy stalled it"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     put.abort();
     let joined = put.await;
-    assert!(joined.is_err_and(|error| error.is_cancelled()), "the put was cancelled mid-way");
+    assert!(
+        joined.is_err_and(|error| error.is_cancelled()),
+        "the put was cancelled mid-way"
+    );
     // Stalled connections go; the abort the guard spawned gets through.
     proxy.resume();
     proxy.drop_all_connections();
     assert_no_pending_uploads(&server, "").await;
-    assert!(store.head("data/cancelled").await.expect_err("no object").is_not_found());
+    assert!(
+        store
+            .head("data/cancelled")
+            .await
+            .expect_err("no object")
+            .is_not_found()
+    );
 }
 
 #[tokio::test]
@@ -339,7 +430,11 @@ async fn sweep_aborts_old_uploads_under_the_prefix_only() {
     let server = server_with_bucket().await;
     let admin = server.admin_client();
     let mut orphans = Vec::new();
-    for key in ["team/repo/data/orphan-1", "team/repo/data/orphan-2", "team/other/data/not-ours"] {
+    for key in [
+        "team/repo/data/orphan-1",
+        "team/repo/data/orphan-2",
+        "team/other/data/not-ours",
+    ] {
         let created = admin
             .create_multipart_upload()
             .bucket(BUCKET)
@@ -364,18 +459,37 @@ async fn sweep_aborts_old_uploads_under_the_prefix_only() {
         .await
         .expect("open");
 
-    let young = store.sweep_incomplete_uploads(Duration::from_secs(3600)).await.expect("sweep");
+    let young = store
+        .sweep_incomplete_uploads(Duration::from_secs(3600))
+        .await
+        .expect("sweep");
     assert_eq!(young.found, 2, "{young:?}");
     assert_eq!(young.kept_recent, 2);
     assert!(young.removed.is_empty());
 
-    let swept = store.sweep_incomplete_uploads(Duration::ZERO).await.expect("sweep");
+    let swept = store
+        .sweep_incomplete_uploads(Duration::ZERO)
+        .await
+        .expect("sweep");
     let mut removed = swept.removed.clone();
     removed.sort();
     assert_eq!(removed, ["data/orphan-1", "data/orphan-2"], "{swept:?}");
-    assert!(server.multipart_uploads(BUCKET, "team/repo/").await.expect("uploads").is_empty());
-    let others = server.multipart_uploads(BUCKET, "team/other/").await.expect("uploads");
-    assert_eq!(others.len(), 1, "another prefix's upload is not ours to sweep");
+    assert!(
+        server
+            .multipart_uploads(BUCKET, "team/repo/")
+            .await
+            .expect("uploads")
+            .is_empty()
+    );
+    let others = server
+        .multipart_uploads(BUCKET, "team/other/")
+        .await
+        .expect("uploads");
+    assert_eq!(
+        others.len(),
+        1,
+        "another prefix's upload is not ours to sweep"
+    );
     assert_eq!(orphans.len(), 3);
 }
 
@@ -430,7 +544,11 @@ async fn wrong_credentials_fail_at_once_without_leaking_the_secret() {
         let store = RetryStore::new(counted.clone(), quick_retries());
         let error = store.list("").await.expect_err("refused");
         assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
-        assert_eq!(counted.calls(), 1, "a permanent error is not retried: {error}");
+        assert_eq!(
+            counted.calls(),
+            1,
+            "a permanent error is not retried: {error}"
+        );
         let message = error.to_string();
         assert!(message.contains(BUCKET), "{message}");
         assert!(message.contains(hint), "{message}");
@@ -443,11 +561,16 @@ async fn wrong_credentials_fail_at_once_without_leaking_the_secret() {
 async fn a_stopped_server_gives_transient_errors_and_a_restart_recovers() {
     let mut server = server_with_bucket().await;
     let store = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await;
-    store.put("before", pattern(100, 1), PutMode::Overwrite).await.expect("put");
+    store
+        .put("before", pattern(100, 1), PutMode::Overwrite)
+        .await
+        .expect("put");
     server.stop();
     for result in [
         store.head("before").await.map(drop),
-        store.put("during", pattern(100, 2), PutMode::Overwrite).await,
+        store
+            .put("during", pattern(100, 2), PutMode::Overwrite)
+            .await,
         store.list("").await.map(drop),
     ] {
         let error = result.expect_err("server is down");
@@ -455,14 +578,21 @@ async fn a_stopped_server_gives_transient_errors_and_a_restart_recovers() {
         assert!(error.to_string().contains(&server.endpoint()), "{error}");
     }
     server.restart().await.expect("restart");
-    assert_eq!(store.get("before", None).await.expect("get after restart"), pattern(100, 1));
+    assert_eq!(
+        store.get("before", None).await.expect("get after restart"),
+        pattern(100, 1)
+    );
 }
 
 #[tokio::test]
 async fn retries_ride_out_a_short_outage() {
     let mut server = server_with_bucket().await;
     let backend: DynStore = Arc::new(
-        s3_store(&multipart_options(server.s3_options()), &format!("{BUCKET}/{PREFIX}")).await,
+        s3_store(
+            &multipart_options(server.s3_options()),
+            &format!("{BUCKET}/{PREFIX}"),
+        )
+        .await,
     );
     let counted = CountingStore::new(backend);
     let store = RetryStore::new(
@@ -488,7 +618,11 @@ async fn retries_ride_out_a_short_outage() {
     };
     let (result, ()) = tokio::join!(put, restart);
     result.expect("the put succeeds once the server is back");
-    assert!(counted.calls() >= 2, "at least one retry: {}", counted.calls());
+    assert!(
+        counted.calls() >= 2,
+        "at least one retry: {}",
+        counted.calls()
+    );
     assert_eq!(store.get("data/outage", None).await.expect("get"), data);
     assert_no_pending_uploads(&server, "").await;
 }
@@ -502,7 +636,10 @@ async fn check_location_passes_on_a_working_bucket_and_leaves_nothing() {
     let report = check_location(store.as_ref()).await;
     assert!(report.is_ok(), "{report:?}");
     assert_eq!(report.location, format!("s3://{BUCKET}/{PREFIX}"));
-    assert!(store.list("").await.expect("list").is_empty(), "the probe cleaned up");
+    assert!(
+        store.list("").await.expect("list").is_empty(),
+        "the probe cleaned up"
+    );
 }
 
 #[tokio::test]
@@ -515,7 +652,11 @@ async fn check_location_reports_a_permanent_write_failure_for_a_missing_bucket()
     let (step, failure) = report.first_failure().expect("a failure");
     assert_eq!(step, ProbeStepKind::Write);
     assert_eq!(failure.kind, ProbeFailureKind::Permanent);
-    assert!(failure.message.contains("missing-bucket"), "{}", failure.message);
+    assert!(
+        failure.message.contains("missing-bucket"),
+        "{}",
+        failure.message
+    );
 }
 
 #[tokio::test]
@@ -534,7 +675,11 @@ async fn open_store_stacks_the_caps_on_an_s3_store() {
         let store = store.clone();
         tasks.spawn(async move {
             store
-                .put(&format!("capped/{index}"), pattern(64 * 1024, index), PutMode::Overwrite)
+                .put(
+                    &format!("capped/{index}"),
+                    pattern(64 * 1024, index),
+                    PutMode::Overwrite,
+                )
                 .await
         });
     }

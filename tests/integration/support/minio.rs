@@ -87,8 +87,12 @@ impl MinioServer {
     pub async fn start() -> anyhow::Result<Self> {
         let mut server = MinioServer {
             binary: minio_binary()?,
-            data_dir: tempfile::Builder::new().prefix("haulage-minio-data").tempdir()?,
-            log_dir: tempfile::Builder::new().prefix("haulage-minio-log").tempdir()?,
+            data_dir: tempfile::Builder::new()
+                .prefix("haulage-minio-data")
+                .tempdir()?,
+            log_dir: tempfile::Builder::new()
+                .prefix("haulage-minio-log")
+                .tempdir()?,
             port: free_port()?,
             child: None,
             starts: 0,
@@ -99,7 +103,10 @@ impl MinioServer {
 
     async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
         self.starts += 1;
-        let log_path = self.log_dir.path().join(format!("minio-{}.log", self.starts));
+        let log_path = self
+            .log_dir
+            .path()
+            .join(format!("minio-{}.log", self.starts));
         let log = File::create(&log_path)?;
         let child = Command::new(&self.binary)
             .arg("server")
@@ -252,7 +259,11 @@ impl MinioServer {
     /// Every incomplete multipart upload in `bucket` whose key starts with
     /// `prefix`, as (key, upload id). Lists the whole bucket and filters here,
     /// because MinIO's prefixed listing only matches exact keys.
-    pub async fn multipart_uploads(&self, bucket: &str, prefix: &str) -> anyhow::Result<Vec<(String, String)>> {
+    pub async fn multipart_uploads(
+        &self,
+        bucket: &str,
+        prefix: &str,
+    ) -> anyhow::Result<Vec<(String, String)>> {
         let output = self
             .admin_client()
             .list_multipart_uploads()

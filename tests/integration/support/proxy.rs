@@ -41,11 +41,17 @@ struct Control {
 
 impl Control {
     fn fault(&self) -> Fault {
-        *self.fault.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        *self
+            .fault
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn set_fault(&self, fault: Fault) {
-        *self.fault.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = fault;
+        *self
+            .fault
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = fault;
     }
 
     fn connection_token(&self) -> CancellationToken {
@@ -194,7 +200,9 @@ async fn pump_upload(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, control: &
             let allowed = match control.fault() {
                 Fault::None => pending.len(),
                 Fault::CutAt { at } | Fault::StallAt { at } => {
-                    usize::try_from(at.saturating_sub(uploaded)).unwrap_or(usize::MAX).min(pending.len())
+                    usize::try_from(at.saturating_sub(uploaded))
+                        .unwrap_or(usize::MAX)
+                        .min(pending.len())
                 }
             };
             if allowed > 0 {
