@@ -17,7 +17,7 @@ use crate::engine::progress::Progress;
 use crate::engine::restore::{RestoreOptions, restore};
 use crate::engine::verify::verify;
 use crate::engine::{EngineError, Repository};
-use crate::store::open_store;
+use crate::store::{StoreOptions, open_store};
 
 /// Arguments of `haulage demo`.
 #[derive(Debug, Args)]
@@ -54,7 +54,7 @@ pub async fn run(args: DemoArgs, cancel: CancellationToken) -> anyhow::Result<Ou
         println!("1. reusing the sample tree in {}", source.display());
     }
     let url = format!("file://{}", repo_dir.display());
-    let store = open_store(&url)?;
+    let store = open_store(&url, &StoreOptions::default()).await?;
     let repository = match Repository::open(store.clone()).await {
         Ok(repository) => repository,
         Err(EngineError::NotARepository { .. }) => {

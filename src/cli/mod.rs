@@ -22,7 +22,7 @@ use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::{EngineError, Repository};
-use crate::store::open_store;
+use crate::store::{StoreOptions, open_store};
 
 /// Move the data of Kubernetes PersistentVolumeClaims between clusters, or
 /// any directory into a deduplicated, compressed repository and back.
@@ -57,21 +57,25 @@ pub enum Command {
 /// The repository a verb works on.
 #[derive(Debug, Clone, Args)]
 pub struct RepoArgs {
-    /// Repository URL: file:///path or a plain directory path.
+    /// Repository URL: s3://bucket/prefix, file:///path or a plain directory path.
     #[arg(long = "repo", env = "HAULAGE_REPO", value_name = "URL")]
     pub url: String,
 }
 
 impl RepoArgs {
     async fn open(&self) -> Result<Repository, EngineError> {
-        Repository::open(self.store()?).await
+        Repository::open(self.store().await?).await
     }
 
-    fn store(&self) -> Result<crate::store::DynStore, EngineError> {
-        open_store(&self.url).map_err(|error| EngineError::Target {
-            path: self.url.clone().into(),
-            reason: error.to_string(),
-        })
+    /// The store behind the URL; S3 settings come from the standard
+    /// `AWS_*` variables and credentials chain.
+    async fn store(&self) -> Result<crate::store::DynStore, EngineError> {
+        open_store(&self.url, &StoreOptions::default())
+            .await
+            .map_err(|error| EngineError::Target {
+                path: self.url.clone().into(),
+                reason: error.to_string(),
+            })
     }
 }
 

@@ -18,7 +18,7 @@ pub enum RepoCommand {
 pub async fn run(command: RepoCommand) -> anyhow::Result<Outcome> {
     match command {
         RepoCommand::Init { repo } => {
-            let repository = Repository::init(repo.store()?).await?;
+            let repository = Repository::init(repo.store().await?).await?;
             println!(
                 "created repository {} at {}",
                 repository.config().repository_id,

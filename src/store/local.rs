@@ -5,17 +5,18 @@
 //! [`PutMode::Create`]) into place, and the directory is fsynced. Two
 //! processes writing the same repository therefore never see each other's
 //! half-written objects, and a crash leaves at most a temporary file that
-//! listings ignore.
+//! listings ignore and [`ObjectStore::sweep_incomplete_uploads`] removes.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{ObjectMeta, ObjectStore, PutMode, StoreError, validate_key};
+use super::{ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport, validate_key};
 
 /// Prefix of temporary files; listings skip them.
 const TEMP_PREFIX: &str = ".tmp-";
@@ -151,6 +152,54 @@ fn list_into(root: &Path, dir: &Path, out: &mut Vec<ObjectMeta>) -> io::Result<(
     Ok(())
 }
 
+/// Remove the temporary files of interrupted writes under `dir` that were
+/// last modified at least `older_than` ago.
+fn sweep_temp_files(
+    root: &Path,
+    dir: &Path,
+    older_than: Duration,
+    now: SystemTime,
+    report: &mut SweepReport,
+) -> io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(err) => return Err(err),
+    };
+    for entry in entries {
+        let entry = entry?;
+        let file_type = entry.file_type()?;
+        let path = entry.path();
+        if file_type.is_dir() {
+            sweep_temp_files(root, &path, older_than, now, report)?;
+            continue;
+        }
+        if !file_type.is_file() || !entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+            continue;
+        }
+        report.found += 1;
+        let modified = match entry.metadata() {
+            Ok(meta) => meta.modified()?,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            Err(err) => return Err(err),
+        };
+        // A modification time in the future counts as age zero.
+        let age = now.duration_since(modified).unwrap_or(Duration::ZERO);
+        if age < older_than {
+            report.kept_recent += 1;
+            continue;
+        }
+        match fs::remove_file(&path) {
+            Ok(()) => {}
+            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            Err(err) => return Err(err),
+        }
+        let relative = path.strip_prefix(root).unwrap_or(&path);
+        report.removed.push(relative.to_string_lossy().into_owned());
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl ObjectStore for LocalStore {
     async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
@@ -254,8 +303,79 @@ impl ObjectStore for LocalStore {
         .await
     }
 
+    /// Remove `.tmp-*` files of writes that crashed before their rename,
+    /// when last modified at least `older_than` ago.
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
+        let this = self.clone();
+        blocking(move || {
+            let mut report = SweepReport::default();
+            sweep_temp_files(
+                &this.root,
+                &this.root,
+                older_than,
+                SystemTime::now(),
+                &mut report,
+            )
+            .map_err(|err| this.classify("sweep", "", err))?;
+            Ok(report)
+        })
+        .await
+    }
+
     fn location(&self) -> String {
         let absolute = std::path::absolute(&self.root).unwrap_or_else(|_| self.root.clone());
         format!("file://{}", absolute.display())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn sweep_removes_old_temporary_files_and_keeps_objects() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = LocalStore::new(dir.path());
+        store
+            .put(
+                "data/ab/object",
+                Bytes::from_static(b"kept"),
+                PutMode::Overwrite,
+            )
+            .await
+            .expect("put");
+        let leftover = dir
+            .path()
+            .join("data/ab")
+            .join(format!("{TEMP_PREFIX}0123456789abcdef"));
+        fs::write(&leftover, b"half a pack").expect("write leftover");
+
+        let young = store
+            .sweep_incomplete_uploads(Duration::from_secs(3600))
+            .await
+            .expect("sweep");
+        assert_eq!((young.found, young.kept_recent), (1, 1));
+        assert!(young.removed.is_empty());
+        assert!(leftover.exists());
+
+        let swept = store
+            .sweep_incomplete_uploads(Duration::ZERO)
+            .await
+            .expect("sweep");
+        assert_eq!(
+            swept.removed,
+            [format!("data/ab/{TEMP_PREFIX}0123456789abcdef")]
+        );
+        assert!(!leftover.exists());
+        assert_eq!(
+            store
+                .get("data/ab/object", None)
+                .await
+                .expect("object stays"),
+            Bytes::from_static(b"kept")
+        );
     }
 }

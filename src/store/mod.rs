@@ -8,13 +8,25 @@
 //! [`StoreError`] variants so the engine never looks at a backend's own error
 //! codes.
 //!
-//! Backends: [`local::LocalStore`] (`file://` URLs and plain paths).
+//! Backends: [`local::LocalStore`] (`file://` URLs and plain paths) and
+//! [`s3::S3Store`] (`s3://bucket/prefix`). Wrappers: [`retry::RetryStore`]
+//! (backoff on transient errors), [`limits::ConcurrencyLimitStore`] (a cap on
+//! requests in flight) and [`limits::UploadRateLimitStore`] (an upload
+//! bytes-per-second cap). [`open_store`] assembles them from a URL and
+//! [`StoreOptions`]; [`probe::check_location`] proves a location works.
 
+pub mod limits;
 pub mod local;
+pub mod probe;
+pub mod retry;
+pub mod s3;
 
 use std::fmt;
+use std::num::NonZeroU64;
 use std::ops::Range;
+use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -86,7 +98,7 @@ impl StoreError {
 /// The storage operations a repository needs. Keys are relative,
 /// `/`-separated, and never start with `/` or contain `..` components.
 ///
-/// Contract (checked by the conformance suite in `tests/engine/store_conformance.rs`
+/// Contract (checked by the conformance suite in `tests/integration/store_conformance.rs`
 /// for every backend):
 /// - a `put` is atomic: a reader sees the whole object or nothing, also when
 ///   the writer crashes or is cancelled mid-way;
@@ -110,6 +122,32 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
     /// Where this store points, for messages (`file:///var/backups/repo`).
     /// Never contains credentials.
     fn location(&self) -> String;
+    /// Remove what interrupted writers left behind (S3 multipart uploads,
+    /// local temporary files) that is older than `older_than`.
+    ///
+    /// Age is the only sign of ownership a store has: pick a threshold longer
+    /// than any live upload can take, or a live writer's upload is aborted
+    /// (its `put` then fails and may be retried). The default does nothing,
+    /// for backends whose writes leave nothing behind.
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
+        let _ = older_than;
+        Ok(SweepReport::default())
+    }
+}
+
+/// What [`ObjectStore::sweep_incomplete_uploads`] found and removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SweepReport {
+    /// Incomplete uploads seen under the store's root, of any age.
+    pub found: usize,
+    /// Keys (relative to the store's root) whose stale uploads were removed.
+    pub removed: Vec<String>,
+    /// Incomplete uploads left alone because they are younger than the threshold.
+    pub kept_recent: usize,
 }
 
 /// A shared, type-erased store.
@@ -119,30 +157,142 @@ pub type DynStore = Arc<dyn ObjectStore>;
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
     /// The URL's scheme is not one haulage knows.
-    #[error("unsupported repository URL {url:?}: expected file:///path or a local path{hint}")]
-    UnsupportedScheme { url: String, hint: &'static str },
+    #[error(
+        "unsupported repository URL {url:?}: expected s3://bucket/prefix, file:///path or a local path"
+    )]
+    UnsupportedScheme { url: String },
+    /// The options are out of their allowed range.
+    #[error("invalid storage option {option}: {message}")]
+    InvalidOption {
+        option: &'static str,
+        message: String,
+    },
     /// The backend could not be set up.
     #[error("cannot open repository location {url}: {message}")]
     Setup { url: String, message: String },
 }
 
-/// Open the store a repository URL names: `file:///abs/path`, `file://rel`
-/// or a plain path for a local directory.
-pub fn open_store(url: &str) -> Result<DynStore, OpenStoreError> {
-    if let Some(path) = url.strip_prefix("file://") {
-        return Ok(Arc::new(local::LocalStore::new(path)));
+/// Explicit S3 credentials (from a Kubernetes Secret or a credentials file).
+/// `Debug` never prints the secret.
+#[derive(Clone, PartialEq, Eq)]
+pub struct S3Credentials {
+    /// The access key id.
+    pub access_key_id: String,
+    /// The secret access key.
+    pub secret_access_key: String,
+    /// A session token for temporary credentials.
+    pub session_token: Option<String>,
+}
+
+impl fmt::Debug for S3Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("S3Credentials")
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &"<redacted>")
+            .field(
+                "session_token",
+                &self.session_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
     }
-    if let Some((scheme, _)) = url.split_once("://") {
+}
+
+/// How the S3 backend reaches its server. Every field is optional; `None`
+/// means the standard AWS sources (`AWS_ENDPOINT_URL`, `AWS_REGION`, the
+/// credentials chain) and then the documented default.
+#[derive(Debug, Clone, Default)]
+pub struct S3Options {
+    /// Endpoint URL of an S3-compatible server (`http://10.0.0.5:9000`,
+    /// `https://rgw.example`). `http://` turns TLS off.
+    pub endpoint: Option<String>,
+    /// Signing region; defaults to `us-east-1` when no source names one.
+    pub region: Option<String>,
+    /// Path-style addressing (`endpoint/bucket/key`). Default: on for IP
+    /// address and `localhost` endpoints, off otherwise (virtual-hosted).
+    pub path_style: Option<bool>,
+    /// Explicit credentials; `None` uses the standard credentials chain.
+    pub credentials: Option<S3Credentials>,
+    /// PEM file of extra CA certificates to trust besides the system roots.
+    pub ca_bundle: Option<PathBuf>,
+    /// Objects of at least this many bytes go up as multipart uploads.
+    /// Default [`s3::DEFAULT_MULTIPART_THRESHOLD_BYTES`].
+    pub multipart_threshold_bytes: Option<u64>,
+    /// Size of each multipart part, 5 MiB to 5 GiB. Default
+    /// [`s3::DEFAULT_PART_SIZE_BYTES`].
+    pub part_size_bytes: Option<u64>,
+    /// Parts of one object uploaded at once, 1 to
+    /// [`s3::MAX_PART_PARALLELISM`]. Default [`s3::DEFAULT_PART_PARALLELISM`].
+    pub part_parallelism: Option<usize>,
+    /// Use `If-None-Match: *` for [`PutMode::Create`] (default true). Turn it
+    /// off only for servers that reject the header; the fallback checks with
+    /// HEAD first, which is not safe against a concurrent writer.
+    pub conditional_create: Option<bool>,
+}
+
+/// Everything [`open_store`] needs besides the URL: backend settings and
+/// the wrappers to put around the backend.
+#[derive(Debug, Clone, Default)]
+pub struct StoreOptions {
+    /// Settings used when the URL is `s3://`.
+    pub s3: S3Options,
+    /// Cap on store requests in flight at once ([`limits::ConcurrencyLimitStore`]).
+    /// `None`: no cap beyond what the caller's pipeline allows.
+    pub max_concurrent_requests: Option<usize>,
+    /// Cap on uploaded bytes per second ([`limits::UploadRateLimitStore`]).
+    pub upload_bytes_per_second: Option<NonZeroU64>,
+    /// Retry budget for transient errors ([`retry::RetryStore`]); `None` is
+    /// [`retry::RetryPolicy::default`].
+    pub retry: Option<retry::RetryPolicy>,
+}
+
+/// Open the store a repository URL names, wrapped as `options` say:
+/// `s3://bucket/prefix`, `file:///abs/path`, `file://rel` or a plain path.
+///
+/// The wrappers are stacked retry → upload rate limit → concurrency cap →
+/// backend, so a request waiting out a backoff holds no connection slot, and
+/// a retried upload pays for its bytes again.
+pub async fn open_store(url: &str, options: &StoreOptions) -> Result<DynStore, OpenStoreError> {
+    let backend: DynStore = if let Some(rest) = url.strip_prefix("s3://") {
+        Arc::new(s3::S3Store::open(rest, &options.s3).await?)
+    } else if let Some(path) = url.strip_prefix("file://") {
+        Arc::new(local::LocalStore::new(path))
+    } else if url.contains("://") {
         return Err(OpenStoreError::UnsupportedScheme {
             url: url.to_string(),
-            hint: if scheme == "s3" {
-                " (s3:// locations are not supported by this build yet)"
-            } else {
-                ""
-            },
         });
+    } else {
+        Arc::new(local::LocalStore::new(url))
+    };
+    wrap_store(backend, options)
+}
+
+/// Put the wrappers `options` ask for around `backend` (see [`open_store`]).
+pub fn wrap_store(backend: DynStore, options: &StoreOptions) -> Result<DynStore, OpenStoreError> {
+    let mut store = backend;
+    if let Some(max) = options.max_concurrent_requests {
+        if max == 0 {
+            return Err(OpenStoreError::InvalidOption {
+                option: "max_concurrent_requests",
+                message: "must be at least 1".to_string(),
+            });
+        }
+        store = Arc::new(limits::ConcurrencyLimitStore::new(store, max));
     }
-    Ok(Arc::new(local::LocalStore::new(url)))
+    if let Some(rate) = options.upload_bytes_per_second {
+        store = Arc::new(
+            limits::UploadRateLimitStore::new(store, rate).map_err(|err| {
+                OpenStoreError::InvalidOption {
+                    option: "upload_bytes_per_second",
+                    message: err.to_string(),
+                }
+            })?,
+        );
+    }
+    let policy = options.retry.clone().unwrap_or_default();
+    if policy.max_attempts > 1 {
+        store = Arc::new(retry::RetryStore::new(store, policy));
+    }
+    Ok(store)
 }
 
 /// Check that `key` is a relative, normalised object key, so no backend can

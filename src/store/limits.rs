@@ -1,0 +1,329 @@
+//! Caps that protect the storage behind a backup storage location: a limit
+//! on requests in flight and a limit on uploaded bytes per second, each a
+//! wrapper implementing [`ObjectStore`] so backends carry no throttling code.
+//!
+//! The request cap counts store operations. A multipart `put` is one
+//! operation that the S3 backend spreads over up to its part parallelism of
+//! connections, so the connections open at once stay below
+//! `max_concurrent_requests × part_parallelism`; set the part parallelism to
+//! 1 where each connection counts.
+//!
+//! The upload cap charges a `put`'s bytes before they are sent, in slices no
+//! larger than the limiter's burst, so over any window longer than one burst
+//! the bytes handed to the backend stay at or below the rate. The burst is a
+//! tenth of a second's worth (at least [`MIN_UPLOAD_BURST_BYTES`]), which keeps
+//! the rate smooth instead of letting a queue of objects leave in a lump.
+
+use std::num::{NonZeroU32, NonZeroU64};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use tokio::sync::Semaphore;
+
+use super::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport};
+
+/// Smallest burst of the upload limiter: below this, the per-slice overhead
+/// of the limiter would dominate.
+pub const MIN_UPLOAD_BURST_BYTES: u32 = 64 * 1024;
+
+/// Largest rate the upload limiter accepts (governor counts in `u32` cells).
+pub const MAX_UPLOAD_BYTES_PER_SECOND: u64 = u32::MAX as u64;
+
+/// An [`ObjectStore`] that lets at most a fixed number of operations of
+/// another run at once; the rest wait in FIFO order.
+#[derive(Debug)]
+pub struct ConcurrencyLimitStore {
+    inner: DynStore,
+    permits: Arc<Semaphore>,
+    max: usize,
+}
+
+impl ConcurrencyLimitStore {
+    /// Wrap `inner`, allowing `max` operations at once (at least one).
+    pub fn new(inner: DynStore, max: usize) -> Self {
+        let max = max.max(1);
+        ConcurrencyLimitStore {
+            inner,
+            permits: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// The cap this wrapper enforces.
+    pub fn max_concurrent_requests(&self) -> usize {
+        self.max
+    }
+
+    async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
+        // The semaphore is never closed, so acquiring cannot fail.
+        match self.permits.acquire().await {
+            Ok(permit) => permit,
+            Err(_) => unreachable!("the request semaphore is never closed"),
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectStore for ConcurrencyLimitStore {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        let _permit = self.permit().await;
+        self.inner.put(key, data, mode).await
+    }
+
+    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
+        let _permit = self.permit().await;
+        self.inner.get(key, range).await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        let _permit = self.permit().await;
+        self.inner.head(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        let _permit = self.permit().await;
+        self.inner.list(prefix).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let _permit = self.permit().await;
+        self.inner.delete(key).await
+    }
+
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
+        let _permit = self.permit().await;
+        self.inner.sweep_incomplete_uploads(older_than).await
+    }
+}
+
+/// Why an upload rate limit could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum RateLimitError {
+    /// The rate does not fit the limiter.
+    #[error(
+        "upload rate {bytes_per_second} bytes/s is above the supported maximum of {MAX_UPLOAD_BYTES_PER_SECOND} bytes/s"
+    )]
+    TooFast {
+        /// The rate asked for.
+        bytes_per_second: u64,
+    },
+}
+
+/// An [`ObjectStore`] whose uploads (the bytes of `put`) are held to a rate.
+/// Reads, listings and deletes pass through unthrottled.
+pub struct UploadRateLimitStore {
+    inner: DynStore,
+    limiter: DefaultDirectRateLimiter,
+    burst: NonZeroU32,
+    bytes_per_second: NonZeroU64,
+}
+
+impl std::fmt::Debug for UploadRateLimitStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UploadRateLimitStore")
+            .field("inner", &self.inner)
+            .field("bytes_per_second", &self.bytes_per_second)
+            .field("burst", &self.burst)
+            .finish()
+    }
+}
+
+impl UploadRateLimitStore {
+    /// Wrap `inner`, uploading at most `bytes_per_second` on average.
+    pub fn new(inner: DynStore, bytes_per_second: NonZeroU64) -> Result<Self, RateLimitError> {
+        let rate = u32::try_from(bytes_per_second.get()).map_err(|_| RateLimitError::TooFast {
+            bytes_per_second: bytes_per_second.get(),
+        })?;
+        let rate = NonZeroU32::new(rate).unwrap_or(NonZeroU32::MIN);
+        let burst = NonZeroU32::new(
+            (rate.get() / 10)
+                .max(MIN_UPLOAD_BURST_BYTES)
+                .min(rate.get()),
+        )
+        .unwrap_or(NonZeroU32::MIN);
+        let limiter = RateLimiter::direct(Quota::per_second(rate).allow_burst(burst));
+        Ok(UploadRateLimitStore {
+            inner,
+            limiter,
+            burst,
+            bytes_per_second,
+        })
+    }
+
+    /// The rate this wrapper enforces.
+    pub fn bytes_per_second(&self) -> NonZeroU64 {
+        self.bytes_per_second
+    }
+
+    async fn charge(&self, mut bytes: u64) {
+        while bytes > 0 {
+            let slice = bytes.min(u64::from(self.burst.get()));
+            bytes -= slice;
+            let cells = u32::try_from(slice)
+                .ok()
+                .and_then(NonZeroU32::new)
+                .unwrap_or(NonZeroU32::MIN);
+            // `cells` is at most the burst, so capacity is always sufficient.
+            if self.limiter.until_n_ready(cells).await.is_err() {
+                unreachable!("a slice never exceeds the limiter's burst");
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectStore for UploadRateLimitStore {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        self.charge(data.len() as u64).await;
+        self.inner.put(key, data, mode).await
+    }
+
+    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
+        self.inner.get(key, range).await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        self.inner.head(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.inner.list(prefix).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.inner.delete(key).await
+    }
+
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
+        self.inner.sweep_incomplete_uploads(older_than).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::store::local::LocalStore;
+
+    /// Counts how many operations run at once and remembers the peak.
+    #[derive(Debug, Default)]
+    struct PeakStore {
+        running: AtomicUsize,
+        peak: AtomicUsize,
+    }
+
+    impl PeakStore {
+        async fn enter(&self) {
+            let now = self.running.fetch_add(1, Ordering::SeqCst) + 1;
+            self.peak.fetch_max(now, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            self.running.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    #[async_trait]
+    impl ObjectStore for PeakStore {
+        async fn put(&self, _: &str, _: Bytes, _: PutMode) -> Result<(), StoreError> {
+            self.enter().await;
+            Ok(())
+        }
+        async fn get(&self, _: &str, _: Option<Range<u64>>) -> Result<Bytes, StoreError> {
+            self.enter().await;
+            Ok(Bytes::new())
+        }
+        async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+            self.enter().await;
+            Ok(ObjectMeta {
+                key: key.to_string(),
+                size: 0,
+            })
+        }
+        async fn list(&self, _: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+            self.enter().await;
+            Ok(Vec::new())
+        }
+        async fn delete(&self, _: &str) -> Result<(), StoreError> {
+            self.enter().await;
+            Ok(())
+        }
+        fn location(&self) -> String {
+            "test://".to_string()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_more_than_the_cap_run_at_once() {
+        let inner = Arc::new(PeakStore::default());
+        let store = Arc::new(ConcurrencyLimitStore::new(inner.clone(), 3));
+        let mut tasks = tokio::task::JoinSet::new();
+        for index in 0..20 {
+            let store = store.clone();
+            tasks.spawn(async move {
+                match index % 3 {
+                    0 => store.put("k", Bytes::new(), PutMode::Overwrite).await,
+                    1 => store.get("k", None).await.map(drop),
+                    _ => store.head("k").await.map(drop),
+                }
+            });
+        }
+        while let Some(result) = tasks.join_next().await {
+            result.expect("task ran").expect("operation succeeded");
+        }
+        assert_eq!(inner.peak.load(Ordering::SeqCst), 3);
+    }
+
+    #[test]
+    fn a_rate_above_the_limiter_range_is_refused() {
+        let inner: DynStore = Arc::new(LocalStore::new("/nonexistent"));
+        let rate = NonZeroU64::new(MAX_UPLOAD_BYTES_PER_SECOND + 1).expect("non-zero");
+        assert!(matches!(
+            UploadRateLimitStore::new(inner, rate),
+            Err(RateLimitError::TooFast { .. })
+        ));
+    }
+
+    // governor sleeps on the real clock, so this one measures real time. It
+    // checks a lower bound only, which a slow machine cannot break.
+    #[tokio::test]
+    async fn uploads_do_not_exceed_the_rate() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let inner: DynStore = Arc::new(LocalStore::new(dir.path()));
+        let rate = NonZeroU64::new(512 * 1024).expect("non-zero");
+        let store = UploadRateLimitStore::new(inner, rate).expect("rate fits");
+        let started = Instant::now();
+        let object = Bytes::from(vec![7u8; 256 * 1024]);
+        for index in 0..4 {
+            store
+                .put(&format!("o{index}"), object.clone(), PutMode::Overwrite)
+                .await
+                .expect("put");
+        }
+        // 1 MiB at 512 KiB/s with a burst of 64 KiB: at least (1 MiB - 64 KiB) / rate.
+        let floor = Duration::from_secs_f64((1024.0 - 64.0) / 512.0);
+        assert!(
+            started.elapsed() >= floor,
+            "{:?} < {floor:?}",
+            started.elapsed()
+        );
+    }
+}

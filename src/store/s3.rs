@@ -1,0 +1,1131 @@
+//! The `s3://bucket/prefix` backend: any S3-compatible server (AWS, Ceph RGW,
+//! MinIO, …) through `aws-sdk-s3`.
+//!
+//! Keys live under the URL's prefix (`s3://bucket/repo` stores `config` as
+//! `repo/config`). Objects below the multipart threshold go up in one PUT;
+//! larger ones as a multipart upload whose parts are sent a bounded number
+//! at a time. Every multipart upload is completed or aborted: on error the
+//! abort is awaited before `put` returns; when the `put` future is dropped
+//! (cancellation) a guard spawns the abort on the current runtime. An upload
+//! that neither path could abort (the process was killed) is what
+//! [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
+//! under a key before the whole object is: S3 publishes an object only when
+//! its PUT or CompleteMultipartUpload succeeds.
+//!
+//! Errors are classified into [`StoreError`] here and only here: 404 is
+//! `NotFound`, 412 on a create is `AlreadyExists`, throttling (503 SlowDown),
+//! 5xx, timeouts and connection failures are `Transient`, and a refused
+//! request (403, missing bucket, unknown key id, bad signature, wrong region)
+//! is `Permanent` with a message naming the bucket and what to check. The
+//! SDK's own retries are off; [`super::retry::RetryStore`] is the one retry
+//! layer. Messages never carry credentials, and since nothing is presigned
+//! there are no signed URLs to leak.
+
+use std::net::IpAddr;
+use std::ops::Range;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use aws_config::BehaviorVersion;
+use aws_config::meta::region::RegionProviderChain;
+use aws_sdk_s3::Client;
+use aws_sdk_s3::config::http::HttpResponse;
+use aws_sdk_s3::config::retry::RetryConfig;
+use aws_sdk_s3::config::timeout::TimeoutConfig;
+use aws_sdk_s3::config::{
+    Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
+};
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::primitives::{ByteStream, DateTime};
+use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
+use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
+use bytes::Bytes;
+use futures::{StreamExt, TryStreamExt};
+
+use super::{
+    ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Options, StoreError, SweepReport,
+    validate_key,
+};
+
+/// Default size from which objects go up as multipart uploads.
+pub const DEFAULT_MULTIPART_THRESHOLD_BYTES: u64 = 16 * 1024 * 1024;
+/// Default size of one multipart part.
+pub const DEFAULT_PART_SIZE_BYTES: u64 = 8 * 1024 * 1024;
+/// Default number of parts of one object in flight at once.
+pub const DEFAULT_PART_PARALLELISM: usize = 4;
+/// Largest allowed part parallelism: more connections per object only adds
+/// load on a shared server.
+pub const MAX_PART_PARALLELISM: usize = 32;
+/// S3's smallest part (all parts but the last).
+pub const MIN_PART_SIZE_BYTES: u64 = 5 * 1024 * 1024;
+/// S3's largest part.
+pub const MAX_PART_SIZE_BYTES: u64 = 5 * 1024 * 1024 * 1024;
+/// S3's largest number of parts in one upload.
+pub const MAX_PARTS: u64 = 10_000;
+/// Signing region when no option, variable or profile names one; S3-compatible
+/// servers accept it.
+pub const DEFAULT_REGION: &str = "us-east-1";
+/// Time allowed to open a connection.
+pub const CONNECT_TIMEOUT_SECONDS: u64 = 10;
+/// Time allowed from sending a request (its body included) to the response
+/// headers. Generous because a part goes up within it; stalled transfers are
+/// caught sooner by the SDK's stalled-stream protection.
+pub const READ_TIMEOUT_SECONDS: u64 = 300;
+/// Longest server message kept in an error, so status texts stay bounded.
+const MAX_MESSAGE_CHARS: usize = 300;
+/// Attempts at aborting a multipart upload from the drop guard.
+const ABORT_ATTEMPTS: u32 = 3;
+
+/// How objects are uploaded, resolved from [`S3Options`] and validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UploadSettings {
+    /// Objects of at least this size use multipart uploads.
+    pub multipart_threshold_bytes: u64,
+    /// Size of each part but the last.
+    pub part_size_bytes: u64,
+    /// Parts of one object in flight at once.
+    pub part_parallelism: usize,
+    /// Whether [`PutMode::Create`] uses `If-None-Match: *`.
+    pub conditional_create: bool,
+}
+
+impl UploadSettings {
+    /// Resolve and check the upload options.
+    pub fn from_options(options: &S3Options) -> Result<Self, OpenStoreError> {
+        let part_size_bytes = options.part_size_bytes.unwrap_or(DEFAULT_PART_SIZE_BYTES);
+        if !(MIN_PART_SIZE_BYTES..=MAX_PART_SIZE_BYTES).contains(&part_size_bytes) {
+            return Err(OpenStoreError::InvalidOption {
+                option: "part_size_bytes",
+                message: format!(
+                    "{part_size_bytes} is outside S3's part size range of {MIN_PART_SIZE_BYTES}..={MAX_PART_SIZE_BYTES} bytes"
+                ),
+            });
+        }
+        let part_parallelism = options.part_parallelism.unwrap_or(DEFAULT_PART_PARALLELISM);
+        if !(1..=MAX_PART_PARALLELISM).contains(&part_parallelism) {
+            return Err(OpenStoreError::InvalidOption {
+                option: "part_parallelism",
+                message: format!("{part_parallelism} is outside 1..={MAX_PART_PARALLELISM}"),
+            });
+        }
+        let multipart_threshold_bytes = options
+            .multipart_threshold_bytes
+            .unwrap_or(DEFAULT_MULTIPART_THRESHOLD_BYTES)
+            .max(1);
+        Ok(UploadSettings {
+            multipart_threshold_bytes,
+            part_size_bytes,
+            part_parallelism,
+            conditional_create: options.conditional_create.unwrap_or(true),
+        })
+    }
+
+    /// The part size for an object of `size` bytes: the configured one,
+    /// raised if the object would otherwise need more than [`MAX_PARTS`].
+    pub fn part_size_for(&self, size: u64) -> u64 {
+        self.part_size_bytes.max(size.div_ceil(MAX_PARTS))
+    }
+}
+
+/// Bucket and key prefix of an `s3://` URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct S3Location {
+    /// The bucket name.
+    pub bucket: String,
+    /// The key prefix without leading or trailing `/`; empty for the bucket root.
+    pub prefix: String,
+}
+
+impl S3Location {
+    /// Parse what follows `s3://`: `bucket`, `bucket/`, `bucket/some/prefix/`.
+    pub fn parse(rest: &str) -> Result<Self, OpenStoreError> {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        let prefix = prefix.trim_matches('/');
+        let invalid = |message: &str| OpenStoreError::Setup {
+            url: format!("s3://{rest}"),
+            message: message.to_string(),
+        };
+        if bucket.is_empty() {
+            return Err(invalid(
+                "the URL names no bucket (expected s3://bucket/prefix)",
+            ));
+        }
+        if !prefix.is_empty() && !validate_key(prefix) {
+            return Err(invalid(
+                "the prefix must be /-separated names without empty, . or .. components",
+            ));
+        }
+        Ok(S3Location {
+            bucket: bucket.to_string(),
+            prefix: prefix.to_string(),
+        })
+    }
+
+    /// The prefix as keys start with it: `repo/`, or empty.
+    fn key_root(&self) -> String {
+        if self.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.prefix)
+        }
+    }
+}
+
+/// True for endpoints that need path-style addressing by default: IP
+/// addresses and `localhost` have no per-bucket DNS names.
+pub fn endpoint_wants_path_style(endpoint: &str) -> bool {
+    let authority = endpoint
+        .split_once("://")
+        .map_or(endpoint, |(_, rest)| rest)
+        .split(['/', '?'])
+        .next()
+        .unwrap_or("");
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    let host = if let Some(bracketed) = host.strip_prefix('[') {
+        bracketed.split(']').next().unwrap_or("")
+    } else {
+        host.rsplit_once(':').map_or(host, |(host, _)| host)
+    };
+    host.eq_ignore_ascii_case("localhost")
+        || host.to_ascii_lowercase().ends_with(".localhost")
+        || host.parse::<IpAddr>().is_ok()
+}
+
+/// A store in an S3 bucket, under a key prefix.
+#[derive(Debug, Clone)]
+pub struct S3Store {
+    client: Client,
+    location: S3Location,
+    key_root: String,
+    endpoint: Option<String>,
+    region: String,
+    upload: UploadSettings,
+    list_page_size: Option<i32>,
+}
+
+impl S3Store {
+    /// Set up a store for `rest` (what follows `s3://`) with `options`,
+    /// falling back to the standard AWS environment variables, profile and
+    /// credentials chain for what the options leave out. No request is made.
+    pub async fn open(rest: &str, options: &S3Options) -> Result<Self, OpenStoreError> {
+        let location = S3Location::parse(rest)?;
+        let upload = UploadSettings::from_options(options)?;
+        let url = format!("s3://{rest}");
+        let endpoint = options
+            .endpoint
+            .clone()
+            .or_else(|| non_empty_env("AWS_ENDPOINT_URL_S3"))
+            .or_else(|| non_empty_env("AWS_ENDPOINT_URL"));
+        if let Some(endpoint) = &endpoint
+            && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
+        {
+            return Err(OpenStoreError::InvalidOption {
+                option: "endpoint",
+                message: format!("{endpoint:?} must start with http:// or https://"),
+            });
+        }
+        let path_style = options
+            .path_style
+            .unwrap_or_else(|| endpoint.as_deref().is_some_and(endpoint_wants_path_style));
+
+        // Region: option, AWS_REGION / AWS_DEFAULT_REGION, profile, default.
+        // The SDK's default chain would also ask the EC2 metadata service,
+        // which makes no sense for an S3-compatible endpoint.
+        let region = RegionProviderChain::first_try(options.region.clone().map(Region::new))
+            .or_else(aws_config::environment::EnvironmentVariableRegionProvider::new())
+            .or_else(aws_config::profile::ProfileFileRegionProvider::new())
+            .or_else(Region::new(DEFAULT_REGION))
+            .region()
+            .await
+            .unwrap_or_else(|| Region::new(DEFAULT_REGION));
+
+        let mut trust_store = TrustStore::default();
+        if let Some(path) = &options.ca_bundle {
+            let pem = tokio::fs::read(path)
+                .await
+                .map_err(|err| OpenStoreError::Setup {
+                    url: url.clone(),
+                    message: format!("cannot read CA bundle {}: {err}", path.display()),
+                })?;
+            if !pem
+                .windows(27)
+                .any(|window| window == b"-----BEGIN CERTIFICATE-----")
+            {
+                return Err(OpenStoreError::Setup {
+                    url: url.clone(),
+                    message: format!("CA bundle {} holds no PEM certificate", path.display()),
+                });
+            }
+            trust_store = trust_store.with_pem_certificate(pem);
+        }
+        let tls_context = TlsContext::builder()
+            .with_trust_store(trust_store)
+            .build()
+            .map_err(|err| OpenStoreError::Setup {
+                url: url.clone(),
+                message: format!("cannot set up TLS: {err}"),
+            })?;
+        let http_client = aws_smithy_http_client::Builder::new()
+            .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
+            .tls_context(tls_context)
+            .build_https();
+
+        let mut loader = aws_config::defaults(BehaviorVersion::latest())
+            .http_client(http_client)
+            .region(region.clone())
+            .retry_config(RetryConfig::disabled())
+            .timeout_config(
+                TimeoutConfig::builder()
+                    .connect_timeout(Duration::from_secs(CONNECT_TIMEOUT_SECONDS))
+                    .read_timeout(Duration::from_secs(READ_TIMEOUT_SECONDS))
+                    .build(),
+            );
+        if let Some(credentials) = &options.credentials {
+            loader = loader.credentials_provider(Credentials::new(
+                credentials.access_key_id.clone(),
+                credentials.secret_access_key.clone(),
+                credentials.session_token.clone(),
+                None,
+                "haulage-explicit",
+            ));
+        }
+        if let Some(endpoint) = &endpoint {
+            loader = loader.endpoint_url(endpoint.clone());
+        }
+        let sdk_config = loader.load().await;
+        let config = aws_sdk_s3::config::Builder::from(&sdk_config)
+            .force_path_style(path_style)
+            // Checksums only where S3 requires them: newer SDK defaults send
+            // CRC headers that several S3-compatible servers reject, and the
+            // repository verifies every blob's BLAKE3 on read anyway.
+            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
+            .build();
+        Ok(S3Store {
+            client: Client::from_conf(config),
+            key_root: location.key_root(),
+            location,
+            endpoint,
+            region: region.to_string(),
+            upload,
+            list_page_size: None,
+        })
+    }
+
+    /// Ask for listings in pages of at most `keys` (S3's default and maximum
+    /// is 1000). For servers with small page limits and for tests of
+    /// pagination.
+    pub fn with_list_page_size(mut self, keys: i32) -> Self {
+        self.list_page_size = Some(keys.max(1));
+        self
+    }
+
+    /// The bucket and prefix this store writes under.
+    pub fn s3_location(&self) -> &S3Location {
+        &self.location
+    }
+
+    /// The upload settings in force.
+    pub fn upload_settings(&self) -> &UploadSettings {
+        &self.upload
+    }
+
+    fn full_key(&self, operation: &'static str, key: &str) -> Result<String, StoreError> {
+        if !validate_key(key) {
+            return Err(self.permanent(operation, key, "invalid object key".to_string()));
+        }
+        Ok(format!("{}{key}", self.key_root))
+    }
+
+    fn endpoint_text(&self) -> String {
+        match &self.endpoint {
+            Some(endpoint) => format!("endpoint {endpoint}"),
+            None => format!("the AWS endpoint of region {}", self.region),
+        }
+    }
+
+    fn permanent(&self, operation: &'static str, key: &str, message: String) -> StoreError {
+        StoreError::Permanent {
+            location: self.location(),
+            operation,
+            key: key.to_string(),
+            message,
+        }
+    }
+
+    fn transient(&self, operation: &'static str, key: &str, message: String) -> StoreError {
+        StoreError::Transient {
+            location: self.location(),
+            operation,
+            key: key.to_string(),
+            message,
+        }
+    }
+
+    /// Turn an SDK error into a [`StoreError`]; see the module docs.
+    fn classify<E>(
+        &self,
+        operation: &'static str,
+        key: &str,
+        error: SdkError<E, HttpResponse>,
+    ) -> StoreError
+    where
+        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        let bucket = &self.location.bucket;
+        let endpoint = self.endpoint_text();
+        let detail = || error_chain(&error);
+        match &error {
+            SdkError::TimeoutError(_) => {
+                return self.transient(operation, key, "request timed out".to_string());
+            }
+            SdkError::DispatchFailure(failure) if !failure.is_user() => {
+                return self.transient(
+                    operation,
+                    key,
+                    format!("connection to {endpoint} failed: {}", detail()),
+                );
+            }
+            SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
+                let text = detail();
+                let hint = if text.to_ascii_lowercase().contains("credential") {
+                    "no usable credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a credentials file or the location's credentials Secret"
+                } else {
+                    "check the endpoint, region and credentials settings"
+                };
+                return self.permanent(
+                    operation,
+                    key,
+                    format!("request for bucket {bucket} could not be sent ({text}): {hint}"),
+                );
+            }
+            _ => {}
+        }
+        let status = error
+            .raw_response()
+            .map(|response| response.status().as_u16());
+        let code = error.code().unwrap_or("").to_string();
+        let server_message = bounded(error.message().unwrap_or(""));
+        let described = || {
+            if server_message.is_empty() {
+                format!("{code} (HTTP {})", status.unwrap_or(0))
+            } else {
+                format!("{code} (HTTP {}): {server_message}", status.unwrap_or(0))
+            }
+        };
+        let prefix = if self.location.prefix.is_empty() {
+            "the bucket root".to_string()
+        } else {
+            format!("prefix {}", self.location.prefix)
+        };
+        match (status, code.as_str()) {
+            (_, "NoSuchBucket") => self.permanent(
+                operation,
+                key,
+                format!("bucket {bucket} does not exist at {endpoint}: check the bucket name and the endpoint"),
+            ),
+            (_, "InvalidAccessKeyId") => self.permanent(
+                operation,
+                key,
+                format!("{endpoint} does not know the access key id used for bucket {bucket}: check the credentials and that the endpoint is the intended server"),
+            ),
+            (_, "SignatureDoesNotMatch") => self.permanent(
+                operation,
+                key,
+                format!("{endpoint} rejected the request signature for bucket {bucket}: check the secret access key and the region ({})", self.region),
+            ),
+            (_, "RequestTimeTooSkewed") => self.permanent(
+                operation,
+                key,
+                format!("{endpoint} refused requests for bucket {bucket} because this machine's clock is too far from the server's: check the system clock"),
+            ),
+            (_, "ExpiredToken" | "InvalidToken" | "TokenRefreshRequired") => self.permanent(
+                operation,
+                key,
+                format!("{endpoint} rejected the session token for bucket {bucket} ({code}): refresh the credentials"),
+            ),
+            (_, "AuthorizationHeaderMalformed" | "PermanentRedirect" | "IllegalLocationConstraintException")
+            | (Some(301), _) => self.permanent(
+                operation,
+                key,
+                format!("bucket {bucket} is not served by {endpoint} in region {} ({code}): check the region and the endpoint", self.region),
+            ),
+            (_, "NoSuchUpload") => self.transient(
+                operation,
+                key,
+                "the multipart upload was aborted by someone else (a sweep?) before it completed".to_string(),
+            ),
+            (Some(412), _) | (_, "PreconditionFailed") if operation == "put" => StoreError::AlreadyExists {
+                location: self.location(),
+                key: key.to_string(),
+            },
+            (Some(404), _) | (_, "NoSuchKey" | "NotFound") => StoreError::NotFound {
+                location: self.location(),
+                key: key.to_string(),
+            },
+            (Some(416), _) | (_, "InvalidRange") => {
+                self.permanent(operation, key, "the byte range is outside the object".to_string())
+            }
+            (Some(403), _) | (_, "AccessDenied" | "AllAccessDisabled") => self.permanent(
+                operation,
+                key,
+                format!("access to bucket {bucket} at {endpoint} was denied ({code}): check that the credentials may {operation} objects under {prefix}"),
+            ),
+            (_, "SlowDown" | "RequestTimeout" | "InternalError" | "ServiceUnavailable" | "RequestLimitExceeded" | "ConditionalRequestConflict" | "OperationAborted")
+            | (Some(408 | 409 | 429), _)
+            | (Some(500..=599), _)
+            | (None, _) => self.transient(operation, key, described()),
+            _ => self.permanent(operation, key, described()),
+        }
+    }
+
+    async fn put_single(
+        &self,
+        key: &str,
+        full_key: &str,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<(), StoreError> {
+        let mut request = self
+            .client
+            .put_object()
+            .bucket(&self.location.bucket)
+            .key(full_key)
+            .content_length(data.len() as i64)
+            .body(ByteStream::from(data));
+        if mode == PutMode::Create && self.upload.conditional_create {
+            request = request.if_none_match("*");
+        }
+        request
+            .send()
+            .await
+            .map(drop)
+            .map_err(|error| self.classify("put", key, error))
+    }
+
+    async fn put_multipart(
+        &self,
+        key: &str,
+        full_key: &str,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<(), StoreError> {
+        let created = self
+            .client
+            .create_multipart_upload()
+            .bucket(&self.location.bucket)
+            .key(full_key)
+            .send()
+            .await
+            .map_err(|error| self.classify("put", key, error))?;
+        let Some(upload_id) = created.upload_id() else {
+            return Err(self.permanent(
+                "put",
+                key,
+                "the server started a multipart upload without an upload id".to_string(),
+            ));
+        };
+        let guard = AbortGuard::new(
+            self.client.clone(),
+            &self.location.bucket,
+            full_key,
+            upload_id,
+        );
+        match self
+            .upload_parts_and_complete(key, full_key, upload_id, data, mode)
+            .await
+        {
+            Ok(()) => {
+                guard.disarm();
+                Ok(())
+            }
+            Err(error) => {
+                guard.abort_now().await;
+                Err(error)
+            }
+        }
+    }
+
+    async fn upload_parts_and_complete(
+        &self,
+        key: &str,
+        full_key: &str,
+        upload_id: &str,
+        data: Bytes,
+        mode: PutMode,
+    ) -> Result<(), StoreError> {
+        let size = data.len() as u64;
+        let part_size = self.upload.part_size_for(size);
+        let parts = (0..size.div_ceil(part_size)).map(|index| {
+            let start = index * part_size;
+            let end = (start + part_size).min(size);
+            (index as i32 + 1, data.slice(start as usize..end as usize))
+        });
+        let mut completed: Vec<CompletedPart> = futures::stream::iter(parts)
+            .map(|(number, body)| async move {
+                let output = self
+                    .client
+                    .upload_part()
+                    .bucket(&self.location.bucket)
+                    .key(full_key)
+                    .upload_id(upload_id)
+                    .part_number(number)
+                    .content_length(body.len() as i64)
+                    .body(ByteStream::from(body))
+                    .send()
+                    .await
+                    .map_err(|error| self.classify("put", key, error))?;
+                let Some(e_tag) = output.e_tag() else {
+                    return Err(self.permanent(
+                        "put",
+                        key,
+                        format!("the server returned no ETag for part {number}"),
+                    ));
+                };
+                Ok(CompletedPart::builder()
+                    .part_number(number)
+                    .e_tag(e_tag)
+                    .build())
+            })
+            .buffer_unordered(self.upload.part_parallelism)
+            .try_collect()
+            .await?;
+        completed.sort_by_key(|part| part.part_number());
+        let mut request = self
+            .client
+            .complete_multipart_upload()
+            .bucket(&self.location.bucket)
+            .key(full_key)
+            .upload_id(upload_id)
+            .multipart_upload(
+                CompletedMultipartUpload::builder()
+                    .set_parts(Some(completed))
+                    .build(),
+            );
+        if mode == PutMode::Create && self.upload.conditional_create {
+            request = request.if_none_match("*");
+        }
+        request
+            .send()
+            .await
+            .map(drop)
+            .map_err(|error| self.classify("put", key, error))
+    }
+}
+
+/// Aborts a multipart upload unless disarmed: awaited on the error path,
+/// spawned from `Drop` when the `put` future is cancelled.
+struct AbortGuard {
+    client: Client,
+    bucket: String,
+    key: String,
+    upload_id: String,
+    armed: bool,
+}
+
+impl AbortGuard {
+    fn new(client: Client, bucket: &str, key: &str, upload_id: &str) -> Self {
+        AbortGuard {
+            client,
+            bucket: bucket.to_string(),
+            key: key.to_string(),
+            upload_id: upload_id.to_string(),
+            armed: true,
+        }
+    }
+
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+
+    async fn abort_now(mut self) {
+        self.armed = false;
+        abort_upload(
+            self.client.clone(),
+            std::mem::take(&mut self.bucket),
+            std::mem::take(&mut self.key),
+            std::mem::take(&mut self.upload_id),
+        )
+        .await;
+    }
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (bucket, key, upload_id) = (
+            std::mem::take(&mut self.bucket),
+            std::mem::take(&mut self.key),
+            std::mem::take(&mut self.upload_id),
+        );
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(abort_upload(self.client.clone(), bucket, key, upload_id));
+            }
+            Err(_) => tracing::warn!(
+                bucket,
+                key,
+                "multipart upload dropped outside a runtime; left for the sweep"
+            ),
+        }
+    }
+}
+
+/// Abort one multipart upload, retrying briefly: after this only a sweep
+/// removes it. A missing upload counts as aborted.
+async fn abort_upload(client: Client, bucket: String, key: String, upload_id: String) {
+    for attempt in 1..=ABORT_ATTEMPTS {
+        let result = client
+            .abort_multipart_upload()
+            .bucket(&bucket)
+            .key(&key)
+            .upload_id(&upload_id)
+            .send()
+            .await;
+        match result {
+            Ok(_) => {
+                tracing::debug!(bucket, key, "multipart upload aborted");
+                return;
+            }
+            Err(error) if error.code() == Some("NoSuchUpload") => return,
+            Err(error) => {
+                tracing::warn!(
+                    bucket,
+                    key,
+                    attempt,
+                    error = %error_chain(&error),
+                    "cannot abort multipart upload"
+                );
+                if attempt < ABORT_ATTEMPTS {
+                    tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt))).await;
+                }
+            }
+        }
+    }
+}
+
+fn non_empty_env(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|value| !value.is_empty())
+}
+
+/// Cut `text` to [`MAX_MESSAGE_CHARS`] characters.
+fn bounded(text: &str) -> String {
+    if text.chars().count() <= MAX_MESSAGE_CHARS {
+        return text.to_string();
+    }
+    let mut cut: String = text.chars().take(MAX_MESSAGE_CHARS).collect();
+    cut.push('…');
+    cut
+}
+
+/// The error and its sources, `: `-joined, bounded: the Display texts only
+/// (the SDK's Debug forms repeat everything and can carry request details).
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    bounded(&text)
+}
+
+/// `bytes first-last/total` → total.
+fn total_from_content_range(content_range: &str) -> Option<u64> {
+    content_range.rsplit_once('/')?.1.trim().parse().ok()
+}
+
+#[async_trait]
+impl ObjectStore for S3Store {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        let full_key = self.full_key("put", key)?;
+        if mode == PutMode::Create && !self.upload.conditional_create {
+            // Fallback for servers without conditional writes: not atomic, a
+            // writer racing between the HEAD and the PUT can still win.
+            match self.head(key).await {
+                Ok(_) => {
+                    return Err(StoreError::AlreadyExists {
+                        location: self.location(),
+                        key: key.to_string(),
+                    });
+                }
+                Err(StoreError::NotFound { .. }) => {}
+                Err(error) => return Err(error),
+            }
+        }
+        if data.len() as u64 >= self.upload.multipart_threshold_bytes {
+            self.put_multipart(key, &full_key, data, mode).await
+        } else {
+            self.put_single(key, &full_key, data, mode).await
+        }
+    }
+
+    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
+        let full_key = self.full_key("get", key)?;
+        let out_of_range = |size: Option<u64>, range: &Range<u64>| {
+            let size = size.map_or_else(
+                || "an object".to_string(),
+                |size| format!("the object of {size} bytes"),
+            );
+            self.permanent(
+                "get",
+                key,
+                format!(
+                    "byte range {}..{} is outside {size}",
+                    range.start, range.end
+                ),
+            )
+        };
+        if let Some(range) = &range {
+            if range.start > range.end {
+                return Err(out_of_range(None, range));
+            }
+            if range.start == range.end {
+                // S3 cannot express an empty range; check the bounds instead.
+                let size = self.head(key).await?.size;
+                return if range.end <= size {
+                    Ok(Bytes::new())
+                } else {
+                    Err(out_of_range(Some(size), range))
+                };
+            }
+        }
+        let mut request = self
+            .client
+            .get_object()
+            .bucket(&self.location.bucket)
+            .key(&full_key);
+        if let Some(range) = &range {
+            request = request.range(format!("bytes={}-{}", range.start, range.end - 1));
+        }
+        let output = match request.send().await {
+            Ok(output) => output,
+            Err(error) => {
+                let unsatisfiable = error
+                    .raw_response()
+                    .map(|response| response.status().as_u16())
+                    == Some(416)
+                    || error.code() == Some("InvalidRange");
+                return Err(match &range {
+                    Some(range) if unsatisfiable => {
+                        let size = self.head(key).await.ok().map(|meta| meta.size);
+                        out_of_range(size, range)
+                    }
+                    _ => self.classify("get", key, error),
+                });
+            }
+        };
+        let expected_length = output
+            .content_length()
+            .and_then(|length| u64::try_from(length).ok());
+        let total = output.content_range().and_then(total_from_content_range);
+        let ranged_reply = output.content_range().is_some();
+        let body = output
+            .body
+            .collect()
+            .await
+            .map_err(|error| {
+                self.transient(
+                    "get",
+                    key,
+                    format!("reading the response body failed: {}", error_chain(&error)),
+                )
+            })?
+            .into_bytes();
+        if let Some(expected) = expected_length
+            && body.len() as u64 != expected
+        {
+            return Err(self.transient(
+                "get",
+                key,
+                format!(
+                    "the response ended after {} of {expected} bytes",
+                    body.len()
+                ),
+            ));
+        }
+        let Some(range) = range else {
+            return Ok(body);
+        };
+        let wanted = range.end - range.start;
+        if !ranged_reply {
+            // The server ignored the Range header and sent the whole object.
+            return if range.end <= body.len() as u64 {
+                Ok(body.slice(range.start as usize..range.end as usize))
+            } else {
+                Err(out_of_range(Some(body.len() as u64), &range))
+            };
+        }
+        if body.len() as u64 != wanted {
+            // S3 shortens a range that runs past the end instead of failing.
+            return Err(out_of_range(total, &range));
+        }
+        Ok(body)
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        let full_key = self.full_key("head", key)?;
+        let output = self
+            .client
+            .head_object()
+            .bucket(&self.location.bucket)
+            .key(&full_key)
+            .send()
+            .await
+            .map_err(|error| self.classify("head", key, error))?;
+        let size = output
+            .content_length()
+            .and_then(|length| u64::try_from(length).ok())
+            .ok_or_else(|| {
+                self.transient(
+                    "head",
+                    key,
+                    "the response carried no object size".to_string(),
+                )
+            })?;
+        Ok(ObjectMeta {
+            key: key.to_string(),
+            size,
+        })
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        let full_prefix = format!("{}{prefix}", self.key_root);
+        let mut objects = Vec::new();
+        let mut continuation = None;
+        loop {
+            let output = self
+                .client
+                .list_objects_v2()
+                .bucket(&self.location.bucket)
+                .prefix(&full_prefix)
+                .set_max_keys(self.list_page_size)
+                .set_continuation_token(continuation.take())
+                .send()
+                .await
+                .map_err(|error| self.classify("list", prefix, error))?;
+            for object in output.contents() {
+                let Some(relative) = object
+                    .key()
+                    .and_then(|key| key.strip_prefix(&self.key_root))
+                else {
+                    continue;
+                };
+                // Zero-byte "directory" markers some tools create are not objects.
+                if relative.is_empty() || relative.ends_with('/') {
+                    continue;
+                }
+                objects.push(ObjectMeta {
+                    key: relative.to_string(),
+                    size: object
+                        .size()
+                        .and_then(|size| u64::try_from(size).ok())
+                        .unwrap_or(0),
+                });
+            }
+            if output.is_truncated() != Some(true) {
+                return Ok(objects);
+            }
+            match output.next_continuation_token() {
+                Some(token) => continuation = Some(token.to_string()),
+                None => {
+                    return Err(self.transient(
+                        "list",
+                        prefix,
+                        "the server said the listing is truncated but gave no continuation token"
+                            .to_string(),
+                    ));
+                }
+            }
+        }
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let full_key = self.full_key("delete", key)?;
+        match self
+            .client
+            .delete_object()
+            .bucket(&self.location.bucket)
+            .key(&full_key)
+            .send()
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(error) => match self.classify("delete", key, error) {
+                StoreError::NotFound { .. } => Ok(()),
+                other => Err(other),
+            },
+        }
+    }
+
+    fn location(&self) -> String {
+        if self.location.prefix.is_empty() {
+            format!("s3://{}", self.location.bucket)
+        } else {
+            format!("s3://{}/{}", self.location.bucket, self.location.prefix)
+        }
+    }
+
+    /// Abort the multipart uploads under the prefix that were initiated at
+    /// least `older_than` ago (by the server's clock as it reports
+    /// `Initiated`, compared with this machine's).
+    ///
+    /// The listing asks for every upload in the bucket and filters by prefix
+    /// here: MinIO answers a prefixed ListMultipartUploads only when the
+    /// prefix is exactly one object's key (minio/minio#20989), so a
+    /// server-side prefix would silently find nothing to sweep.
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
+        let now = DateTime::from(SystemTime::now());
+        let threshold_seconds = i64::try_from(older_than.as_secs()).unwrap_or(i64::MAX);
+        let mut report = SweepReport::default();
+        let mut key_marker = None;
+        let mut upload_id_marker = None;
+        loop {
+            let output = self
+                .client
+                .list_multipart_uploads()
+                .bucket(&self.location.bucket)
+                .set_key_marker(key_marker.take())
+                .set_upload_id_marker(upload_id_marker.take())
+                .send()
+                .await
+                .map_err(|error| self.classify("sweep", "", error))?;
+            for upload in output.uploads() {
+                let (Some(full_key), Some(upload_id)) = (upload.key(), upload.upload_id()) else {
+                    continue;
+                };
+                let Some(relative) = full_key.strip_prefix(&self.key_root) else {
+                    continue;
+                };
+                report.found += 1;
+                let age_seconds = upload
+                    .initiated()
+                    .map(|initiated| now.secs().saturating_sub(initiated.secs()))
+                    // No start time: treat it as old, the sweep exists for orphans.
+                    .unwrap_or(i64::MAX);
+                if age_seconds < threshold_seconds {
+                    report.kept_recent += 1;
+                    continue;
+                }
+                match self
+                    .client
+                    .abort_multipart_upload()
+                    .bucket(&self.location.bucket)
+                    .key(full_key)
+                    .upload_id(upload_id)
+                    .send()
+                    .await
+                {
+                    Ok(_) => {}
+                    Err(error) if error.code() == Some("NoSuchUpload") => {}
+                    Err(error) => return Err(self.classify("sweep", relative, error)),
+                }
+                tracing::info!(
+                    key = relative,
+                    age_seconds,
+                    "aborted stale multipart upload"
+                );
+                report.removed.push(relative.to_string());
+            }
+            if output.is_truncated() != Some(true) {
+                return Ok(report);
+            }
+            key_marker = output.next_key_marker().map(str::to_string);
+            upload_id_marker = output.next_upload_id_marker().map(str::to_string);
+            if key_marker.is_none() && upload_id_marker.is_none() {
+                return Err(self.transient(
+                    "sweep",
+                    "",
+                    "the server said the upload listing is truncated but gave no marker"
+                        .to_string(),
+                ));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_split_into_bucket_and_prefix() {
+        let parse = |rest| S3Location::parse(rest).expect("valid");
+        assert_eq!(parse("b").prefix, "");
+        assert_eq!(parse("b/").prefix, "");
+        assert_eq!(parse("b/repo").prefix, "repo");
+        assert_eq!(parse("b/team/repo/").prefix, "team/repo");
+        assert_eq!(parse("b/team/repo").bucket, "b");
+        assert_eq!(parse("b/team/repo").key_root(), "team/repo/");
+        assert!(S3Location::parse("").is_err());
+        assert!(S3Location::parse("/repo").is_err());
+        assert!(S3Location::parse("b/a/../c").is_err());
+        assert!(S3Location::parse("b/a//c").is_err());
+    }
+
+    #[test]
+    fn ip_and_localhost_endpoints_use_path_style() {
+        assert!(endpoint_wants_path_style("http://127.0.0.1:9000"));
+        assert!(endpoint_wants_path_style("http://localhost:9000/"));
+        assert!(endpoint_wants_path_style("https://10.1.2.3"));
+        assert!(endpoint_wants_path_style("http://[::1]:9000"));
+        assert!(endpoint_wants_path_style("http://minio.localhost:9000"));
+        assert!(!endpoint_wants_path_style(
+            "https://s3.eu-west-1.amazonaws.com"
+        ));
+        assert!(!endpoint_wants_path_style("https://rgw.example.org:8443"));
+    }
+
+    #[test]
+    fn part_size_grows_to_stay_within_the_part_limit() {
+        let settings =
+            UploadSettings::from_options(&S3Options::default()).expect("defaults are valid");
+        assert_eq!(settings.part_size_for(100), DEFAULT_PART_SIZE_BYTES);
+        let huge = DEFAULT_PART_SIZE_BYTES * MAX_PARTS * 3;
+        assert!(huge.div_ceil(settings.part_size_for(huge)) <= MAX_PARTS);
+    }
+
+    #[test]
+    fn out_of_range_upload_options_are_refused() {
+        let small_parts = S3Options {
+            part_size_bytes: Some(1024),
+            ..S3Options::default()
+        };
+        assert!(UploadSettings::from_options(&small_parts).is_err());
+        let no_parallelism = S3Options {
+            part_parallelism: Some(0),
+            ..S3Options::default()
+        };
+        assert!(UploadSettings::from_options(&no_parallelism).is_err());
+    }
+
+    #[test]
+    fn credentials_debug_hides_the_secret() {
+        let credentials = crate::store::S3Credentials {
+            access_key_id: "AKIDEXAMPLE".to_string(),
+            secret_access_key: "very-secret-value".to_string(),
+            session_token: Some("token-value".to_string()),
+        };
+        let printed = format!("{credentials:?}");
+        assert!(!printed.contains("very-secret-value"));
+        assert!(!printed.contains("token-value"));
+    }
+
+    #[test]
+    fn content_range_totals_parse() {
+        assert_eq!(total_from_content_range("bytes 0-9/100"), Some(100));
+        assert_eq!(total_from_content_range("bytes */100"), Some(100));
+        assert_eq!(total_from_content_range("bytes 0-9/*"), None);
+    }
+}

@@ -1,0 +1,694 @@
+//! The S3 backend against a real MinIO server: the conformance suite, then
+//! what only S3 can show — multipart uploads that never leave a partial
+//! object or a pending upload behind (on error, on a dropped connection, on
+//! cancellation), the sweep of orphaned uploads, fast and clear permanent
+//! errors, and transient errors while the server is down.
+//!
+//! Every test starts its own server (a second or two), so tests stay
+//! independent and a stopped server never hurts a neighbour.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use haulage::store::probe::{ProbeFailureKind, ProbeStepKind, check_location};
+use haulage::store::retry::{RetryPolicy, RetryStore};
+use haulage::store::s3::S3Store;
+use haulage::store::{
+    DynStore, ObjectMeta, ObjectStore, PutMode, S3Credentials, S3Options, StoreError, StoreOptions,
+    SweepReport, open_store,
+};
+
+use crate::store_conformance::{check_store, pattern};
+use crate::support::minio::{MinioServer, SECRET_KEY};
+use crate::support::proxy::FaultProxy;
+
+const BUCKET: &str = "haulage-test";
+const PREFIX: &str = "team/repo";
+/// Parts of this size make a 12 MiB object a three-part upload.
+const PART_BYTES: u64 = 5 * 1024 * 1024;
+const MULTIPART_OBJECT_BYTES: usize = 12 * 1024 * 1024;
+/// How long a spawned abort may take to show on the server.
+const ABORT_DEADLINE: Duration = Duration::from_secs(20);
+
+async fn server_with_bucket() -> MinioServer {
+    let server = MinioServer::start().await.expect("start minio");
+    server.create_bucket(BUCKET).await.expect("create bucket");
+    server
+}
+
+/// Options that send objects of at least 5 MiB as 5 MiB parts, two at a time.
+fn multipart_options(mut options: S3Options) -> S3Options {
+    options.multipart_threshold_bytes = Some(PART_BYTES);
+    options.part_size_bytes = Some(PART_BYTES);
+    options.part_parallelism = Some(2);
+    options
+}
+
+async fn s3_store(options: &S3Options, location: &str) -> S3Store {
+    S3Store::open(location, options)
+        .await
+        .expect("open s3 store")
+}
+
+fn upstream(server: &MinioServer) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], server.port()))
+}
+
+/// Wait (bounded) until no multipart upload is pending under `prefix`.
+async fn assert_no_pending_uploads(server: &MinioServer, prefix: &str) {
+    let deadline = Instant::now() + ABORT_DEADLINE;
+    loop {
+        let pending = server
+            .multipart_uploads(BUCKET, prefix)
+            .await
+            .expect("list uploads");
+        if pending.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "uploads still pending after {ABORT_DEADLINE:?}: {pending:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Counts the calls that reach the wrapped store, to prove what a retry
+/// layer above it did.
+#[derive(Debug)]
+struct CountingStore {
+    inner: DynStore,
+    calls: AtomicU32,
+}
+
+impl CountingStore {
+    fn new(inner: DynStore) -> Arc<Self> {
+        Arc::new(CountingStore {
+            inner,
+            calls: AtomicU32::new(0),
+        })
+    }
+
+    fn calls(&self) -> u32 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn count(&self) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[async_trait]
+impl ObjectStore for CountingStore {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        self.count();
+        self.inner.put(key, data, mode).await
+    }
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, StoreError> {
+        self.count();
+        self.inner.get(key, range).await
+    }
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        self.count();
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.count();
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.count();
+        self.inner.delete(key).await
+    }
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+    async fn sweep_incomplete_uploads(
+        &self,
+        older_than: Duration,
+    ) -> Result<SweepReport, StoreError> {
+        self.count();
+        self.inner.sweep_incomplete_uploads(older_than).await
+    }
+}
+
+fn quick_retries() -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: 5,
+        initial_backoff: Duration::from_millis(100),
+        max_backoff: Duration::from_secs(1),
+        max_elapsed: Duration::from_secs(10),
+    }
+}
+
+#[tokio::test]
+async fn s3_store_under_a_prefix_passes_the_conformance_suite() {
+    let server = server_with_bucket().await;
+    let store = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await;
+    check_store(Arc::new(store)).await;
+    // Everything the suite wrote stayed under the prefix.
+    let all = server
+        .admin_client()
+        .list_objects_v2()
+        .bucket(BUCKET)
+        .send()
+        .await
+        .expect("list bucket");
+    for object in all.contents() {
+        let key = object.key().unwrap_or_default();
+        assert!(key.starts_with("team/repo/"), "{key} escaped the prefix");
+    }
+}
+
+#[tokio::test]
+async fn s3_store_at_the_bucket_root_passes_the_conformance_suite() {
+    let server = server_with_bucket().await;
+    let store = open_store(&format!("s3://{BUCKET}"), &server.store_options())
+        .await
+        .expect("open");
+    assert_eq!(store.location(), format!("s3://{BUCKET}"));
+    check_store(store).await;
+}
+
+#[tokio::test]
+async fn s3_store_sending_every_object_as_multipart_passes_the_conformance_suite() {
+    let server = server_with_bucket().await;
+    let mut options = server.s3_options();
+    // Every non-empty object becomes a (single-part) multipart upload, so the
+    // suite's creates go through CompleteMultipartUpload with If-None-Match.
+    options.multipart_threshold_bytes = Some(1);
+    let store = s3_store(&options, &format!("{BUCKET}/{PREFIX}")).await;
+    check_store(Arc::new(store)).await;
+    assert_no_pending_uploads(&server, "").await;
+}
+
+#[tokio::test]
+async fn s3_store_with_the_fallback_create_passes_the_conformance_suite() {
+    let server = server_with_bucket().await;
+    let mut options = server.s3_options();
+    options.conditional_create = Some(false);
+    let store = s3_store(&options, &format!("{BUCKET}/fallback")).await;
+    check_store(Arc::new(store)).await;
+}
+
+#[tokio::test]
+async fn large_objects_go_up_in_parts_and_read_back_across_part_boundaries() {
+    let server = server_with_bucket().await;
+    let store = s3_store(
+        &multipart_options(server.s3_options()),
+        &format!("{BUCKET}/{PREFIX}"),
+    )
+    .await;
+    let data = pattern(MULTIPART_OBJECT_BYTES, 11);
+    store
+        .put("data/big", data.clone(), PutMode::Overwrite)
+        .await
+        .expect("multipart put");
+    assert_eq!(store.get("data/big", None).await.expect("get"), data);
+    let boundary = PART_BYTES;
+    let across = boundary - 100..boundary + 100;
+    assert_eq!(
+        store
+            .get("data/big", Some(across.clone()))
+            .await
+            .expect("ranged get"),
+        data.slice(across.start as usize..across.end as usize)
+    );
+    // MinIO reports multipart ETags as "<md5>-<parts>".
+    let head = server
+        .admin_client()
+        .head_object()
+        .bucket(BUCKET)
+        .key("team/repo/data/big")
+        .send()
+        .await
+        .expect("head");
+    assert!(
+        head.e_tag().unwrap_or_default().ends_with("-3\""),
+        "{:?}",
+        head.e_tag()
+    );
+    // Create over an existing multipart object is refused at completion.
+    let error = store
+        .put(
+            "data/big",
+            pattern(MULTIPART_OBJECT_BYTES, 12),
+            PutMode::Create,
+        )
+        .await
+        .expect_err("create over existing");
+    assert!(matches!(error, StoreError::AlreadyExists { .. }), "{error}");
+    assert_eq!(
+        store.get("data/big", None).await.expect("get"),
+        data,
+        "the original stays"
+    );
+    assert_no_pending_uploads(&server, "").await;
+}
+
+#[tokio::test]
+async fn listings_follow_continuation_tokens() {
+    let server = server_with_bucket().await;
+    let store = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}"))
+        .await
+        .with_list_page_size(7);
+    for index in 0..25 {
+        store
+            .put(
+                &format!("index/{index:03}"),
+                pattern(index + 1, index as u64),
+                PutMode::Overwrite,
+            )
+            .await
+            .expect("put");
+    }
+    let mut listed = store.list("index/").await.expect("list");
+    listed.sort_by(|a, b| a.key.cmp(&b.key));
+    assert_eq!(listed.len(), 25);
+    for (index, meta) in listed.iter().enumerate() {
+        assert_eq!(meta.key, format!("index/{index:03}"));
+        assert_eq!(meta.size, index as u64 + 1);
+    }
+}
+
+#[tokio::test]
+async fn a_connection_cut_mid_multipart_upload_leaves_no_object_and_no_pending_upload() {
+    let server = server_with_bucket().await;
+    let proxy = FaultProxy::start(upstream(&server)).await.expect("proxy");
+    let store = s3_store(
+        &multipart_options(server.s3_options_via(&proxy.endpoint())),
+        &format!("{BUCKET}/{PREFIX}"),
+    )
+    .await;
+    proxy.cut_upload_after(7 * 1024 * 1024);
+    let error = store
+        .put(
+            "data/cut",
+            pattern(MULTIPART_OBJECT_BYTES, 21),
+            PutMode::Overwrite,
+        )
+        .await
+        .expect_err("the cut fails the put");
+    assert_eq!(proxy.cuts(), 1, "the proxy cut one connection");
+    assert!(
+        error.is_transient(),
+        "a dropped connection is transient: {error}"
+    );
+    let missing = store.head("data/cut").await.expect_err("no object");
+    assert!(missing.is_not_found(), "{missing}");
+    assert!(store.list("").await.expect("list").is_empty());
+    // The failed put awaited its abort before returning.
+    assert!(
+        server
+            .multipart_uploads(BUCKET, "")
+            .await
+            .expect("uploads")
+            .is_empty()
+    );
+}
+
+#[tokio::test]
+async fn a_connection_cut_mid_single_put_leaves_no_object() {
+    let server = server_with_bucket().await;
+    let proxy = FaultProxy::start(upstream(&server)).await.expect("proxy");
+    let store = s3_store(
+        &server.s3_options_via(&proxy.endpoint()),
+        &format!("{BUCKET}/{PREFIX}"),
+    )
+    .await;
+    proxy.cut_upload_after(300 * 1024);
+    let error = store
+        .put("data/single", pattern(1024 * 1024, 22), PutMode::Overwrite)
+        .await
+        .expect_err("the cut fails the put");
+    assert!(error.is_transient(), "{error}");
+    assert!(
+        store
+            .head("data/single")
+            .await
+            .expect_err("no object")
+            .is_not_found()
+    );
+}
+
+#[tokio::test]
+async fn retries_carry_a_put_through_dropped_connections_and_the_object_is_intact() {
+    let server = server_with_bucket().await;
+    let proxy = FaultProxy::start(upstream(&server)).await.expect("proxy");
+    let backend: DynStore = Arc::new(
+        s3_store(
+            &multipart_options(server.s3_options_via(&proxy.endpoint())),
+            &format!("{BUCKET}/{PREFIX}"),
+        )
+        .await,
+    );
+    let counted = CountingStore::new(backend);
+    let store = RetryStore::new(counted.clone(), quick_retries());
+    let data = pattern(MULTIPART_OBJECT_BYTES, 23);
+    proxy.cut_upload_after(6 * 1024 * 1024);
+    store
+        .put("data/retried", data.clone(), PutMode::Overwrite)
+        .await
+        .expect("put succeeds on retry");
+    assert_eq!(proxy.cuts(), 1);
+    assert_eq!(counted.calls(), 2, "one failed attempt, one good one");
+    assert_eq!(store.get("data/retried", None).await.expect("get"), data);
+    assert_no_pending_uploads(&server, "").await;
+}
+
+#[tokio::test]
+async fn dropping_a_put_mid_multipart_aborts_its_upload() {
+    let server = server_with_bucket().await;
+    let proxy = FaultProxy::start(upstream(&server)).await.expect("proxy");
+    let store = Arc::new(
+        s3_store(
+            &multipart_options(server.s3_options_via(&proxy.endpoint())),
+            &format!("{BUCKET}/{PREFIX}"),
+        )
+        .await,
+    );
+    // Let the upload start and a few MiB through, then hold the rest.
+    proxy.stall_upload_after(3 * 1024 * 1024);
+    let put = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .put(
+                    "data/cancelled",
+                    pattern(MULTIPART_OBJECT_BYTES, 24),
+                    PutMode::Overwrite,
+                )
+                .await
+        }
+    });
+    let deadline = Instant::now() + ABORT_DEADLINE;
+    while server
+        .multipart_uploads(BUCKET, "")
+        .await
+        .expect("uploads")
+        .is_empty()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the multipart upload never started"
+        );
+        assert!(
+            !put.is_finished(),
+            "the put finished while the proxy stalled it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    put.abort();
+    let joined = put.await;
+    assert!(
+        joined.is_err_and(|error| error.is_cancelled()),
+        "the put was cancelled mid-way"
+    );
+    // Stalled connections go; the abort the guard spawned gets through.
+    proxy.resume();
+    proxy.drop_all_connections();
+    assert_no_pending_uploads(&server, "").await;
+    assert!(
+        store
+            .head("data/cancelled")
+            .await
+            .expect_err("no object")
+            .is_not_found()
+    );
+}
+
+#[tokio::test]
+async fn sweep_aborts_old_uploads_under_the_prefix_only() {
+    let server = server_with_bucket().await;
+    let admin = server.admin_client();
+    let mut orphans = Vec::new();
+    for key in [
+        "team/repo/data/orphan-1",
+        "team/repo/data/orphan-2",
+        "team/other/data/not-ours",
+    ] {
+        let created = admin
+            .create_multipart_upload()
+            .bucket(BUCKET)
+            .key(key)
+            .send()
+            .await
+            .expect("create upload");
+        let upload_id = created.upload_id().expect("upload id").to_string();
+        admin
+            .upload_part()
+            .bucket(BUCKET)
+            .key(key)
+            .upload_id(&upload_id)
+            .part_number(1)
+            .body(pattern(1024, 1).into())
+            .send()
+            .await
+            .expect("upload part");
+        orphans.push(key);
+    }
+    let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &server.store_options())
+        .await
+        .expect("open");
+
+    let young = store
+        .sweep_incomplete_uploads(Duration::from_secs(3600))
+        .await
+        .expect("sweep");
+    assert_eq!(young.found, 2, "{young:?}");
+    assert_eq!(young.kept_recent, 2);
+    assert!(young.removed.is_empty());
+
+    let swept = store
+        .sweep_incomplete_uploads(Duration::ZERO)
+        .await
+        .expect("sweep");
+    let mut removed = swept.removed.clone();
+    removed.sort();
+    assert_eq!(removed, ["data/orphan-1", "data/orphan-2"], "{swept:?}");
+    assert!(
+        server
+            .multipart_uploads(BUCKET, "team/repo/")
+            .await
+            .expect("uploads")
+            .is_empty()
+    );
+    let others = server
+        .multipart_uploads(BUCKET, "team/other/")
+        .await
+        .expect("uploads");
+    assert_eq!(
+        others.len(),
+        1,
+        "another prefix's upload is not ours to sweep"
+    );
+    assert_eq!(orphans.len(), 3);
+}
+
+#[tokio::test]
+async fn a_missing_bucket_fails_at_once_with_a_message_naming_it() {
+    let server = server_with_bucket().await;
+    let backend: DynStore = Arc::new(s3_store(&server.s3_options(), "no-such-bucket/repo").await);
+    let counted = CountingStore::new(backend);
+    let store = RetryStore::new(counted.clone(), quick_retries());
+    let started = Instant::now();
+    let error = store
+        .put("config", Bytes::from_static(b"x"), PutMode::Create)
+        .await
+        .expect_err("no bucket");
+    assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+    assert_eq!(counted.calls(), 1, "a permanent error is not retried");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let message = error.to_string();
+    assert!(message.contains("no-such-bucket"), "{message}");
+    assert!(message.contains("check the bucket name"), "{message}");
+    assert!(message.contains(&server.endpoint()), "{message}");
+    assert!(!message.contains(SECRET_KEY), "{message}");
+}
+
+#[tokio::test]
+async fn wrong_credentials_fail_at_once_without_leaking_the_secret() {
+    let server = server_with_bucket().await;
+    let wrong_secret = "definitely-not-the-secret-42";
+    let cases = [
+        (
+            S3Credentials {
+                access_key_id: "haulage-test".to_string(),
+                secret_access_key: wrong_secret.to_string(),
+                session_token: None,
+            },
+            "secret access key",
+        ),
+        (
+            S3Credentials {
+                access_key_id: "unknown-key-id".to_string(),
+                secret_access_key: wrong_secret.to_string(),
+                session_token: None,
+            },
+            "check the credentials",
+        ),
+    ];
+    for (credentials, hint) in cases {
+        let mut options = server.s3_options();
+        options.credentials = Some(credentials);
+        let backend: DynStore = Arc::new(s3_store(&options, &format!("{BUCKET}/{PREFIX}")).await);
+        let counted = CountingStore::new(backend);
+        let store = RetryStore::new(counted.clone(), quick_retries());
+        let error = store.list("").await.expect_err("refused");
+        assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+        assert_eq!(
+            counted.calls(),
+            1,
+            "a permanent error is not retried: {error}"
+        );
+        let message = error.to_string();
+        assert!(message.contains(BUCKET), "{message}");
+        assert!(message.contains(hint), "{message}");
+        assert!(!message.contains(wrong_secret), "{message}");
+        assert!(!message.contains(SECRET_KEY), "{message}");
+    }
+}
+
+#[tokio::test]
+async fn a_stopped_server_gives_transient_errors_and_a_restart_recovers() {
+    let mut server = server_with_bucket().await;
+    let store = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await;
+    store
+        .put("before", pattern(100, 1), PutMode::Overwrite)
+        .await
+        .expect("put");
+    server.stop();
+    for result in [
+        store.head("before").await.map(drop),
+        store
+            .put("during", pattern(100, 2), PutMode::Overwrite)
+            .await,
+        store.list("").await.map(drop),
+    ] {
+        let error = result.expect_err("server is down");
+        assert!(error.is_transient(), "{error}");
+        assert!(error.to_string().contains(&server.endpoint()), "{error}");
+    }
+    server.restart().await.expect("restart");
+    // A server that has just come back may still answer 503 for a moment
+    // (MinIO reports ready before every subsystem is); that is what the
+    // retry budget is for.
+    let store = RetryStore::new(Arc::new(store), quick_retries());
+    assert_eq!(
+        store.get("before", None).await.expect("get after restart"),
+        pattern(100, 1)
+    );
+}
+
+#[tokio::test]
+async fn retries_ride_out_a_short_outage() {
+    let mut server = server_with_bucket().await;
+    let backend: DynStore = Arc::new(
+        s3_store(
+            &multipart_options(server.s3_options()),
+            &format!("{BUCKET}/{PREFIX}"),
+        )
+        .await,
+    );
+    let counted = CountingStore::new(backend);
+    let store = RetryStore::new(
+        counted.clone(),
+        RetryPolicy {
+            max_attempts: 30,
+            initial_backoff: Duration::from_millis(200),
+            max_backoff: Duration::from_secs(1),
+            max_elapsed: Duration::from_secs(60),
+        },
+    );
+    server.stop();
+    let data = pattern(MULTIPART_OBJECT_BYTES, 31);
+    let put = store.put("data/outage", data.clone(), PutMode::Overwrite);
+    let restart = async {
+        // The first attempts fail against the stopped server first.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while counted.calls() < 2 {
+            assert!(Instant::now() < deadline, "no attempt reached the store");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        server.restart().await.expect("restart");
+    };
+    let (result, ()) = tokio::join!(put, restart);
+    result.expect("the put succeeds once the server is back");
+    assert!(
+        counted.calls() >= 2,
+        "at least one retry: {}",
+        counted.calls()
+    );
+    assert_eq!(store.get("data/outage", None).await.expect("get"), data);
+    assert_no_pending_uploads(&server, "").await;
+}
+
+#[tokio::test]
+async fn check_location_passes_on_a_working_bucket_and_leaves_nothing() {
+    let server = server_with_bucket().await;
+    let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &server.store_options())
+        .await
+        .expect("open");
+    let report = check_location(store.as_ref()).await;
+    assert!(report.is_ok(), "{report:?}");
+    assert_eq!(report.location, format!("s3://{BUCKET}/{PREFIX}"));
+    assert!(
+        store.list("").await.expect("list").is_empty(),
+        "the probe cleaned up"
+    );
+}
+
+#[tokio::test]
+async fn check_location_reports_a_permanent_write_failure_for_a_missing_bucket() {
+    let server = server_with_bucket().await;
+    let store = open_store("s3://missing-bucket/repo", &server.store_options())
+        .await
+        .expect("open");
+    let report = check_location(store.as_ref()).await;
+    let (step, failure) = report.first_failure().expect("a failure");
+    assert_eq!(step, ProbeStepKind::Write);
+    assert_eq!(failure.kind, ProbeFailureKind::Permanent);
+    assert!(
+        failure.message.contains("missing-bucket"),
+        "{}",
+        failure.message
+    );
+}
+
+#[tokio::test]
+async fn open_store_stacks_the_caps_on_an_s3_store() {
+    let server = server_with_bucket().await;
+    let options = StoreOptions {
+        max_concurrent_requests: Some(2),
+        upload_bytes_per_second: std::num::NonZeroU64::new(64 * 1024 * 1024),
+        ..server.store_options()
+    };
+    let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &options)
+        .await
+        .expect("open");
+    let mut tasks = tokio::task::JoinSet::new();
+    for index in 0..8u64 {
+        let store = store.clone();
+        tasks.spawn(async move {
+            store
+                .put(
+                    &format!("capped/{index}"),
+                    pattern(64 * 1024, index),
+                    PutMode::Overwrite,
+                )
+                .await
+        });
+    }
+    while let Some(result) = tasks.join_next().await {
+        result.expect("task").expect("put");
+    }
+    assert_eq!(store.list("capped/").await.expect("list").len(), 8);
+}

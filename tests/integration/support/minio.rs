@@ -1,0 +1,290 @@
+//! A real MinIO server for one test: started from the binary that
+//! `tests/infra/build.sh minio` builds, on 127.0.0.1 on a free port, with its
+//! data in a temporary directory, and killed (by its own PID) when the
+//! handle drops. A test can stop it and start it again on the same port and
+//! data directory to play a server outage.
+//!
+//! The binary is `$HAULAGE_MINIO_BIN`, or the newest
+//! `${HAULAGE_INFRA_CACHE:-$HOME/.cache/haulage-infra}/minio-*/bin/minio`.
+
+use std::fs::File;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use aws_sdk_s3::config::{BehaviorVersion, Credentials, Region};
+use haulage::store::retry::RetryPolicy;
+use haulage::store::{S3Credentials, S3Options, StoreOptions};
+use tempfile::TempDir;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Root user of every test server. Not a secret: the server listens on
+/// loopback only and lives as long as one test.
+pub const ACCESS_KEY: &str = "haulage-test";
+/// Root password of every test server; tests check it never shows up in
+/// error messages.
+pub const SECRET_KEY: &str = "haulage-test-secret-7f3a9c";
+/// Region the tests sign for.
+pub const REGION: &str = "us-east-1";
+/// How long a server may take to report ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Where the MinIO binary is, or a message saying how to build it.
+pub fn minio_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("HAULAGE_MINIO_BIN") {
+        let path = PathBuf::from(path);
+        if path.is_file() {
+            return Ok(path);
+        }
+        bail!("HAULAGE_MINIO_BIN={} is not a file", path.display());
+    }
+    let cache = match std::env::var_os("HAULAGE_INFRA_CACHE") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            let home = std::env::var_os("HOME").context("HOME is not set")?;
+            Path::new(&home).join(".cache/haulage-infra")
+        }
+    };
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir(&cache)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("minio-"))
+        .map(|entry| entry.path().join("bin/minio"))
+        .filter(|path| path.is_file())
+        .collect();
+    candidates.sort();
+    candidates.pop().with_context(|| {
+        format!(
+            "no MinIO binary under {}/minio-*/bin/minio: run `tests/infra/build.sh minio` first \
+             (or point HAULAGE_MINIO_BIN at a minio binary)",
+            cache.display()
+        )
+    })
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; the server binds it right after).
+pub fn free_port() -> anyhow::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0").context("bind an ephemeral port")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// One running (or stopped) MinIO server.
+pub struct MinioServer {
+    binary: PathBuf,
+    data_dir: TempDir,
+    log_dir: TempDir,
+    port: u16,
+    child: Option<Child>,
+    starts: u32,
+}
+
+impl MinioServer {
+    /// Start a server on a free port with an empty data directory and wait
+    /// until it is ready.
+    pub async fn start() -> anyhow::Result<Self> {
+        let mut server = MinioServer {
+            binary: minio_binary()?,
+            data_dir: tempfile::Builder::new()
+                .prefix("haulage-minio-data")
+                .tempdir()?,
+            log_dir: tempfile::Builder::new()
+                .prefix("haulage-minio-log")
+                .tempdir()?,
+            port: free_port()?,
+            child: None,
+            starts: 0,
+        };
+        server.spawn_and_wait().await?;
+        Ok(server)
+    }
+
+    async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
+        self.starts += 1;
+        let log_path = self
+            .log_dir
+            .path()
+            .join(format!("minio-{}.log", self.starts));
+        let log = File::create(&log_path)?;
+        let child = Command::new(&self.binary)
+            .arg("server")
+            .arg("--quiet")
+            .arg("--address")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--console-address")
+            .arg(format!("127.0.0.1:{}", free_port()?))
+            .arg(self.data_dir.path())
+            .env("MINIO_ROOT_USER", ACCESS_KEY)
+            .env("MINIO_ROOT_PASSWORD", SECRET_KEY)
+            .env("MINIO_BROWSER", "off")
+            .env("MINIO_UPDATE", "off")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("start {}", self.binary.display()))?;
+        self.child = Some(child);
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                self.child = None;
+                bail!(
+                    "minio exited with {status} before it was ready; its log:\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                );
+            }
+            if self.is_ready().await {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                self.stop();
+                bail!(
+                    "minio was not ready within {READY_TIMEOUT:?}; its log:\n{}",
+                    std::fs::read_to_string(&log_path).unwrap_or_default()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn is_ready(&self) -> bool {
+        let probe = async {
+            let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
+            stream
+                .write_all(
+                    b"GET /minio/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+                )
+                .await?;
+            let mut response = Vec::new();
+            stream.read_to_end(&mut response).await?;
+            Ok::<_, std::io::Error>(response.starts_with(b"HTTP/1.1 200"))
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(2), probe).await,
+            Ok(Ok(true))
+        )
+    }
+
+    /// Kill the server (SIGKILL to its own PID) and wait for it; the data
+    /// directory stays for [`MinioServer::restart`].
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Start the stopped server again on the same port and data directory.
+    pub async fn restart(&mut self) -> anyhow::Result<()> {
+        self.stop();
+        self.spawn_and_wait().await
+    }
+
+    /// The port the server listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The root credentials.
+    pub fn credentials(&self) -> S3Credentials {
+        S3Credentials {
+            access_key_id: ACCESS_KEY.to_string(),
+            secret_access_key: SECRET_KEY.to_string(),
+            session_token: None,
+        }
+    }
+
+    /// S3 options for this server at `endpoint` (the server's own, or a proxy's).
+    pub fn s3_options_via(&self, endpoint: &str) -> S3Options {
+        S3Options {
+            endpoint: Some(endpoint.to_string()),
+            region: Some(REGION.to_string()),
+            credentials: Some(self.credentials()),
+            ..S3Options::default()
+        }
+    }
+
+    /// S3 options for this server, direct.
+    pub fn s3_options(&self) -> S3Options {
+        self.s3_options_via(&self.endpoint())
+    }
+
+    /// Store options for this server with retries off, so a test sees each
+    /// request's own outcome.
+    pub fn store_options(&self) -> StoreOptions {
+        StoreOptions {
+            s3: self.s3_options(),
+            retry: Some(RetryPolicy {
+                max_attempts: 1,
+                ..RetryPolicy::default()
+            }),
+            ..StoreOptions::default()
+        }
+    }
+
+    /// A plain SDK client for setting up and inspecting the server behind
+    /// the store's back (bucket creation, multipart listings).
+    pub fn admin_client(&self) -> aws_sdk_s3::Client {
+        let config = aws_sdk_s3::Config::builder()
+            .behavior_version(BehaviorVersion::latest())
+            .endpoint_url(self.endpoint())
+            .region(Region::new(REGION))
+            .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
+            .force_path_style(true)
+            .http_client(aws_smithy_http_client::Builder::new().build_http())
+            .build();
+        aws_sdk_s3::Client::from_conf(config)
+    }
+
+    /// Create `bucket`.
+    pub async fn create_bucket(&self, bucket: &str) -> anyhow::Result<()> {
+        self.admin_client()
+            .create_bucket()
+            .bucket(bucket)
+            .send()
+            .await
+            .with_context(|| format!("create bucket {bucket}"))?;
+        Ok(())
+    }
+
+    /// Every incomplete multipart upload in `bucket` whose key starts with
+    /// `prefix`, as (key, upload id). Lists the whole bucket and filters here,
+    /// because MinIO's prefixed listing only matches exact keys.
+    pub async fn multipart_uploads(
+        &self,
+        bucket: &str,
+        prefix: &str,
+    ) -> anyhow::Result<Vec<(String, String)>> {
+        let output = self
+            .admin_client()
+            .list_multipart_uploads()
+            .bucket(bucket)
+            .send()
+            .await
+            .context("list multipart uploads")?;
+        if output.is_truncated() == Some(true) {
+            bail!("more multipart uploads than one page; the tests never make that many");
+        }
+        Ok(output
+            .uploads()
+            .iter()
+            .filter_map(|upload| Some((upload.key()?.to_string(), upload.upload_id()?.to_string())))
+            .filter(|(key, _)| key.starts_with(prefix))
+            .collect())
+    }
+}
+
+impl Drop for MinioServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
