@@ -65,7 +65,7 @@ pub fn generate(root: &Path, total_bytes: u64, seed: u64) -> io::Result<SampleSu
             index / (FILES_PER_DIRECTORY * 50),
             (index / FILES_PER_DIRECTORY) % 50
         ));
-        if index % FILES_PER_DIRECTORY == 0 {
+        if index.is_multiple_of(FILES_PER_DIRECTORY) {
             fs::create_dir_all(&directory)?;
         }
         let bytes = if rng.random_bool(0.7) {

@@ -62,7 +62,7 @@ impl ChunkerParameters {
                 "sizes must satisfy min <= average <= max, got {min}/{avg}/{max}"
             ));
         }
-        if min % 2 != 0 || avg % 2 != 0 || max % 2 != 0 {
+        if !min.is_multiple_of(2) || !avg.is_multiple_of(2) || !max.is_multiple_of(2) {
             return Err("sizes must be even".into());
         }
         if self.normalization > 3 {

@@ -117,14 +117,14 @@ async fn hardlinks_xattrs_fifos_times_and_sparse_files_are_restored() {
     .unwrap();
     std::fs::write(source.join("tagged"), b"x").unwrap();
     rustix::fs::setxattr(
-        &source.join("tagged"),
+        source.join("tagged"),
         "user.comment",
         b"hello",
         rustix::fs::XattrFlags::empty(),
     )
     .unwrap();
     rustix::fs::setxattr(
-        &source.join("a"),
+        source.join("a"),
         "user.dir",
         b"on a directory",
         rustix::fs::XattrFlags::empty(),
@@ -132,7 +132,7 @@ async fn hardlinks_xattrs_fifos_times_and_sparse_files_are_restored() {
     .unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &source.join("pipe"),
+        source.join("pipe"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o640),
         0,

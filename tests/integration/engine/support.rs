@@ -169,15 +169,15 @@ pub fn fingerprint(root: &Path) -> BTreeMap<Vec<u8>, Fingerprint> {
                 .clone()
         });
         let mut xattrs = BTreeMap::new();
-        if kind == "file" || kind == "dir" {
-            if let Ok(names) = xattr_names(&full) {
-                for name in names.into_iter().filter(|name| name.starts_with(b"user.")) {
-                    let mut value = vec![0u8; 65536];
-                    let length = rustix::fs::lgetxattr(&full, name.as_slice(), &mut value)
-                        .expect("getxattr");
-                    value.truncate(length);
-                    xattrs.insert(name, value);
-                }
+        if (kind == "file" || kind == "dir")
+            && let Ok(names) = xattr_names(&full)
+        {
+            for name in names.into_iter().filter(|name| name.starts_with(b"user.")) {
+                let mut value = vec![0u8; 65536];
+                let length =
+                    rustix::fs::lgetxattr(&full, name.as_slice(), &mut value).expect("getxattr");
+                value.truncate(length);
+                xattrs.insert(name, value);
             }
         }
         out.insert(
