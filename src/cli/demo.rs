@@ -117,6 +117,35 @@ pub async fn run(args: DemoArgs, cancel: CancellationToken) -> anyhow::Result<Ou
     }
 }
 
+/// Arguments of the hidden `haulage sample-data` verb.
+#[derive(Debug, Args)]
+pub struct SampleDataArgs {
+    /// Directory to write (created if missing).
+    pub dir: PathBuf,
+    /// Total size.
+    #[arg(long, default_value = "2GiB")]
+    pub size: bytesize::ByteSize,
+    /// Seed; the same seed gives the same bytes.
+    #[arg(long, default_value_t = 2026)]
+    pub seed: u64,
+}
+
+pub async fn run_sample_data(args: SampleDataArgs) -> anyhow::Result<Outcome> {
+    let dir = args.dir.clone();
+    let summary = tokio::task::spawn_blocking(move || {
+        crate::sample::generate(&dir, args.size.as_u64(), args.seed)
+    })
+    .await?
+    .with_context(|| format!("cannot write sample data into {}", args.dir.display()))?;
+    println!(
+        "{} files, {} bytes in {}",
+        summary.files,
+        summary.bytes,
+        args.dir.display()
+    );
+    Ok(Outcome::Success)
+}
+
 async fn run_backup(
     repository: &Repository,
     source: &Path,

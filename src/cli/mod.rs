@@ -52,6 +52,9 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
+    /// Write the reproducible sample tree the demo and benchmarks use.
+    #[command(hide = true)]
+    SampleData(demo::SampleDataArgs),
 }
 
 /// The repository a verb works on.
@@ -133,6 +136,7 @@ pub fn main() -> ExitCode {
             Command::Restore(args) => restore::run(args, cancel.clone()).await,
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(_) => unreachable!("plan runs without the async runtime"),
         };
         match result {

@@ -1,0 +1,63 @@
+//! Per-stage CPU throughput of the backup pipeline: FastCDC chunking,
+//! keyed BLAKE3, zstd at levels 1 and 3, on random and log-like data.
+//! `cargo bench --bench engine`; figures in docs/benchmarks.md.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use haulage::repo::chunker::{Chunker, ChunkerParameters};
+use haulage::repo::config::RepoConfig;
+use rand::{RngCore, SeedableRng};
+
+const SIZE: usize = 64 * 1024 * 1024;
+
+fn random_data() -> Vec<u8> {
+    let mut data = vec![0u8; SIZE];
+    rand::rngs::StdRng::seed_from_u64(1).fill_bytes(&mut data);
+    data
+}
+
+fn log_data() -> Vec<u8> {
+    let mut data = Vec::with_capacity(SIZE);
+    let mut line = 0u64;
+    while data.len() < SIZE {
+        line += 1;
+        data.extend_from_slice(
+            format!(
+                "2026-11-29T10:{:02}:{:02}Z level=info component=mover request={} latency_ms={} volume=pvc-{}\n",
+                (line / 60) % 60,
+                line % 60,
+                line.wrapping_mul(2654435761) % 1_000_000,
+                line % 5000,
+                line % 97
+            )
+            .as_bytes(),
+        );
+    }
+    data.truncate(SIZE);
+    data
+}
+
+fn stages(c: &mut Criterion) {
+    let config = RepoConfig::generate();
+    let keys = config.keys().expect("keys");
+    let chunker = Chunker::new(ChunkerParameters::default(), keys.gear_seed);
+    for (name, data) in [("random", random_data()), ("log", log_data())] {
+        let mut group = c.benchmark_group(name);
+        group.throughput(Throughput::Bytes(data.len() as u64));
+        group.sample_size(10);
+        group.bench_function("fastcdc", |b| b.iter(|| chunker.chunk_lengths(&data).len()));
+        group.bench_function("blake3_keyed", |b| b.iter(|| keys.blob_id(&data)));
+        for level in [1, 3] {
+            group.bench_function(format!("zstd_{level}"), |b| {
+                b.iter(|| {
+                    data.chunks(1024 * 1024)
+                        .map(|chunk| zstd::bulk::compress(chunk, level).expect("compress").len())
+                        .sum::<usize>()
+                })
+            });
+        }
+        group.finish();
+    }
+}
+
+criterion_group!(benches, stages);
+criterion_main!(benches);
