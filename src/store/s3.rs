@@ -382,10 +382,21 @@ impl S3Store {
                 return self.transient(operation, key, "request timed out".to_string());
             }
             SdkError::DispatchFailure(failure) if !failure.is_user() => {
+                let text = detail();
+                if text.contains("certificate") {
+                    // Retrying cannot make an untrusted certificate trusted.
+                    return self.permanent(
+                        operation,
+                        key,
+                        format!(
+                            "the TLS certificate of {endpoint} is not trusted ({text}): check the CA bundle option and that the endpoint's host name matches the certificate"
+                        ),
+                    );
+                }
                 return self.transient(
                     operation,
                     key,
-                    format!("connection to {endpoint} failed: {}", detail()),
+                    format!("connection to {endpoint} failed: {text}"),
                 );
             }
             SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {

@@ -692,3 +692,39 @@ async fn open_store_stacks_the_caps_on_an_s3_store() {
     }
     assert_eq!(store.list("capped/").await.expect("list").len(), 8);
 }
+
+#[tokio::test]
+async fn https_endpoints_work_with_a_ca_bundle_and_fail_clearly_without_one() {
+    let server = MinioServer::start_tls()
+        .await
+        .expect("start minio with TLS");
+    server.create_bucket(BUCKET).await.expect("create bucket");
+    assert!(server.endpoint().starts_with("https://"));
+    let ca_bundle = server
+        .ca_bundle()
+        .expect("a TLS server has a CA")
+        .to_path_buf();
+
+    let mut trusted = server.s3_options();
+    trusted.ca_bundle = Some(ca_bundle.clone());
+    let store = s3_store(&trusted, &format!("{BUCKET}/{PREFIX}")).await;
+    check_store(Arc::new(store)).await;
+
+    let untrusted = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await;
+    let error = untrusted.list("").await.expect_err("unknown CA");
+    assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+    assert!(error.to_string().contains("CA bundle"), "{error}");
+
+    let mut not_pem = server.s3_options();
+    not_pem.ca_bundle = Some(
+        server
+            .ca_bundle()
+            .expect("ca")
+            .with_file_name("public.crt.missing"),
+    );
+    assert!(
+        S3Store::open(&format!("{BUCKET}/{PREFIX}"), &not_pem)
+            .await
+            .is_err()
+    );
+}
