@@ -23,6 +23,7 @@
 
 use std::net::IpAddr;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -43,8 +44,8 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
 use super::{
-    ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Options, StoreError, SweepReport,
-    validate_key,
+    ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Credentials, S3Options, StoreError,
+    SweepReport, validate_key,
 };
 
 /// Default size from which objects go up as multipart uploads.
@@ -127,6 +128,84 @@ impl UploadSettings {
     }
 }
 
+/// Profile read from a credentials file when none is named.
+pub const DEFAULT_PROFILE: &str = "default";
+
+impl S3Credentials {
+    /// Read one profile's credentials from an AWS credentials file: the
+    /// format of `~/.aws/credentials` and of a Velero BSL Secret's `cloud`
+    /// key (`[default]` then `aws_access_key_id = …`,
+    /// `aws_secret_access_key = …`, optionally `aws_session_token = …`).
+    /// Errors name the file and profile, never a value.
+    pub fn from_credentials_file(
+        path: &Path,
+        profile: Option<&str>,
+    ) -> Result<Self, OpenStoreError> {
+        let profile = profile.unwrap_or(DEFAULT_PROFILE);
+        let invalid = |message: String| OpenStoreError::InvalidOption {
+            option: "credentials_file",
+            message: format!("{}: {message}", path.display()),
+        };
+        let text =
+            std::fs::read_to_string(path).map_err(|err| invalid(format!("cannot read: {err}")))?;
+        Self::parse_credentials_file(&text, profile).map_err(invalid)
+    }
+
+    /// Parse the text of a credentials file; see
+    /// [`S3Credentials::from_credentials_file`].
+    pub fn parse_credentials_file(text: &str, profile: &str) -> Result<Self, String> {
+        let mut in_profile = false;
+        let mut found_profile = false;
+        let (mut access_key_id, mut secret_access_key, mut session_token) = (None, None, None);
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+                continue;
+            }
+            if let Some(section) = line
+                .strip_prefix('[')
+                .and_then(|rest| rest.strip_suffix(']'))
+            {
+                let section = section.trim();
+                let name = section.strip_prefix("profile ").map_or(section, str::trim);
+                in_profile = name == profile;
+                found_profile |= in_profile;
+                continue;
+            }
+            if !in_profile {
+                continue;
+            }
+            let Some((name, value)) = line.split_once('=') else {
+                continue;
+            };
+            let value = value.trim().to_string();
+            match name.trim().to_ascii_lowercase().as_str() {
+                "aws_access_key_id" => access_key_id = Some(value),
+                "aws_secret_access_key" => secret_access_key = Some(value),
+                "aws_session_token" => session_token = Some(value),
+                _ => {}
+            }
+        }
+        if !found_profile {
+            return Err(format!("no [{profile}] profile"));
+        }
+        match (access_key_id, secret_access_key) {
+            (Some(access_key_id), Some(secret_access_key))
+                if !access_key_id.is_empty() && !secret_access_key.is_empty() =>
+            {
+                Ok(S3Credentials {
+                    access_key_id,
+                    secret_access_key,
+                    session_token: session_token.filter(|token| !token.is_empty()),
+                })
+            }
+            _ => Err(format!(
+                "profile [{profile}] needs both aws_access_key_id and aws_secret_access_key"
+            )),
+        }
+    }
+}
+
 /// Bucket and key prefix of an `s3://` URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct S3Location {
@@ -206,10 +285,15 @@ pub struct S3Store {
 }
 
 impl S3Store {
-    /// Set up a store for `rest` (what follows `s3://`) with `options`,
-    /// falling back to the standard AWS environment variables, profile and
-    /// credentials chain for what the options leave out. No request is made.
-    pub async fn open(rest: &str, options: &S3Options) -> Result<Self, OpenStoreError> {
+    /// Set up a store for `url` (`s3://bucket/prefix`, or just
+    /// `bucket/prefix`) with `options`, falling back to the standard AWS
+    /// environment variables (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`,
+    /// `AWS_REGION`, `AWS_DEFAULT_REGION`, `AWS_CA_BUNDLE`), the profile
+    /// files and the credentials chain for what the options leave out. No
+    /// request is made: a wrong bucket or bad credentials show on first use
+    /// (or in [`super::probe::check_location`]).
+    pub async fn open(url: &str, options: &S3Options) -> Result<Self, OpenStoreError> {
+        let rest = url.strip_prefix("s3://").unwrap_or(url);
         let location = S3Location::parse(rest)?;
         let upload = UploadSettings::from_options(options)?;
         let url = format!("s3://{rest}");
@@ -242,7 +326,11 @@ impl S3Store {
             .unwrap_or_else(|| Region::new(DEFAULT_REGION));
 
         let mut trust_store = TrustStore::default();
-        if let Some(path) = &options.ca_bundle {
+        let ca_bundle = options
+            .ca_bundle
+            .clone()
+            .or_else(|| non_empty_env("AWS_CA_BUNDLE").map(PathBuf::from));
+        if let Some(path) = &ca_bundle {
             let pem = tokio::fs::read(path)
                 .await
                 .map_err(|err| OpenStoreError::Setup {
@@ -1131,6 +1219,24 @@ mod tests {
         let printed = format!("{credentials:?}");
         assert!(!printed.contains("very-secret-value"));
         assert!(!printed.contains("token-value"));
+    }
+
+    #[test]
+    fn credentials_files_yield_the_named_profile() {
+        let text = "# velero style\n[default]\naws_access_key_id = AKID1\naws_secret_access_key=secret1\n\n[profile backup]\naws_access_key_id=AKID2\naws_secret_access_key = secret2\naws_session_token = token2\n";
+        let default = S3Credentials::parse_credentials_file(text, "default").expect("default");
+        assert_eq!(default.access_key_id, "AKID1");
+        assert_eq!(default.secret_access_key, "secret1");
+        assert_eq!(default.session_token, None);
+        let backup = S3Credentials::parse_credentials_file(text, "backup").expect("backup");
+        assert_eq!(backup.access_key_id, "AKID2");
+        assert_eq!(backup.session_token.as_deref(), Some("token2"));
+        let missing = S3Credentials::parse_credentials_file(text, "other").expect_err("no profile");
+        assert!(missing.contains("[other]"), "{missing}");
+        let partial =
+            S3Credentials::parse_credentials_file("[default]\naws_access_key_id=x\n", "default")
+                .expect_err("no secret");
+        assert!(partial.contains("aws_secret_access_key"), "{partial}");
     }
 
     #[test]
