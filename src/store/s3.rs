@@ -469,10 +469,13 @@ impl S3Store {
             SdkError::TimeoutError(_) => {
                 return self.transient(operation, key, "request timed out".to_string());
             }
-            SdkError::DispatchFailure(failure) if !failure.is_user() => {
+            SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
                 let text = detail();
-                if text.contains("certificate") {
-                    // Retrying cannot make an untrusted certificate trusted.
+                let lower = text.to_ascii_lowercase();
+                // Retrying cannot make an untrusted certificate trusted, nor
+                // conjure credentials. (A failed identity lookup arrives as a
+                // dispatch failure of kind "other".)
+                if lower.contains("certificate") {
                     return self.permanent(
                         operation,
                         key,
@@ -481,23 +484,30 @@ impl S3Store {
                         ),
                     );
                 }
-                return self.transient(
-                    operation,
-                    key,
-                    format!("connection to {endpoint} failed: {text}"),
-                );
-            }
-            SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
-                let text = detail();
-                let hint = if text.to_ascii_lowercase().contains("credential") {
-                    "no usable credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a credentials file or the location's credentials Secret"
-                } else {
-                    "check the endpoint, region and credentials settings"
-                };
+                if lower.contains("credential") {
+                    return self.permanent(
+                        operation,
+                        key,
+                        format!(
+                            "no usable credentials for bucket {bucket} ({text}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a credentials file or the location's credentials Secret"
+                        ),
+                    );
+                }
+                if let SdkError::DispatchFailure(failure) = &error
+                    && !failure.is_user()
+                {
+                    return self.transient(
+                        operation,
+                        key,
+                        format!("connection to {endpoint} failed: {text}"),
+                    );
+                }
                 return self.permanent(
                     operation,
                     key,
-                    format!("request for bucket {bucket} could not be sent ({text}): {hint}"),
+                    format!(
+                        "request for bucket {bucket} could not be sent ({text}): check the endpoint, region and credentials settings"
+                    ),
                 );
             }
             _ => {}
@@ -1237,6 +1247,128 @@ mod tests {
             S3Credentials::parse_credentials_file("[default]\naws_access_key_id=x\n", "default")
                 .expect_err("no secret");
         assert!(partial.contains("aws_secret_access_key"), "{partial}");
+    }
+
+    mod classification {
+        use aws_sdk_s3::error::{ConnectorError, ErrorMetadata};
+        use aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Error;
+        use aws_sdk_s3::primitives::SdkBody;
+        use aws_smithy_runtime_api::http::StatusCode;
+
+        use super::*;
+
+        type ListError = SdkError<ListObjectsV2Error, HttpResponse>;
+
+        async fn store() -> S3Store {
+            let options = S3Options {
+                endpoint: Some("http://127.0.0.1:9".to_string()),
+                region: Some("us-east-1".to_string()),
+                credentials: Some(S3Credentials {
+                    access_key_id: "AKID".to_string(),
+                    secret_access_key: "classified-secret".to_string(),
+                    session_token: None,
+                }),
+                ..S3Options::default()
+            };
+            S3Store::open("s3://bucket/prefix", &options)
+                .await
+                .expect("open makes no request")
+        }
+
+        fn service_error(status: u16, code: &str) -> ListError {
+            let response = HttpResponse::new(
+                StatusCode::try_from(status).expect("valid status"),
+                SdkBody::empty(),
+            );
+            let error = ListObjectsV2Error::generic(
+                ErrorMetadata::builder()
+                    .code(code)
+                    .message("server says no")
+                    .build(),
+            );
+            SdkError::service_error(error, response)
+        }
+
+        fn classify(store: &S3Store, operation: &'static str, error: ListError) -> StoreError {
+            store.classify(operation, "k", error)
+        }
+
+        #[tokio::test]
+        async fn throttling_and_server_errors_are_transient() {
+            let store = store().await;
+            for (status, code) in [
+                (503, "SlowDown"),
+                (500, "InternalError"),
+                (502, ""),
+                (429, ""),
+                (400, "RequestTimeout"),
+            ] {
+                let error = classify(&store, "get", service_error(status, code));
+                assert!(error.is_transient(), "{status} {code}: {error}");
+            }
+        }
+
+        #[tokio::test]
+        async fn refusals_are_permanent_and_name_what_to_check() {
+            let store = store().await;
+            for (status, code, hint) in [
+                (404, "NoSuchBucket", "check the bucket name"),
+                (403, "AccessDenied", "check that the credentials may"),
+                (403, "InvalidAccessKeyId", "check the credentials"),
+                (403, "SignatureDoesNotMatch", "check the secret access key"),
+                (403, "RequestTimeTooSkewed", "check the system clock"),
+                (400, "AuthorizationHeaderMalformed", "check the region"),
+                (400, "EntityTooSmall", "EntityTooSmall"),
+            ] {
+                let error = classify(&store, "put", service_error(status, code));
+                assert!(
+                    matches!(error, StoreError::Permanent { .. }),
+                    "{code}: {error}"
+                );
+                let message = error.to_string();
+                assert!(message.contains(hint), "{code}: {message}");
+                assert!(!message.contains("classified-secret"), "{message}");
+            }
+        }
+
+        #[tokio::test]
+        async fn missing_objects_and_lost_create_races_have_their_own_variants() {
+            let store = store().await;
+            assert!(classify(&store, "get", service_error(404, "NoSuchKey")).is_not_found());
+            assert!(classify(&store, "head", service_error(404, "")).is_not_found());
+            assert!(matches!(
+                classify(&store, "put", service_error(412, "PreconditionFailed")),
+                StoreError::AlreadyExists { .. }
+            ));
+            assert!(matches!(
+                classify(&store, "get", service_error(412, "PreconditionFailed")),
+                StoreError::Permanent { .. }
+            ));
+        }
+
+        #[tokio::test]
+        async fn connection_failures_are_transient_but_missing_credentials_are_not() {
+            let store = store().await;
+            let refused: ListError = SdkError::dispatch_failure(ConnectorError::io(
+                std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into(),
+            ));
+            assert!(classify(&store, "list", refused).is_transient());
+            let timeout: ListError = SdkError::timeout_error("operation timed out");
+            assert!(classify(&store, "list", timeout).is_transient());
+            let no_credentials: ListError = SdkError::dispatch_failure(ConnectorError::other(
+                "failed to load credentials: no providers in chain provided credentials".into(),
+                None,
+            ));
+            let error = classify(&store, "list", no_credentials);
+            assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+            assert!(error.to_string().contains("AWS_ACCESS_KEY_ID"), "{error}");
+            let untrusted: ListError = SdkError::dispatch_failure(ConnectorError::io(
+                "invalid peer certificate: UnknownIssuer".into(),
+            ));
+            let error = classify(&store, "list", untrusted);
+            assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+            assert!(error.to_string().contains("CA bundle"), "{error}");
+        }
     }
 
     #[test]
