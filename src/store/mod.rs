@@ -304,3 +304,43 @@ pub(crate) fn validate_key(key: &str) -> bool {
             .split('/')
             .all(|part| !part.is_empty() && part != "." && part != "..")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_schemes_are_refused_with_the_supported_ones_named() {
+        let error = open_store("gs://bucket/repo", &StoreOptions::default())
+            .await
+            .expect_err("gs is not supported");
+        assert!(matches!(error, OpenStoreError::UnsupportedScheme { .. }));
+        assert!(error.to_string().contains("s3://bucket/prefix"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_zero_request_cap_is_refused() {
+        let options = StoreOptions {
+            max_concurrent_requests: Some(0),
+            ..StoreOptions::default()
+        };
+        let error = open_store("/tmp/haulage-never-written", &options)
+            .await
+            .expect_err("zero cap");
+        assert!(matches!(
+            error,
+            OpenStoreError::InvalidOption {
+                option: "max_concurrent_requests",
+                ..
+            }
+        ));
+    }
+
+    #[tokio::test]
+    async fn s3_urls_without_a_bucket_are_refused() {
+        let error = open_store("s3://", &StoreOptions::default())
+            .await
+            .expect_err("no bucket");
+        assert!(error.to_string().contains("no bucket"), "{error}");
+    }
+}
