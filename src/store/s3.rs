@@ -250,15 +250,20 @@ impl S3Location {
     }
 }
 
-/// True for endpoints that need path-style addressing by default: IP
-/// addresses and `localhost` have no per-bucket DNS names.
-pub fn endpoint_wants_path_style(endpoint: &str) -> bool {
-    let authority = endpoint
+/// The `[user@]host[:port]` part of an endpoint URL.
+fn endpoint_authority(endpoint: &str) -> &str {
+    endpoint
         .split_once("://")
         .map_or(endpoint, |(_, rest)| rest)
         .split(['/', '?'])
         .next()
-        .unwrap_or("");
+        .unwrap_or("")
+}
+
+/// True for endpoints that need path-style addressing by default: IP
+/// addresses and `localhost` have no per-bucket DNS names.
+pub fn endpoint_wants_path_style(endpoint: &str) -> bool {
+    let authority = endpoint_authority(endpoint);
     let host = authority
         .rsplit_once('@')
         .map_or(authority, |(_, host)| host);
@@ -302,6 +307,15 @@ impl S3Store {
             .clone()
             .or_else(|| non_empty_env("AWS_ENDPOINT_URL_S3"))
             .or_else(|| non_empty_env("AWS_ENDPOINT_URL"));
+        if let Some(endpoint) = &endpoint
+            && endpoint_authority(endpoint).contains('@')
+        {
+            // Not echoed: the user part may be a secret.
+            return Err(OpenStoreError::InvalidOption {
+                option: "endpoint",
+                message: "the endpoint URL must not carry credentials (user:password@); pass them as credentials".to_string(),
+            });
+        }
         if let Some(endpoint) = &endpoint
             && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
         {
@@ -1194,6 +1208,23 @@ mod tests {
             "https://s3.eu-west-1.amazonaws.com"
         ));
         assert!(!endpoint_wants_path_style("https://rgw.example.org:8443"));
+    }
+
+    #[tokio::test]
+    async fn endpoints_with_credentials_in_them_are_refused_without_echoing_them() {
+        let options = S3Options {
+            endpoint: Some("http://user:hunter2@127.0.0.1:9000".to_string()),
+            ..S3Options::default()
+        };
+        let error = S3Store::open("s3://bucket", &options)
+            .await
+            .expect_err("refused");
+        assert!(!error.to_string().contains("hunter2"), "{error}");
+        let options = S3Options {
+            endpoint: Some("127.0.0.1:9000".to_string()),
+            ..S3Options::default()
+        };
+        assert!(S3Store::open("s3://bucket", &options).await.is_err());
     }
 
     #[test]
