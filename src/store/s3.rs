@@ -7,8 +7,9 @@
 //! at a time. Every multipart upload is completed or aborted: on error the
 //! abort is awaited before `put` returns; when the `put` future is dropped
 //! (cancellation) a guard spawns the abort on the current runtime. An upload
-//! that neither path could abort (the process was killed) is what
-//! [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
+//! that neither path could abort (the process was killed, or the `put` was
+//! dropped while CreateMultipartUpload was in flight, before the upload id
+//! came back) is what [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
 //! under a key before the whole object is: S3 publishes an object only when
 //! its PUT or CompleteMultipartUpload succeeds.
 //!
@@ -665,6 +666,7 @@ impl S3Store {
                 Ok(())
             }
             Err(error) => {
+                tracing::debug!(key, error = %error, "multipart upload failed, aborting it");
                 guard.abort_now().await;
                 Err(error)
             }
