@@ -13,11 +13,13 @@
 //! (backoff on transient errors), [`limits::ConcurrencyLimitStore`] (a cap on
 //! requests in flight) and [`limits::UploadRateLimitStore`] (an upload
 //! bytes-per-second cap). [`open_store`] assembles them from a URL and
-//! [`StoreOptions`]; [`probe::check_location`] proves a location works.
+//! [`StoreOptions`]; [`probe::check_location`] proves a location works;
+//! [`ranges::get_ranges`] reads many ranges of one object in few requests.
 
 pub mod limits;
 pub mod local;
 pub mod probe;
+pub mod ranges;
 pub mod retry;
 pub mod s3;
 
