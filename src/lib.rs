@@ -14,9 +14,14 @@
 //! - [`engine`]: backup, restore and verify of a directory tree against a
 //!   repository held in a store: walk, chunk, hash, dedup, compress, pack,
 //!   upload; restore writer; throttling; progress.
+//! - [`sample`]: a reproducible sample tree for the demo and benchmarks.
 //! - [`cli`]: the `haulage` command line.
 //!
 //! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
 
 pub mod cli;
+pub mod engine;
+pub mod plan;
+pub mod repo;
+pub mod sample;
 pub mod store;

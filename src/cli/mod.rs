@@ -1,11 +1,31 @@
 //! The `haulage` command line: clap-derived verbs, each in its own module,
 //! parsed once into typed arguments and run to an exit code.
+//!
+//! Exit codes (also in `docs/cli.md`):
+//! 0 success; 1 failed (nothing or not everything was done, see the
+//! message); 2 invalid usage; 3 completed with warnings (some files could
+//! not be read and are listed); 4 damaged data found (verify, or a restore
+//! that could not restore some files); 130 cancelled (Ctrl-C / SIGTERM).
+
+mod backup;
+mod demo;
+mod plan;
+mod progress;
+mod repo;
+mod restore;
+mod snapshots;
+mod verify;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
 
-/// Move the data of Kubernetes PersistentVolumeClaims between clusters.
+use crate::engine::{EngineError, Repository};
+use crate::store::{StoreOptions, open_store};
+
+/// Move the data of Kubernetes PersistentVolumeClaims between clusters, or
+/// any directory into a deduplicated, compressed repository and back.
 #[derive(Debug, Parser)]
 #[command(name = "haulage", version, about, propagate_version = true)]
 pub struct Cli {
@@ -15,10 +35,137 @@ pub struct Cli {
 
 /// The verbs of `haulage`.
 #[derive(Debug, Subcommand)]
-pub enum Command {}
+pub enum Command {
+    /// Back up, restore and verify a generated sample tree through a local
+    /// repository: the whole data path in one command, no cluster needed.
+    Demo(demo::DemoArgs),
+    /// Manage repositories.
+    #[command(subcommand)]
+    Repo(repo::RepoCommand),
+    /// Back up a directory into a repository.
+    Backup(backup::BackupArgs),
+    /// Restore a snapshot into a directory.
+    Restore(restore::RestoreArgs),
+    /// List the snapshots in a repository.
+    Snapshots(snapshots::SnapshotsArgs),
+    /// Re-read and check everything a snapshot references.
+    Verify(verify::VerifyArgs),
+    /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
+    Plan(plan::PlanArgs),
+}
+
+/// The repository a verb works on.
+#[derive(Debug, Clone, Args)]
+pub struct RepoArgs {
+    /// Repository URL: s3://bucket/prefix, file:///path or a plain directory path.
+    #[arg(long = "repo", env = "HAULAGE_REPO", value_name = "URL")]
+    pub url: String,
+}
+
+impl RepoArgs {
+    async fn open(&self) -> Result<Repository, EngineError> {
+        Repository::open(self.store().await?).await
+    }
+
+    /// The store behind the URL; S3 settings come from the standard
+    /// `AWS_*` variables and credentials chain.
+    async fn store(&self) -> Result<crate::store::DynStore, EngineError> {
+        open_store(&self.url, &StoreOptions::default())
+            .await
+            .map_err(|error| EngineError::Target {
+                path: self.url.clone().into(),
+                reason: error.to_string(),
+            })
+    }
+}
+
+/// How a verb ended, as the process exit status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Everything done.
+    Success,
+    /// Done, but some files were skipped or changed while read.
+    CompletedWithWarnings,
+    /// Damaged data was found.
+    DamagedData,
+}
+
+impl Outcome {
+    fn exit_code(self) -> ExitCode {
+        match self {
+            Outcome::Success => ExitCode::SUCCESS,
+            Outcome::CompletedWithWarnings => ExitCode::from(3),
+            Outcome::DamagedData => ExitCode::from(4),
+        }
+    }
+}
 
 /// Entry point of the `haulage` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command {}
+    if let Command::Plan(arguments) = &cli.command {
+        return plan::run(arguments);
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HAULAGE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(async {
+        let cancel = CancellationToken::new();
+        spawn_signal_handler(cancel.clone());
+        let result = match cli.command {
+            Command::Demo(args) => demo::run(args, cancel.clone()).await,
+            Command::Repo(command) => repo::run(command).await,
+            Command::Backup(args) => backup::run(args, cancel.clone()).await,
+            Command::Restore(args) => restore::run(args, cancel.clone()).await,
+            Command::Snapshots(args) => snapshots::run(args).await,
+            Command::Verify(args) => verify::run(args).await,
+            Command::Plan(_) => unreachable!("plan runs without the async runtime"),
+        };
+        match result {
+            Ok(outcome) => outcome.exit_code(),
+            Err(error) => {
+                if cancel.is_cancelled() {
+                    eprintln!("cancelled; everything already stored stays in the repository and is reused by the next run");
+                    return ExitCode::from(130);
+                }
+                eprintln!("error: {error:#}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
+
+/// Ctrl-C or SIGTERM cancels the running verb; a second signal exits at once.
+fn spawn_signal_handler(cancel: CancellationToken) {
+    tokio::spawn(async move {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(_) => return,
+            };
+        for _ in 0..2 {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = terminate.recv() => {}
+            }
+            if cancel.is_cancelled() {
+                std::process::exit(130);
+            }
+            cancel.cancel();
+        }
+    });
 }

@@ -1,7 +1,8 @@
 //! Integration tests of haulage against real parts: a real MinIO server for
-//! the S3 backend, local directories for the `file://` backend. One binary so
-//! the harness compiles once; each module is one area.
+//! the S3 backend, local directories for the `file://` backend and the
+//! engine. One binary so the harness compiles once; each module is one area.
 
+mod engine;
 mod s3;
 mod store_conformance;
 mod support;

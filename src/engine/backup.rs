@@ -1,0 +1,1123 @@
+//! Backup of a directory tree into a repository.
+//!
+//! The pipeline, each stage bounded so memory is a constant and a slow
+//! store slows the reader instead of filling memory:
+//!
+//! ```text
+//! walker (blocking thread)      lstat, read, FastCDC → WalkItem (ordered)
+//!   │ bounded channel + chunk-bytes semaphore
+//! hash/dedup/compress           BLAKE3 + zstd on the blocking pool, up to
+//!   │ (ordered, `buffered`)     PARALLEL_CHUNKS at once, results in walk order
+//! assembler (async task)        file extents, tree blobs, packer
+//!   │ JoinSet behind MAX_PACK_UPLOADS_IN_FLIGHT
+//! store                         packs, then index files, then the snapshot
+//! ```
+//!
+//! Files that cannot be read become warnings in the snapshot summary; the
+//! backup still completes. A file unchanged since the parent snapshot (same
+//! size, mtime, ctime and inode) is not read again.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::OsString;
+use std::fs::{self, File, Metadata};
+use std::io::{self, Read};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_bytes::ByteBuf;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use super::progress::Progress;
+use super::repository::Repository;
+use super::throttle::Throttle;
+use super::{EngineError, run_blocking};
+use crate::repo::chunker::Chunker;
+use crate::repo::index::BlobIndex;
+use crate::repo::pack::{PackEntry, PackWriter};
+use crate::repo::snapshot::{
+    FileWarning, MAX_RECORDED_WARNINGS, RootAttributes, Snapshot, SnapshotSummary,
+};
+use crate::repo::tree::{Entry, EntryKind, Extent, Tree, Xattr};
+use crate::repo::{self, BlobId, BlobKind, Compression, ObjectId};
+use crate::store::PutMode;
+
+/// Walk items buffered between the walker and the hashing stage. Small:
+/// the chunk-bytes semaphore is what bounds memory; this only keeps the
+/// walker a few items ahead.
+const WALK_CHANNEL_CAPACITY: usize = 16;
+/// Chunk plaintext bytes allowed between reading and packing. With 4 MiB
+/// maximum chunks this is at least 6 chunks in flight, enough to keep two
+/// cores busy, and bounds the pipeline's chunk memory.
+const CHUNK_BYTES_IN_FLIGHT: u32 = 24 * 1024 * 1024;
+/// Packs being uploaded at once; each holds its full pack in memory.
+const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 2;
+/// Write an index checkpoint after this many packs, so an interrupted
+/// backup's packs are found by their index and not by reading trailers.
+const INDEX_CHECKPOINT_PACKS: usize = 32;
+/// Bytes per read(2) call from the source.
+const READ_BLOCK_BYTES: usize = 256 * 1024;
+/// Default zstd level: level 1 keeps compression from being the bottleneck
+/// on two cores (see docs/benchmarks.md for the measurement).
+pub const DEFAULT_COMPRESSION_LEVEL: i32 = 1;
+
+/// Which snapshot a backup is incremental against.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParentPolicy {
+    /// The newest snapshot with the same source and hostname, if any.
+    LatestForSource,
+    /// This snapshot.
+    Snapshot(ObjectId),
+    /// Read everything.
+    None,
+}
+
+/// What to back up and how.
+#[derive(Debug, Clone)]
+pub struct BackupOptions {
+    /// The directory to back up.
+    pub source: PathBuf,
+    /// How the snapshot names its source; defaults to the absolute path.
+    pub source_label: Option<String>,
+    /// Hostname (or stage pod) recorded in the snapshot.
+    pub hostname: String,
+    /// Incremental parent.
+    pub parent: ParentPolicy,
+    /// User tags.
+    pub tags: BTreeMap<String, String>,
+    /// zstd level.
+    pub compression_level: i32,
+    /// Limit on reading the source.
+    pub read_throttle: Throttle,
+    /// Chunks hashed and compressed at once.
+    pub parallelism: usize,
+}
+
+impl BackupOptions {
+    /// Defaults for backing up `source`.
+    pub fn new(source: impl Into<PathBuf>) -> Self {
+        BackupOptions {
+            source: source.into(),
+            source_label: None,
+            hostname: hostname(),
+            parent: ParentPolicy::LatestForSource,
+            tags: BTreeMap::new(),
+            compression_level: DEFAULT_COMPRESSION_LEVEL,
+            read_throttle: Throttle::unlimited(),
+            parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()) + 1,
+        }
+    }
+}
+
+/// This machine's hostname, or `localhost`.
+pub fn hostname() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The result of a backup.
+#[derive(Debug, Clone)]
+pub struct BackupOutcome {
+    /// The new snapshot's id.
+    pub snapshot_id: ObjectId,
+    /// The manifest written.
+    pub snapshot: Snapshot,
+}
+
+/// What the walker tells the rest of the pipeline, in walk order.
+enum WalkItem {
+    DirectoryStart(Entry),
+    DirectoryEnd,
+    FileStart(Entry),
+    Chunk(Vec<u8>, OwnedSemaphorePermit),
+    Hole(u64),
+    FileEnd(Option<(String, String)>),
+    FileAborted(String, String),
+    Unchanged(Entry),
+    HardlinkRepeat(Entry),
+    Leaf(Entry),
+    Warning(String, String),
+}
+
+/// A walk item after hashing.
+enum Processed {
+    Item(WalkItem),
+    Chunk {
+        id: BlobId,
+        raw_length: u32,
+        new_blob: Option<(Compression, Vec<u8>)>,
+        _permit: OwnedSemaphorePermit,
+    },
+}
+
+/// State shared by the walker and the hashing stage.
+struct Shared {
+    repository: Repository,
+    index: Arc<BlobIndex>,
+    /// Blobs claimed by this backup, so two identical new chunks in flight
+    /// are stored once.
+    claimed: Mutex<HashSet<BlobId>>,
+    progress: Arc<Progress>,
+}
+
+impl Shared {
+    /// True if this blob must be stored (unknown, and not claimed yet).
+    fn claim(&self, id: &BlobId) -> bool {
+        !self.index.contains(id) && self.claimed.lock().expect("claim set").insert(*id)
+    }
+}
+
+/// Back up `options.source` into `repository`.
+pub async fn backup(
+    repository: &Repository,
+    options: BackupOptions,
+    progress: Arc<Progress>,
+    cancel: CancellationToken,
+) -> Result<BackupOutcome, EngineError> {
+    let started = Instant::now();
+    let start_time = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    let source = std::path::absolute(&options.source).map_err(|error| EngineError::Source {
+        path: options.source.clone(),
+        reason: error.to_string(),
+    })?;
+    let root_metadata = fs::metadata(&source).map_err(|error| EngineError::Source {
+        path: source.clone(),
+        reason: error.to_string(),
+    })?;
+    if !root_metadata.is_dir() {
+        return Err(EngineError::Source {
+            path: source,
+            reason: "not a directory".into(),
+        });
+    }
+    let label = options
+        .source_label
+        .clone()
+        .unwrap_or_else(|| source.display().to_string());
+
+    let loaded = repository.load_index().await?;
+    let index = Arc::new(loaded.index);
+    let parent = find_parent(repository, &options, &label).await?;
+    let parent_root = match &parent {
+        Some((_, snapshot)) => Some(repository.load_tree(&index, &snapshot.tree).await?),
+        None => None,
+    };
+
+    let shared = Arc::new(Shared {
+        repository: repository.clone(),
+        index: index.clone(),
+        claimed: Mutex::new(HashSet::new()),
+        progress: progress.clone(),
+    });
+
+    // Totals for ETA, from a cheap lstat-only scan running alongside.
+    let scan_cancel = cancel.child_token();
+    let scan = {
+        let source = source.clone();
+        let progress = progress.clone();
+        let scan_cancel = scan_cancel.clone();
+        tokio::task::spawn_blocking(move || scan_totals(&source, &progress, &scan_cancel))
+    };
+
+    let (items_tx, items_rx) = mpsc::channel(WALK_CHANNEL_CAPACITY);
+    let walker = {
+        let context = WalkContext {
+            shared: shared.clone(),
+            chunker: repository.chunker(),
+            throttle: options.read_throttle.clone(),
+            handle: tokio::runtime::Handle::current(),
+            chunk_budget: Arc::new(Semaphore::new(CHUNK_BYTES_IN_FLIGHT as usize)),
+            cancel: cancel.clone(),
+            items: items_tx,
+            hardlinks_seen: HashSet::new(),
+        };
+        let source = source.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut context = context;
+            context.walk_root(&source, parent_root)
+        })
+    };
+
+    let level = options.compression_level;
+    let processed = tokio_stream_from(items_rx)
+        .map(|item| {
+            let shared = shared.clone();
+            async move {
+                match item {
+                    WalkItem::Chunk(data, permit) => {
+                        run_blocking(move || hash_and_compress(&shared, data, level, permit)).await
+                    }
+                    other => Processed::Item(other),
+                }
+            }
+        })
+        .buffered(options.parallelism.max(1));
+
+    let mut assembler = Assembler::new(repository.clone(), shared.clone(), progress.clone());
+    let assembled = assembler.run(processed, &cancel).await;
+    let walk_result = walker
+        .await
+        .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
+    scan_cancel.cancel();
+    let _ = scan.await;
+    let root_tree = match (assembled, walk_result) {
+        (Err(error), _) => return Err(error),
+        (Ok(_), Err(error)) => return Err(error),
+        (Ok(root), Ok(())) => root.ok_or_else(|| EngineError::Source {
+            path: source.clone(),
+            reason: "walk ended without the root directory".into(),
+        })?,
+    };
+    if cancel.is_cancelled() {
+        return Err(EngineError::Cancelled);
+    }
+
+    // Packs are stored; now the index (including adopted packs), then the
+    // snapshot.
+    let mut pending_index = assembler.packer.finish().await?;
+    pending_index.extend(loaded.unindexed_packs);
+    if !pending_index.is_empty() {
+        repository.write_index(pending_index).await?;
+    }
+    let stats = &assembler.stats;
+    let snapshot = Snapshot {
+        format_version: crate::repo::config::FORMAT_VERSION,
+        time: start_time,
+        hostname: options.hostname.clone(),
+        source: label,
+        tree: root_tree,
+        root: RootAttributes {
+            mode: root_metadata.mode() & 0o7777,
+            uid: root_metadata.uid(),
+            gid: root_metadata.gid(),
+            mtime_seconds: root_metadata.mtime(),
+            mtime_nanos: root_metadata.mtime_nsec() as u32,
+            xattrs: read_xattrs(&source).unwrap_or_default(),
+        },
+        parent: parent.map(|(id, _)| id),
+        tags: options.tags.clone(),
+        summary: SnapshotSummary {
+            files: stats.files,
+            directories: stats.directories,
+            other_entries: stats.other_entries,
+            total_bytes: stats.total_bytes,
+            bytes_read: progress.snapshot().bytes_transferred,
+            bytes_new: assembler.packer.bytes_new,
+            bytes_stored: assembler.packer.bytes_stored,
+            files_unchanged: stats.files_unchanged,
+            packs_written: assembler.packer.packs_written,
+            duration_seconds: started.elapsed().as_secs_f64(),
+            warning_count: stats.warning_count,
+            warnings: stats.warnings.clone(),
+        },
+    };
+    let snapshot_id = repository.write_snapshot(&snapshot).await?;
+    Ok(BackupOutcome {
+        snapshot_id,
+        snapshot,
+    })
+}
+
+fn tokio_stream_from<T: Send + 'static>(
+    mut receiver: mpsc::Receiver<T>,
+) -> impl futures::Stream<Item = T> {
+    futures::stream::poll_fn(move |context| receiver.poll_recv(context))
+}
+
+async fn find_parent(
+    repository: &Repository,
+    options: &BackupOptions,
+    label: &str,
+) -> Result<Option<(ObjectId, Snapshot)>, EngineError> {
+    match &options.parent {
+        ParentPolicy::None => Ok(None),
+        ParentPolicy::Snapshot(id) => Ok(Some((*id, repository.load_snapshot(id).await?))),
+        ParentPolicy::LatestForSource => {
+            let (snapshots, _) = repository.list_snapshots().await?;
+            Ok(snapshots.into_iter().rev().find(|(_, snapshot)| {
+                snapshot.source == label && snapshot.hostname == options.hostname
+            }))
+        }
+    }
+}
+
+fn hash_and_compress(
+    shared: &Shared,
+    data: Vec<u8>,
+    level: i32,
+    permit: OwnedSemaphorePermit,
+) -> Processed {
+    let id = shared.repository.keys().blob_id(&data);
+    let raw_length = data.len() as u32;
+    let new_blob = shared.claim(&id).then(|| compress(data, level));
+    Processed::Chunk {
+        id,
+        raw_length,
+        new_blob,
+        _permit: permit,
+    }
+}
+
+/// zstd-compress, or keep the plaintext when compression does not shrink it.
+fn compress(data: Vec<u8>, level: i32) -> (Compression, Vec<u8>) {
+    match zstd::bulk::compress(&data, level) {
+        Ok(compressed) if compressed.len() < data.len() => (Compression::Zstd, compressed),
+        _ => (Compression::None, data),
+    }
+}
+
+/// Lstat-only walk that fills in the progress totals.
+fn scan_totals(root: &Path, progress: &Progress, cancel: &CancellationToken) {
+    use std::sync::atomic::Ordering;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        if cancel.is_cancelled() {
+            return;
+        }
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(file_type) = entry.file_type() else {
+                continue;
+            };
+            if file_type.is_dir() {
+                stack.push(entry.path());
+            } else if file_type.is_file() {
+                if let Ok(metadata) = entry.metadata() {
+                    progress
+                        .total_bytes
+                        .fetch_add(metadata.len(), Ordering::Relaxed);
+                }
+                progress.total_files.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    progress.totals_known.store(true, Ordering::Release);
+}
+
+/// The walker's state; runs on one blocking thread.
+struct WalkContext {
+    shared: Arc<Shared>,
+    chunker: Chunker,
+    throttle: Throttle,
+    handle: tokio::runtime::Handle,
+    chunk_budget: Arc<Semaphore>,
+    cancel: CancellationToken,
+    items: mpsc::Sender<WalkItem>,
+    /// (device, inode) of multiply-linked files already emitted.
+    hardlinks_seen: HashSet<(u64, u64)>,
+}
+
+/// Metadata of a path as a tree entry (without content).
+fn entry_from_metadata(name: &[u8], kind: EntryKind, metadata: &Metadata) -> Entry {
+    Entry {
+        name: ByteBuf::from(name.to_vec()),
+        kind,
+        mode: metadata.mode() & 0o7777,
+        uid: metadata.uid(),
+        gid: metadata.gid(),
+        mtime_seconds: metadata.mtime(),
+        mtime_nanos: metadata.mtime_nsec() as u32,
+        ctime_seconds: metadata.ctime(),
+        ctime_nanos: metadata.ctime_nsec() as u32,
+        inode: metadata.ino(),
+        device: metadata.dev(),
+        links: metadata.nlink(),
+        size: if kind == EntryKind::File {
+            metadata.len()
+        } else {
+            0
+        },
+        content: Vec::new(),
+        subtree: None,
+        link_target: None,
+        rdev: metadata.rdev(),
+        xattrs: Vec::new(),
+    }
+}
+
+fn kind_of(metadata: &Metadata) -> EntryKind {
+    use std::os::unix::fs::FileTypeExt;
+    let file_type = metadata.file_type();
+    if file_type.is_dir() {
+        EntryKind::Directory
+    } else if file_type.is_symlink() {
+        EntryKind::Symlink
+    } else if file_type.is_fifo() {
+        EntryKind::Fifo
+    } else if file_type.is_socket() {
+        EntryKind::Socket
+    } else if file_type.is_char_device() {
+        EntryKind::CharDevice
+    } else if file_type.is_block_device() {
+        EntryKind::BlockDevice
+    } else {
+        EntryKind::File
+    }
+}
+
+/// Extended attributes of a path, without following a symlink.
+fn read_xattrs(path: &Path) -> io::Result<Vec<Xattr>> {
+    let mut names = vec![0u8; 4096];
+    let length = loop {
+        match rustix::fs::llistxattr(path, &mut names) {
+            Ok(length) => break length,
+            Err(rustix::io::Errno::RANGE) => names.resize(names.len() * 4, 0),
+            Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
+            Err(error) => return Err(error.into()),
+        }
+    };
+    let mut xattrs = Vec::new();
+    for name in names[..length]
+        .split(|byte| *byte == 0)
+        .filter(|name| !name.is_empty())
+    {
+        let mut value = vec![0u8; 1024];
+        let value_length = loop {
+            match rustix::fs::lgetxattr(path, name, &mut value) {
+                Ok(length) => break Some(length),
+                Err(rustix::io::Errno::RANGE) if value.len() < 1 << 20 => {
+                    value.resize(value.len() * 8, 0)
+                }
+                // Vanished meanwhile, or not readable by us: skip that one.
+                Err(_) => break None,
+            }
+        };
+        if let Some(value_length) = value_length {
+            value.truncate(value_length);
+            xattrs.push(Xattr {
+                name: ByteBuf::from(name.to_vec()),
+                value: ByteBuf::from(value),
+            });
+        }
+    }
+    Ok(xattrs)
+}
+
+fn relative_display(relative: &Path) -> String {
+    relative.display().to_string()
+}
+
+impl WalkContext {
+    fn send(&self, item: WalkItem) -> Result<(), EngineError> {
+        if self.cancel.is_cancelled() {
+            return Err(EngineError::Cancelled);
+        }
+        self.items
+            .blocking_send(item)
+            .map_err(|_| EngineError::Cancelled)
+    }
+
+    fn warn(&self, relative: &Path, message: impl Into<String>) -> Result<(), EngineError> {
+        Progress::add(&self.shared.progress.warnings, 1);
+        self.send(WalkItem::Warning(
+            relative_display(relative),
+            message.into(),
+        ))
+    }
+
+    fn walk_root(&mut self, root: &Path, parent: Option<Tree>) -> Result<(), EngineError> {
+        let metadata = fs::symlink_metadata(root).map_err(|error| EngineError::Source {
+            path: root.to_path_buf(),
+            reason: error.to_string(),
+        })?;
+        let mut entry = entry_from_metadata(b"", EntryKind::Directory, &metadata);
+        entry.xattrs = read_xattrs(root).unwrap_or_default();
+        self.send(WalkItem::DirectoryStart(entry))?;
+        self.walk_directory(root, Path::new(""), parent.as_ref())?;
+        self.send(WalkItem::DirectoryEnd)
+    }
+
+    fn load_parent_subtree(&self, parent: Option<&Tree>, name: &[u8]) -> Option<Tree> {
+        let subtree = parent?
+            .find(name)
+            .filter(|entry| entry.kind == EntryKind::Directory)?
+            .subtree?;
+        let repository = &self.shared.repository;
+        // A parent tree that cannot be read only costs reading the files.
+        self.handle
+            .block_on(repository.load_tree(&self.shared.index, &subtree))
+            .ok()
+    }
+
+    fn walk_directory(
+        &mut self,
+        path: &Path,
+        relative: &Path,
+        parent: Option<&Tree>,
+    ) -> Result<(), EngineError> {
+        let mut names: Vec<OsString> = match fs::read_dir(path) {
+            Ok(entries) => entries
+                .filter_map(|entry| entry.ok().map(|entry| entry.file_name()))
+                .collect(),
+            Err(error) => {
+                return self.warn(
+                    relative,
+                    format!("cannot list directory, stored empty: {error}"),
+                );
+            }
+        };
+        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        for name in names {
+            if self.cancel.is_cancelled() {
+                return Err(EngineError::Cancelled);
+            }
+            let child_path = path.join(&name);
+            let child_relative = relative.join(&name);
+            let name_bytes = name.into_vec();
+            let metadata = match fs::symlink_metadata(&child_path) {
+                Ok(metadata) => metadata,
+                Err(error) => {
+                    self.warn(
+                        &child_relative,
+                        format!("vanished or unreadable, skipped: {error}"),
+                    )?;
+                    continue;
+                }
+            };
+            let kind = kind_of(&metadata);
+            let mut entry = entry_from_metadata(&name_bytes, kind, &metadata);
+            entry.xattrs = read_xattrs(&child_path).unwrap_or_default();
+            match kind {
+                EntryKind::Directory => {
+                    let parent_subtree = self.load_parent_subtree(parent, &name_bytes);
+                    self.send(WalkItem::DirectoryStart(entry))?;
+                    self.walk_directory(&child_path, &child_relative, parent_subtree.as_ref())?;
+                    self.send(WalkItem::DirectoryEnd)?;
+                }
+                EntryKind::File => {
+                    self.walk_file(&child_path, &child_relative, entry, parent)?;
+                }
+                EntryKind::Symlink => match fs::read_link(&child_path) {
+                    Ok(target) => {
+                        entry.link_target = Some(ByteBuf::from(target.into_os_string().into_vec()));
+                        self.send(WalkItem::Leaf(entry))?;
+                    }
+                    Err(error) => self.warn(
+                        &child_relative,
+                        format!("cannot read symlink, skipped: {error}"),
+                    )?,
+                },
+                EntryKind::Fifo
+                | EntryKind::Socket
+                | EntryKind::CharDevice
+                | EntryKind::BlockDevice => self.send(WalkItem::Leaf(entry))?,
+            }
+        }
+        Ok(())
+    }
+
+    fn walk_file(
+        &mut self,
+        path: &Path,
+        relative: &Path,
+        entry: Entry,
+        parent: Option<&Tree>,
+    ) -> Result<(), EngineError> {
+        let progress = self.shared.progress.clone();
+        if let Some(previous) = parent.and_then(|tree| tree.find(&entry.name))
+            && previous.kind == EntryKind::File
+            && previous.size == entry.size
+            && previous.mtime_seconds == entry.mtime_seconds
+            && previous.mtime_nanos == entry.mtime_nanos
+            && previous.ctime_seconds == entry.ctime_seconds
+            && previous.ctime_nanos == entry.ctime_nanos
+            && previous.inode == entry.inode
+            && previous.content.iter().all(|extent| match extent {
+                Extent::Chunk(id, _) => self.shared.index.contains(id),
+                Extent::Hole(_) => true,
+            })
+        {
+            let mut unchanged = entry;
+            unchanged.content = previous.content.clone();
+            if unchanged.links > 1 {
+                self.hardlinks_seen
+                    .insert((unchanged.device, unchanged.inode));
+            }
+            Progress::add(&progress.bytes_done, unchanged.size);
+            Progress::add(&progress.files_done, 1);
+            return self.send(WalkItem::Unchanged(unchanged));
+        }
+        if entry.links > 1 && !self.hardlinks_seen.insert((entry.device, entry.inode)) {
+            Progress::add(&progress.bytes_done, entry.size);
+            Progress::add(&progress.files_done, 1);
+            return self.send(WalkItem::HardlinkRepeat(entry));
+        }
+        // O_NONBLOCK: if a FIFO was swapped in after lstat, open must not hang.
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc_flags())
+            .open(path);
+        let file = match file {
+            Ok(file) => file,
+            Err(error) => {
+                return self.warn(relative, format!("cannot open, skipped: {error}"));
+            }
+        };
+        let before = match file.metadata() {
+            Ok(metadata) if metadata.is_file() => metadata,
+            Ok(_) => return self.warn(relative, "changed type while being backed up, skipped"),
+            Err(error) => return self.warn(relative, format!("cannot stat, skipped: {error}")),
+        };
+        self.send(WalkItem::FileStart(entry))?;
+        match self.read_file_content(file, &before) {
+            Ok(after) => {
+                let changed = after.len() != before.len()
+                    || after.mtime() != before.mtime()
+                    || after.mtime_nsec() != before.mtime_nsec()
+                    || after.ctime() != before.ctime()
+                    || after.ctime_nsec() != before.ctime_nsec();
+                Progress::add(&progress.files_done, 1);
+                let warning = changed.then(|| {
+                    Progress::add(&progress.warnings, 1);
+                    (
+                        relative_display(relative),
+                        "changed while being read; the copy may mix old and new content"
+                            .to_string(),
+                    )
+                });
+                self.send(WalkItem::FileEnd(warning))
+            }
+            Err(ReadFailure::Cancelled) => Err(EngineError::Cancelled),
+            Err(ReadFailure::Io(error)) => {
+                Progress::add(&progress.warnings, 1);
+                self.send(WalkItem::FileAborted(
+                    relative_display(relative),
+                    format!("read failed, skipped: {error}"),
+                ))
+            }
+        }
+    }
+
+    /// Read and chunk a file, data regions only (holes are skipped with
+    /// SEEK_DATA/SEEK_HOLE when the file has any).
+    fn read_file_content(
+        &mut self,
+        mut file: File,
+        before: &Metadata,
+    ) -> Result<Metadata, ReadFailure> {
+        let size = before.len();
+        let may_have_holes = before.blocks() * 512 < size;
+        let mut position = 0u64;
+        if may_have_holes {
+            loop {
+                let data_start = match rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(position))
+                {
+                    Ok(offset) => offset,
+                    // No data after `position`: the rest is a hole.
+                    Err(rustix::io::Errno::NXIO) => size.max(position),
+                    Err(error) => return Err(ReadFailure::Io(error.into())),
+                };
+                if data_start > position {
+                    self.send(WalkItem::Hole(data_start - position))
+                        .map_err(|_| ReadFailure::Cancelled)?;
+                }
+                if data_start >= size {
+                    position = data_start;
+                    break;
+                }
+                let hole_start = rustix::fs::seek(&file, rustix::fs::SeekFrom::Hole(data_start))
+                    .map_err(|error| ReadFailure::Io(error.into()))?;
+                rustix::fs::seek(&file, rustix::fs::SeekFrom::Start(data_start))
+                    .map_err(|error| ReadFailure::Io(error.into()))?;
+                let region_end = if hole_start >= size {
+                    None
+                } else {
+                    Some(hole_start)
+                };
+                let read = self.chunk_region(&mut file, region_end.map(|end| end - data_start))?;
+                position = data_start + read;
+                if region_end.is_none() {
+                    break;
+                }
+            }
+        } else {
+            position = self.chunk_region(&mut file, None)?;
+        }
+        let _ = position;
+        file.metadata().map_err(ReadFailure::Io)
+    }
+
+    /// Read `limit` bytes (or to the end) from the current position and send
+    /// them as chunks; returns the bytes read.
+    fn chunk_region(&mut self, file: &mut File, limit: Option<u64>) -> Result<u64, ReadFailure> {
+        let max = self.chunker.parameters().max_bytes as usize;
+        let block = READ_BLOCK_BYTES.min(self.throttle.max_request_bytes());
+        let mut pending: Vec<u8> = Vec::new();
+        let mut remaining = limit.unwrap_or(u64::MAX);
+        let mut total = 0u64;
+        let mut at_end = false;
+        loop {
+            while pending.len() < max && !at_end {
+                let want = block
+                    .min(max - pending.len())
+                    .min(remaining.min(usize::MAX as u64) as usize);
+                if want == 0 {
+                    at_end = true;
+                    break;
+                }
+                self.throttle.acquire_blocking(&self.handle, want);
+                let start = pending.len();
+                pending.resize(start + want, 0);
+                let read = loop {
+                    match file.read(&mut pending[start..]) {
+                        Ok(read) => break read,
+                        Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(error) => return Err(ReadFailure::Io(error)),
+                    }
+                };
+                pending.truncate(start + read);
+                if read == 0 {
+                    at_end = true;
+                }
+                remaining -= read as u64;
+                total += read as u64;
+                Progress::add(&self.shared.progress.bytes_transferred, read as u64);
+                Progress::add(&self.shared.progress.bytes_done, read as u64);
+            }
+            if pending.is_empty() {
+                return Ok(total);
+            }
+            let cut = self.chunker.cut(&pending);
+            let chunk = if cut == pending.len() {
+                std::mem::take(&mut pending)
+            } else {
+                let rest = pending.split_off(cut);
+                std::mem::replace(&mut pending, rest)
+            };
+            self.send_chunk(chunk)?;
+        }
+    }
+
+    fn send_chunk(&self, chunk: Vec<u8>) -> Result<(), ReadFailure> {
+        // An all-zero chunk is a hole: it costs no storage and restores as one.
+        if chunk.iter().all(|byte| *byte == 0) {
+            return self
+                .send(WalkItem::Hole(chunk.len() as u64))
+                .map_err(|_| ReadFailure::Cancelled);
+        }
+        let permits = (chunk.len() as u32).min(CHUNK_BYTES_IN_FLIGHT);
+        let permit = self
+            .handle
+            .block_on(self.chunk_budget.clone().acquire_many_owned(permits))
+            .map_err(|_| ReadFailure::Cancelled)?;
+        self.send(WalkItem::Chunk(chunk, permit))
+            .map_err(|_| ReadFailure::Cancelled)
+    }
+}
+
+enum ReadFailure {
+    Cancelled,
+    Io(io::Error),
+}
+
+/// Open flags for source files: never follow a symlink, never block on a
+/// FIFO swapped in after lstat.
+fn libc_flags() -> i32 {
+    (rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::CLOEXEC)
+        .bits() as i32
+}
+
+/// Counters of what the snapshot contains.
+#[derive(Debug, Default)]
+struct Stats {
+    files: u64,
+    directories: u64,
+    other_entries: u64,
+    total_bytes: u64,
+    files_unchanged: u64,
+    warning_count: u64,
+    warnings: Vec<FileWarning>,
+}
+
+impl Stats {
+    fn warn(&mut self, path: String, message: String) {
+        self.warning_count += 1;
+        if self.warnings.len() < MAX_RECORDED_WARNINGS {
+            self.warnings.push(FileWarning { path, message });
+        }
+    }
+}
+
+/// Puts processed items back together into file entries and trees, and
+/// feeds new blobs to the packer.
+struct Assembler {
+    shared: Arc<Shared>,
+    packer: Packer,
+    stats: Stats,
+    progress: Arc<Progress>,
+    /// Open directories: the entry (None for the root is never used) and
+    /// the children collected so far.
+    directories: Vec<(Entry, Vec<Entry>)>,
+    current_file: Option<Entry>,
+    hardlink_content: HashMap<(u64, u64), Vec<Extent>>,
+}
+
+impl Assembler {
+    fn new(repository: Repository, shared: Arc<Shared>, progress: Arc<Progress>) -> Self {
+        Assembler {
+            packer: Packer::new(repository, progress.clone()),
+            shared,
+            stats: Stats::default(),
+            progress,
+            directories: Vec::new(),
+            current_file: None,
+            hardlink_content: HashMap::new(),
+        }
+    }
+
+    /// Consume the pipeline; returns the root tree id.
+    async fn run(
+        &mut self,
+        processed: impl futures::Stream<Item = Processed>,
+        cancel: &CancellationToken,
+    ) -> Result<Option<BlobId>, EngineError> {
+        let mut processed = std::pin::pin!(processed);
+        let mut root = None;
+        loop {
+            let next = tokio::select! {
+                next = processed.next() => next,
+                () = cancel.cancelled() => return Err(EngineError::Cancelled),
+            };
+            let Some(next) = next else { break };
+            if let Some(id) = self.handle(next).await? {
+                root = Some(id);
+            }
+        }
+        Ok(root)
+    }
+
+    async fn handle(&mut self, processed: Processed) -> Result<Option<BlobId>, EngineError> {
+        let item = match processed {
+            Processed::Chunk {
+                id,
+                raw_length,
+                new_blob,
+                _permit,
+            } => {
+                if let Some((compression, stored)) = new_blob {
+                    self.packer
+                        .add(id, BlobKind::Data, compression, stored, raw_length)
+                        .await?;
+                }
+                if let Some(file) = &mut self.current_file {
+                    file.content.push(Extent::Chunk(id, raw_length));
+                }
+                return Ok(None);
+            }
+            Processed::Item(item) => item,
+        };
+        match item {
+            WalkItem::DirectoryStart(entry) => self.directories.push((entry, Vec::new())),
+            WalkItem::DirectoryEnd => {
+                let (mut entry, children) = self
+                    .directories
+                    .pop()
+                    .expect("walker emits balanced directory items");
+                let id = self.store_tree(Tree { entries: children }).await?;
+                entry.subtree = Some(id);
+                self.stats.directories += 1;
+                match self.directories.last_mut() {
+                    Some((_, siblings)) => siblings.push(entry),
+                    None => return Ok(Some(id)),
+                }
+            }
+            WalkItem::FileStart(entry) => self.current_file = Some(entry),
+            WalkItem::Chunk(..) => unreachable!("chunks are processed before assembly"),
+            WalkItem::Hole(length) => {
+                if let Some(file) = &mut self.current_file {
+                    match file.content.last_mut() {
+                        Some(Extent::Hole(previous)) => *previous += length,
+                        _ => file.content.push(Extent::Hole(length)),
+                    }
+                }
+            }
+            WalkItem::FileEnd(warning) => {
+                let mut file = self
+                    .current_file
+                    .take()
+                    .expect("file end follows file start");
+                file.size = file.content.iter().map(Extent::length).sum();
+                if let Some((path, message)) = warning {
+                    self.stats.warn(path, message);
+                }
+                if file.links > 1 {
+                    self.hardlink_content
+                        .insert((file.device, file.inode), file.content.clone());
+                }
+                self.push_file(file);
+            }
+            WalkItem::FileAborted(path, message) => {
+                self.current_file = None;
+                self.stats.warn(path, message);
+            }
+            WalkItem::Unchanged(entry) => {
+                self.stats.files_unchanged += 1;
+                if entry.links > 1 {
+                    self.hardlink_content
+                        .insert((entry.device, entry.inode), entry.content.clone());
+                }
+                self.push_file(entry);
+            }
+            WalkItem::HardlinkRepeat(mut entry) => {
+                if let Some(content) = self.hardlink_content.get(&(entry.device, entry.inode)) {
+                    entry.content = content.clone();
+                    entry.size = content.iter().map(Extent::length).sum();
+                    self.push_file(entry);
+                } else {
+                    // The first link was skipped with a warning; so is this one.
+                    let name = String::from_utf8_lossy(&entry.name).into_owned();
+                    self.stats.warn(
+                        name,
+                        "hard link to a file that could not be read, skipped".into(),
+                    );
+                }
+            }
+            WalkItem::Leaf(entry) => {
+                self.stats.other_entries += 1;
+                self.push_child(entry);
+            }
+            WalkItem::Warning(path, message) => self.stats.warn(path, message),
+        }
+        Ok(None)
+    }
+
+    fn push_file(&mut self, file: Entry) {
+        self.stats.files += 1;
+        self.stats.total_bytes += file.size;
+        self.push_child(file);
+    }
+
+    fn push_child(&mut self, entry: Entry) {
+        if let Some((_, children)) = self.directories.last_mut() {
+            children.push(entry);
+        }
+    }
+
+    async fn store_tree(&mut self, tree: Tree) -> Result<BlobId, EngineError> {
+        let repository = self.packer.repository.clone();
+        let shared = self.shared.clone();
+        let (id, raw_length, new_blob) = run_blocking(move || {
+            let bytes = tree.encode();
+            let id = repository.keys().blob_id(&bytes);
+            let raw_length = bytes.len() as u32;
+            let new_blob = shared.claim(&id).then(|| compress(bytes, 3));
+            (id, raw_length, new_blob)
+        })
+        .await;
+        if let Some((compression, stored)) = new_blob {
+            self.packer
+                .add(id, BlobKind::Tree, compression, stored, raw_length)
+                .await?;
+        }
+        let _ = &self.progress;
+        Ok(id)
+    }
+}
+
+/// Collects blobs into packs and uploads them, a bounded number at a time.
+struct Packer {
+    repository: Repository,
+    progress: Arc<Progress>,
+    current: PackWriter,
+    uploads: JoinSet<Result<(ObjectId, Vec<PackEntry>), EngineError>>,
+    /// Stored packs not yet named by an index file.
+    unindexed: Vec<(ObjectId, Vec<PackEntry>)>,
+    bytes_new: u64,
+    bytes_stored: u64,
+    packs_written: u64,
+}
+
+impl Packer {
+    fn new(repository: Repository, progress: Arc<Progress>) -> Self {
+        Packer {
+            repository,
+            progress,
+            current: PackWriter::new(),
+            uploads: JoinSet::new(),
+            unindexed: Vec::new(),
+            bytes_new: 0,
+            bytes_stored: 0,
+            packs_written: 0,
+        }
+    }
+
+    async fn add(
+        &mut self,
+        id: BlobId,
+        kind: BlobKind,
+        compression: Compression,
+        stored: Vec<u8>,
+        raw_length: u32,
+    ) -> Result<(), EngineError> {
+        self.bytes_new += u64::from(raw_length);
+        self.bytes_stored += stored.len() as u64;
+        Progress::add(&self.progress.bytes_new, u64::from(raw_length));
+        Progress::add(&self.progress.bytes_stored, stored.len() as u64);
+        self.current.add(id, kind, compression, &stored, raw_length);
+        if self.current.len() >= self.repository.config().pack_target_bytes as usize {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), EngineError> {
+        if self.current.is_empty() {
+            return Ok(());
+        }
+        while self.uploads.len() >= MAX_PACK_UPLOADS_IN_FLIGHT {
+            self.collect_one().await?;
+        }
+        let writer = std::mem::take(&mut self.current);
+        let repository = self.repository.clone();
+        self.uploads.spawn(async move {
+            let pack = run_blocking(move || writer.finish()).await;
+            repository
+                .store()
+                .put(
+                    &repo::pack_key(&pack.id),
+                    Bytes::from(pack.bytes),
+                    PutMode::Overwrite,
+                )
+                .await
+                .map_err(|error| EngineError::store(format!("upload pack {}", pack.id), error))?;
+            Ok((pack.id, pack.entries))
+        });
+        Ok(())
+    }
+
+    async fn collect_one(&mut self) -> Result<(), EngineError> {
+        let Some(result) = self.uploads.join_next().await else {
+            return Ok(());
+        };
+        let (id, entries) =
+            result.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))?;
+        tracing::debug!(pack = %id, blobs = entries.len(), "pack uploaded");
+        self.packs_written += 1;
+        self.unindexed.push((id, entries));
+        if self.unindexed.len() >= INDEX_CHECKPOINT_PACKS {
+            let packs = std::mem::take(&mut self.unindexed);
+            self.repository.write_index(packs).await?;
+        }
+        Ok(())
+    }
+
+    /// Upload what is left and wait for every upload; returns the packs
+    /// that still need an index entry.
+    async fn finish(&mut self) -> Result<Vec<(ObjectId, Vec<PackEntry>)>, EngineError> {
+        self.flush().await?;
+        while !self.uploads.is_empty() {
+            self.collect_one().await?;
+        }
+        Ok(std::mem::take(&mut self.unindexed))
+    }
+}

@@ -1,0 +1,208 @@
+//! Content-defined chunking with FastCDC (2020), gear table seeded per
+//! repository.
+//!
+//! Pure: the chunker finds cut points in a byte slice; reading files is the
+//! engine's job. To get the same cut points as chunking the whole stream at
+//! once, a caller hands [`Chunker::cut`] either at least
+//! [`ChunkerParameters::max_bytes`] bytes or everything up to the end of the
+//! stream.
+
+use std::borrow::Cow;
+
+use fastcdc::v2020;
+use serde::{Deserialize, Serialize};
+
+/// Chunk size bounds, fixed per repository.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChunkerParameters {
+    /// No cut before this many bytes (except at the end of a stream).
+    pub min_bytes: u32,
+    /// Expected chunk size.
+    pub average_bytes: u32,
+    /// A cut is forced at this many bytes.
+    pub max_bytes: u32,
+    /// FastCDC normalization level (0..=3).
+    pub normalization: u8,
+}
+
+impl Default for ChunkerParameters {
+    /// 512 KiB / 1 MiB / 4 MiB: large enough that the index of a terabyte
+    /// volume fits in a stage pod's memory, small enough that an edit costs
+    /// about a megabyte. The 4 MiB maximum bounds the memory each chunk in
+    /// flight can take.
+    fn default() -> Self {
+        ChunkerParameters {
+            min_bytes: 512 * 1024,
+            average_bytes: 1024 * 1024,
+            max_bytes: 4 * 1024 * 1024,
+            normalization: 1,
+        }
+    }
+}
+
+impl ChunkerParameters {
+    /// Check the bounds FastCDC accepts.
+    pub fn validate(&self) -> Result<(), String> {
+        let (min, avg, max) = (
+            self.min_bytes as usize,
+            self.average_bytes as usize,
+            self.max_bytes as usize,
+        );
+        if !(v2020::MINIMUM_MIN..=v2020::MINIMUM_MAX).contains(&min)
+            || !(v2020::AVERAGE_MIN..=v2020::AVERAGE_MAX).contains(&avg)
+            || !(v2020::MAXIMUM_MIN..=v2020::MAXIMUM_MAX).contains(&max)
+        {
+            return Err(format!(
+                "sizes {min}/{avg}/{max} are outside what FastCDC supports"
+            ));
+        }
+        if !(min <= avg && avg <= max) {
+            return Err(format!(
+                "sizes must satisfy min <= average <= max, got {min}/{avg}/{max}"
+            ));
+        }
+        if min % 2 != 0 || avg % 2 != 0 || max % 2 != 0 {
+            return Err("sizes must be even".into());
+        }
+        if self.normalization > 3 {
+            return Err(format!("normalization {} is above 3", self.normalization));
+        }
+        Ok(())
+    }
+}
+
+/// Finds content-defined cut points.
+#[derive(Debug, Clone)]
+pub struct Chunker {
+    parameters: ChunkerParameters,
+    mask_s: u64,
+    mask_l: u64,
+    gear: Cow<'static, [u64]>,
+    gear_ls: Cow<'static, [u64]>,
+}
+
+impl Chunker {
+    /// A chunker for validated parameters and a repository's gear seed.
+    pub fn new(parameters: ChunkerParameters, gear_seed: u64) -> Self {
+        let level = match parameters.normalization {
+            0 => v2020::Normalization::Level0,
+            1 => v2020::Normalization::Level1,
+            2 => v2020::Normalization::Level2,
+            _ => v2020::Normalization::Level3,
+        };
+        let (mask_s, mask_l) = v2020::select_masks(parameters.average_bytes as usize, level);
+        let (gear, gear_ls) = v2020::get_gear_with_seed(gear_seed);
+        Chunker {
+            parameters,
+            mask_s,
+            mask_l,
+            gear,
+            gear_ls,
+        }
+    }
+
+    /// The parameters in use.
+    pub fn parameters(&self) -> &ChunkerParameters {
+        &self.parameters
+    }
+
+    /// Length of the first chunk of `data`. `data` must be at least
+    /// `max_bytes` long unless it is the end of the stream; for an empty
+    /// slice the result is 0.
+    pub fn cut(&self, data: &[u8]) -> usize {
+        if data.is_empty() {
+            return 0;
+        }
+        let (_, length) = v2020::cut_gear(
+            data,
+            self.parameters.min_bytes as usize,
+            self.parameters.average_bytes as usize,
+            self.parameters.max_bytes as usize,
+            self.mask_s,
+            self.mask_l,
+            self.mask_s << 1,
+            self.mask_l << 1,
+            &self.gear,
+            &self.gear_ls,
+        );
+        length.clamp(1, data.len())
+    }
+
+    /// Split a whole in-memory stream into chunk lengths.
+    pub fn chunk_lengths(&self, mut data: &[u8]) -> Vec<usize> {
+        let mut lengths = Vec::new();
+        while !data.is_empty() {
+            let length = self.cut(data);
+            lengths.push(length);
+            data = &data[length..];
+        }
+        lengths
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn small_chunker() -> Chunker {
+        Chunker::new(
+            ChunkerParameters {
+                min_bytes: 1024,
+                average_bytes: 4096,
+                max_bytes: 16384,
+                normalization: 1,
+            },
+            42,
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn chunks_cover_the_input_and_respect_the_bounds(data in proptest::collection::vec(any::<u8>(), 0..100_000)) {
+            let chunker = small_chunker();
+            let lengths = chunker.chunk_lengths(&data);
+            prop_assert_eq!(lengths.iter().sum::<usize>(), data.len());
+            if let Some((_, all_but_last)) = lengths.split_last() {
+                for length in all_but_last {
+                    prop_assert!(*length >= 1024 && *length <= 16384);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_insertion_at_the_front_changes_only_the_first_chunks() {
+        let data: Vec<u8> = (0..2_000_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        let chunker = small_chunker();
+        let mut shifted = b"0123456789".to_vec();
+        shifted.extend_from_slice(&data);
+        let cut_set = |data: &[u8]| {
+            let mut offset = 0;
+            let mut chunks = std::collections::HashSet::new();
+            for length in chunker.chunk_lengths(data) {
+                chunks.insert(data[offset..offset + length].to_vec());
+                offset += length;
+            }
+            chunks
+        };
+        let before = cut_set(&data);
+        let after = cut_set(&shifted);
+        let new = after.difference(&before).count();
+        assert!(new <= 3, "{new} new chunks out of {}", after.len());
+    }
+
+    #[test]
+    fn different_seeds_cut_differently() {
+        let data: Vec<u8> = (0..500_000u32)
+            .map(|i| (i.wrapping_mul(2654435761) >> 7) as u8)
+            .collect();
+        let parameters = *small_chunker().parameters();
+        let a = Chunker::new(parameters, 1).chunk_lengths(&data);
+        let b = Chunker::new(parameters, 2).chunk_lengths(&data);
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,198 @@
+//! Tree blobs: one per directory, listing its entries sorted by name, with
+//! everything needed to recreate them (type, mode, owner, times, content,
+//! link target, device number, xattrs).
+//!
+//! Trees are encoded as CBOR, so names and link targets are byte strings
+//! (Linux names need not be UTF-8). A tree read from a repository is
+//! untrusted: [`Tree::decode`] refuses names that could reach outside the
+//! directory and duplicate names.
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use super::BlobId;
+
+/// What kind of file an entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EntryKind {
+    /// A regular file.
+    File,
+    /// A directory with a subtree.
+    Directory,
+    /// A symbolic link.
+    Symlink,
+    /// A named pipe; never opened for reading during backup.
+    Fifo,
+    /// A Unix socket; recorded, not restorable as a live socket.
+    Socket,
+    /// A character device; never opened during backup.
+    CharDevice,
+    /// A block device; never opened during backup.
+    BlockDevice,
+}
+
+/// A piece of a file's content.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Extent {
+    /// A stored chunk and its plaintext length.
+    Chunk(BlobId, u32),
+    /// A hole of this many bytes: stores nothing, restored as a hole.
+    Hole(u64),
+}
+
+impl Extent {
+    /// Bytes of file content this extent covers.
+    pub fn length(&self) -> u64 {
+        match self {
+            Extent::Chunk(_, length) => u64::from(*length),
+            Extent::Hole(length) => *length,
+        }
+    }
+}
+
+/// An extended attribute.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Xattr {
+    /// Full name, e.g. `user.comment`.
+    pub name: ByteBuf,
+    /// Raw value.
+    pub value: ByteBuf,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Name within the directory (one path component, any bytes but `/` and NUL).
+    pub name: ByteBuf,
+    /// File type.
+    pub kind: EntryKind,
+    /// Permission bits including setuid, setgid and sticky (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Owner.
+    pub uid: u32,
+    /// Group.
+    pub gid: u32,
+    /// Modification time, seconds since the epoch.
+    pub mtime_seconds: i64,
+    /// Nanoseconds part of the modification time.
+    pub mtime_nanos: u32,
+    /// Change time, seconds (used to decide if a file can be skipped next time).
+    pub ctime_seconds: i64,
+    /// Nanoseconds part of the change time.
+    pub ctime_nanos: u32,
+    /// Inode number at backup time.
+    pub inode: u64,
+    /// Device number of the filesystem at backup time.
+    pub device: u64,
+    /// Hard link count at backup time; above 1, entries with the same
+    /// (device, inode) are restored as hard links.
+    pub links: u64,
+    /// Size in bytes (for files, the sum of the extents).
+    pub size: u64,
+    /// Content of a file.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub content: Vec<Extent>,
+    /// Tree of a directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subtree: Option<BlobId>,
+    /// Target of a symlink, verbatim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_target: Option<ByteBuf>,
+    /// Device number of a device node.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rdev: u64,
+    /// Extended attributes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub xattrs: Vec<Xattr>,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
+/// The entries of one directory, sorted by name bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tree {
+    /// The entries.
+    pub entries: Vec<Entry>,
+}
+
+/// A name in a tree that a restore must refuse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NameError {
+    /// Empty name.
+    #[error("empty entry name")]
+    Empty,
+    /// `.` or `..`.
+    #[error("entry name {0:?} refers to a directory itself or its parent")]
+    DotOrDotDot(String),
+    /// Contains a `/` or NUL.
+    #[error("entry name {0:?} contains a path separator or NUL byte")]
+    Separator(String),
+}
+
+/// Check that `name` is one path component that stays inside its directory.
+pub fn validate_name(name: &[u8]) -> Result<(), NameError> {
+    let shown = || String::from_utf8_lossy(name).into_owned();
+    if name.is_empty() {
+        return Err(NameError::Empty);
+    }
+    if name == b"." || name == b".." {
+        return Err(NameError::DotOrDotDot(shown()));
+    }
+    if name.iter().any(|byte| *byte == b'/' || *byte == 0) {
+        return Err(NameError::Separator(shown()));
+    }
+    Ok(())
+}
+
+/// A tree blob that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TreeError {
+    /// Not valid CBOR of the tree shape.
+    #[error("tree is not valid: {0}")]
+    Malformed(String),
+}
+
+impl Tree {
+    /// Encode as CBOR.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        ciborium::into_writer(self, &mut bytes).expect("in-memory CBOR encoding");
+        bytes
+    }
+
+    /// Decode CBOR. Names are not checked here; see [`validate_name`].
+    pub fn decode(bytes: &[u8]) -> Result<Self, TreeError> {
+        ciborium::from_reader(bytes).map_err(|error| TreeError::Malformed(error.to_string()))
+    }
+
+    /// Find an entry by name (entries are sorted).
+    pub fn find(&self, name: &[u8]) -> Option<&Entry> {
+        self.entries
+            .binary_search_by(|entry| entry.name.as_slice().cmp(name))
+            .ok()
+            .map(|index| &self.entries[index])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_that_leave_the_directory_are_refused() {
+        for bad in [&b""[..], b".", b"..", b"a/b", b"/etc", b"nul\0byte"] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+        for good in [
+            &b"a"[..],
+            b"...",
+            b".hidden",
+            b"\xff\xfe",
+            "ünïcode".as_bytes(),
+        ] {
+            assert!(validate_name(good).is_ok(), "{good:?}");
+        }
+    }
+}

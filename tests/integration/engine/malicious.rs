@@ -1,0 +1,198 @@
+//! Hand-crafted snapshots that try to write outside the target are refused
+//! and nothing is written outside.
+
+use std::os::unix::ffi::OsStrExt;
+
+use bytes::Bytes;
+use haulage::engine::Repository;
+use haulage::repo::pack::PackWriter;
+use haulage::repo::snapshot::{RootAttributes, Snapshot, SnapshotSummary};
+use haulage::repo::tree::{Entry, EntryKind, Extent, Tree};
+use haulage::repo::{BlobId, BlobKind, Compression, ObjectId, pack_key};
+use haulage::store::PutMode;
+use serde_bytes::ByteBuf;
+
+use super::support::TestRepo;
+
+/// Stores blobs in one pack with an index, as a hostile writer could.
+struct Forger {
+    pack: PackWriter,
+}
+
+impl Forger {
+    fn blob(&mut self, repository: &Repository, kind: BlobKind, bytes: &[u8]) -> BlobId {
+        let id = repository.keys().blob_id(bytes);
+        self.pack
+            .add(id, kind, Compression::None, bytes, bytes.len() as u32);
+        id
+    }
+
+    async fn finish(self, repository: &Repository, root: BlobId) -> ObjectId {
+        let pack = self.pack.finish();
+        repository
+            .store()
+            .put(
+                &pack_key(&pack.id),
+                Bytes::from(pack.bytes),
+                PutMode::Overwrite,
+            )
+            .await
+            .unwrap();
+        repository
+            .write_index(vec![(pack.id, pack.entries)])
+            .await
+            .unwrap();
+        repository
+            .write_snapshot(&Snapshot {
+                format_version: 1,
+                time: "2026-11-29T00:00:00Z".into(),
+                hostname: "attacker".into(),
+                source: "/".into(),
+                tree: root,
+                root: RootAttributes {
+                    mode: 0o755,
+                    ..Default::default()
+                },
+                parent: None,
+                tags: Default::default(),
+                summary: SnapshotSummary::default(),
+            })
+            .await
+            .unwrap()
+    }
+}
+
+fn entry(name: &[u8], kind: EntryKind) -> Entry {
+    Entry {
+        name: ByteBuf::from(name.to_vec()),
+        kind,
+        mode: 0o644,
+        uid: 0,
+        gid: 0,
+        mtime_seconds: 0,
+        mtime_nanos: 0,
+        ctime_seconds: 0,
+        ctime_nanos: 0,
+        inode: 0,
+        device: 0,
+        links: 1,
+        size: 0,
+        content: Vec::new(),
+        subtree: None,
+        link_target: None,
+        rdev: 0,
+        xattrs: Vec::new(),
+    }
+}
+
+fn file(name: &[u8], content: BlobId, length: u32) -> Entry {
+    let mut file = entry(name, EntryKind::File);
+    file.content = vec![Extent::Chunk(content, length)];
+    file.size = u64::from(length);
+    file
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_that_escape_and_symlink_then_write_sequences_are_refused() {
+    let repo = TestRepo::new().await;
+    let repository = &repo.repository;
+    let base = repo.dir.path();
+    let outside = base.join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    let mut forger = Forger {
+        pack: PackWriter::new(),
+    };
+    let payload = forger.blob(repository, BlobKind::Data, b"pwned");
+
+    // A directory named like the symlink, holding a file: if the symlink
+    // were followed, "pwned" would land in `outside`.
+    let inner = forger.blob(
+        repository,
+        BlobKind::Tree,
+        &Tree {
+            entries: vec![file(b"pwned", payload, 5)],
+        }
+        .encode(),
+    );
+    let mut evil_link = entry(b"evil", EntryKind::Symlink);
+    evil_link.link_target = Some(ByteBuf::from(outside.as_os_str().as_bytes().to_vec()));
+    let mut evil_dir = entry(b"evil", EntryKind::Directory);
+    evil_dir.subtree = Some(inner);
+    let mut dotdot_dir = entry(b"..", EntryKind::Directory);
+    dotdot_dir.subtree = Some(inner);
+    let root = Tree {
+        entries: vec![
+            file(b"", payload, 5),
+            file(b".", payload, 5),
+            file(b"..", payload, 5),
+            dotdot_dir,
+            file(b"../outside/pwned", payload, 5),
+            file(outside.join("abs").as_os_str().as_bytes(), payload, 5),
+            file(b"nul\0byte", payload, 5),
+            evil_link,
+            evil_dir,
+            file(b"fine", payload, 5),
+        ],
+    };
+    let root_id = forger.blob(repository, BlobKind::Tree, &root.encode());
+    let snapshot = forger.finish(repository, root_id).await;
+
+    let target = base.join("target");
+    let outcome = repo.restore(&snapshot, &target).await;
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "something was written outside the target"
+    );
+    assert!(!base.join("pwned").exists());
+    // The seven bad names and the duplicate "evil" are refused, each named.
+    let refused: Vec<_> = outcome
+        .problems
+        .iter()
+        .filter(|p| p.message.starts_with("refused"))
+        .collect();
+    assert_eq!(refused.len(), 8, "{:?}", outcome.problems);
+    assert_eq!(std::fs::read(target.join("fine")).unwrap(), b"pwned");
+    // The first "evil" won and is a symlink, created by the restore itself.
+    assert!(
+        std::fs::symlink_metadata(target.join("evil"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_symlink_already_in_the_target_is_not_followed_by_a_sync_restore() {
+    let repo = TestRepo::new().await;
+    let base = repo.dir.path();
+    let source = base.join("source");
+    std::fs::create_dir_all(source.join("data")).unwrap();
+    std::fs::write(source.join("data/file"), b"real content").unwrap();
+    let outcome = repo.backup(&source).await;
+
+    let outside = base.join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    let target = base.join("target");
+    std::fs::create_dir(&target).unwrap();
+    // Someone replaced the directory with a symlink pointing outside.
+    std::os::unix::fs::symlink(&outside, target.join("data")).unwrap();
+    let mut options = haulage::engine::restore::RestoreOptions::new(&target);
+    options.sync = true;
+    let restored = repo.restore_with(&outcome.snapshot_id, options).await;
+    assert!(restored.problems.is_empty(), "{:?}", restored.problems);
+    assert_eq!(
+        std::fs::read_dir(&outside).unwrap().count(),
+        0,
+        "wrote through the symlink"
+    );
+    assert!(
+        std::fs::symlink_metadata(target.join("data"))
+            .unwrap()
+            .is_dir()
+    );
+    assert_eq!(
+        std::fs::read(target.join("data/file")).unwrap(),
+        b"real content"
+    );
+}

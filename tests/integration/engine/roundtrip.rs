@@ -1,0 +1,353 @@
+//! Trees round-trip byte- and metadata-identical; dedup and incremental
+//! backups store only what is new.
+
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use haulage::engine::backup::ParentPolicy;
+use haulage::engine::restore::RestoreOptions;
+use proptest::prelude::*;
+
+use super::support::{TestRepo, assert_same_tree, fingerprint, random_bytes};
+
+/// Names: ASCII, unicode, non-UTF-8 bytes, leading dots.
+fn name_strategy() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        "[a-z]{1,8}".prop_map(String::into_bytes),
+        "[é日本ü-]{1,4}".prop_map(String::into_bytes),
+        proptest::collection::vec(0x80u8..=0xff, 1..6),
+        "\\.[a-z]{1,5}".prop_map(String::into_bytes),
+    ]
+}
+
+#[derive(Debug, Clone)]
+enum Node {
+    File { size: usize, seed: u64, mode: u32 },
+    Sparse { data_at: u64, length: u64 },
+    Dir(Vec<(Vec<u8>, Node)>),
+    Symlink(Vec<u8>),
+}
+
+fn node_strategy() -> impl Strategy<Value = Node> {
+    let chunk = 512 * 1024usize;
+    let leaf = prop_oneof![
+        4 => (prop_oneof![Just(0usize), 1usize..5000, Just(chunk), Just(chunk * 8), Just(chunk * 8 + 1)], any::<u64>(), prop_oneof![Just(0o644u32), Just(0o600), Just(0o4755), Just(0o2750), Just(0o400)])
+            .prop_map(|(size, seed, mode)| Node::File { size, seed, mode }),
+        1 => (0u64..(64 << 20), 1u64..100_000).prop_map(|(data_at, length)| Node::Sparse { data_at, length }),
+        1 => prop_oneof![
+            Just(b"../../outside".to_vec()),
+            Just(b"/etc/passwd".to_vec()),
+            Just(b"loop".to_vec()),
+            Just(b"dangling/target".to_vec()),
+            proptest::collection::vec(1u8..=255, 1..20).prop_map(|bytes| bytes.into_iter().filter(|b| *b != b'/').chain(std::iter::once(b'x')).collect()),
+        ].prop_map(Node::Symlink),
+    ];
+    leaf.prop_recursive(4, 40, 6, |inner| {
+        proptest::collection::btree_map(name_strategy(), inner, 0..6)
+            .prop_map(|children| Node::Dir(children.into_iter().collect()))
+    })
+}
+
+fn build(path: &Path, node: &Node) {
+    match node {
+        Node::File { size, seed, mode } => {
+            std::fs::write(path, random_bytes(*seed, *size)).unwrap();
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode)).unwrap();
+        }
+        Node::Sparse { data_at, length } => {
+            let file = std::fs::File::create(path).unwrap();
+            file.set_len(data_at + length + (16 << 20)).unwrap();
+            use std::os::unix::fs::FileExt;
+            file.write_all_at(&random_bytes(*data_at, *length as usize), *data_at)
+                .unwrap();
+        }
+        Node::Dir(children) => {
+            std::fs::create_dir(path).unwrap();
+            for (name, child) in children {
+                build(&path.join(OsStr::from_bytes(name)), child);
+            }
+        }
+        Node::Symlink(target) => {
+            std::os::unix::fs::symlink(OsStr::from_bytes(target), path).unwrap()
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, .. ProptestConfig::default() })]
+
+    #[test]
+    fn random_trees_round_trip_byte_and_metadata_identical(children in proptest::collection::btree_map(name_strategy(), node_strategy(), 1..8)) {
+        runtime().block_on(async {
+            let repo = TestRepo::new().await;
+            let source = repo.dir.path().join("source");
+            build(&source, &Node::Dir(children.into_iter().collect()));
+            let outcome = repo.backup(&source).await;
+            assert_eq!(outcome.snapshot.summary.warning_count, 0, "{:?}", outcome.snapshot.summary.warnings);
+            let target = repo.dir.path().join("restored");
+            let restored = repo.restore(&outcome.snapshot_id, &target).await;
+            assert!(restored.problems.is_empty(), "{:?}", restored.problems);
+            assert_same_tree(&source, &target);
+        });
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hardlinks_xattrs_fifos_times_and_sparse_files_are_restored() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(source.join("a/deep/er")).unwrap();
+    std::fs::create_dir_all(source.join("b")).unwrap();
+    std::fs::create_dir(source.join("empty")).unwrap();
+    std::fs::write(source.join("a/deep/er/linked"), b"shared content").unwrap();
+    std::fs::hard_link(
+        source.join("a/deep/er/linked"),
+        source.join("b/also-linked"),
+    )
+    .unwrap();
+    std::fs::write(source.join("tagged"), b"x").unwrap();
+    rustix::fs::setxattr(
+        &source.join("tagged"),
+        "user.comment",
+        b"hello",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    rustix::fs::setxattr(
+        &source.join("a"),
+        "user.dir",
+        b"on a directory",
+        rustix::fs::XattrFlags::empty(),
+    )
+    .unwrap();
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &source.join("pipe"),
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o640),
+        0,
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("loop", source.join("loop")).unwrap();
+    // 1 GiB sparse file with 4 KiB of data in the middle.
+    let sparse = std::fs::File::create(source.join("sparse.img")).unwrap();
+    sparse.set_len(1 << 30).unwrap();
+    use std::os::unix::fs::FileExt;
+    sparse
+        .write_all_at(&random_bytes(1, 4096), 500 << 20)
+        .unwrap();
+    drop(sparse);
+    std::fs::set_permissions(
+        source.join("a/deep"),
+        std::fs::Permissions::from_mode(0o555),
+    )
+    .unwrap();
+
+    let outcome = repo.backup(&source).await;
+    assert!(
+        repo.pack_bytes() < 1 << 20,
+        "the hole cost storage: {} bytes",
+        repo.pack_bytes()
+    );
+    let target = repo.dir.path().join("restored");
+    let restored = repo.restore(&outcome.snapshot_id, &target).await;
+    assert!(restored.problems.is_empty(), "{:?}", restored.problems);
+    assert_same_tree(&source, &target);
+    use std::os::unix::fs::MetadataExt;
+    let restored_sparse = std::fs::metadata(target.join("sparse.img")).unwrap();
+    assert!(
+        restored_sparse.blocks() * 512 < 1 << 20,
+        "sparse file restored dense"
+    );
+    let prints = fingerprint(&target);
+    assert_eq!(
+        prints[&b"b/also-linked".to_vec()].hardlink_group,
+        Some(b"a/deep/er/linked".to_vec())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_copy_of_a_file_adds_almost_nothing_and_a_front_insertion_only_a_few_chunks() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    let data = random_bytes(7, 100 << 20);
+    std::fs::write(source.join("original"), &data).unwrap();
+    repo.backup(&source).await;
+    let after_first = repo.pack_bytes();
+
+    std::fs::write(source.join("copy"), &data).unwrap();
+    repo.backup(&source).await;
+    let after_copy = repo.pack_bytes();
+    assert!(
+        (after_copy - after_first) * 100 < after_first,
+        "copy added {} bytes to {}",
+        after_copy - after_first,
+        after_first
+    );
+
+    let mut shifted = b"0123456789".to_vec();
+    shifted.extend_from_slice(&data);
+    std::fs::write(source.join("shifted"), &shifted).unwrap();
+    let outcome = repo.backup(&source).await;
+    // Chunks average 1 MiB and are at most 4 MiB: a few new chunks at most.
+    assert!(
+        outcome.snapshot.summary.bytes_new < 12 << 20,
+        "front insertion stored {} new bytes",
+        outcome.snapshot.summary.bytes_new
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unchanged_tree_makes_no_new_pack_and_reads_nothing() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    haulage::sample::generate(&source, 8 << 20, 3).unwrap();
+    let first = repo.backup(&source).await;
+    let packs = repo.pack_count();
+    let second = repo.backup(&source).await;
+    assert_eq!(second.snapshot.parent, Some(first.snapshot_id));
+    assert_eq!(second.snapshot.summary.packs_written, 0);
+    assert_eq!(second.snapshot.summary.bytes_read, 0);
+    assert_eq!(
+        second.snapshot.summary.files_unchanged,
+        first.snapshot.summary.files
+    );
+    assert_eq!(repo.pack_count(), packs);
+    assert_eq!(second.snapshot.tree, first.snapshot.tree);
+
+    // Touching one file makes only that file be read again.
+    std::fs::write(source.join("large/app.log"), b"changed").unwrap();
+    let third = repo.backup(&source).await;
+    assert_eq!(third.snapshot.summary.bytes_read, 7);
+    let full = repo.backup_with(&source, ParentPolicy::None).await;
+    assert_eq!(
+        full.snapshot.summary.bytes_read,
+        full.snapshot.summary.total_bytes
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_restore_leaves_identical_files_untouched_and_rewrites_only_what_differs() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    haulage::sample::generate(&source, 8 << 20, 4).unwrap();
+    let first = repo.backup(&source).await;
+    let target = repo.dir.path().join("restored");
+    repo.restore(&first.snapshot_id, &target).await;
+
+    // The source moves on: one file changed, one added, one removed.
+    std::fs::write(source.join("large/app.log"), b"rotated").unwrap();
+    std::fs::write(source.join("new-file"), b"new").unwrap();
+    std::fs::remove_file(source.join("duplicates/random-copy.bin")).unwrap();
+    // The target got an extra file that must go.
+    std::fs::write(target.join("stray"), b"stray").unwrap();
+    let second = repo.backup(&source).await;
+
+    let untouched = target.join("large/random.bin");
+    let inode_before = std::fs::metadata(&untouched)
+        .map(|m| std::os::unix::fs::MetadataExt::ino(&m))
+        .unwrap();
+    let ctime_before = std::fs::metadata(&untouched)
+        .map(|m| std::os::unix::fs::MetadataExt::ctime_nsec(&m))
+        .unwrap();
+    let mut options = RestoreOptions::new(&target);
+    options.sync = true;
+    let outcome = repo.restore_with(&second.snapshot_id, options).await;
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_same_tree(&source, &target);
+    assert_eq!(
+        outcome.entries_removed, 2,
+        "the stray file and the removed copy"
+    );
+    assert_eq!(outcome.bytes_written, 7 + 3);
+    let after = std::fs::metadata(&untouched).unwrap();
+    assert_eq!(std::os::unix::fs::MetadataExt::ino(&after), inode_before);
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::ctime_nsec(&after),
+        ctime_before,
+        "identical file was touched"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_into_a_non_empty_directory_is_refused_without_sync() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    std::fs::write(source.join("f"), b"f").unwrap();
+    let outcome = repo.backup(&source).await;
+    let target = repo.dir.path().join("busy");
+    std::fs::create_dir(&target).unwrap();
+    std::fs::write(target.join("precious"), b"keep me").unwrap();
+    let error = haulage::engine::restore::restore(
+        &repo.repository,
+        &outcome.snapshot_id,
+        RestoreOptions::new(&target),
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .expect_err("must refuse");
+    assert!(error.to_string().contains("not empty"), "{error}");
+    assert_eq!(std::fs::read(target.join("precious")).unwrap(), b"keep me");
+}
+
+#[test]
+fn two_concurrent_backups_into_one_repository_both_verify_and_restore() {
+    let runtime = runtime();
+    let repo = runtime.block_on(TestRepo::new());
+    let sources: Vec<PathBuf> = (0..2)
+        .map(|i| repo.dir.path().join(format!("source{i}")))
+        .collect();
+    for (i, source) in sources.iter().enumerate() {
+        haulage::sample::generate(source, 16 << 20, 10 + i as u64).unwrap();
+    }
+    let children: Vec<_> = sources
+        .iter()
+        .map(|source| {
+            super::support::haulage()
+                .args(["backup", "--json", "--repo", &repo.url()])
+                .arg(source)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for child in children {
+        let output = child.wait_with_output().unwrap();
+        assert!(output.status.success());
+        let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        ids.push(summary["snapshotId"].as_str().unwrap().to_string());
+    }
+    let verify = super::support::haulage()
+        .args(["verify", "--repo", &repo.url()])
+        .output()
+        .unwrap();
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+    for (id, source) in ids.iter().zip(&sources) {
+        let target = repo.dir.path().join(format!("restored-{id}"));
+        let status = super::support::haulage()
+            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
+            .arg(&target)
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert_same_tree(source, &target);
+    }
+}

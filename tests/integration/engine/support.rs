@@ -1,0 +1,256 @@
+//! Helpers: repositories in temp dirs, running the engine, fingerprinting
+//! trees so two trees can be compared entry by entry.
+
+use std::collections::BTreeMap;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use haulage::engine::Repository;
+use haulage::engine::backup::{BackupOptions, BackupOutcome, ParentPolicy, backup};
+use haulage::engine::progress::Progress;
+use haulage::engine::restore::{RestoreOptions, RestoreOutcome, restore};
+use haulage::repo::ObjectId;
+use haulage::store::DynStore;
+use haulage::store::local::LocalStore;
+use tokio_util::sync::CancellationToken;
+
+/// A fresh repository in its own temp dir.
+pub struct TestRepo {
+    pub dir: tempfile::TempDir,
+    pub repository: Repository,
+}
+
+impl TestRepo {
+    pub async fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store: DynStore = Arc::new(LocalStore::new(dir.path().join("repo")));
+        let repository = Repository::init(store).await.expect("init");
+        TestRepo { dir, repository }
+    }
+
+    pub fn root(&self) -> PathBuf {
+        self.dir.path().join("repo")
+    }
+
+    pub fn url(&self) -> String {
+        format!("file://{}", self.root().display())
+    }
+
+    pub async fn backup(&self, source: &Path) -> BackupOutcome {
+        self.backup_with(source, ParentPolicy::LatestForSource)
+            .await
+    }
+
+    pub async fn backup_with(&self, source: &Path, parent: ParentPolicy) -> BackupOutcome {
+        let mut options = BackupOptions::new(source);
+        options.parent = parent;
+        backup(
+            &self.repository,
+            options,
+            Arc::new(Progress::default()),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("backup")
+    }
+
+    pub async fn restore(&self, snapshot: &ObjectId, target: &Path) -> RestoreOutcome {
+        self.restore_with(snapshot, RestoreOptions::new(target))
+            .await
+    }
+
+    pub async fn restore_with(
+        &self,
+        snapshot: &ObjectId,
+        options: RestoreOptions,
+    ) -> RestoreOutcome {
+        restore(
+            &self.repository,
+            snapshot,
+            options,
+            Arc::new(Progress::default()),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("restore")
+    }
+
+    /// Total bytes of all packs.
+    pub fn pack_bytes(&self) -> u64 {
+        files_under(&self.root().join("data"))
+            .iter()
+            .map(|(_, size)| size)
+            .sum()
+    }
+
+    pub fn pack_count(&self) -> usize {
+        files_under(&self.root().join("data")).len()
+    }
+}
+
+/// Regular files under a directory with their sizes.
+pub fn files_under(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let meta = entry.metadata().expect("metadata");
+            if meta.is_dir() {
+                stack.push(entry.path());
+            } else if !entry.file_name().as_bytes().starts_with(b".tmp-") {
+                out.push((entry.path(), meta.len()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What is compared between a source and a restored tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint {
+    pub kind: &'static str,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime: (i64, i64),
+    pub size: u64,
+    pub content: Option<blake3::Hash>,
+    pub link_target: Option<Vec<u8>>,
+    pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+    /// For multiply-linked files: the first path (in sorted order) sharing the inode.
+    pub hardlink_group: Option<Vec<u8>>,
+}
+
+/// Every entry under `root` (not the root itself), by relative path bytes.
+pub fn fingerprint(root: &Path) -> BTreeMap<Vec<u8>, Fingerprint> {
+    let mut out = BTreeMap::new();
+    let mut first_of_inode: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+    let mut paths = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(relative) = stack.pop() {
+        for entry in std::fs::read_dir(root.join(&relative)).expect("read dir") {
+            let entry = entry.expect("entry");
+            let path = relative.join(entry.file_name());
+            if entry.file_type().expect("type").is_dir() {
+                stack.push(path.clone());
+            }
+            paths.push(path);
+        }
+    }
+    paths.sort_by(|a, b| a.as_os_str().as_bytes().cmp(b.as_os_str().as_bytes()));
+    for path in paths {
+        let full = root.join(&path);
+        let meta = std::fs::symlink_metadata(&full).expect("lstat");
+        let file_type = meta.file_type();
+        use std::os::unix::fs::FileTypeExt;
+        let kind = if file_type.is_dir() {
+            "dir"
+        } else if file_type.is_symlink() {
+            "symlink"
+        } else if file_type.is_fifo() {
+            "fifo"
+        } else if file_type.is_file() {
+            "file"
+        } else {
+            "other"
+        };
+        let key = path.as_os_str().as_bytes().to_vec();
+        let hardlink_group = (kind == "file" && meta.nlink() > 1).then(|| {
+            first_of_inode
+                .entry(meta.ino())
+                .or_insert_with(|| key.clone())
+                .clone()
+        });
+        let mut xattrs = BTreeMap::new();
+        if kind == "file" || kind == "dir" {
+            if let Ok(names) = xattr_names(&full) {
+                for name in names.into_iter().filter(|name| name.starts_with(b"user.")) {
+                    let mut value = vec![0u8; 65536];
+                    let length = rustix::fs::lgetxattr(&full, name.as_slice(), &mut value)
+                        .expect("getxattr");
+                    value.truncate(length);
+                    xattrs.insert(name, value);
+                }
+            }
+        }
+        out.insert(
+            key,
+            Fingerprint {
+                kind,
+                mode: meta.mode() & 0o7777,
+                uid: meta.uid(),
+                gid: meta.gid(),
+                mtime: if kind == "symlink" || kind == "dir" || kind == "file" || kind == "fifo" {
+                    (meta.mtime(), meta.mtime_nsec())
+                } else {
+                    (0, 0)
+                },
+                size: if kind == "dir" { 0 } else { meta.len() },
+                content: (kind == "file")
+                    .then(|| blake3::hash(&std::fs::read(&full).expect("read"))),
+                link_target: (kind == "symlink").then(|| {
+                    std::fs::read_link(&full)
+                        .expect("readlink")
+                        .as_os_str()
+                        .as_bytes()
+                        .to_vec()
+                }),
+                xattrs,
+                hardlink_group,
+            },
+        );
+    }
+    out
+}
+
+fn xattr_names(path: &Path) -> rustix::io::Result<Vec<Vec<u8>>> {
+    let mut buffer = vec![0u8; 65536];
+    let length = rustix::fs::llistxattr(path, &mut buffer)?;
+    Ok(buffer[..length]
+        .split(|byte| *byte == 0)
+        .filter(|name| !name.is_empty())
+        .map(<[u8]>::to_vec)
+        .collect())
+}
+
+/// Assert two trees are identical entry by entry, naming the first difference.
+pub fn assert_same_tree(source: &Path, restored: &Path) {
+    let left = fingerprint(source);
+    let right = fingerprint(restored);
+    for (path, expected) in &left {
+        let shown = String::from_utf8_lossy(path);
+        let actual = right
+            .get(path)
+            .unwrap_or_else(|| panic!("{shown} missing from the restore"));
+        assert_eq!(actual, expected, "{shown} differs");
+    }
+    for path in right.keys() {
+        assert!(
+            left.contains_key(path),
+            "{} appeared in the restore",
+            String::from_utf8_lossy(path)
+        );
+    }
+}
+
+/// The `haulage` binary built for these tests.
+pub fn haulage() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_haulage"));
+    command.env_remove("HAULAGE_REPO");
+    command
+}
+
+/// Deterministic pseudo-random bytes.
+pub fn random_bytes(seed: u64, length: usize) -> Vec<u8> {
+    use rand::{RngCore, SeedableRng};
+    let mut data = vec![0u8; length];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
+    data
+}
