@@ -61,26 +61,44 @@ pub struct ObjectMeta {
 pub enum StoreError {
     /// The object does not exist.
     #[error("object {key} not found in {location}")]
-    NotFound { location: String, key: String },
+    NotFound {
+        /// Where the store points ([`ObjectStore::location`]).
+        location: String,
+        /// The key (or listing prefix) the operation was about.
+        key: String,
+    },
     /// A [`PutMode::Create`] put found the key already present.
     #[error("object {key} already exists in {location}")]
-    AlreadyExists { location: String, key: String },
+    AlreadyExists {
+        /// Where the store points ([`ObjectStore::location`]).
+        location: String,
+        /// The key (or listing prefix) the operation was about.
+        key: String,
+    },
     /// The operation may succeed if tried again (timeouts, throttling,
     /// connection resets, 5xx).
     #[error("{operation} {key} on {location} failed, may succeed on retry: {message}")]
     Transient {
+        /// Where the store points ([`ObjectStore::location`]).
         location: String,
+        /// The operation that failed (`put`, `get`, `list`, …).
         operation: &'static str,
+        /// The key (or listing prefix) the operation was about.
         key: String,
+        /// What went wrong and what to check; bounded, no credentials.
         message: String,
     },
     /// The operation will not succeed without a change by the user
     /// (permissions, missing bucket, full disk, bad configuration).
     #[error("{operation} {key} on {location} failed: {message}")]
     Permanent {
+        /// Where the store points ([`ObjectStore::location`]).
         location: String,
+        /// The operation that failed (`put`, `get`, `list`, …).
         operation: &'static str,
+        /// The key (or listing prefix) the operation was about.
         key: String,
+        /// What went wrong and what to check; bounded, no credentials.
         message: String,
     },
 }
@@ -162,16 +180,26 @@ pub enum OpenStoreError {
     #[error(
         "unsupported repository URL {url:?}: expected s3://bucket/prefix, file:///path or a local path"
     )]
-    UnsupportedScheme { url: String },
+    UnsupportedScheme {
+        /// The URL as given.
+        url: String,
+    },
     /// The options are out of their allowed range.
     #[error("invalid storage option {option}: {message}")]
     InvalidOption {
+        /// The option's field name.
         option: &'static str,
+        /// Its allowed range or why it was refused; never a secret value.
         message: String,
     },
     /// The backend could not be set up.
     #[error("cannot open repository location {url}: {message}")]
-    Setup { url: String, message: String },
+    Setup {
+        /// The location being opened.
+        url: String,
+        /// What failed.
+        message: String,
+    },
 }
 
 /// Explicit S3 credentials (from a Kubernetes Secret or a credentials file).
