@@ -8,7 +8,9 @@
 //!   snapshots): pure encode/decode, no I/O.
 //! - [`plan`]: the stage-pod planner, a pure function from cluster facts to a
 //!   plan.
-//! - [`store`]: the object-store trait and its backends (`file://`).
+//! - [`store`]: the object-store trait, its backends (`s3://`, `file://`) and
+//!   the wrappers around them (retries, request and bandwidth caps), the
+//!   location probe.
 //! - [`engine`]: backup, restore and verify of a directory tree against a
 //!   repository held in a store: walk, chunk, hash, dedup, compress, pack,
 //!   upload; restore writer; throttling; progress.

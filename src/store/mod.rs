@@ -13,11 +13,13 @@
 //! (backoff on transient errors), [`limits::ConcurrencyLimitStore`] (a cap on
 //! requests in flight) and [`limits::UploadRateLimitStore`] (an upload
 //! bytes-per-second cap). [`open_store`] assembles them from a URL and
-//! [`StoreOptions`]; [`probe::check_location`] proves a location works.
+//! [`StoreOptions`]; [`probe::check_location`] proves a location works;
+//! [`ranges::get_ranges`] reads many ranges of one object in few requests.
 
 pub mod limits;
 pub mod local;
 pub mod probe;
+pub mod ranges;
 pub mod retry;
 pub mod s3;
 
@@ -59,26 +61,44 @@ pub struct ObjectMeta {
 pub enum StoreError {
     /// The object does not exist.
     #[error("object {key} not found in {location}")]
-    NotFound { location: String, key: String },
+    NotFound {
+        /// Where the store points ([`ObjectStore::location`]).
+        location: String,
+        /// The key (or listing prefix) the operation was about.
+        key: String,
+    },
     /// A [`PutMode::Create`] put found the key already present.
     #[error("object {key} already exists in {location}")]
-    AlreadyExists { location: String, key: String },
+    AlreadyExists {
+        /// Where the store points ([`ObjectStore::location`]).
+        location: String,
+        /// The key (or listing prefix) the operation was about.
+        key: String,
+    },
     /// The operation may succeed if tried again (timeouts, throttling,
     /// connection resets, 5xx).
     #[error("{operation} {key} on {location} failed, may succeed on retry: {message}")]
     Transient {
+        /// Where the store points ([`ObjectStore::location`]).
         location: String,
+        /// The operation that failed (`put`, `get`, `list`, …).
         operation: &'static str,
+        /// The key (or listing prefix) the operation was about.
         key: String,
+        /// What went wrong and what to check; bounded, no credentials.
         message: String,
     },
     /// The operation will not succeed without a change by the user
     /// (permissions, missing bucket, full disk, bad configuration).
     #[error("{operation} {key} on {location} failed: {message}")]
     Permanent {
+        /// Where the store points ([`ObjectStore::location`]).
         location: String,
+        /// The operation that failed (`put`, `get`, `list`, …).
         operation: &'static str,
+        /// The key (or listing prefix) the operation was about.
         key: String,
+        /// What went wrong and what to check; bounded, no credentials.
         message: String,
     },
 }
@@ -160,16 +180,26 @@ pub enum OpenStoreError {
     #[error(
         "unsupported repository URL {url:?}: expected s3://bucket/prefix, file:///path or a local path"
     )]
-    UnsupportedScheme { url: String },
+    UnsupportedScheme {
+        /// The URL as given.
+        url: String,
+    },
     /// The options are out of their allowed range.
     #[error("invalid storage option {option}: {message}")]
     InvalidOption {
+        /// The option's field name.
         option: &'static str,
+        /// Its allowed range or why it was refused; never a secret value.
         message: String,
     },
     /// The backend could not be set up.
     #[error("cannot open repository location {url}: {message}")]
-    Setup { url: String, message: String },
+    Setup {
+        /// The location being opened.
+        url: String,
+        /// What failed.
+        message: String,
+    },
 }
 
 /// Explicit S3 credentials (from a Kubernetes Secret or a credentials file).
@@ -303,4 +333,44 @@ pub(crate) fn validate_key(key: &str) -> bool {
         && key
             .split('/')
             .all(|part| !part.is_empty() && part != "." && part != "..")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn unknown_schemes_are_refused_with_the_supported_ones_named() {
+        let error = open_store("gs://bucket/repo", &StoreOptions::default())
+            .await
+            .expect_err("gs is not supported");
+        assert!(matches!(error, OpenStoreError::UnsupportedScheme { .. }));
+        assert!(error.to_string().contains("s3://bucket/prefix"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn a_zero_request_cap_is_refused() {
+        let options = StoreOptions {
+            max_concurrent_requests: Some(0),
+            ..StoreOptions::default()
+        };
+        let error = open_store("/tmp/haulage-never-written", &options)
+            .await
+            .expect_err("zero cap");
+        assert!(matches!(
+            error,
+            OpenStoreError::InvalidOption {
+                option: "max_concurrent_requests",
+                ..
+            }
+        ));
+    }
+
+    #[tokio::test]
+    async fn s3_urls_without_a_bucket_are_refused() {
+        let error = open_store("s3://", &StoreOptions::default())
+            .await
+            .expect_err("no bucket");
+        assert!(error.to_string().contains("no bucket"), "{error}");
+    }
 }

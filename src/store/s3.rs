@@ -7,8 +7,9 @@
 //! at a time. Every multipart upload is completed or aborted: on error the
 //! abort is awaited before `put` returns; when the `put` future is dropped
 //! (cancellation) a guard spawns the abort on the current runtime. An upload
-//! that neither path could abort (the process was killed) is what
-//! [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
+//! that neither path could abort (the process was killed, or the `put` was
+//! dropped while CreateMultipartUpload was in flight, before the upload id
+//! came back) is what [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
 //! under a key before the whole object is: S3 publishes an object only when
 //! its PUT or CompleteMultipartUpload succeeds.
 //!
@@ -23,6 +24,7 @@
 
 use std::net::IpAddr;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -43,8 +45,8 @@ use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
 
 use super::{
-    ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Options, StoreError, SweepReport,
-    validate_key,
+    ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Credentials, S3Options, StoreError,
+    SweepReport, validate_key,
 };
 
 /// Default size from which objects go up as multipart uploads.
@@ -127,6 +129,84 @@ impl UploadSettings {
     }
 }
 
+/// Profile read from a credentials file when none is named.
+pub const DEFAULT_PROFILE: &str = "default";
+
+impl S3Credentials {
+    /// Read one profile's credentials from an AWS credentials file: the
+    /// format of `~/.aws/credentials` and of a Velero BSL Secret's `cloud`
+    /// key (`[default]` then `aws_access_key_id = …`,
+    /// `aws_secret_access_key = …`, optionally `aws_session_token = …`).
+    /// Errors name the file and profile, never a value.
+    pub fn from_credentials_file(
+        path: &Path,
+        profile: Option<&str>,
+    ) -> Result<Self, OpenStoreError> {
+        let profile = profile.unwrap_or(DEFAULT_PROFILE);
+        let invalid = |message: String| OpenStoreError::InvalidOption {
+            option: "credentials_file",
+            message: format!("{}: {message}", path.display()),
+        };
+        let text =
+            std::fs::read_to_string(path).map_err(|err| invalid(format!("cannot read: {err}")))?;
+        Self::parse_credentials_file(&text, profile).map_err(invalid)
+    }
+
+    /// Parse the text of a credentials file; see
+    /// [`S3Credentials::from_credentials_file`].
+    pub fn parse_credentials_file(text: &str, profile: &str) -> Result<Self, String> {
+        let mut in_profile = false;
+        let mut found_profile = false;
+        let (mut access_key_id, mut secret_access_key, mut session_token) = (None, None, None);
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') || line.starts_with(';') {
+                continue;
+            }
+            if let Some(section) = line
+                .strip_prefix('[')
+                .and_then(|rest| rest.strip_suffix(']'))
+            {
+                let section = section.trim();
+                let name = section.strip_prefix("profile ").map_or(section, str::trim);
+                in_profile = name == profile;
+                found_profile |= in_profile;
+                continue;
+            }
+            if !in_profile {
+                continue;
+            }
+            let Some((name, value)) = line.split_once('=') else {
+                continue;
+            };
+            let value = value.trim().to_string();
+            match name.trim().to_ascii_lowercase().as_str() {
+                "aws_access_key_id" => access_key_id = Some(value),
+                "aws_secret_access_key" => secret_access_key = Some(value),
+                "aws_session_token" => session_token = Some(value),
+                _ => {}
+            }
+        }
+        if !found_profile {
+            return Err(format!("no [{profile}] profile"));
+        }
+        match (access_key_id, secret_access_key) {
+            (Some(access_key_id), Some(secret_access_key))
+                if !access_key_id.is_empty() && !secret_access_key.is_empty() =>
+            {
+                Ok(S3Credentials {
+                    access_key_id,
+                    secret_access_key,
+                    session_token: session_token.filter(|token| !token.is_empty()),
+                })
+            }
+            _ => Err(format!(
+                "profile [{profile}] needs both aws_access_key_id and aws_secret_access_key"
+            )),
+        }
+    }
+}
+
 /// Bucket and key prefix of an `s3://` URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct S3Location {
@@ -171,15 +251,20 @@ impl S3Location {
     }
 }
 
-/// True for endpoints that need path-style addressing by default: IP
-/// addresses and `localhost` have no per-bucket DNS names.
-pub fn endpoint_wants_path_style(endpoint: &str) -> bool {
-    let authority = endpoint
+/// The `[user@]host[:port]` part of an endpoint URL.
+fn endpoint_authority(endpoint: &str) -> &str {
+    endpoint
         .split_once("://")
         .map_or(endpoint, |(_, rest)| rest)
         .split(['/', '?'])
         .next()
-        .unwrap_or("");
+        .unwrap_or("")
+}
+
+/// True for endpoints that need path-style addressing by default: IP
+/// addresses and `localhost` have no per-bucket DNS names.
+pub fn endpoint_wants_path_style(endpoint: &str) -> bool {
+    let authority = endpoint_authority(endpoint);
     let host = authority
         .rsplit_once('@')
         .map_or(authority, |(_, host)| host);
@@ -206,10 +291,15 @@ pub struct S3Store {
 }
 
 impl S3Store {
-    /// Set up a store for `rest` (what follows `s3://`) with `options`,
-    /// falling back to the standard AWS environment variables, profile and
-    /// credentials chain for what the options leave out. No request is made.
-    pub async fn open(rest: &str, options: &S3Options) -> Result<Self, OpenStoreError> {
+    /// Set up a store for `url` (`s3://bucket/prefix`, or just
+    /// `bucket/prefix`) with `options`, falling back to the standard AWS
+    /// environment variables (`AWS_ENDPOINT_URL_S3`, `AWS_ENDPOINT_URL`,
+    /// `AWS_REGION`, `AWS_DEFAULT_REGION`, `AWS_CA_BUNDLE`), the profile
+    /// files and the credentials chain for what the options leave out. No
+    /// request is made: a wrong bucket or bad credentials show on first use
+    /// (or in [`super::probe::check_location`]).
+    pub async fn open(url: &str, options: &S3Options) -> Result<Self, OpenStoreError> {
+        let rest = url.strip_prefix("s3://").unwrap_or(url);
         let location = S3Location::parse(rest)?;
         let upload = UploadSettings::from_options(options)?;
         let url = format!("s3://{rest}");
@@ -218,6 +308,15 @@ impl S3Store {
             .clone()
             .or_else(|| non_empty_env("AWS_ENDPOINT_URL_S3"))
             .or_else(|| non_empty_env("AWS_ENDPOINT_URL"));
+        if let Some(endpoint) = &endpoint
+            && endpoint_authority(endpoint).contains('@')
+        {
+            // Not echoed: the user part may be a secret.
+            return Err(OpenStoreError::InvalidOption {
+                option: "endpoint",
+                message: "the endpoint URL must not carry credentials (user:password@); pass them as credentials".to_string(),
+            });
+        }
         if let Some(endpoint) = &endpoint
             && !(endpoint.starts_with("http://") || endpoint.starts_with("https://"))
         {
@@ -242,7 +341,11 @@ impl S3Store {
             .unwrap_or_else(|| Region::new(DEFAULT_REGION));
 
         let mut trust_store = TrustStore::default();
-        if let Some(path) = &options.ca_bundle {
+        let ca_bundle = options
+            .ca_bundle
+            .clone()
+            .or_else(|| non_empty_env("AWS_CA_BUNDLE").map(PathBuf::from));
+        if let Some(path) = &ca_bundle {
             let pem = tokio::fs::read(path)
                 .await
                 .map_err(|err| OpenStoreError::Setup {
@@ -381,24 +484,45 @@ impl S3Store {
             SdkError::TimeoutError(_) => {
                 return self.transient(operation, key, "request timed out".to_string());
             }
-            SdkError::DispatchFailure(failure) if !failure.is_user() => {
-                return self.transient(
-                    operation,
-                    key,
-                    format!("connection to {endpoint} failed: {}", detail()),
-                );
-            }
             SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
                 let text = detail();
-                let hint = if text.to_ascii_lowercase().contains("credential") {
-                    "no usable credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a credentials file or the location's credentials Secret"
-                } else {
-                    "check the endpoint, region and credentials settings"
-                };
+                let lower = text.to_ascii_lowercase();
+                // Retrying cannot make an untrusted certificate trusted, nor
+                // conjure credentials. (A failed identity lookup arrives as a
+                // dispatch failure of kind "other".)
+                if lower.contains("certificate") {
+                    return self.permanent(
+                        operation,
+                        key,
+                        format!(
+                            "the TLS certificate of {endpoint} is not trusted ({text}): check the CA bundle option and that the endpoint's host name matches the certificate"
+                        ),
+                    );
+                }
+                if lower.contains("credential") {
+                    return self.permanent(
+                        operation,
+                        key,
+                        format!(
+                            "no usable credentials for bucket {bucket} ({text}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a credentials file or the location's credentials Secret"
+                        ),
+                    );
+                }
+                if let SdkError::DispatchFailure(failure) = &error
+                    && !failure.is_user()
+                {
+                    return self.transient(
+                        operation,
+                        key,
+                        format!("connection to {endpoint} failed: {text}"),
+                    );
+                }
                 return self.permanent(
                     operation,
                     key,
-                    format!("request for bucket {bucket} could not be sent ({text}): {hint}"),
+                    format!(
+                        "request for bucket {bucket} could not be sent ({text}): check the endpoint, region and credentials settings"
+                    ),
                 );
             }
             _ => {}
@@ -542,6 +666,7 @@ impl S3Store {
                 Ok(())
             }
             Err(error) => {
+                tracing::debug!(key, error = %error, "multipart upload failed, aborting it");
                 guard.abort_now().await;
                 Err(error)
             }
@@ -1087,6 +1212,23 @@ mod tests {
         assert!(!endpoint_wants_path_style("https://rgw.example.org:8443"));
     }
 
+    #[tokio::test]
+    async fn endpoints_with_credentials_in_them_are_refused_without_echoing_them() {
+        let options = S3Options {
+            endpoint: Some("http://user:hunter2@127.0.0.1:9000".to_string()),
+            ..S3Options::default()
+        };
+        let error = S3Store::open("s3://bucket", &options)
+            .await
+            .expect_err("refused");
+        assert!(!error.to_string().contains("hunter2"), "{error}");
+        let options = S3Options {
+            endpoint: Some("127.0.0.1:9000".to_string()),
+            ..S3Options::default()
+        };
+        assert!(S3Store::open("s3://bucket", &options).await.is_err());
+    }
+
     #[test]
     fn part_size_grows_to_stay_within_the_part_limit() {
         let settings =
@@ -1120,6 +1262,146 @@ mod tests {
         let printed = format!("{credentials:?}");
         assert!(!printed.contains("very-secret-value"));
         assert!(!printed.contains("token-value"));
+    }
+
+    #[test]
+    fn credentials_files_yield_the_named_profile() {
+        let text = "# velero style\n[default]\naws_access_key_id = AKID1\naws_secret_access_key=secret1\n\n[profile backup]\naws_access_key_id=AKID2\naws_secret_access_key = secret2\naws_session_token = token2\n";
+        let default = S3Credentials::parse_credentials_file(text, "default").expect("default");
+        assert_eq!(default.access_key_id, "AKID1");
+        assert_eq!(default.secret_access_key, "secret1");
+        assert_eq!(default.session_token, None);
+        let backup = S3Credentials::parse_credentials_file(text, "backup").expect("backup");
+        assert_eq!(backup.access_key_id, "AKID2");
+        assert_eq!(backup.session_token.as_deref(), Some("token2"));
+        let missing = S3Credentials::parse_credentials_file(text, "other").expect_err("no profile");
+        assert!(missing.contains("[other]"), "{missing}");
+        let partial =
+            S3Credentials::parse_credentials_file("[default]\naws_access_key_id=x\n", "default")
+                .expect_err("no secret");
+        assert!(partial.contains("aws_secret_access_key"), "{partial}");
+    }
+
+    mod classification {
+        use aws_sdk_s3::error::{ConnectorError, ErrorMetadata};
+        use aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Error;
+        use aws_sdk_s3::primitives::SdkBody;
+        use aws_smithy_runtime_api::http::StatusCode;
+
+        use super::*;
+
+        type ListError = SdkError<ListObjectsV2Error, HttpResponse>;
+
+        async fn store() -> S3Store {
+            let options = S3Options {
+                endpoint: Some("http://127.0.0.1:9".to_string()),
+                region: Some("us-east-1".to_string()),
+                credentials: Some(S3Credentials {
+                    access_key_id: "AKID".to_string(),
+                    secret_access_key: "classified-secret".to_string(),
+                    session_token: None,
+                }),
+                ..S3Options::default()
+            };
+            S3Store::open("s3://bucket/prefix", &options)
+                .await
+                .expect("open makes no request")
+        }
+
+        fn service_error(status: u16, code: &str) -> ListError {
+            let response = HttpResponse::new(
+                StatusCode::try_from(status).expect("valid status"),
+                SdkBody::empty(),
+            );
+            let error = ListObjectsV2Error::generic(
+                ErrorMetadata::builder()
+                    .code(code)
+                    .message("server says no")
+                    .build(),
+            );
+            SdkError::service_error(error, response)
+        }
+
+        fn classify(store: &S3Store, operation: &'static str, error: ListError) -> StoreError {
+            store.classify(operation, "k", error)
+        }
+
+        #[tokio::test]
+        async fn throttling_and_server_errors_are_transient() {
+            let store = store().await;
+            for (status, code) in [
+                (503, "SlowDown"),
+                (500, "InternalError"),
+                (502, ""),
+                (429, ""),
+                (400, "RequestTimeout"),
+            ] {
+                let error = classify(&store, "get", service_error(status, code));
+                assert!(error.is_transient(), "{status} {code}: {error}");
+            }
+        }
+
+        #[tokio::test]
+        async fn refusals_are_permanent_and_name_what_to_check() {
+            let store = store().await;
+            for (status, code, hint) in [
+                (404, "NoSuchBucket", "check the bucket name"),
+                (403, "AccessDenied", "check that the credentials may"),
+                (403, "InvalidAccessKeyId", "check the credentials"),
+                (403, "SignatureDoesNotMatch", "check the secret access key"),
+                (403, "RequestTimeTooSkewed", "check the system clock"),
+                (400, "AuthorizationHeaderMalformed", "check the region"),
+                (400, "EntityTooSmall", "EntityTooSmall"),
+            ] {
+                let error = classify(&store, "put", service_error(status, code));
+                assert!(
+                    matches!(error, StoreError::Permanent { .. }),
+                    "{code}: {error}"
+                );
+                let message = error.to_string();
+                assert!(message.contains(hint), "{code}: {message}");
+                assert!(!message.contains("classified-secret"), "{message}");
+            }
+        }
+
+        #[tokio::test]
+        async fn missing_objects_and_lost_create_races_have_their_own_variants() {
+            let store = store().await;
+            assert!(classify(&store, "get", service_error(404, "NoSuchKey")).is_not_found());
+            assert!(classify(&store, "head", service_error(404, "")).is_not_found());
+            assert!(matches!(
+                classify(&store, "put", service_error(412, "PreconditionFailed")),
+                StoreError::AlreadyExists { .. }
+            ));
+            assert!(matches!(
+                classify(&store, "get", service_error(412, "PreconditionFailed")),
+                StoreError::Permanent { .. }
+            ));
+        }
+
+        #[tokio::test]
+        async fn connection_failures_are_transient_but_missing_credentials_are_not() {
+            let store = store().await;
+            let refused: ListError = SdkError::dispatch_failure(ConnectorError::io(
+                std::io::Error::from(std::io::ErrorKind::ConnectionRefused).into(),
+            ));
+            assert!(classify(&store, "list", refused).is_transient());
+            let timeout: ListError = SdkError::timeout_error("operation timed out");
+            assert!(classify(&store, "list", timeout).is_transient());
+            let no_credentials: ListError = SdkError::dispatch_failure(ConnectorError::other(
+                "failed to load credentials: no providers in chain provided credentials".into(),
+                None,
+            ));
+            let error = classify(&store, "list", no_credentials);
+            assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+            assert!(error.to_string().contains("AWS_ACCESS_KEY_ID"), "{error}");
+            let untrusted: ListError = SdkError::dispatch_failure(ConnectorError::io(
+                "invalid peer certificate: UnknownIssuer".into(),
+            ));
+            let error = classify(&store, "list", untrusted);
+            assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+            assert!(error.to_string().contains("CA bundle"), "{error}");
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use haulage::store::probe::{ProbeFailureKind, ProbeStepKind, check_location};
+use haulage::store::ranges::{DEFAULT_COALESCE_GAP_BYTES, get_ranges};
 use haulage::store::retry::{RetryPolicy, RetryStore};
 use haulage::store::s3::S3Store;
 use haulage::store::{
@@ -691,4 +692,78 @@ async fn open_store_stacks_the_caps_on_an_s3_store() {
         result.expect("task").expect("put");
     }
     assert_eq!(store.list("capped/").await.expect("list").len(), 8);
+}
+
+#[tokio::test]
+async fn https_endpoints_work_with_a_ca_bundle_and_fail_clearly_without_one() {
+    let server = MinioServer::start_tls()
+        .await
+        .expect("start minio with TLS");
+    server.create_bucket(BUCKET).await.expect("create bucket");
+    assert!(server.endpoint().starts_with("https://"));
+    let ca_bundle = server
+        .ca_bundle()
+        .expect("a TLS server has a CA")
+        .to_path_buf();
+
+    let mut trusted = server.s3_options();
+    trusted.ca_bundle = Some(ca_bundle.clone());
+    let store = s3_store(&trusted, &format!("{BUCKET}/{PREFIX}")).await;
+    check_store(Arc::new(store)).await;
+
+    let untrusted = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await;
+    let error = untrusted.list("").await.expect_err("unknown CA");
+    assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+    assert!(error.to_string().contains("CA bundle"), "{error}");
+
+    let mut not_pem = server.s3_options();
+    not_pem.ca_bundle = Some(
+        server
+            .ca_bundle()
+            .expect("ca")
+            .with_file_name("public.crt.missing"),
+    );
+    assert!(
+        S3Store::open(&format!("{BUCKET}/{PREFIX}"), &not_pem)
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test]
+async fn neighbouring_blob_ranges_are_read_in_one_request() {
+    let server = server_with_bucket().await;
+    let backend: DynStore =
+        Arc::new(s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await);
+    let data = pattern(2 * 1024 * 1024, 41);
+    backend
+        .put("data/pack", data.clone(), PutMode::Overwrite)
+        .await
+        .expect("put");
+    let counted = CountingStore::new(backend);
+    // Ten blobs back to back with small gaps, and one far away.
+    let mut ranges: Vec<std::ops::Range<u64>> = (0..10u64)
+        .map(|index| index * 5000..index * 5000 + 4000)
+        .collect();
+    ranges.push(1_900_000..1_950_000);
+    let blobs = get_ranges(
+        counted.as_ref(),
+        "data/pack",
+        &ranges,
+        DEFAULT_COALESCE_GAP_BYTES / 16,
+    )
+    .await
+    .expect("ranged reads");
+    assert_eq!(
+        counted.calls(),
+        2,
+        "one read for the neighbours, one for the far blob"
+    );
+    for (range, blob) in ranges.iter().zip(&blobs) {
+        assert_eq!(
+            blob,
+            &data.slice(range.start as usize..range.end as usize),
+            "{range:?}"
+        );
+    }
 }

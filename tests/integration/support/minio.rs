@@ -4,6 +4,10 @@
 //! handle drops. A test can stop it and start it again on the same port and
 //! data directory to play a server outage.
 //!
+//! [`MinioServer::start_tls`] serves HTTPS with a certificate for
+//! 127.0.0.1 issued by a throwaway CA, whose PEM file the test hands to the
+//! client as its CA bundle.
+//!
 //! The binary is `$HAULAGE_MINIO_BIN`, or the newest
 //! `${HAULAGE_INFRA_CACHE:-$HOME/.cache/haulage-infra}/minio-*/bin/minio`.
 
@@ -79,12 +83,55 @@ pub struct MinioServer {
     port: u16,
     child: Option<Child>,
     starts: u32,
+    /// With TLS: the directory MinIO reads `public.crt`/`private.key` from,
+    /// and the CA's PEM file.
+    tls: Option<(TempDir, PathBuf)>,
+}
+
+/// Write a throwaway CA and a 127.0.0.1/localhost server certificate it
+/// issued into `certs_dir` (as MinIO expects them); returns the CA's PEM path.
+fn write_test_certificates(certs_dir: &Path) -> anyhow::Result<PathBuf> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "haulage test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+    let server_key = KeyPair::generate()?;
+    let server_params =
+        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
+    let server_cert = server_params.signed_by(&server_key, &ca)?;
+    std::fs::write(certs_dir.join("public.crt"), server_cert.pem())?;
+    std::fs::write(certs_dir.join("private.key"), server_key.serialize_pem())?;
+    let ca_path = certs_dir.join("test-ca.pem");
+    std::fs::write(&ca_path, ca.pem())?;
+    Ok(ca_path)
 }
 
 impl MinioServer {
     /// Start a server on a free port with an empty data directory and wait
     /// until it is ready.
     pub async fn start() -> anyhow::Result<Self> {
+        Self::start_with(false).await
+    }
+
+    /// Like [`MinioServer::start`], serving HTTPS with a certificate from a
+    /// throwaway CA ([`MinioServer::ca_bundle`]).
+    pub async fn start_tls() -> anyhow::Result<Self> {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(tls: bool) -> anyhow::Result<Self> {
+        let tls = if tls {
+            let certs_dir = tempfile::Builder::new()
+                .prefix("haulage-minio-certs")
+                .tempdir()?;
+            let ca_path = write_test_certificates(certs_dir.path())?;
+            Some((certs_dir, ca_path))
+        } else {
+            None
+        };
         let mut server = MinioServer {
             binary: minio_binary()?,
             data_dir: tempfile::Builder::new()
@@ -96,9 +143,15 @@ impl MinioServer {
             port: free_port()?,
             child: None,
             starts: 0,
+            tls,
         };
         server.spawn_and_wait().await?;
         Ok(server)
+    }
+
+    /// The CA certificate (PEM file) that issued a TLS server's certificate.
+    pub fn ca_bundle(&self) -> Option<&Path> {
+        self.tls.as_ref().map(|(_, ca_path)| ca_path.as_path())
     }
 
     async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
@@ -108,8 +161,12 @@ impl MinioServer {
             .path()
             .join(format!("minio-{}.log", self.starts));
         let log = File::create(&log_path)?;
-        let child = Command::new(&self.binary)
-            .arg("server")
+        let mut command = Command::new(&self.binary);
+        command.arg("server");
+        if let Some((certs_dir, _)) = &self.tls {
+            command.arg("--certs-dir").arg(certs_dir.path());
+        }
+        let child = command
             .arg("--quiet")
             .arg("--address")
             .arg(format!("127.0.0.1:{}", self.port))
@@ -152,6 +209,17 @@ impl MinioServer {
     }
 
     async fn is_ready(&self) -> bool {
+        if self.tls.is_some() {
+            // Same readiness, asked over TLS through the SDK.
+            return matches!(
+                tokio::time::timeout(
+                    Duration::from_secs(2),
+                    self.admin_client().list_buckets().send()
+                )
+                .await,
+                Ok(Ok(_))
+            );
+        }
         let probe = async {
             let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
             stream
@@ -189,9 +257,10 @@ impl MinioServer {
         self.port
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT`, or `https://` with TLS.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     /// The root credentials.
@@ -234,13 +303,30 @@ impl MinioServer {
     /// A plain SDK client for setting up and inspecting the server behind
     /// the store's back (bucket creation, multipart listings).
     pub fn admin_client(&self) -> aws_sdk_s3::Client {
+        let http_client = match self.ca_bundle().map(std::fs::read) {
+            None => aws_smithy_http_client::Builder::new().build_http(),
+            Some(ca_pem) => {
+                use aws_smithy_http_client::tls::{
+                    self, TlsContext, TrustStore, rustls_provider::CryptoMode,
+                };
+                let trust = TrustStore::empty().with_pem_certificate(ca_pem.unwrap_or_default());
+                let context = TlsContext::builder()
+                    .with_trust_store(trust)
+                    .build()
+                    .unwrap_or_default();
+                aws_smithy_http_client::Builder::new()
+                    .tls_provider(tls::Provider::Rustls(CryptoMode::Ring))
+                    .tls_context(context)
+                    .build_https()
+            }
+        };
         let config = aws_sdk_s3::Config::builder()
             .behavior_version(BehaviorVersion::latest())
             .endpoint_url(self.endpoint())
             .region(Region::new(REGION))
             .credentials_provider(Credentials::new(ACCESS_KEY, SECRET_KEY, None, None, "test"))
             .force_path_style(true)
-            .http_client(aws_smithy_http_client::Builder::new().build_http())
+            .http_client(http_client)
             .build();
         aws_sdk_s3::Client::from_conf(config)
     }
