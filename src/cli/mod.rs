@@ -63,6 +63,13 @@ pub struct RepoArgs {
     /// Repository URL: s3://bucket/prefix, file:///path or a plain directory path.
     #[arg(long = "repo", env = "HAULAGE_REPO", value_name = "URL")]
     pub url: String,
+    /// AWS-style credentials file for s3:// locations (default: the
+    /// standard AWS_* variables and credentials chain).
+    #[arg(long, value_name = "FILE", env = "HAULAGE_CREDENTIALS_FILE")]
+    pub credentials_file: Option<std::path::PathBuf>,
+    /// Profile to read from the credentials file.
+    #[arg(long, value_name = "NAME", requires = "credentials_file")]
+    pub profile: Option<String>,
 }
 
 impl RepoArgs {
@@ -73,12 +80,18 @@ impl RepoArgs {
     /// The store behind the URL; S3 settings come from the standard
     /// `AWS_*` variables and credentials chain.
     async fn store(&self) -> Result<crate::store::DynStore, EngineError> {
-        open_store(&self.url, &StoreOptions::default())
-            .await
-            .map_err(|error| EngineError::Target {
-                path: self.url.clone().into(),
-                reason: error.to_string(),
-            })
+        let refuse = |error: crate::store::OpenStoreError| EngineError::Target {
+            path: self.url.clone().into(),
+            reason: error.to_string(),
+        };
+        let mut options = StoreOptions::default();
+        if let Some(path) = &self.credentials_file {
+            options.s3.credentials = Some(
+                crate::store::S3Credentials::from_credentials_file(path, self.profile.as_deref())
+                    .map_err(refuse)?,
+            );
+        }
+        open_store(&self.url, &options).await.map_err(refuse)
     }
 }
 
@@ -91,6 +104,8 @@ pub enum Outcome {
     CompletedWithWarnings,
     /// Damaged data was found.
     DamagedData,
+    /// The verb ran but what it checked does not work (a location probe).
+    Failed,
 }
 
 impl Outcome {
@@ -99,6 +114,7 @@ impl Outcome {
             Outcome::Success => ExitCode::SUCCESS,
             Outcome::CompletedWithWarnings => ExitCode::from(3),
             Outcome::DamagedData => ExitCode::from(4),
+            Outcome::Failed => ExitCode::FAILURE,
         }
     }
 }
