@@ -58,9 +58,10 @@ fetch() {
     }
 }
 
-# go_build DIR OUT PKG : build one command, trimmed and stripped, at lowest priority.
+# go_build DIR OUT PKG [LDFLAGS] : build one command, trimmed and stripped, at lowest
+# priority.
 go_build() {
-    (cd "$1" && nice -n 19 go build -trimpath -ldflags "-s -w" -o "$2" "$3")
+    (cd "$1" && nice -n 19 go build -trimpath -ldflags "-s -w ${4:-}" -o "$2" "$3")
 }
 
 # install_bins NAME-VERSION STAGING_DIR : move built binaries into the cache atomically.
@@ -126,12 +127,20 @@ build_kube() {
     grep -q 'k8s.io/apiserver => k8s.io/apiserver' "$w/go.mod" || die "kube: no staging replaces found in $mod"
     fetch "$w" "k8s.io/kubernetes/cmd/kube-apiserver@$KUBE_VERSION" "k8s.io/kubernetes/cmd/kubectl@$KUBE_VERSION" ||
         die "kube: go get failed"
+    # Stamp the version as upstream's hack/lib/version.sh does; without it both binaries
+    # report v0.0.0-master+$Format:%H$ (kubectl warns, clients see a bogus /version).
+    local ld="" vpkg minor="${KUBE_VERSION#v1.}"
+    minor="${minor%%.*}"
+    for vpkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ld+=" -X $vpkg.gitVersion=$KUBE_VERSION -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor"
+        ld+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
+    done
     mkdir -p "$w/out"
     local s2=$SECONDS
-    go_build "$w" "$w/out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver || die "kube: building kube-apiserver failed"
+    go_build "$w" "$w/out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver "$ld" || die "kube: building kube-apiserver failed"
     log "kube: kube-apiserver built in $((SECONDS - s2))s"
     s2=$SECONDS
-    go_build "$w" "$w/out/kubectl" k8s.io/kubernetes/cmd/kubectl || die "kube: building kubectl failed"
+    go_build "$w" "$w/out/kubectl" k8s.io/kubernetes/cmd/kubectl "$ld" || die "kube: building kubectl failed"
     log "kube: kubectl built in $((SECONDS - s2))s"
     install_bins "$id" "$w/out"
     log "kube: built in $((SECONDS - start))s"

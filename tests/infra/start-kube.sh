@@ -25,7 +25,10 @@ done
 for t in openssl curl; do command -v "$t" >/dev/null || die "'$t' is not installed"; done
 
 if [[ -z "${ETCD_BIN:-}" ]]; then ETCD_BIN="$("$here/build.sh" etcd)"; fi
-if [[ -z "${KUBE_APISERVER_BIN:-}" ]]; then KUBE_APISERVER_BIN="$("$here/build.sh" kube | head -n1)"; fi
+if [[ -z "${KUBE_APISERVER_BIN:-}" ]]; then
+    KUBE_APISERVER_BIN="$("$here/build.sh" kube)"   # kube-apiserver, then kubectl
+    KUBE_APISERVER_BIN="${KUBE_APISERVER_BIN%%$'\n'*}"
+fi
 [[ -x "$ETCD_BIN" ]] || die "etcd binary not found: $ETCD_BIN"
 [[ -x "$KUBE_APISERVER_BIN" ]] || die "kube-apiserver binary not found: $KUBE_APISERVER_BIN"
 
@@ -101,7 +104,7 @@ server="https://127.0.0.1:$api_port"
 setsid "$KUBE_APISERVER_BIN" \
     --etcd-servers="$etcd_url" \
     --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" \
-    --cert-dir="$pki" --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+    --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
     --token-auth-file="$pki/tokens.csv" \
     --authorization-mode=RBAC \
     --service-account-issuer="https://kubernetes.default.svc.cluster.local" \
