@@ -78,6 +78,7 @@ chmod 600 "$dir/admin.token" "$pki/tokens.csv" "$pki"/*.key
 etcd_port="$(free_port)"; peer_port="$(free_port)"
 while [[ "$peer_port" == "$etcd_port" ]]; do peer_port="$(free_port)"; done
 etcd_url="http://127.0.0.1:$etcd_port"
+etcd_healthy() { [[ "$(curl -fsS "$etcd_url/health" 2>/dev/null)" == *'"health":"true"'* ]]; }
 setsid "$ETCD_BIN" --name haulage --data-dir "$dir/etcd-data" \
     --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
     --listen-peer-urls "http://127.0.0.1:$peer_port" \
@@ -91,10 +92,10 @@ echo "$etcd_pid" >"$dir/etcd.pid"
 echo "$etcd_url" >"$dir/etcd.url"
 for _ in $(seq 1 100); do
     kill -0 "$etcd_pid" 2>/dev/null || fail "etcd exited"
-    curl -fsS "$etcd_url/health" 2>/dev/null | grep -q '"health":"true"' && break
+    etcd_healthy && break
     sleep 0.1
 done
-curl -fsS "$etcd_url/health" 2>/dev/null | grep -q '"health":"true"' || fail "etcd not healthy after 10s"
+etcd_healthy || fail "etcd not healthy after 10s"
 log "etcd ready at $etcd_url (pid $etcd_pid)"
 
 # ---- kube-apiserver --------------------------------------------------------------------
