@@ -76,9 +76,20 @@ install_bins() {
 
 have() { local f; for f in "$@"; do [[ -x "$f" ]] || return 1; done; }
 
+# lock NAME-VERSION : serialise builds of one component across concurrent runs (e.g. several
+# test processes calling build.sh at once); the caller re-checks the cache after it.
+lock() {
+    mkdir -p "$CACHE"
+    command -v flock >/dev/null 2>&1 || return 0
+    exec {lockfd}>"$CACHE/.$1.lock"
+    flock "$lockfd"
+}
+
 build_minio() {
     local id="minio-$MINIO_VERSION" bin="$CACHE/minio-$MINIO_VERSION/bin/minio"
     if have "$bin"; then log "minio: cached"; echo "$bin"; return; fi
+    lock "$id"
+    if have "$bin"; then log "minio: built meanwhile by another run"; echo "$bin"; return; fi
     log "minio: building github.com/minio/minio@$MINIO_VERSION (several minutes)"
     local start=$SECONDS w
     new_wrapper minio 1.24.0
@@ -93,6 +104,8 @@ build_minio() {
 build_etcd() {
     local id="etcd-$ETCD_VERSION" bin="$CACHE/etcd-$ETCD_VERSION/bin/etcd"
     if have "$bin"; then log "etcd: cached"; echo "$bin"; return; fi
+    lock "$id"
+    if have "$bin"; then log "etcd: built meanwhile by another run"; echo "$bin"; return; fi
     log "etcd: building go.etcd.io/etcd/server/v3@$ETCD_VERSION"
     local start=$SECONDS w
     new_wrapper etcd 1.26.0
@@ -108,6 +121,10 @@ build_kube() {
     local id="kube-$KUBE_VERSION" dir="$CACHE/kube-$KUBE_VERSION/bin"
     if have "$dir/kube-apiserver" "$dir/kubectl"; then
         log "kube: cached"; echo "$dir/kube-apiserver"; echo "$dir/kubectl"; return
+    fi
+    lock "$id"
+    if have "$dir/kube-apiserver" "$dir/kubectl"; then
+        log "kube: built meanwhile by another run"; echo "$dir/kube-apiserver"; echo "$dir/kubectl"; return
     fi
     log "kube: building k8s.io/kubernetes@$KUBE_VERSION kube-apiserver + kubectl (tens of minutes on 2 cores)"
     local start=$SECONDS w mod
