@@ -58,9 +58,10 @@ fetch() {
     }
 }
 
-# go_build DIR OUT PKG : build one command, trimmed and stripped, at lowest priority.
+# go_build DIR OUT PKG [LDFLAGS] : build one command, trimmed and stripped, at lowest
+# priority.
 go_build() {
-    (cd "$1" && nice -n 19 go build -trimpath -ldflags "-s -w" -o "$2" "$3")
+    (cd "$1" && nice -n 19 go build -trimpath -ldflags "-s -w ${4:-}" -o "$2" "$3")
 }
 
 # install_bins NAME-VERSION STAGING_DIR : move built binaries into the cache atomically.
@@ -75,9 +76,20 @@ install_bins() {
 
 have() { local f; for f in "$@"; do [[ -x "$f" ]] || return 1; done; }
 
+# lock NAME-VERSION : serialise builds of one component across concurrent runs (e.g. several
+# test processes calling build.sh at once); the caller re-checks the cache after it.
+lock() {
+    mkdir -p "$CACHE"
+    command -v flock >/dev/null 2>&1 || return 0
+    exec {lockfd}>"$CACHE/.$1.lock"
+    flock "$lockfd"
+}
+
 build_minio() {
     local id="minio-$MINIO_VERSION" bin="$CACHE/minio-$MINIO_VERSION/bin/minio"
     if have "$bin"; then log "minio: cached"; echo "$bin"; return; fi
+    lock "$id"
+    if have "$bin"; then log "minio: built meanwhile by another run"; echo "$bin"; return; fi
     log "minio: building github.com/minio/minio@$MINIO_VERSION (several minutes)"
     local start=$SECONDS w
     new_wrapper minio 1.24.0
@@ -92,6 +104,8 @@ build_minio() {
 build_etcd() {
     local id="etcd-$ETCD_VERSION" bin="$CACHE/etcd-$ETCD_VERSION/bin/etcd"
     if have "$bin"; then log "etcd: cached"; echo "$bin"; return; fi
+    lock "$id"
+    if have "$bin"; then log "etcd: built meanwhile by another run"; echo "$bin"; return; fi
     log "etcd: building go.etcd.io/etcd/server/v3@$ETCD_VERSION"
     local start=$SECONDS w
     new_wrapper etcd 1.26.0
@@ -107,6 +121,10 @@ build_kube() {
     local id="kube-$KUBE_VERSION" dir="$CACHE/kube-$KUBE_VERSION/bin"
     if have "$dir/kube-apiserver" "$dir/kubectl"; then
         log "kube: cached"; echo "$dir/kube-apiserver"; echo "$dir/kubectl"; return
+    fi
+    lock "$id"
+    if have "$dir/kube-apiserver" "$dir/kubectl"; then
+        log "kube: built meanwhile by another run"; echo "$dir/kube-apiserver"; echo "$dir/kubectl"; return
     fi
     log "kube: building k8s.io/kubernetes@$KUBE_VERSION kube-apiserver + kubectl (tens of minutes on 2 cores)"
     local start=$SECONDS w mod
@@ -126,12 +144,20 @@ build_kube() {
     grep -q 'k8s.io/apiserver => k8s.io/apiserver' "$w/go.mod" || die "kube: no staging replaces found in $mod"
     fetch "$w" "k8s.io/kubernetes/cmd/kube-apiserver@$KUBE_VERSION" "k8s.io/kubernetes/cmd/kubectl@$KUBE_VERSION" ||
         die "kube: go get failed"
+    # Stamp the version as upstream's hack/lib/version.sh does; without it both binaries
+    # report v0.0.0-master+$Format:%H$ (kubectl warns, clients see a bogus /version).
+    local ld="" vpkg minor="${KUBE_VERSION#v1.}"
+    minor="${minor%%.*}"
+    for vpkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ld+=" -X $vpkg.gitVersion=$KUBE_VERSION -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor"
+        ld+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
+    done
     mkdir -p "$w/out"
     local s2=$SECONDS
-    go_build "$w" "$w/out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver || die "kube: building kube-apiserver failed"
+    go_build "$w" "$w/out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver "$ld" || die "kube: building kube-apiserver failed"
     log "kube: kube-apiserver built in $((SECONDS - s2))s"
     s2=$SECONDS
-    go_build "$w" "$w/out/kubectl" k8s.io/kubernetes/cmd/kubectl || die "kube: building kubectl failed"
+    go_build "$w" "$w/out/kubectl" k8s.io/kubernetes/cmd/kubectl "$ld" || die "kube: building kubectl failed"
     log "kube: kubectl built in $((SECONDS - s2))s"
     install_bins "$id" "$w/out"
     log "kube: built in $((SECONDS - start))s"

@@ -25,7 +25,10 @@ done
 for t in openssl curl; do command -v "$t" >/dev/null || die "'$t' is not installed"; done
 
 if [[ -z "${ETCD_BIN:-}" ]]; then ETCD_BIN="$("$here/build.sh" etcd)"; fi
-if [[ -z "${KUBE_APISERVER_BIN:-}" ]]; then KUBE_APISERVER_BIN="$("$here/build.sh" kube | head -n1)"; fi
+if [[ -z "${KUBE_APISERVER_BIN:-}" ]]; then
+    KUBE_APISERVER_BIN="$("$here/build.sh" kube)"   # kube-apiserver, then kubectl
+    KUBE_APISERVER_BIN="${KUBE_APISERVER_BIN%%$'\n'*}"
+fi
 [[ -x "$ETCD_BIN" ]] || die "etcd binary not found: $ETCD_BIN"
 [[ -x "$KUBE_APISERVER_BIN" ]] || die "kube-apiserver binary not found: $KUBE_APISERVER_BIN"
 
@@ -75,6 +78,7 @@ chmod 600 "$dir/admin.token" "$pki/tokens.csv" "$pki"/*.key
 etcd_port="$(free_port)"; peer_port="$(free_port)"
 while [[ "$peer_port" == "$etcd_port" ]]; do peer_port="$(free_port)"; done
 etcd_url="http://127.0.0.1:$etcd_port"
+etcd_healthy() { [[ "$(curl -fsS "$etcd_url/health" 2>/dev/null)" == *'"health":"true"'* ]]; }
 setsid "$ETCD_BIN" --name haulage --data-dir "$dir/etcd-data" \
     --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
     --listen-peer-urls "http://127.0.0.1:$peer_port" \
@@ -88,10 +92,10 @@ echo "$etcd_pid" >"$dir/etcd.pid"
 echo "$etcd_url" >"$dir/etcd.url"
 for _ in $(seq 1 100); do
     kill -0 "$etcd_pid" 2>/dev/null || fail "etcd exited"
-    curl -fsS "$etcd_url/health" 2>/dev/null | grep -q '"health":"true"' && break
+    etcd_healthy && break
     sleep 0.1
 done
-curl -fsS "$etcd_url/health" 2>/dev/null | grep -q '"health":"true"' || fail "etcd not healthy after 10s"
+etcd_healthy || fail "etcd not healthy after 10s"
 log "etcd ready at $etcd_url (pid $etcd_pid)"
 
 # ---- kube-apiserver --------------------------------------------------------------------
@@ -101,7 +105,7 @@ server="https://127.0.0.1:$api_port"
 setsid "$KUBE_APISERVER_BIN" \
     --etcd-servers="$etcd_url" \
     --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" \
-    --cert-dir="$pki" --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+    --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
     --token-auth-file="$pki/tokens.csv" \
     --authorization-mode=RBAC \
     --service-account-issuer="https://kubernetes.default.svc.cluster.local" \
