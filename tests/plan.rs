@@ -1142,6 +1142,15 @@ fn check_backup_rules(
                 namespace,
                 name
             );
+            let ready_alternative = attached.iter().any(|other| {
+                oracle.usable_for_attached(claim, other) && oracle.nodes[other.as_str()].ready
+            });
+            prop_assert!(
+                node.ready || !ready_alternative,
+                "shared {}/{} on an unready node",
+                namespace,
+                name
+            );
         }
         if claim.is_single_pod() {
             prop_assert!(
@@ -1251,11 +1260,17 @@ fn check_backup_rules(
         let attached = oracle.attached_nodes(last);
         let volume = oracle.volume(last).expect("placed claims have volumes");
         let candidates: Vec<&NodeFacts> = if attached.contains(node_name) {
-            attached
+            let usable: Vec<&NodeFacts> = attached
                 .iter()
                 .filter(|node| oracle.usable_for_attached(last, node))
                 .map(|node| oracle.nodes[node.as_str()])
-                .collect()
+                .collect();
+            // Ready attached nodes are preferred over unready ones.
+            if usable.iter().any(|node| node.ready) {
+                usable.into_iter().filter(|node| node.ready).collect()
+            } else {
+                usable
+            }
         } else {
             facts
                 .nodes

@@ -250,7 +250,16 @@ pub(crate) fn demand_of_existing_claim<'f>(
     }
     if claim.is_shared() {
         // A shared volume can also be attached somewhere new.
-        return if usable.is_empty() {
+        // Among the nodes it is attached to, a ready one is preferred: a
+        // stage pod on a node that is not ready may never start.
+        let ready: Vec<usize> = usable
+            .iter()
+            .copied()
+            .filter(|&index| cluster.nodes[index].ready)
+            .collect();
+        return if !ready.is_empty() {
+            Demand::AmongAttached(ready)
+        } else if usable.is_empty() {
             Demand::Anywhere(constraints)
         } else {
             Demand::AmongAttached(usable)
