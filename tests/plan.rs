@@ -154,6 +154,29 @@ fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() 
 }
 
 #[test]
+fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
+    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
+    let shared = shared.with_access_modes([AccessMode::ReadOnlyMany]);
+    let facts = facts_with(
+        vec![
+            NodeFacts::new("a-sick").not_ready(),
+            NodeFacts::new("b-well"),
+        ],
+        vec![(shared, shared_volume), ebs_claim("shop", "busy", 50 * GIB)],
+        vec![
+            PodFacts::running("shop", "reader-a", "a-sick").mounting("uploads"),
+            PodFacts::running("shop", "reader-b", "b-well")
+                .mounting("uploads")
+                .mounting("busy"),
+        ],
+    );
+    assert_eq!(
+        node_of(&plan(&facts), "shop", "uploads").as_deref(),
+        Some("b-well")
+    );
+}
+
+#[test]
 fn local_volume_goes_to_its_node_only() {
     let facts = facts_with(
         vec![NodeFacts::new("a"), NodeFacts::new("b")],
