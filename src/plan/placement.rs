@@ -6,10 +6,11 @@
 //! already attached there) are pinned first, since they have no choice. The
 //! rest are placed largest first (bytes descending, then namespace and name)
 //! on the candidate node with the least load (bytes, then volume count, then
-//! a rank that interleaves zones): the longest-processing-time rule, which
-//! keeps the busiest node's load within 4/3 of the optimum and, checked by a
-//! property test, means moving the last volume placed on any node to another
-//! candidate never lowers that node's load below what the other would carry.
+//! a rank that interleaves zones): the longest-processing-time rule. On
+//! identical, unconstrained nodes it keeps the busiest node within 4/3 of the
+//! optimum; with constraints it still keeps the promise a property test
+//! checks: the last volume placed on any node would leave any other node it
+//! was allowed on at least as loaded, so moving it never lowers the peak.
 //!
 //! Candidate nodes for a new attachment depend only on the volume's node
 //! affinity, its storage class's allowed topologies and its CSI driver, so
