@@ -154,6 +154,29 @@ fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() 
 }
 
 #[test]
+fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
+    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
+    let shared = shared.with_access_modes([AccessMode::ReadOnlyMany]);
+    let facts = facts_with(
+        vec![
+            NodeFacts::new("a-sick").not_ready(),
+            NodeFacts::new("b-well"),
+        ],
+        vec![(shared, shared_volume), ebs_claim("shop", "busy", 50 * GIB)],
+        vec![
+            PodFacts::running("shop", "reader-a", "a-sick").mounting("uploads"),
+            PodFacts::running("shop", "reader-b", "b-well")
+                .mounting("uploads")
+                .mounting("busy"),
+        ],
+    );
+    assert_eq!(
+        node_of(&plan(&facts), "shop", "uploads").as_deref(),
+        Some("b-well")
+    );
+}
+
+#[test]
 fn local_volume_goes_to_its_node_only() {
     let facts = facts_with(
         vec![NodeFacts::new("a"), NodeFacts::new("b")],
@@ -1142,6 +1165,15 @@ fn check_backup_rules(
                 namespace,
                 name
             );
+            let ready_alternative = attached.iter().any(|other| {
+                oracle.usable_for_attached(claim, other) && oracle.nodes[other.as_str()].ready
+            });
+            prop_assert!(
+                node.ready || !ready_alternative,
+                "shared {}/{} on an unready node",
+                namespace,
+                name
+            );
         }
         if claim.is_single_pod() {
             prop_assert!(
@@ -1251,11 +1283,17 @@ fn check_backup_rules(
         let attached = oracle.attached_nodes(last);
         let volume = oracle.volume(last).expect("placed claims have volumes");
         let candidates: Vec<&NodeFacts> = if attached.contains(node_name) {
-            attached
+            let usable: Vec<&NodeFacts> = attached
                 .iter()
                 .filter(|node| oracle.usable_for_attached(last, node))
                 .map(|node| oracle.nodes[node.as_str()])
-                .collect()
+                .collect();
+            // Ready attached nodes are preferred over unready ones.
+            if usable.iter().any(|node| node.ready) {
+                usable.into_iter().filter(|node| node.ready).collect()
+            } else {
+                usable
+            }
         } else {
             facts
                 .nodes

@@ -6,10 +6,11 @@
 //! already attached there) are pinned first, since they have no choice. The
 //! rest are placed largest first (bytes descending, then namespace and name)
 //! on the candidate node with the least load (bytes, then volume count, then
-//! a rank that interleaves zones): the longest-processing-time rule, which
-//! keeps the busiest node's load within 4/3 of the optimum and, checked by a
-//! property test, means moving the last volume placed on any node to another
-//! candidate never lowers that node's load below what the other would carry.
+//! a rank that interleaves zones): the longest-processing-time rule. On
+//! identical, unconstrained nodes it keeps the busiest node within 4/3 of the
+//! optimum; with constraints it still keeps the promise a property test
+//! checks: the last volume placed on any node would leave any other node it
+//! was allowed on at least as loaded, so moving it never lowers the peak.
 //!
 //! Candidate nodes for a new attachment depend only on the volume's node
 //! affinity, its storage class's allowed topologies and its CSI driver, so
@@ -250,7 +251,16 @@ pub(crate) fn demand_of_existing_claim<'f>(
     }
     if claim.is_shared() {
         // A shared volume can also be attached somewhere new.
-        return if usable.is_empty() {
+        // Among the nodes it is attached to, a ready one is preferred: a
+        // stage pod on a node that is not ready may never start.
+        let ready: Vec<usize> = usable
+            .iter()
+            .copied()
+            .filter(|&index| cluster.nodes[index].ready)
+            .collect();
+        return if !ready.is_empty() {
+            Demand::AmongAttached(ready)
+        } else if usable.is_empty() {
             Demand::Anywhere(constraints)
         } else {
             Demand::AmongAttached(usable)
@@ -286,6 +296,8 @@ type NodeKey = (u64, u64, u32);
 struct CandidateHeap {
     heap: BinaryHeap<Reverse<(NodeKey, usize)>>,
     exclusions: Exclusions,
+    /// The constraints' CSI driver, by number.
+    driver: Option<usize>,
 }
 
 /// Assigns requests to nodes, tracking load and CSI attachments.
@@ -294,10 +306,17 @@ struct Balancer<'c, 'f> {
     load_bytes: Vec<u64>,
     load_count: Vec<u64>,
     rank: Vec<u32>,
-    /// Per node, distinct CSI volumes attached per driver (present and
-    /// planned).
-    attachments: Vec<HashMap<&'f str, u32>>,
-    heaps: HashMap<Constraints<'f>, CandidateHeap>,
+    /// CSI drivers, numbered.
+    driver_ids: HashMap<&'f str, usize>,
+    /// Per node and driver: the attach limit (`None`: unlimited).
+    limits: Vec<Vec<Option<u32>>>,
+    /// Per node and driver: distinct CSI volumes attached, present and
+    /// planned.
+    attachments: Vec<Vec<u32>>,
+    /// Candidate heap number per set of constraints, so each claim hashes
+    /// its constraints once.
+    group_ids: HashMap<Constraints<'f>, usize>,
+    heaps: Vec<CandidateHeap>,
     /// Nodes per (label key, value), built when an affinity first needs it.
     label_index: Option<HashMap<(&'f str, &'f str), Vec<usize>>>,
     stage_pods: BTreeMap<(&'f str, usize), (Vec<&'f str>, u64)>,
@@ -356,12 +375,52 @@ impl<'c, 'f> Balancer<'c, 'f> {
                 }
             }
         }
+        let mut driver_names: BTreeSet<&'f str> = BTreeSet::new();
+        for node in &cluster.nodes {
+            driver_names.extend(
+                node.csi_drivers
+                    .iter()
+                    .flatten()
+                    .map(|(name, _)| name.as_str()),
+            );
+        }
+        for set in &attached_sets {
+            driver_names.extend(set.iter().map(|(driver, _)| *driver));
+        }
+        driver_names.extend(
+            cluster
+                .volumes
+                .values()
+                .filter_map(|volume| volume.csi.as_ref())
+                .map(|csi| csi.driver.as_str()),
+        );
+        driver_names.extend(
+            cluster
+                .classes
+                .values()
+                .filter_map(|class| class.csi_driver()),
+        );
+        let driver_ids: HashMap<&str, usize> = driver_names
+            .into_iter()
+            .enumerate()
+            .map(|(id, name)| (name, id))
+            .collect();
+        let mut limits = vec![vec![None; driver_ids.len()]; node_count];
+        for (index, node) in cluster.nodes.iter().enumerate() {
+            for (name, limit) in node.csi_drivers.iter().flatten() {
+                if let Some(&id) = driver_ids.get(name.as_str()) {
+                    limits[index][id] = *limit;
+                }
+            }
+        }
         let attachments = attached_sets
             .into_iter()
             .map(|set| {
-                let mut counts: HashMap<&str, u32> = HashMap::new();
+                let mut counts = vec![0u32; driver_ids.len()];
                 for (driver, _) in set {
-                    *counts.entry(driver).or_default() += 1;
+                    if let Some(&id) = driver_ids.get(driver) {
+                        counts[id] += 1;
+                    }
                 }
                 counts
             })
@@ -371,8 +430,11 @@ impl<'c, 'f> Balancer<'c, 'f> {
             load_bytes: vec![0; node_count],
             load_count: vec![0; node_count],
             rank: zone_interleaved_ranks(&cluster.nodes),
+            driver_ids,
+            limits,
             attachments,
-            heaps: HashMap::new(),
+            group_ids: HashMap::new(),
+            heaps: Vec::new(),
             label_index: None,
             stage_pods: BTreeMap::new(),
             unplaceable: Vec::new(),
@@ -409,15 +471,13 @@ impl<'c, 'f> Balancer<'c, 'f> {
                 }
             }
             Demand::Anywhere(constraints) => match self.pick(constraints) {
-                Ok(node) => {
-                    if let Some(driver) = constraints.driver {
-                        *self.attachments[node].entry(driver).or_default() += 1;
+                Ok((group, node)) => {
+                    if let Some(driver) = self.heaps[group].driver {
+                        self.attachments[node][driver] += 1;
                     }
                     self.assign(request.namespace, request.name, request.bytes, node);
                     let key = self.key(node);
-                    if let Some(candidates) = self.heaps.get_mut(&constraints) {
-                        candidates.heap.push(Reverse((key, node)));
-                    }
+                    self.heaps[group].heap.push(Reverse((key, node)));
                 }
                 Err(exclusions) => self.unplaceable.push(UnplaceableClaim {
                     namespace: request.namespace.to_string(),
@@ -441,41 +501,36 @@ impl<'c, 'f> Balancer<'c, 'f> {
     /// new load). Loads only grow, so an entry whose key is stale is
     /// refreshed and pushed back; a node at its attach limit stays full and
     /// is dropped for good.
-    fn pick(&mut self, constraints: Constraints<'f>) -> Result<usize, Exclusions> {
-        if !self.heaps.contains_key(&constraints) {
-            let candidates = self.candidates(constraints);
-            self.heaps.insert(constraints, candidates);
-        }
-        let Balancer {
-            heaps,
-            load_bytes,
-            load_count,
-            rank,
-            attachments,
-            cluster,
-            ..
-        } = self;
-        let Some(candidates) = heaps.get_mut(&constraints) else {
-            return Err(Exclusions::default());
+    fn pick(&mut self, constraints: Constraints<'f>) -> Result<(usize, usize), Exclusions> {
+        let group = match self.group_ids.get(&constraints) {
+            Some(&group) => group,
+            None => {
+                let candidates = self.candidates(constraints);
+                self.heaps.push(candidates);
+                let group = self.heaps.len() - 1;
+                self.group_ids.insert(constraints, group);
+                group
+            }
         };
+        let candidates = &mut self.heaps[group];
         while let Some(Reverse((key, node))) = candidates.heap.pop() {
-            let current = (load_bytes[node], load_count[node], rank[node]);
+            let current = (
+                self.load_bytes[node],
+                self.load_count[node],
+                self.rank[node],
+            );
             if key != current {
                 candidates.heap.push(Reverse((current, node)));
                 continue;
             }
-            if let Some(driver) = constraints.driver {
-                let limit = cluster.nodes[node]
-                    .csi_drivers
-                    .as_ref()
-                    .and_then(|drivers| drivers.get(driver).copied().flatten());
-                let attached = attachments[node].get(driver).copied().unwrap_or(0);
-                if limit.is_some_and(|limit| attached >= limit) {
-                    candidates.exclusions.attach_limit_reached += 1;
-                    continue;
-                }
+            if let Some(driver) = candidates.driver
+                && self.limits[node][driver]
+                    .is_some_and(|limit| self.attachments[node][driver] >= limit)
+            {
+                candidates.exclusions.attach_limit_reached += 1;
+                continue;
             }
-            return Ok(node);
+            return Ok((group, node));
         }
         Err(candidates.exclusions.clone())
     }
@@ -536,6 +591,9 @@ impl<'c, 'f> Balancer<'c, 'f> {
         CandidateHeap {
             heap: BinaryHeap::from(entries),
             exclusions,
+            driver: constraints
+                .driver
+                .and_then(|driver| self.driver_ids.get(driver).copied()),
         }
     }
 
