@@ -177,6 +177,40 @@ fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
 }
 
 #[test]
+fn shared_volume_attached_only_to_an_unready_node_moves_to_a_healthy_one() {
+    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
+    let shared = shared.with_access_modes([AccessMode::ReadWriteMany]);
+    let facts = facts_with(
+        vec![
+            NodeFacts::new("a-sick").not_ready(),
+            NodeFacts::new("b-well"),
+        ],
+        vec![(shared, shared_volume)],
+        vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
+    );
+    assert_eq!(
+        node_of(&plan(&facts), "shop", "uploads").as_deref(),
+        Some("b-well")
+    );
+    let stuck = facts_with(
+        vec![
+            NodeFacts::new("a-sick").not_ready(),
+            NodeFacts::new("b-cordoned").cordoned(),
+        ],
+        vec![{
+            let (claim, volume) = ebs_claim("shop", "uploads", GIB);
+            (claim.with_access_modes([AccessMode::ReadWriteMany]), volume)
+        }],
+        vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
+    );
+    assert_eq!(
+        node_of(&plan(&stuck), "shop", "uploads").as_deref(),
+        Some("a-sick"),
+        "with nowhere else to go, the node it is attached to"
+    );
+}
+
+#[test]
 fn local_volume_goes_to_its_node_only() {
     let facts = facts_with(
         vec![NodeFacts::new("a"), NodeFacts::new("b")],
@@ -1154,26 +1188,27 @@ fn check_backup_rules(
                 name
             );
         }
-        if claim.is_shared()
-            && attached
-                .iter()
-                .any(|node| oracle.usable_for_attached(claim, node))
-        {
-            prop_assert!(
-                attached.contains(node_name),
-                "shared {}/{} not on an attached node",
-                namespace,
-                name
-            );
-            let ready_alternative = attached.iter().any(|other| {
+        if claim.is_shared() {
+            // Preference: a ready node it is attached to, else a new
+            // attachment, else an unready node it is attached to.
+            let ready_attached = attached.iter().any(|other| {
                 oracle.usable_for_attached(claim, other) && oracle.nodes[other.as_str()].ready
             });
-            prop_assert!(
-                node.ready || !ready_alternative,
-                "shared {}/{} on an unready node",
-                namespace,
-                name
-            );
+            if ready_attached {
+                prop_assert!(
+                    attached.contains(node_name) && node.ready,
+                    "shared {}/{} not on a ready attached node",
+                    namespace,
+                    name
+                );
+            } else if attached.contains(node_name) {
+                prop_assert!(
+                    oracle.usable_for_attached(claim, node_name),
+                    "shared {}/{} on an unusable attached node",
+                    namespace,
+                    name
+                );
+            }
         }
         if claim.is_single_pod() {
             prop_assert!(
@@ -1208,12 +1243,11 @@ fn check_backup_rules(
         {
             prop_assert!(reason.contains("quiesce"), "{}", reason);
         }
-        // An exclusive volume attached to exactly one usable node is never
-        // left out.
+        // A volume attached to a node a stage pod can use is never left
+        // out (unless ReadWriteOncePod in use).
         let attached = oracle.attached_nodes(claim);
         if claim.phase == ClaimPhase::Bound
             && oracle.volume(claim).is_some()
-            && !claim.is_shared()
             && !claim.is_single_pod()
         {
             let usable: Vec<_> = attached
@@ -1288,7 +1322,8 @@ fn check_backup_rules(
                 .filter(|node| oracle.usable_for_attached(last, node))
                 .map(|node| oracle.nodes[node.as_str()])
                 .collect();
-            // Ready attached nodes are preferred over unready ones.
+            // Ready attached nodes are preferred over unready ones, which
+            // are only used when no node takes a new attachment.
             if usable.iter().any(|node| node.ready) {
                 usable.into_iter().filter(|node| node.ready).collect()
             } else {

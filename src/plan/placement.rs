@@ -174,6 +174,9 @@ pub(crate) enum Demand<'f> {
     AmongAttached(Vec<usize>),
     /// Not attached anywhere usable: any node meeting the constraints.
     Anywhere(Constraints<'f>),
+    /// Shared volume attached only to unready nodes: any node meeting the
+    /// constraints, else the least loaded of these.
+    AnywhereElseAttached(Constraints<'f>, Vec<usize>),
 }
 
 /// What an existing claim demands: phase, bound volume, access modes, users
@@ -251,8 +254,10 @@ pub(crate) fn demand_of_existing_claim<'f>(
     }
     if claim.is_shared() {
         // A shared volume can also be attached somewhere new.
-        // Among the nodes it is attached to, a ready one is preferred: a
-        // stage pod on a node that is not ready may never start.
+        // A ready node it is attached to is best; failing that, a new
+        // attachment on a node that takes new volumes, since a stage pod on
+        // a node that is not ready may never start; failing that, the
+        // unready node it is attached to.
         let ready: Vec<usize> = usable
             .iter()
             .copied()
@@ -263,7 +268,7 @@ pub(crate) fn demand_of_existing_claim<'f>(
         } else if usable.is_empty() {
             Demand::Anywhere(constraints)
         } else {
-            Demand::AmongAttached(usable)
+            Demand::AnywhereElseAttached(constraints, usable)
         };
     }
     // An exclusive volume can only be read where it is attached. Should it
@@ -470,22 +475,47 @@ impl<'c, 'f> Balancer<'c, 'f> {
                     }),
                 }
             }
-            Demand::Anywhere(constraints) => match self.pick(constraints) {
-                Ok((group, node)) => {
-                    if let Some(driver) = self.heaps[group].driver {
-                        self.attachments[node][driver] += 1;
-                    }
-                    self.assign(request.namespace, request.name, request.bytes, node);
-                    let key = self.key(node);
-                    self.heaps[group].heap.push(Reverse((key, node)));
+            Demand::Anywhere(constraints) => {
+                if let Err(exclusions) = self.place_anywhere(&request, constraints) {
+                    self.unplaceable.push(UnplaceableClaim {
+                        namespace: request.namespace.to_string(),
+                        pvc: request.name.to_string(),
+                        reason: UnplaceableReason::NoEligibleNode(exclusions),
+                    });
                 }
-                Err(exclusions) => self.unplaceable.push(UnplaceableClaim {
-                    namespace: request.namespace.to_string(),
-                    pvc: request.name.to_string(),
-                    reason: UnplaceableReason::NoEligibleNode(exclusions),
-                }),
-            },
+            }
+            Demand::AnywhereElseAttached(constraints, ref fallback) => {
+                if let Err(exclusions) = self.place_anywhere(&request, constraints) {
+                    match fallback.iter().copied().min_by_key(|&node| self.key(node)) {
+                        Some(node) => {
+                            self.assign(request.namespace, request.name, request.bytes, node)
+                        }
+                        None => self.unplaceable.push(UnplaceableClaim {
+                            namespace: request.namespace.to_string(),
+                            pvc: request.name.to_string(),
+                            reason: UnplaceableReason::NoEligibleNode(exclusions),
+                        }),
+                    }
+                }
+            }
         }
+    }
+
+    /// Place a request on the least loaded node meeting the constraints,
+    /// counting the new attachment.
+    fn place_anywhere(
+        &mut self,
+        request: &Request<'f>,
+        constraints: Constraints<'f>,
+    ) -> Result<(), Exclusions> {
+        let (group, node) = self.pick(constraints)?;
+        if let Some(driver) = self.heaps[group].driver {
+            self.attachments[node][driver] += 1;
+        }
+        self.assign(request.namespace, request.name, request.bytes, node);
+        let key = self.key(node);
+        self.heaps[group].heap.push(Reverse((key, node)));
+        Ok(())
     }
 
     fn assign(&mut self, namespace: &'f str, name: &'f str, bytes: u64, node: usize) {
