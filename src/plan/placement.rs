@@ -37,7 +37,8 @@ pub(crate) struct IndexedCluster<'f> {
     node_index: HashMap<&'f str, usize>,
     volumes: HashMap<&'f str, &'f VolumeFacts>,
     pub(crate) classes: HashMap<&'f str, &'f StorageClassFacts>,
-    pub(crate) claims: BTreeMap<(&'f str, &'f str), &'f ClaimFacts>,
+    /// Claims sorted by (namespace, name).
+    pub(crate) claims: Vec<&'f ClaimFacts>,
     /// Pods holding volumes, per claim (namespace, name), sorted by pod name.
     users: HashMap<(&'f str, &'f str), Vec<&'f PodFacts>>,
     /// Nodes whose `status.volumesAttached` lists a CSI volume, per
@@ -78,17 +79,18 @@ impl<'f> IndexedCluster<'f> {
                 });
             }
         }
-        let mut claims = BTreeMap::new();
-        for claim in &facts.claims {
-            if claims
-                .insert((claim.namespace.as_str(), claim.name.as_str()), claim)
-                .is_some()
-            {
-                return Err(PlanError::DuplicateObject {
-                    kind: "PersistentVolumeClaim",
-                    name: format!("{}/{}", claim.namespace, claim.name),
-                });
-            }
+        let mut claims: Vec<&ClaimFacts> = facts.claims.iter().collect();
+        claims.sort_unstable_by(|left, right| {
+            (&left.namespace, &left.name).cmp(&(&right.namespace, &right.name))
+        });
+        if let Some(pair) = claims
+            .windows(2)
+            .find(|pair| pair[0].namespace == pair[1].namespace && pair[0].name == pair[1].name)
+        {
+            return Err(PlanError::DuplicateObject {
+                kind: "PersistentVolumeClaim",
+                name: format!("{}/{}", pair[0].namespace, pair[0].name),
+            });
         }
         let mut pod_names = HashSet::with_capacity(facts.pods.len());
         let mut users: HashMap<(&str, &str), Vec<&PodFacts>> = HashMap::new();
@@ -134,6 +136,16 @@ impl<'f> IndexedCluster<'f> {
             users,
             attached_by_status,
         })
+    }
+
+    /// The claim with this namespace and name.
+    pub(crate) fn claim(&self, namespace: &str, name: &str) -> Option<&'f ClaimFacts> {
+        self.claims
+            .binary_search_by(|claim| {
+                (claim.namespace.as_str(), claim.name.as_str()).cmp(&(namespace, name))
+            })
+            .ok()
+            .map(|position| self.claims[position])
     }
 
     /// Pods holding this claim's volume, sorted by name.
@@ -335,15 +347,14 @@ pub(crate) fn place_requests<'f>(
 ) -> StagePlan {
     let mut balancer = Balancer::new(cluster);
     // Pinned first: they have no choice, and their load steers the rest.
-    // Then largest first (the longest-processing-time rule).
-    requests.sort_by(|left, right| {
-        let left_pinned = matches!(left.demand, Demand::Pinned(_));
-        let right_pinned = matches!(right.demand, Demand::Pinned(_));
-        right_pinned
-            .cmp(&left_pinned)
-            .then(right.bytes.cmp(&left.bytes))
-            .then(left.namespace.cmp(right.namespace))
-            .then(left.name.cmp(right.name))
+    // Then largest first (the longest-processing-time rule), ties by
+    // namespace and name: a stable sort on integers over the name order.
+    requests.sort_by(|left, right| (left.namespace, left.name).cmp(&(right.namespace, right.name)));
+    requests.sort_by_key(|request| {
+        (
+            !matches!(request.demand, Demand::Pinned(_)),
+            Reverse(request.bytes),
+        )
     });
     for request in requests {
         balancer.place(request);
@@ -362,8 +373,7 @@ impl<'c, 'f> Balancer<'c, 'f> {
         }
         for ((namespace, claim_name), pods) in &cluster.users {
             let Some(csi) = cluster
-                .claims
-                .get(&(*namespace, *claim_name))
+                .claim(namespace, claim_name)
                 .and_then(|claim| claim.volume.as_deref())
                 .and_then(|volume| cluster.volumes.get(volume))
                 .and_then(|volume| volume.csi.as_ref())

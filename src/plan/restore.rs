@@ -71,10 +71,7 @@ pub fn plan_restore(facts: &ClusterFacts, claims: &[RestoreClaim]) -> Result<Sta
                 name: format!("{}/{}", claim.namespace, claim.name),
             });
         }
-        let existing = cluster
-            .claims
-            .get(&(claim.namespace.as_str(), claim.name.as_str()))
-            .copied();
+        let existing = cluster.claim(&claim.namespace, &claim.name);
         let demand = match existing {
             Some(existing) if existing.phase != ClaimPhase::Pending => {
                 demand_of_existing_claim(&cluster, existing)
