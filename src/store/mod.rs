@@ -119,7 +119,9 @@ pub type DynStore = Arc<dyn ObjectStore>;
 #[derive(Debug, thiserror::Error)]
 pub enum OpenStoreError {
     /// The URL's scheme is not one haulage knows.
-    #[error("unsupported repository URL {url:?}: expected file:///path or a local path{hint}")]
+    #[error(
+        "unsupported repository URL {url:?}: expected file:///path or a local path{hint}"
+    )]
     UnsupportedScheme { url: String, hint: &'static str },
     /// The backend could not be set up.
     #[error("cannot open repository location {url}: {message}")]
