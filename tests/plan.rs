@@ -1437,6 +1437,8 @@ proptest! {
             })
             .collect();
         let plan = plan_restore(&facts, &restore).expect("no duplicates");
+        let reversed: Vec<RestoreClaim> = restore.iter().rev().cloned().collect();
+        prop_assert_eq!(&plan_restore(&facts, &reversed).expect("no duplicates"), &plan);
         let placed = placements(&plan);
         prop_assert_eq!(placed.len() + plan.unplaceable.len(), restore.len());
         let nodes: HashMap<&str, &NodeFacts> = facts.nodes.iter().map(|node| (node.name.as_str(), node)).collect();
