@@ -336,7 +336,8 @@ struct Balancer<'c, 'f> {
     heaps: Vec<CandidateHeap>,
     /// Nodes per (label key, value), built when an affinity first needs it.
     label_index: Option<HashMap<(&'f str, &'f str), Vec<usize>>>,
-    stage_pods: BTreeMap<(&'f str, usize), (Vec<&'f str>, u64)>,
+    /// Stage pods by (namespace number, node).
+    stage_pods: BTreeMap<(u32, usize), StagePodDraft<'f>>,
     unplaceable: Vec<UnplaceableClaim>,
 }
 
@@ -346,20 +347,59 @@ pub(crate) fn place_requests<'f>(
     mut requests: Vec<Request<'f>>,
 ) -> StagePlan {
     let mut balancer = Balancer::new(cluster);
-    // Pinned first: they have no choice, and their load steers the rest.
-    // Then largest first (the longest-processing-time rule), ties by
-    // namespace and name: a stable sort on integers over the name order.
+    // Name order first (cheap when the caller's order is already it): a
+    // request's position then stands for its namespace and name, and
+    // namespaces get numbers in the same order, so the rest of placement
+    // compares integers, not strings.
     requests.sort_by(|left, right| (left.namespace, left.name).cmp(&(right.namespace, right.name)));
-    requests.sort_by_key(|request| {
-        (
-            !matches!(request.demand, Demand::Pinned(_)),
-            Reverse(request.bytes),
-        )
-    });
-    for request in requests {
-        balancer.place(request);
+    let mut namespace_numbers = Vec::with_capacity(requests.len());
+    let mut number = 0u32;
+    for (position, request) in requests.iter().enumerate() {
+        if position > 0 && requests[position - 1].namespace != request.namespace {
+            number += 1;
+        }
+        namespace_numbers.push(number);
+    }
+    // Pinned first: they have no choice, and their load steers the rest.
+    // Then largest first (the longest-processing-time rule), ties in name
+    // order.
+    let mut order: Vec<(bool, Reverse<u64>, usize)> = requests
+        .iter()
+        .enumerate()
+        .map(|(position, request)| {
+            (
+                !matches!(request.demand, Demand::Pinned(_)),
+                Reverse(request.bytes),
+                position,
+            )
+        })
+        .collect();
+    order.sort_unstable();
+    let mut slots: Vec<Option<Request<'f>>> = requests.into_iter().map(Some).collect();
+    for (_, _, position) in order {
+        if let Some(request) = slots[position].take() {
+            balancer.place(request, namespace_numbers[position]);
+        }
     }
     balancer.finish()
+}
+
+/// A claim on its way to a node.
+#[derive(Clone, Copy)]
+struct ClaimToPlace<'f> {
+    namespace: &'f str,
+    name: &'f str,
+    bytes: u64,
+    /// The namespace's number in name order.
+    namespace_number: u32,
+}
+
+/// The volumes one stage pod will mount, while placing.
+#[derive(Default)]
+struct StagePodDraft<'f> {
+    namespace: &'f str,
+    volumes: Vec<&'f str>,
+    bytes: u64,
 }
 
 impl<'c, 'f> Balancer<'c, 'f> {
@@ -464,76 +504,92 @@ impl<'c, 'f> Balancer<'c, 'f> {
         )
     }
 
-    fn place(&mut self, request: Request<'f>) {
-        match request.demand {
-            Demand::Unplaceable(reason) => self.unplaceable.push(UnplaceableClaim {
-                namespace: request.namespace.to_string(),
-                pvc: request.name.to_string(),
-                reason,
-            }),
+    fn place(&mut self, request: Request<'f>, namespace_number: u32) {
+        let Request {
+            namespace,
+            name,
+            bytes,
+            demand,
+        } = request;
+        let claim = ClaimToPlace {
+            namespace,
+            name,
+            bytes,
+            namespace_number,
+        };
+        let result = match demand {
+            Demand::Unplaceable(reason) => Err(reason),
             Demand::Pinned(node) => {
-                self.assign(request.namespace, request.name, request.bytes, node)
+                self.assign(claim, node);
+                Ok(())
             }
-            Demand::AmongAttached(nodes) => {
-                match nodes.into_iter().min_by_key(|&node| self.key(node)) {
-                    Some(node) => self.assign(request.namespace, request.name, request.bytes, node),
-                    // Not built that way, but a claim must never vanish.
-                    None => self.unplaceable.push(UnplaceableClaim {
-                        namespace: request.namespace.to_string(),
-                        pvc: request.name.to_string(),
-                        reason: UnplaceableReason::NoEligibleNode(Exclusions::default()),
-                    }),
+            Demand::AmongAttached(nodes) => self.place_among(claim, &nodes, Exclusions::default()),
+            Demand::Anywhere(constraints) => self
+                .place_anywhere(claim, constraints)
+                .map_err(UnplaceableReason::NoEligibleNode),
+            Demand::AnywhereElseAttached(constraints, fallback) => {
+                match self.place_anywhere(claim, constraints) {
+                    Ok(()) => Ok(()),
+                    Err(exclusions) => self.place_among(claim, &fallback, exclusions),
                 }
             }
-            Demand::Anywhere(constraints) => {
-                if let Err(exclusions) = self.place_anywhere(&request, constraints) {
-                    self.unplaceable.push(UnplaceableClaim {
-                        namespace: request.namespace.to_string(),
-                        pvc: request.name.to_string(),
-                        reason: UnplaceableReason::NoEligibleNode(exclusions),
-                    });
-                }
-            }
-            Demand::AnywhereElseAttached(constraints, ref fallback) => {
-                if let Err(exclusions) = self.place_anywhere(&request, constraints) {
-                    match fallback.iter().copied().min_by_key(|&node| self.key(node)) {
-                        Some(node) => {
-                            self.assign(request.namespace, request.name, request.bytes, node)
-                        }
-                        None => self.unplaceable.push(UnplaceableClaim {
-                            namespace: request.namespace.to_string(),
-                            pvc: request.name.to_string(),
-                            reason: UnplaceableReason::NoEligibleNode(exclusions),
-                        }),
-                    }
-                }
-            }
+        };
+        if let Err(reason) = result {
+            self.unplaceable.push(UnplaceableClaim {
+                namespace: namespace.to_string(),
+                pvc: name.to_string(),
+                reason,
+            });
         }
     }
 
-    /// Place a request on the least loaded node meeting the constraints,
+    /// Place a claim on the least loaded of these nodes (where its volume is
+    /// attached already).
+    fn place_among(
+        &mut self,
+        claim: ClaimToPlace<'f>,
+        nodes: &[usize],
+        exclusions: Exclusions,
+    ) -> Result<(), UnplaceableReason> {
+        // Never empty as built, but a claim must never vanish.
+        let node = nodes
+            .iter()
+            .copied()
+            .min_by_key(|&node| self.key(node))
+            .ok_or(UnplaceableReason::NoEligibleNode(exclusions))?;
+        self.assign(claim, node);
+        Ok(())
+    }
+
+    /// Place a claim on the least loaded node meeting the constraints,
     /// counting the new attachment.
     fn place_anywhere(
         &mut self,
-        request: &Request<'f>,
+        claim: ClaimToPlace<'f>,
         constraints: Constraints<'f>,
     ) -> Result<(), Exclusions> {
         let (group, node) = self.pick(constraints)?;
         if let Some(driver) = self.heaps[group].driver {
             self.attachments[node][driver] += 1;
         }
-        self.assign(request.namespace, request.name, request.bytes, node);
+        self.assign(claim, node);
         let key = self.key(node);
         self.heaps[group].heap.push(Reverse((key, node)));
         Ok(())
     }
 
-    fn assign(&mut self, namespace: &'f str, name: &'f str, bytes: u64, node: usize) {
-        self.load_bytes[node] = self.load_bytes[node].saturating_add(bytes);
+    fn assign(&mut self, claim: ClaimToPlace<'f>, node: usize) {
+        self.load_bytes[node] = self.load_bytes[node].saturating_add(claim.bytes);
         self.load_count[node] += 1;
-        let entry = self.stage_pods.entry((namespace, node)).or_default();
-        entry.0.push(name);
-        entry.1 = entry.1.saturating_add(bytes);
+        let draft = self
+            .stage_pods
+            .entry((claim.namespace_number, node))
+            .or_insert_with(|| StagePodDraft {
+                namespace: claim.namespace,
+                ..StagePodDraft::default()
+            });
+        draft.volumes.push(claim.name);
+        draft.bytes = draft.bytes.saturating_add(claim.bytes);
     }
 
     /// The least loaded node meeting the constraints with room for one more
@@ -683,13 +739,13 @@ impl<'c, 'f> Balancer<'c, 'f> {
         let stage_pods = self
             .stage_pods
             .into_iter()
-            .map(|((namespace, node), (mut volumes, bytes))| {
-                volumes.sort_unstable();
+            .map(|((_, node), mut draft)| {
+                draft.volumes.sort_unstable();
                 StagePod {
-                    namespace: namespace.to_string(),
+                    namespace: draft.namespace.to_string(),
                     node: nodes[node].name.clone(),
-                    volumes: volumes.into_iter().map(str::to_string).collect(),
-                    bytes,
+                    volumes: draft.volumes.into_iter().map(str::to_string).collect(),
+                    bytes: draft.bytes,
                 }
             })
             .collect();
