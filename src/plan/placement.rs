@@ -265,8 +265,8 @@ pub(crate) fn demand_of_existing_claim<'f>(
         }
     }
     if claim.is_shared() {
-        // A shared volume can also be attached somewhere new.
-        // A ready node it is attached to is best; failing that, a new
+        // A shared volume can also be attached somewhere new. A ready node
+        // it is attached to is best; failing that, a new
         // attachment on a node that takes new volumes, since a stage pod on
         // a node that is not ready may never start; failing that, the
         // unready node it is attached to.
@@ -351,7 +351,9 @@ pub(crate) fn place_requests<'f>(
     // request's position then stands for its namespace and name, and
     // namespaces get numbers in the same order, so the rest of placement
     // compares integers, not strings.
-    requests.sort_by(|left, right| (left.namespace, left.name).cmp(&(right.namespace, right.name)));
+    requests.sort_by(|left, right| {
+        (left.namespace, left.name).cmp(&(right.namespace, right.name))
+    });
     let mut namespace_numbers = Vec::with_capacity(requests.len());
     let mut number = 0u32;
     for (position, request) in requests.iter().enumerate() {
