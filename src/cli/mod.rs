@@ -122,9 +122,6 @@ impl Outcome {
 /// Entry point of the `haulage` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Plan(arguments) = &cli.command {
-        return plan::run(arguments);
-    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HAULAGE_LOG")
@@ -153,7 +150,7 @@ pub fn main() -> ExitCode {
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
-            Command::Plan(_) => unreachable!("plan runs without the async runtime"),
+            Command::Plan(arguments) => return plan::run(&arguments),
         };
         match result {
             Ok(outcome) => outcome.exit_code(),

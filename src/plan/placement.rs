@@ -351,9 +351,7 @@ pub(crate) fn place_requests<'f>(
     // request's position then stands for its namespace and name, and
     // namespaces get numbers in the same order, so the rest of placement
     // compares integers, not strings.
-    requests.sort_by(|left, right| {
-        (left.namespace, left.name).cmp(&(right.namespace, right.name))
-    });
+    requests.sort_by(|left, right| (left.namespace, left.name).cmp(&(right.namespace, right.name)));
     let mut namespace_numbers = Vec::with_capacity(requests.len());
     let mut number = 0u32;
     for (position, request) in requests.iter().enumerate() {
