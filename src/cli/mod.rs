@@ -8,6 +8,7 @@
 //! that could not restore some files); 130 cancelled (Ctrl-C / SIGTERM).
 
 mod backup;
+mod crds;
 mod demo;
 mod plan;
 mod progress;
@@ -55,6 +56,9 @@ pub enum Command {
     /// Write the reproducible sample tree the demo and benchmarks use.
     #[command(hide = true)]
     SampleData(demo::SampleDataArgs),
+    /// Write the CRDs generated from the API types (into manifests/crds).
+    #[command(hide = true)]
+    Crds(crds::CrdsArgs),
 }
 
 /// The repository a verb works on.
@@ -125,6 +129,15 @@ pub fn main() -> ExitCode {
     if let Command::Plan(arguments) = &cli.command {
         return plan::run(arguments);
     }
+    if let Command::Crds(arguments) = &cli.command {
+        return match crds::run(arguments) {
+            Ok(outcome) => outcome.exit_code(),
+            Err(error) => {
+                eprintln!("error: {error:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HAULAGE_LOG")
@@ -153,7 +166,9 @@ pub fn main() -> ExitCode {
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
-            Command::Plan(_) => unreachable!("plan runs without the async runtime"),
+            Command::Plan(_) | Command::Crds(_) => {
+                unreachable!("plan and crds run without the async runtime")
+            }
         };
         match result {
             Ok(outcome) => outcome.exit_code(),
