@@ -1,0 +1,716 @@
+//! The haulage API on a real kube-apiserver: the manifests install with
+//! `kubectl apply -k manifests/` as a user would, the examples are
+//! accepted, malformed specs are refused at admission with a message that
+//! names the field, printer columns show status, and the RBAC gives the
+//! controller and the agents what they need and nothing more.
+//!
+//! Each test starts its own cluster (~3 s) and covers one area in steps.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::location::DEFAULT_VALIDATION_FREQUENCY;
+use haulage::api::{BackupStorageLocation, GROUP, VERSION, VolumeBackup};
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::json;
+
+use crate::support::kube::{KubeCluster, UNPRIVILEGED_CONTEXT, UNPRIVILEGED_USER};
+
+/// Namespace of the controller, BSLs and VolumeBackups.
+const SYSTEM_NAMESPACE: &str = "haulage-system";
+/// The controller's identity, for `kubectl --as`.
+const CONTROLLER: &str = "system:serviceaccount:haulage-system:haulage-controller";
+
+fn manifests() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("manifests")
+}
+
+/// `kubectl apply -k manifests/`, then wait until the CRDs serve.
+async fn install(cluster: &KubeCluster) -> anyhow::Result<()> {
+    let dir = manifests();
+    cluster
+        .kubectl_ok(&["apply", "-k", &dir.to_string_lossy()], None)
+        .await
+        .with_context(|| {
+            format!(
+                "kubectl apply -k manifests/; the end of the apiserver's log:\n{}",
+                cluster.apiserver_log_tail()
+            )
+        })?;
+    cluster
+        .kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/backupstoragelocations.haulage.dev",
+                "crd/storagepolicies.haulage.dev",
+                "crd/volumebackups.haulage.dev",
+                "crd/volumetransfers.haulage.dev",
+            ],
+            None,
+        )
+        .await?;
+    Ok(())
+}
+
+fn dynamic_api(client: &kube::Client, kind: &str, namespace: Option<&str>) -> Api<DynamicObject> {
+    let plural = format!("{}s", kind.to_lowercase()).replace("policys", "policies");
+    let resource =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, kind), &plural);
+    match namespace {
+        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    }
+}
+
+/// Create `kind`/`name` with `spec`; return the API server's refusal
+/// message, or fail when it accepted the object.
+async fn refusal(
+    client: &kube::Client,
+    kind: &str,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<String> {
+    let namespaced = kind != "StoragePolicy";
+    let api = dynamic_api(client, kind, namespaced.then_some(SYSTEM_NAMESPACE));
+    let object: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": format!("{GROUP}/{VERSION}"),
+        "kind": kind,
+        "metadata": {"name": name},
+        "spec": spec,
+    }))?;
+    match api.create(&PostParams::default(), &object).await {
+        Ok(_) => bail!("{kind} {name} was accepted; expected a refusal"),
+        Err(kube::Error::Api(status)) if status.code == 422 => Ok(status.message),
+        Err(error) => Err(error).with_context(|| format!("create {kind} {name}")),
+    }
+}
+
+fn valid_location() -> serde_json::Value {
+    json!({"bucket": "b", "credential": {"name": "s3-credentials"}})
+}
+
+fn valid_transfer() -> serde_json::Value {
+    json!({
+        "direction": "Upload",
+        "pvc": "data",
+        "backupRef": {"namespace": SYSTEM_NAMESPACE, "name": "shop-nightly"},
+        "storageLocation": {"namespace": SYSTEM_NAMESPACE, "name": "s3"},
+        "stagePod": "haulage-stage-node-a",
+    })
+}
+
+fn with(mut base: serde_json::Value, key: &str, value: serde_json::Value) -> serde_json::Value {
+    base[key] = value;
+    base
+}
+
+fn without(mut base: serde_json::Value, key: &str) -> serde_json::Value {
+    if let Some(map) = base.as_object_mut() {
+        map.remove(key);
+    }
+    base
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_field()
+-> anyhow::Result<()> {
+    let cluster = KubeCluster::start().await?;
+    install(&cluster).await?;
+    let client = cluster.client().await?;
+
+    // The examples a user copies are accepted as they are.
+    cluster
+        .kubectl_ok(
+            &[
+                "apply",
+                "-f",
+                &manifests().join("examples").to_string_lossy(),
+            ],
+            None,
+        )
+        .await
+        .context("apply manifests/examples")?;
+
+    // Typed reads work, and schema defaults are filled in by the server.
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let example = locations.get("s3").await?;
+    assert!(example.spec.is_default);
+    assert_eq!(example.spec.s3_force_path_style, Some(true));
+    let minimal: BackupStorageLocation = serde_json::from_value(json!({
+        "apiVersion": format!("{GROUP}/{VERSION}"),
+        "kind": "BackupStorageLocation",
+        "metadata": {"name": "minimal"},
+        "spec": valid_location(),
+    }))?;
+    let stored = locations.create(&PostParams::default(), &minimal).await?;
+    assert_eq!(
+        stored.spec.validation_frequency,
+        DEFAULT_VALIDATION_FREQUENCY
+    );
+    assert_eq!(stored.spec.credential.key, "cloud");
+
+    // Each kind of malformed spec is refused with the field in the message.
+    let cases: Vec<(&str, serde_json::Value, &[&str])> = vec![
+        (
+            "BackupStorageLocation",
+            without(valid_location(), "bucket"),
+            &["spec.bucket", "Required value"],
+        ),
+        (
+            "BackupStorageLocation",
+            with(valid_location(), "bucket", json!("")),
+            &["spec.bucket", "at least 1 chars long"],
+        ),
+        (
+            "BackupStorageLocation",
+            with(valid_location(), "validationFrequency", json!("soon")),
+            &["spec.validationFrequency", "must be a duration"],
+        ),
+        (
+            "BackupStorageLocation",
+            with(valid_location(), "validationFrequency", json!("1d")),
+            &["spec.validationFrequency", "must be a duration"],
+        ),
+        (
+            "BackupStorageLocation",
+            with(valid_location(), "endpoint", json!("ftp://s3.example")),
+            &["spec.endpoint", "http:// or https://"],
+        ),
+        (
+            "BackupStorageLocation",
+            without(valid_location(), "credential"),
+            &["spec.credential", "Required value"],
+        ),
+        (
+            "BackupStorageLocation",
+            with(valid_location(), "uploadBytesPerSecond", json!(0)),
+            &["spec.uploadBytesPerSecond", "greater than or equal to 1"],
+        ),
+        (
+            "StoragePolicy",
+            json!({"storageClassNames": ["ceph-block"], "maxConcurrentVolumes": 0}),
+            &["spec.maxConcurrentVolumes", "greater than or equal to 1"],
+        ),
+        (
+            "StoragePolicy",
+            json!({"maxConcurrentVolumes": 2}),
+            &["spec", "must select storage"],
+        ),
+        (
+            "VolumeBackup",
+            json!({"namespaces": []}),
+            &["spec.namespaces", "at least 1 items"],
+        ),
+        (
+            "VolumeBackup",
+            json!({"namespaces": ["shop"], "parentPolicy": "Sometimes"}),
+            &["spec.parentPolicy", "Unsupported value"],
+        ),
+        (
+            "VolumeTransfer",
+            with(valid_transfer(), "direction", json!("Sideways")),
+            &["spec.direction", "Unsupported value", "Upload", "Download"],
+        ),
+        (
+            "VolumeTransfer",
+            with(valid_transfer(), "direction", json!("Download")),
+            &[
+                "spec.snapshot",
+                "snapshot is required when direction is Download",
+            ],
+        ),
+        (
+            "VolumeTransfer",
+            without(valid_transfer(), "pvc"),
+            &["spec.pvc", "Required value"],
+        ),
+    ];
+    for (index, (kind, spec, expected)) in cases.into_iter().enumerate() {
+        let name = format!("bad-{index}");
+        let message = refusal(&client, kind, &name, spec.clone()).await?;
+        for part in expected {
+            assert!(
+                message.contains(part),
+                "{kind} {spec}: refusal does not mention {part:?}: {message}"
+            );
+        }
+    }
+    // A valid transfer, and a download with its snapshot, are accepted.
+    let transfers = dynamic_api(&client, "VolumeTransfer", Some(SYSTEM_NAMESPACE));
+    for (name, spec) in [
+        ("upload", valid_transfer()),
+        (
+            "download",
+            with(
+                with(valid_transfer(), "direction", json!("Download")),
+                "snapshot",
+                json!("0123abcd"),
+            ),
+        ),
+    ] {
+        let object: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": format!("{GROUP}/{VERSION}"),
+            "kind": "VolumeTransfer",
+            "metadata": {"name": name},
+            "spec": spec,
+        }))?;
+        transfers
+            .create(&PostParams::default(), &object)
+            .await
+            .with_context(|| format!("create VolumeTransfer {name}"))?;
+    }
+
+    // A VolumeBackup's spec cannot change under a running backup.
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let change = backups
+        .patch(
+            "shop-nightly",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"namespaces": ["other"]}})),
+        )
+        .await;
+    match change {
+        Err(kube::Error::Api(status)) => assert!(
+            status.message.contains("spec") && status.message.contains("is immutable"),
+            "{}",
+            status.message
+        ),
+        other => bail!("changing a VolumeBackup's spec was not refused: {other:?}"),
+    }
+
+    // Status written through the status subresource shows in `kubectl get`.
+    backups
+        .patch_status(
+            "shop-nightly",
+            &PatchParams::apply("haulage-test").force(),
+            &Patch::Apply(json!({
+                "apiVersion": format!("{GROUP}/{VERSION}"),
+                "kind": "VolumeBackup",
+                "status": {
+                    "phase": "InProgress",
+                    "progress": {"totalBytes": 4000, "bytesDone": 1680, "percent": 42},
+                    "volumes": {"total": 3, "pending": 1, "inProgress": 2},
+                },
+            })),
+        )
+        .await
+        .context("apply VolumeBackup status")?;
+    let read_back = backups.get_status("shop-nightly").await?;
+    let status = read_back.status.context("status was not stored")?;
+    assert_eq!(status.phase, Some(VolumeBackupPhase::InProgress));
+    let table = cluster
+        .kubectl_ok(&["get", "vbk", "-n", SYSTEM_NAMESPACE], None)
+        .await?;
+    assert_columns(
+        &table,
+        &[
+            "NAME",
+            "PHASE",
+            "PROGRESS",
+            "BYTES DONE",
+            "TOTAL BYTES",
+            "VOLUMES",
+            "AGE",
+        ],
+    )?;
+    assert_row(
+        &table,
+        "shop-nightly",
+        &["InProgress", "42", "1680", "4000", "3"],
+    )?;
+
+    locations
+        .patch_status(
+            "s3",
+            &PatchParams::apply("haulage-test").force(),
+            &Patch::Apply(json!({
+                "apiVersion": format!("{GROUP}/{VERSION}"),
+                "kind": "BackupStorageLocation",
+                "status": {"phase": "Available", "lastValidationTime": "2026-01-01T00:00:00Z"},
+            })),
+        )
+        .await
+        .context("apply BSL status")?;
+    let table = cluster
+        .kubectl_ok(&["get", "bsl", "-n", SYSTEM_NAMESPACE], None)
+        .await?;
+    assert_columns(
+        &table,
+        &["NAME", "PHASE", "BUCKET", "LAST VALIDATED", "AGE"],
+    )?;
+    assert_row(&table, "s3", &["Available", "haulage-backups"])?;
+
+    let table = cluster
+        .kubectl_ok(&["get", "vxf", "-n", SYSTEM_NAMESPACE], None)
+        .await?;
+    assert_columns(
+        &table,
+        &[
+            "NAME",
+            "PHASE",
+            "PVC",
+            "DIRECTION",
+            "PROGRESS",
+            "BYTES DONE",
+            "AGE",
+        ],
+    )?;
+    assert_row(&table, "download", &["data", "Download"])?;
+    let table = cluster
+        .kubectl_ok(&["get", "storagepolicies"], None)
+        .await?;
+    assert_columns(&table, &["NAME", "MAX VOLUMES", "MAX BYTES/S", "AGE"])?;
+    assert_row(&table, "ceph", &["4", "209715200"])?;
+    // The category lists every haulage kind at once.
+    let all = cluster
+        .kubectl_ok(&["get", "haulage", "-A", "-o", "name"], None)
+        .await?;
+    for kind in [
+        "backupstoragelocation",
+        "storagepolicy",
+        "volumebackup",
+        "volumetransfer",
+    ] {
+        assert!(
+            all.contains(&format!("{kind}.haulage.dev/")),
+            "{kind} missing:\n{all}"
+        );
+    }
+    Ok(())
+}
+
+/// The header line of a `kubectl get` table has these columns, in order.
+fn assert_columns(table: &str, columns: &[&str]) -> anyhow::Result<()> {
+    let header = table.lines().next().context("empty table")?;
+    let mut rest = header;
+    for column in columns {
+        let at = rest
+            .find(column)
+            .with_context(|| format!("column {column:?} missing or out of order in {header:?}"))?;
+        rest = &rest[at + column.len()..];
+    }
+    Ok(())
+}
+
+/// The row of `name` holds these cells.
+fn assert_row(table: &str, name: &str, cells: &[&str]) -> anyhow::Result<()> {
+    let row = table
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some(name))
+        .with_context(|| format!("no row {name} in\n{table}"))?;
+    let words: Vec<&str> = row.split_whitespace().collect();
+    for cell in cells {
+        if !words.contains(cell) {
+            bail!("row {name} lacks {cell:?}: {row:?}");
+        }
+    }
+    Ok(())
+}
+
+/// `kubectl auth can-i VERB RESOURCE... --as=USER` says `expected`.
+async fn assert_can(
+    cluster: &KubeCluster,
+    user: &str,
+    arguments: &[&str],
+    expected: bool,
+) -> anyhow::Result<()> {
+    let as_user = format!("--as={user}");
+    let mut args = vec!["auth", "can-i", &as_user];
+    args.extend_from_slice(arguments);
+    let output = cluster.kubectl_output(&args, None).await?;
+    let answer = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    let allowed = match answer.as_str() {
+        "yes" => true,
+        "no" => false,
+        _ => bail!(
+            "kubectl {} answered {answer:?}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        ),
+    };
+    if allowed != expected {
+        bail!(
+            "{user} {} {}: expected {}",
+            if allowed { "can" } else { "cannot" },
+            arguments.join(" "),
+            if expected { "yes" } else { "no" }
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::Result<()> {
+    let cluster = KubeCluster::start().await?;
+    install(&cluster).await?;
+    cluster
+        .kubectl_ok(&["create", "namespace", "shop"], None)
+        .await?;
+
+    let can: &[&[&str]] = &[
+        &["watch", "volumebackups.haulage.dev", "-A"],
+        &[
+            "patch",
+            "volumebackups.haulage.dev",
+            "--subresource=status",
+            "-n",
+            SYSTEM_NAMESPACE,
+        ],
+        &[
+            "update",
+            "volumebackups.haulage.dev",
+            "--subresource=finalizers",
+            "-n",
+            SYSTEM_NAMESPACE,
+        ],
+        &["create", "volumetransfers.haulage.dev", "-n", "shop"],
+        &["delete", "volumetransfers.haulage.dev", "-n", "shop"],
+        &[
+            "patch",
+            "backupstoragelocations.haulage.dev",
+            "--subresource=status",
+            "-n",
+            SYSTEM_NAMESPACE,
+        ],
+        &["list", "storagepolicies.haulage.dev"],
+        &["create", "pods", "-n", "shop"],
+        &["delete", "pods", "-n", "shop"],
+        &["watch", "pods", "-A"],
+        &["list", "persistentvolumeclaims", "-A"],
+        &["watch", "persistentvolumes"],
+        &["list", "nodes"],
+        &["watch", "storageclasses.storage.k8s.io"],
+        &["list", "csinodes.storage.k8s.io"],
+        &["create", "events", "-n", "shop"],
+        &["create", "events.events.k8s.io", "-n", "shop"],
+        &[
+            "update",
+            "leases.coordination.k8s.io",
+            "-n",
+            SYSTEM_NAMESPACE,
+        ],
+        &["get", "secrets", "-n", SYSTEM_NAMESPACE],
+        &["create", "secrets", "-n", "shop"],
+        &["delete", "secrets", "-n", "shop"],
+        &["create", "serviceaccounts", "-n", "shop"],
+        &["create", "roles.rbac.authorization.k8s.io", "-n", "shop"],
+        &[
+            "create",
+            "rolebindings.rbac.authorization.k8s.io",
+            "-n",
+            "shop",
+        ],
+    ];
+    for arguments in can {
+        assert_can(&cluster, CONTROLLER, arguments, true).await?;
+    }
+    let cannot: &[&[&str]] = &[
+        &["create", "pods", "--subresource=exec", "-n", "shop"],
+        &["get", "pods", "--subresource=exec", "-n", "shop"],
+        &["create", "pods", "--subresource=attach", "-n", "shop"],
+        &["create", "pods", "--subresource=portforward", "-n", "shop"],
+        &["get", "pods", "--subresource=log", "-n", "shop"],
+        &["get", "secrets", "-n", "shop"],
+        &["list", "secrets", "-A"],
+        &["watch", "secrets", "-n", "shop"],
+        &["patch", "secrets", "-n", "shop"],
+        &["update", "secrets", "-n", SYSTEM_NAMESPACE],
+        &["update", "leases.coordination.k8s.io", "-n", "shop"],
+        &["delete", "persistentvolumeclaims", "-n", "shop"],
+        &["create", "persistentvolumes"],
+        &["delete", "nodes"],
+        &["update", "deployments.apps", "-n", "shop"],
+        &["create", "clusterroles.rbac.authorization.k8s.io"],
+        &["create", "clusterrolebindings.rbac.authorization.k8s.io"],
+        &["escalate", "roles.rbac.authorization.k8s.io", "-n", "shop"],
+        &["bind", "clusterroles.rbac.authorization.k8s.io"],
+        &["impersonate", "serviceaccounts", "-n", "shop"],
+        &[
+            "create",
+            "serviceaccounts",
+            "--subresource=token",
+            "-n",
+            "shop",
+        ],
+        &["delete", "customresourcedefinitions.apiextensions.k8s.io"],
+    ];
+    for arguments in cannot {
+        assert_can(&cluster, CONTROLLER, arguments, false).await?;
+    }
+
+    // The controller can grant an agent its own VolumeTransfers (it holds
+    // those rights), but RBAC refuses it a Role with more than it holds.
+    let as_controller = format!("--as={CONTROLLER}");
+    cluster
+        .kubectl_ok(
+            &[
+                "create",
+                "role",
+                "haulage-agent-stage-a",
+                "-n",
+                "shop",
+                "--verb=get,list,watch",
+                "--resource=volumetransfers.haulage.dev",
+                "--resource-name=data",
+                &as_controller,
+            ],
+            None,
+        )
+        .await
+        .context("the controller creates an agent Role")?;
+    let escalation = cluster
+        .kubectl_output(
+            &[
+                "create",
+                "role",
+                "steal-secrets",
+                "-n",
+                "shop",
+                "--verb=get",
+                "--resource=secrets",
+                &as_controller,
+            ],
+            None,
+        )
+        .await?;
+    assert!(
+        !escalation.status.success(),
+        "the controller granted get secrets"
+    );
+    let stderr = String::from_utf8_lossy(&escalation.stderr);
+    assert!(stderr.contains("forbidden"), "{stderr}");
+
+    // The admission policy narrows the controller's Secret writes outside
+    // its namespace to labelled credential copies.
+    let unlabelled = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: plain\n  namespace: shop\nstringData:\n  cloud: x\n";
+    let refused = cluster
+        .kubectl_output(&["create", "-f", "-", &as_controller], Some(unlabelled))
+        .await?;
+    assert!(
+        !refused.status.success(),
+        "an unlabelled Secret was created by the controller"
+    );
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("credentials-copy"), "{stderr}");
+    let copy = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: haulage-credentials\n  namespace: shop\n  labels:\n    haulage.dev/credentials-copy: \"true\"\nstringData:\n  cloud: x\n";
+    cluster
+        .kubectl_ok(&["create", "-f", "-", &as_controller], Some(copy))
+        .await
+        .context("the controller creates a labelled credentials copy")?;
+    cluster
+        .kubectl_ok(&["create", "-f", "-"], Some(unlabelled))
+        .await
+        .context("the admin creates an unlabelled Secret")?;
+    let refused = cluster
+        .kubectl_output(
+            &["delete", "secret", "plain", "-n", "shop", &as_controller],
+            None,
+        )
+        .await?;
+    assert!(
+        !refused.status.success(),
+        "the controller deleted a user's Secret"
+    );
+    cluster
+        .kubectl_ok(
+            &[
+                "delete",
+                "secret",
+                "haulage-credentials",
+                "-n",
+                "shop",
+                &as_controller,
+            ],
+            None,
+        )
+        .await
+        .context("the controller deletes its copy")?;
+
+    // An agent bound to the agent rules reads and reports on transfers and
+    // reads nothing else.
+    cluster
+        .kubectl_ok(
+            &["create", "serviceaccount", "haulage-agent", "-n", "shop"],
+            None,
+        )
+        .await?;
+    cluster
+        .kubectl_ok(
+            &[
+                "create",
+                "rolebinding",
+                "haulage-agent",
+                "-n",
+                "shop",
+                "--clusterrole=haulage-agent",
+                "--serviceaccount=shop:haulage-agent",
+            ],
+            None,
+        )
+        .await?;
+    let agent = "system:serviceaccount:shop:haulage-agent";
+    for arguments in [
+        &["get", "volumetransfers.haulage.dev", "-n", "shop"][..],
+        &["watch", "volumetransfers.haulage.dev", "-n", "shop"],
+        &[
+            "patch",
+            "volumetransfers.haulage.dev",
+            "--subresource=status",
+            "-n",
+            "shop",
+        ],
+    ] {
+        assert_can(&cluster, agent, arguments, true).await?;
+    }
+    for arguments in [
+        &["get", "secrets", "-n", "shop"][..],
+        &["list", "pods", "-n", "shop"],
+        &["patch", "volumetransfers.haulage.dev", "-n", "shop"],
+        &["get", "volumetransfers.haulage.dev", "-n", SYSTEM_NAMESPACE],
+        &[
+            "get",
+            "backupstoragelocations.haulage.dev",
+            "-n",
+            SYSTEM_NAMESPACE,
+        ],
+        &["create", "pods", "--subresource=exec", "-n", "shop"],
+    ] {
+        assert_can(&cluster, agent, arguments, false).await?;
+    }
+
+    // The harness's unprivileged token is subject to RBAC, through kubectl
+    // with the kubeconfig file as through the Rust client.
+    let kubeconfig = cluster.kubeconfig().to_string_lossy().into_owned();
+    let forbidden = cluster
+        .kubectl_output(
+            &[
+                "--kubeconfig",
+                &kubeconfig,
+                "--context",
+                UNPRIVILEGED_CONTEXT,
+                "get",
+                "vbk",
+                "-n",
+                SYSTEM_NAMESPACE,
+            ],
+            None,
+        )
+        .await?;
+    assert!(!forbidden.status.success());
+    let stderr = String::from_utf8_lossy(&forbidden.stderr);
+    assert!(
+        stderr.contains("Forbidden") && stderr.contains(UNPRIVILEGED_USER),
+        "{stderr}"
+    );
+    let unprivileged = cluster.unprivileged_client().await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(unprivileged, SYSTEM_NAMESPACE);
+    match backups.list(&Default::default()).await {
+        Err(kube::Error::Api(status)) => assert_eq!(status.code, 403, "{}", status.message),
+        other => bail!("the unprivileged user listed VolumeBackups: {other:?}"),
+    }
+    Ok(())
+}
