@@ -8,12 +8,15 @@
 //! - [`transfer`]: `VolumeTransfer` (`vxf`), one claim's data in motion.
 //! - [`condition`]: status conditions, their types and reasons.
 //! - [`progress`]: transfer progress and duration strings.
+//! - [`labels`]: label keys, the finalizer and field managers shared with
+//!   the manifests and the agents.
 //!
 //! This module holds values only: no client, no clock, no I/O. Whatever
 //! reads or writes these objects takes them from here.
 
 pub mod backup;
 pub mod condition;
+pub mod labels;
 pub mod location;
 pub mod policy;
 pub mod progress;
@@ -96,6 +99,7 @@ pub fn crd_manifests() -> Result<Vec<(String, String)>, RenderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde::Deserialize;
 
     #[test]
     fn every_crd_is_in_the_haulage_group_with_a_status_subresource() {
@@ -120,6 +124,41 @@ mod tests {
                 columns.iter().any(|column| column.name == "Age"),
                 "{name} lacks an Age column"
             );
+        }
+    }
+
+    #[test]
+    fn the_examples_read_as_the_rust_types() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("manifests/examples");
+        let mut kinds = Vec::new();
+        for entry in std::fs::read_dir(&dir).expect("manifests/examples exists") {
+            let path = entry.expect("readable directory").path();
+            let text = std::fs::read_to_string(&path).expect("readable example");
+            for document in serde_yaml::Deserializer::from_str(&text) {
+                let value = serde_yaml::Value::deserialize(document).expect("valid YAML");
+                let kind = value["kind"].as_str().unwrap_or_default().to_string();
+                let parsed = match kind.as_str() {
+                    "BackupStorageLocation" => {
+                        serde_yaml::from_value::<BackupStorageLocation>(value).map(|_| ())
+                    }
+                    "StoragePolicy" => serde_yaml::from_value::<StoragePolicy>(value).map(|_| ()),
+                    "VolumeBackup" => serde_yaml::from_value::<VolumeBackup>(value).map(|_| ()),
+                    "VolumeTransfer" => serde_yaml::from_value::<VolumeTransfer>(value).map(|_| ()),
+                    _ => Ok(()),
+                };
+                if let Err(error) = parsed {
+                    panic!("{}: {kind}: {error}", path.display());
+                }
+                kinds.push(kind);
+            }
+        }
+        for kind in [
+            "BackupStorageLocation",
+            "StoragePolicy",
+            "VolumeBackup",
+            "Secret",
+        ] {
+            assert!(kinds.iter().any(|k| k == kind), "no {kind} example");
         }
     }
 

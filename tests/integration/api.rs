@@ -10,6 +10,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
 use haulage::api::location::DEFAULT_VALIDATION_FREQUENCY;
 use haulage::api::{BackupStorageLocation, GROUP, VERSION, VolumeBackup};
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
@@ -18,8 +19,6 @@ use serde_json::json;
 
 use crate::support::kube::{KubeCluster, UNPRIVILEGED_CONTEXT, UNPRIVILEGED_USER};
 
-/// Namespace of the controller, BSLs and VolumeBackups.
-const SYSTEM_NAMESPACE: &str = "haulage-system";
 /// The controller's identity, for `kubectl --as`.
 const CONTROLLER: &str = "system:serviceaccount:haulage-system:haulage-controller";
 
@@ -595,10 +594,13 @@ async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::R
         "an unlabelled Secret was created by the controller"
     );
     let stderr = String::from_utf8_lossy(&refused.stderr);
-    assert!(stderr.contains("credentials-copy"), "{stderr}");
-    let copy = "apiVersion: v1\nkind: Secret\nmetadata:\n  name: haulage-credentials\n  namespace: shop\n  labels:\n    haulage.dev/credentials-copy: \"true\"\nstringData:\n  cloud: x\n";
+    assert!(stderr.contains(CREDENTIALS_COPY_LABEL), "{stderr}");
+    let copy = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata:\n  name: haulage-credentials\n  namespace: shop\n  \
+         labels:\n    {CREDENTIALS_COPY_LABEL}: \"true\"\nstringData:\n  cloud: x\n"
+    );
     cluster
-        .kubectl_ok(&["create", "-f", "-", &as_controller], Some(copy))
+        .kubectl_ok(&["create", "-f", "-", &as_controller], Some(&copy))
         .await
         .context("the controller creates a labelled credentials copy")?;
     cluster

@@ -1,8 +1,8 @@
 //! A real Kubernetes control plane for one test: etcd and kube-apiserver
-//! from the binaries `tests/infra/build.sh etcd kube` builds, on 127.0.0.1
-//! on free ports, with everything (certificates, tokens, etcd data, logs,
-//! kubeconfig) in a temporary directory. Both processes are killed by their
-//! own PIDs when the handle drops.
+//! from the binaries `tests/infra/build.sh etcd` and `tests/infra/build.sh
+//! kube` build, on 127.0.0.1 on free ports, with everything (certificates,
+//! tokens, etcd data, logs, kubeconfig) in a temporary directory. Both
+//! processes are killed by their own PIDs when the handle drops.
 //!
 //! What runs is what `tests/infra/start-kube.sh` runs (docs/test-infra.md):
 //! TLS with a throwaway CA, a static token file with an admin user in
@@ -92,8 +92,8 @@ fn infra_binary(env: &str, prefix: &str, name: &str, component: &str) -> anyhow:
     candidates.sort();
     candidates.pop().with_context(|| {
         format!(
-            "no {name} binary under {}/{prefix}-*/bin/: run `tests/infra/build.sh etcd kube` first \
-             (or point {env} at a {name} binary; this needs the {component} build)",
+            "no {name} binary under {}/{prefix}-*/bin/: run `tests/infra/build.sh etcd && tests/infra/build.sh kube` first \
+             (or set {env} to the path of a {name} binary built by `build.sh {component}`)",
             cache.display()
         )
     })
