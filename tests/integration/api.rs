@@ -119,6 +119,20 @@ async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_f
 -> anyhow::Result<()> {
     let cluster = KubeCluster::start().await?;
     install(&cluster).await?;
+    // Applying again changes nothing (no object gets a new resourceVersion),
+    // so re-running the install is safe. kubectl's own "configured" lines
+    // are no guide: it always re-sends a PodDisruptionBudget's selector.
+    let dir = manifests().to_string_lossy().into_owned();
+    let versions = r#"-o=jsonpath={range .items[*]}{.kind}/{.metadata.name}={.metadata.resourceVersion}{"\n"}{end}"#;
+    let before = cluster
+        .kubectl_ok(&["get", "-k", &dir, versions], None)
+        .await?;
+    cluster.kubectl_ok(&["apply", "-k", &dir], None).await?;
+    let after = cluster
+        .kubectl_ok(&["get", "-k", &dir, versions], None)
+        .await?;
+    assert!(before.lines().count() >= 15, "{before}");
+    assert_eq!(before, after, "a second apply changed objects");
     let client = cluster.client().await?;
 
     // The examples a user copies are accepted as they are.
@@ -359,6 +373,23 @@ async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_f
         ],
     )?;
     assert_row(&table, "download", &["data", "Download"])?;
+    // Transfers can be selected by stage pod, claim and direction.
+    let downloads = cluster
+        .kubectl_ok(
+            &[
+                "get",
+                "vxf",
+                "-n",
+                SYSTEM_NAMESPACE,
+                "-o",
+                "name",
+                "--field-selector",
+                "spec.direction=Download,spec.pvc=data",
+            ],
+            None,
+        )
+        .await?;
+    assert_eq!(downloads.trim(), "volumetransfer.haulage.dev/download");
     let table = cluster
         .kubectl_ok(&["get", "storagepolicies"], None)
         .await?;
@@ -544,21 +575,14 @@ async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::R
     // The controller can grant an agent its own VolumeTransfers (it holds
     // those rights), but RBAC refuses it a Role with more than it holds.
     let as_controller = format!("--as={CONTROLLER}");
+    let agent_role = "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata:\n  \
+        name: haulage-agent-stage-a\n  namespace: shop\nrules:\n\
+        - apiGroups: [haulage.dev]\n  resources: [volumetransfers]\n  \
+          resourceNames: [data, logs]\n  verbs: [get, list, watch]\n\
+        - apiGroups: [haulage.dev]\n  resources: [volumetransfers/status]\n  \
+          resourceNames: [data, logs]\n  verbs: [get, update, patch]\n";
     cluster
-        .kubectl_ok(
-            &[
-                "create",
-                "role",
-                "haulage-agent-stage-a",
-                "-n",
-                "shop",
-                "--verb=get,list,watch",
-                "--resource=volumetransfers.haulage.dev",
-                "--resource-name=data",
-                &as_controller,
-            ],
-            None,
-        )
+        .kubectl_ok(&["create", "-f", "-", &as_controller], Some(agent_role))
         .await
         .context("the controller creates an agent Role")?;
     let escalation = cluster
