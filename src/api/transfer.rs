@@ -151,6 +151,12 @@ pub struct VolumeTransferStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub queue_position: Option<i32>,
+    /// Stage pods started for it so far; the controller retries a failed
+    /// stage pod with backoff up to a bound, then fails the transfer with
+    /// the pod's reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub attempts: Option<i32>,
     /// How far it has come; never goes backwards.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,

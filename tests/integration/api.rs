@@ -10,9 +10,17 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::condition::{condition_type, reason};
+use haulage::api::labels::{AGENT_FIELD_MANAGER, CONTROLLER_FIELD_MANAGER};
 use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
 use haulage::api::location::DEFAULT_VALIDATION_FREQUENCY;
-use haulage::api::{BackupStorageLocation, GROUP, VERSION, VolumeBackup};
+use haulage::api::transfer::AgentClaim;
+use haulage::api::{
+    BackupStorageLocation, Condition, ConditionStatus, GROUP, Progress, VERSION, VolumeBackup,
+    VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus, set_condition,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::json;
@@ -276,6 +284,11 @@ async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_f
             .await
             .with_context(|| format!("create VolumeTransfer {name}"))?;
     }
+
+    // The controller and the agent write different parts of a transfer's
+    // status with server-side apply; conditions merge by type, so each
+    // keeps its own. Typed values prove the Rust shapes fit the schema.
+    write_transfer_status_as_controller_and_agent(&client).await?;
 
     // A VolumeBackup's spec cannot change under a running backup.
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
@@ -738,5 +751,95 @@ async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::R
         Err(kube::Error::Api(status)) => assert_eq!(status.code, 403, "{}", status.message),
         other => bail!("the unprivileged user listed VolumeBackups: {other:?}"),
     }
+    Ok(())
+}
+
+async fn write_transfer_status_as_controller_and_agent(
+    client: &kube::Client,
+) -> anyhow::Result<()> {
+    let now = Time(Timestamp::now());
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let apply = |status: VolumeTransferStatus| {
+        json!({
+            "apiVersion": format!("{GROUP}/{VERSION}"),
+            "kind": "VolumeTransfer",
+            "status": status,
+        })
+    };
+    let mut controller_conditions = Vec::new();
+    set_condition(
+        &mut controller_conditions,
+        Condition::new(
+            condition_type::ADMITTED,
+            ConditionStatus::True,
+            reason::CAPACITY_GRANTED,
+            "",
+            Some(1),
+            now.clone(),
+        ),
+        now.clone(),
+    );
+    let controller_status = VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::Admitted),
+        attempts: Some(1),
+        conditions: controller_conditions,
+        ..VolumeTransferStatus::default()
+    };
+    transfers
+        .patch_status(
+            "upload",
+            &PatchParams::apply(CONTROLLER_FIELD_MANAGER),
+            &Patch::Apply(apply(controller_status)),
+        )
+        .await
+        .context("controller applies transfer status")?;
+    let agent_status = VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::InProgress),
+        agent: Some(AgentClaim {
+            identity: "haulage-stage-node-a/5c0ffee".to_string(),
+            claimed_at: now.clone(),
+            heartbeat_time: now.clone(),
+        }),
+        progress: Some(
+            Progress {
+                total_bytes: 1000,
+                bytes_done: 250,
+                ..Progress::default()
+            }
+            .with_percent(false),
+        ),
+        conditions: vec![Condition::new(
+            condition_type::PROGRESSING,
+            ConditionStatus::True,
+            reason::TRANSFERS_RUNNING,
+            "reading",
+            Some(1),
+            now.clone(),
+        )],
+        ..VolumeTransferStatus::default()
+    };
+    // The agent takes the phase over from the controller: force, as a
+    // claim does after its resourceVersion check.
+    transfers
+        .patch_status(
+            "upload",
+            &PatchParams::apply(AGENT_FIELD_MANAGER).force(),
+            &Patch::Apply(apply(agent_status)),
+        )
+        .await
+        .context("agent applies transfer status")?;
+    let status = transfers
+        .get_status("upload")
+        .await?
+        .status
+        .context("transfer status was not stored")?;
+    assert_eq!(status.phase, Some(VolumeTransferPhase::InProgress));
+    assert_eq!(status.attempts, Some(1));
+    assert_eq!(status.progress.map(|p| p.percent), Some(25));
+    let types: Vec<&str> = status.conditions.iter().map(|c| c.type_.as_str()).collect();
+    assert!(
+        types.contains(&condition_type::ADMITTED) && types.contains(&condition_type::PROGRESSING),
+        "conditions of one writer were lost: {types:?}"
+    );
     Ok(())
 }
