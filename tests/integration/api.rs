@@ -16,13 +16,13 @@ use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
 use haulage::api::location::DEFAULT_VALIDATION_FREQUENCY;
 use haulage::api::transfer::AgentClaim;
 use haulage::api::{
-    BackupStorageLocation, Condition, ConditionStatus, GROUP, Progress, VERSION, VolumeBackup,
-    VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus, set_condition,
+    BackupStorageLocation, Condition, ConditionStatus, GROUP, Progress, StoragePolicy, VERSION,
+    VolumeBackup, VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus, set_condition,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::core::{ApiResource, GroupVersionKind};
+use kube::core::ApiResource;
 use serde_json::json;
 
 use crate::support::kube::{KubeCluster, UNPRIVILEGED_CONTEXT, UNPRIVILEGED_USER};
@@ -63,10 +63,16 @@ async fn install(cluster: &KubeCluster) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// An untyped API for one of the haulage kinds, to send specs the Rust
+/// types could not even express.
 fn dynamic_api(client: &kube::Client, kind: &str, namespace: Option<&str>) -> Api<DynamicObject> {
-    let plural = format!("{}s", kind.to_lowercase()).replace("policys", "policies");
-    let resource =
-        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, kind), &plural);
+    let resource = match kind {
+        "BackupStorageLocation" => ApiResource::erase::<BackupStorageLocation>(&()),
+        "StoragePolicy" => ApiResource::erase::<StoragePolicy>(&()),
+        "VolumeBackup" => ApiResource::erase::<VolumeBackup>(&()),
+        "VolumeTransfer" => ApiResource::erase::<VolumeTransfer>(&()),
+        other => panic!("not a haulage kind: {other}"),
+    };
     match namespace {
         Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
         None => Api::all_with(client.clone(), &resource),
