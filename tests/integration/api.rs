@@ -167,18 +167,27 @@ async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_f
     let example = locations.get("s3").await?;
     assert!(example.spec.is_default);
     assert_eq!(example.spec.s3_force_path_style, Some(true));
-    let minimal: BackupStorageLocation = serde_json::from_value(json!({
+    // Sent untyped, so the defaults come from the CRD, not from serde.
+    let minimal: DynamicObject = serde_json::from_value(json!({
         "apiVersion": format!("{GROUP}/{VERSION}"),
         "kind": "BackupStorageLocation",
         "metadata": {"name": "minimal"},
         "spec": valid_location(),
     }))?;
-    let stored = locations.create(&PostParams::default(), &minimal).await?;
+    let stored = dynamic_api(&client, "BackupStorageLocation", Some(SYSTEM_NAMESPACE))
+        .create(&PostParams::default(), &minimal)
+        .await?;
     assert_eq!(
-        stored.spec.validation_frequency,
-        DEFAULT_VALIDATION_FREQUENCY
+        stored.data["spec"]["validationFrequency"],
+        json!(DEFAULT_VALIDATION_FREQUENCY)
     );
-    assert_eq!(stored.spec.credential.key, "cloud");
+    assert_eq!(stored.data["spec"]["credential"]["key"], json!("cloud"));
+    assert_eq!(stored.data["spec"]["default"], json!(false));
+    let typed = locations.get("minimal").await?;
+    assert_eq!(
+        typed.spec.validation_interval()?,
+        Some(std::time::Duration::from_secs(60))
+    );
 
     // Each kind of malformed spec is refused with the field in the message.
     let cases: Vec<(&str, serde_json::Value, &[&str])> = vec![
