@@ -10,12 +10,16 @@
 //! - [`progress`]: transfer progress and duration strings.
 //! - [`labels`]: label keys, the finalizer and field managers shared with
 //!   the manifests and the agents.
+//! - `fixtures` (tests only): `VolumeBackup::test("nightly").with_phase(..)`
+//!   and the like for unit tests.
 //!
 //! This module holds values only: no client, no clock, no I/O. Whatever
 //! reads or writes these objects takes them from here.
 
 pub mod backup;
 pub mod condition;
+#[cfg(test)]
+pub(crate) mod fixtures;
 pub mod labels;
 pub mod location;
 pub mod policy;
