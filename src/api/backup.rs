@@ -73,7 +73,13 @@ use crate::api::transfer::VolumeTransferPhase;
 #[serde(rename_all = "camelCase")]
 pub struct VolumeBackupSpec {
     /// Namespaces whose claims are backed up.
-    #[schemars(length(min = 1, max = 1000), inner(length(min = 1, max = 63)))]
+    #[schemars(
+        length(min = 1, max = 1000),
+        inner(
+            length(min = 1, max = 63),
+            regex(pattern = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+        )
+    )]
     pub namespaces: Vec<String>,
     /// Which claims of those namespaces; all of them when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -243,6 +243,11 @@ async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_f
         ),
         (
             "VolumeBackup",
+            json!({"namespaces": ["shop", "Not_A_Namespace"]}),
+            &["spec.namespaces[1]", "should match"],
+        ),
+        (
+            "VolumeBackup",
             json!({"namespaces": ["shop"], "parentPolicy": "Sometimes"}),
             &["spec.parentPolicy", "Unsupported value"],
         ),
