@@ -8,6 +8,7 @@
 //! that could not restore some files); 130 cancelled (Ctrl-C / SIGTERM).
 
 mod backup;
+mod crds;
 mod demo;
 mod plan;
 mod progress;
@@ -55,6 +56,9 @@ pub enum Command {
     /// Write the reproducible sample tree the demo and benchmarks use.
     #[command(hide = true)]
     SampleData(demo::SampleDataArgs),
+    /// Write the CRDs generated from the API types (into manifests/crds).
+    #[command(hide = true)]
+    Crds(crds::CrdsArgs),
 }
 
 /// The repository a verb works on.
@@ -151,6 +155,7 @@ pub fn main() -> ExitCode {
             Command::Verify(args) => verify::run(args).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(arguments) => return plan::run(&arguments),
+            Command::Crds(arguments) => crds::run(&arguments),
         };
         match result {
             Ok(outcome) => outcome.exit_code(),
