@@ -58,6 +58,8 @@ const WALK_CHANNEL_CAPACITY: usize = 16;
 /// average), enough to keep two cores busy, and bounds the pipeline's chunk
 /// memory.
 const CHUNK_BYTES_IN_FLIGHT: u32 = 16 * 1024 * 1024;
+/// Chunks smaller than this are hashed and compressed on the walker thread.
+const INLINE_CHUNK_BYTES: usize = 64 * 1024;
 /// Idle chunk buffers kept for reuse: enough for the chunks and compressed
 /// outputs in flight under [`CHUNK_BYTES_IN_FLIGHT`] with average chunks.
 const CHUNK_BUFFERS_KEPT: usize = 6;
@@ -143,6 +145,13 @@ enum WalkItem {
     DirectoryEnd,
     FileStart(Entry),
     Chunk(Vec<u8>, OwnedSemaphorePermit),
+    /// A small chunk the walker hashed and compressed itself: handing a few
+    /// kilobytes to another thread costs more than the work.
+    SmallChunk {
+        id: BlobId,
+        raw_length: u32,
+        new_blob: Option<(Compression, Vec<u8>)>,
+    },
     Hole(u64),
     FileEnd(Option<(String, String)>),
     FileAborted(String, String),
@@ -159,7 +168,7 @@ enum Processed {
         id: BlobId,
         raw_length: u32,
         new_blob: Option<(Compression, Vec<u8>)>,
-        _permit: OwnedSemaphorePermit,
+        _permit: Option<OwnedSemaphorePermit>,
     },
 }
 
@@ -250,6 +259,7 @@ pub async fn backup(
             items: items_tx,
             hardlinks_seen: HashSet::new(),
             file_size_hint: 0,
+            compression_level: options.compression_level,
         };
         let source = source.clone();
         tokio::task::spawn_blocking(move || {
@@ -267,6 +277,16 @@ pub async fn backup(
                     WalkItem::Chunk(data, permit) => {
                         run_blocking(move || hash_and_compress(&shared, data, level, permit)).await
                     }
+                    WalkItem::SmallChunk {
+                        id,
+                        raw_length,
+                        new_blob,
+                    } => Processed::Chunk {
+                        id,
+                        raw_length,
+                        new_blob,
+                        _permit: None,
+                    },
                     other => Processed::Item(other),
                 }
             }
@@ -379,7 +399,7 @@ fn hash_and_compress(
         id,
         raw_length,
         new_blob,
-        _permit: permit,
+        _permit: Some(permit),
     }
 }
 
@@ -472,6 +492,8 @@ struct WalkContext {
     hardlinks_seen: HashSet<(u64, u64)>,
     /// Size of the file being read, to size its read buffer.
     file_size_hint: u64,
+    /// zstd level for chunks compressed on the walker thread.
+    compression_level: i32,
 }
 
 /// Metadata of a path as a tree entry (without content).
@@ -813,11 +835,14 @@ impl WalkContext {
         // Files smaller than a maximal chunk get a buffer of their own size;
         // larger ones cycle through the pool's chunk-sized buffers.
         let pooled = limit.unwrap_or(u64::MAX) > max as u64 && self.file_size_hint > max as u64;
+        // A small file's buffer holds exactly its size plus one byte, so the
+        // read that finds the end needs no growth.
+        let small_capacity = (self.file_size_hint as usize).min(max) + 1;
         let take = |shared: &Shared| {
             if pooled {
                 shared.buffers.take()
             } else {
-                Vec::new()
+                Vec::with_capacity(small_capacity)
             }
         };
         let mut pending: Vec<u8> = take(&self.shared);
@@ -834,17 +859,12 @@ impl WalkContext {
                     break;
                 }
                 self.throttle.acquire_blocking(&self.handle, want);
-                let start = pending.len();
-                pending.resize(start + want, 0);
-                let read = loop {
-                    match file.read(&mut pending[start..]) {
-                        Ok(read) => break read,
-                        Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
-                        Err(error) => return Err(ReadFailure::Io(error)),
-                    }
+                // read_to_end fills spare capacity without zeroing it first.
+                let read = match (&mut *file).take(want as u64).read_to_end(&mut pending) {
+                    Ok(read) => read,
+                    Err(error) => return Err(ReadFailure::Io(error)),
                 };
-                pending.truncate(start + read);
-                if read == 0 {
+                if read < want {
                     at_end = true;
                 }
                 remaining -= read as u64;
@@ -875,6 +895,21 @@ impl WalkContext {
                 .map_err(|_| ReadFailure::Cancelled);
         }
         // Count the buffer's capacity: that is the memory it holds.
+        if chunk.len() < INLINE_CHUNK_BYTES {
+            let id = self.shared.repository.keys().blob_id(&chunk);
+            let raw_length = chunk.len() as u32;
+            let new_blob = self
+                .shared
+                .claim(&id)
+                .then(|| compress(chunk, self.compression_level));
+            return self
+                .send(WalkItem::SmallChunk {
+                    id,
+                    raw_length,
+                    new_blob,
+                })
+                .map_err(|_| ReadFailure::Cancelled);
+        }
         let permits = (chunk.capacity().max(1) as u64).min(u64::from(CHUNK_BYTES_IN_FLIGHT)) as u32;
         let permit = self
             .handle
@@ -1003,7 +1038,9 @@ impl Assembler {
                 }
             }
             WalkItem::FileStart(entry) => self.current_file = Some(entry),
-            WalkItem::Chunk(..) => unreachable!("chunks are processed before assembly"),
+            WalkItem::Chunk(..) | WalkItem::SmallChunk { .. } => {
+                unreachable!("chunks are processed before assembly")
+            }
             WalkItem::Hole(length) => {
                 if let Some(file) = &mut self.current_file {
                     match file.content.last_mut() {
