@@ -2,7 +2,9 @@
 //! the S3 backend, local directories for the `file://` backend and the
 //! engine. One binary so the harness compiles once; each module is one area.
 
+mod bench;
 mod engine;
+mod engine_s3;
 mod s3;
 mod store_conformance;
 mod support;
