@@ -501,6 +501,7 @@ async fn restore_reads_neighbouring_blobs_of_a_pack_in_few_requests() {
     assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
     assert_same_tree(&source, &target);
     let reads = counter.pack_reads.load(Ordering::SeqCst) - before;
+    eprintln!("restore made {reads} pack reads for {blobs} blobs in {packs} packs");
     // One read per blob is what an uncoalesced restore does; coalescing
     // within files and across small files must cut that by far.
     assert!(
