@@ -38,6 +38,8 @@ find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null   # hot cache
 
 PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 CONSOLE_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+# Plain HTTP to 127.0.0.1: a CA bundle from the environment only trips rclone.
+unset AWS_CA_BUNDLE
 export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
 export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
 MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \

@@ -799,12 +799,13 @@ impl WalkContext {
                 return Ok(total);
             }
             let cut = self.chunker.cut(&pending);
-            let chunk = if cut == pending.len() {
-                std::mem::take(&mut pending)
-            } else {
-                let rest = pending.split_off(cut);
-                std::mem::replace(&mut pending, rest)
-            };
+            // Copy the chunk out at its own size and keep the read buffer:
+            // handing the buffer itself on would carry its whole capacity
+            // (up to the maximum chunk size, every page touched) with each
+            // chunk, which the chunk-bytes budget (counting lengths) does
+            // not see.
+            let chunk = pending[..cut].to_vec();
+            pending.drain(..cut);
             self.send_chunk(chunk)?;
         }
     }
