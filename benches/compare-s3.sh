@@ -8,9 +8,11 @@
 # Prints a Markdown table; docs/benchmarks.md records runs.
 #
 # Usage: benches/compare-s3.sh [SIZE] [WORKDIR]   (default 1GiB, /tmp/haulage-compare-s3)
+# RESTORE_ROOT=/dev/shm/x restores into RAM, so a busy shared disk does not
+# decide the restore figures (each restore is checked and removed after it).
 # Needs the MinIO binary (bash tests/infra/build.sh minio) and /usr/bin/time.
 # Peers are used when on PATH (or given as RESTIC=, RUSTIC=, KOPIA=, RCLONE=);
-# missing ones are reported, not faked.
+# missing ones are reported, not faked. TOOLS="haulage restic" runs only those.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-1GiB}"
@@ -19,6 +21,8 @@ RESTIC="${RESTIC:-$(command -v restic || true)}"
 RUSTIC="${RUSTIC:-$(command -v rustic || true)}"
 KOPIA="${KOPIA:-$(command -v kopia || true)}"
 RCLONE="${RCLONE:-$(command -v rclone || true)}"
+TOOLS="${TOOLS:-haulage restic rustic kopia rclone}"
+wanted() { [[ " $TOOLS " == *" $1 "* ]]; }
 export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench
 
 cargo build --release --quiet --bin haulage
@@ -27,8 +31,9 @@ HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
 MINIO=$(ls -d "$HOME"/.cache/haulage-infra/minio-*/bin/minio 2>/dev/null | tail -1)
 [ -x "$MINIO" ] || { echo "compare-s3.sh: no MinIO; run: bash tests/infra/build.sh minio" >&2; exit 1; }
 
-rm -rf "$WORK/minio" "$WORK/restore" "$WORK/state"
-mkdir -p "$WORK/minio" "$WORK/restore" "$WORK/state"
+RESTORE_ROOT="${RESTORE_ROOT:-$WORK/restore}"
+rm -rf "$WORK/minio" "$RESTORE_ROOT" "$WORK/state"
+mkdir -p "$WORK/minio" "$RESTORE_ROOT" "$WORK/state"
 if [ ! -d "$WORK/data" ]; then
     "$HAULAGE" sample-data "$WORK/data" --size "$SIZE" >&2
 fi
@@ -55,14 +60,20 @@ done
 export RCLONE_CONFIG_MINIO_TYPE=s3 RCLONE_CONFIG_MINIO_PROVIDER=Minio \
     RCLONE_CONFIG_MINIO_ENDPOINT="$AWS_ENDPOINT_URL" RCLONE_CONFIG_MINIO_REGION=us-east-1 \
     RCLONE_CONFIG_MINIO_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" RCLONE_CONFIG_MINIO_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY"
-if [ -n "$RCLONE" ]; then
-    "$RCLONE" mkdir minio:bench
-else
-    "$HAULAGE" repo init --repo s3://bench/probe >/dev/null 2>&1 || true
-fi
+curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" \
+    -X PUT "$AWS_ENDPOINT_URL/bench" >/dev/null || { echo "compare-s3.sh: cannot create the bucket" >&2; exit 1; }
 
 TICKS=$(getconf CLK_TCK)
 server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
+
+# checked TOOL: the restore into $RESTORE_ROOT/TOOL has every file (content is
+# the tools' business; the engine tests check haulage's); then remove it.
+checked() {
+    local dir="$RESTORE_ROOT/$1" found
+    found=$(find "$dir" -type f 2>/dev/null | wc -l)
+    [ "$found" -ge "$FILES" ] || echo "warning: $1 restored $found of $FILES files" >&2
+    rm -rf "$dir"
+}
 
 # measure TOOL STEP CMD... : run once, print one table row.
 measure() {
@@ -88,45 +99,53 @@ echo
 echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | client peak RSS MiB |"
 echo "| --- | --- | --- | --- | --- | --- | --- |"
 
-"$HAULAGE" repo init --repo s3://bench/haulage >/dev/null
-measure haulage "first backup" "$HAULAGE" backup "$WORK/data" --no-progress --repo s3://bench/haulage
-measure haulage restore "$HAULAGE" restore latest "$WORK/restore/haulage" --no-progress --repo s3://bench/haulage
+if wanted haulage; then
+    "$HAULAGE" repo init --repo s3://bench/haulage >/dev/null
+    measure haulage "first backup" "$HAULAGE" backup "$WORK/data" --no-progress --repo s3://bench/haulage
+    measure haulage restore "$HAULAGE" restore latest "$RESTORE_ROOT/haulage" --no-progress --repo s3://bench/haulage
+    checked haulage
+fi
 
-if [ -n "$RESTIC" ]; then
+if ! wanted restic; then
+    :
+elif [ -n "$RESTIC" ]; then
     R="s3:$AWS_ENDPOINT_URL/bench/restic"
     "$RESTIC" init -q --repo "$R" >/dev/null
     measure restic "first backup" "$RESTIC" backup -q --repo "$R" "$WORK/data"
-    measure restic restore "$RESTIC" restore -q latest --repo "$R" --target "$WORK/restore/restic"
+    measure restic restore "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
+    checked restic
 else
     echo "| restic | not installed | | | | | |"
 fi
-if [ -n "$RUSTIC" ]; then
+if ! wanted rustic; then
+    :
+elif [ -n "$RUSTIC" ]; then
     RO=(--repository opendal:s3 --repo-hot "" -o "bucket=bench" -o "root=/rustic" -o "endpoint=$AWS_ENDPOINT_URL" -o "region=us-east-1" -o "access_key_id=$AWS_ACCESS_KEY_ID" -o "secret_access_key=$AWS_SECRET_ACCESS_KEY")
     "$RUSTIC" "${RO[@]}" init >/dev/null 2>"$WORK/state/rustic-init.log" || tail -3 "$WORK/state/rustic-init.log" >&2
     measure rustic "first backup" "$RUSTIC" "${RO[@]}" backup "$WORK/data"
-    measure rustic restore "$RUSTIC" "${RO[@]}" restore latest "$WORK/restore/rustic"
+    measure rustic restore "$RUSTIC" "${RO[@]}" restore latest "$RESTORE_ROOT/rustic"
+    checked rustic
 else
     echo "| rustic | not available | | | | | |"
 fi
-if [ -n "$KOPIA" ]; then
+if ! wanted kopia; then
+    :
+elif [ -n "$KOPIA" ]; then
     export KOPIA_CONFIG_PATH="$WORK/state/kopia.config" KOPIA_CHECK_FOR_UPDATES=false
     "$KOPIA" repository create s3 --bucket bench --prefix kopia/ --endpoint "127.0.0.1:$PORT" --disable-tls \
         --access-key "$AWS_ACCESS_KEY_ID" --secret-access-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1
     measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
-    measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$WORK/restore/kopia"
+    measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE_ROOT/kopia"
+    checked kopia
 else
     echo "| kopia | not available | | | | | |"
 fi
-if [ -n "$RCLONE" ]; then
+if ! wanted rclone; then
+    :
+elif [ -n "$RCLONE" ]; then
     measure "rclone (raw copy)" upload "$RCLONE" copy --links "$WORK/data" minio:bench/rclone
-    measure "rclone (raw copy)" download "$RCLONE" copy --links minio:bench/rclone "$WORK/restore/rclone"
+    measure "rclone (raw copy)" download "$RCLONE" copy --links minio:bench/rclone "$RESTORE_ROOT/rclone"
+    checked rclone
 else
     echo "| rclone | not installed | | | | | |"
 fi
-# Check the restores are complete (content only; modes and times are the tools' business).
-for tool in haulage restic rustic kopia; do
-    dir="$WORK/restore/$tool"
-    [ -d "$dir" ] || continue
-    found=$(find "$dir" -type f | wc -l)
-    [ "$found" -ge "$FILES" ] || echo "warning: $tool restored $found of $FILES files" >&2
-done
