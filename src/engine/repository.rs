@@ -28,7 +28,7 @@ const LOAD_CONCURRENCY: usize = 8;
 /// Largest single merged read of [`Repository::read_blobs`]: with the
 /// caller's batch of at most a few MiB of blobs and 1 MiB gaps, a read
 /// never holds more than this.
-pub const MAX_BLOB_READ_BYTES: u64 = 16 * 1024 * 1024;
+pub const MAX_BLOB_READ_BYTES: u64 = 8 * 1024 * 1024;
 
 /// A repository ready for use.
 #[derive(Debug, Clone)]

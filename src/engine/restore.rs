@@ -44,7 +44,7 @@ const PARALLEL_FILE_RESTORES: usize = 4;
 /// come in one ranged read instead of one each; with
 /// [`PARALLEL_FILE_RESTORES`] jobs this bounds fetched-but-unwritten data
 /// to a few tens of MiB.
-const RESTORE_BATCH_BYTES: u64 = 8 * 1024 * 1024;
+const RESTORE_BATCH_BYTES: u64 = 4 * 1024 * 1024;
 /// Files of at most this size are restored in batches with the small files
 /// that follow them in the snapshot, so their blobs are fetched together.
 const SMALL_FILE_BYTES: u64 = 1024 * 1024;
