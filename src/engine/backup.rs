@@ -1042,6 +1042,18 @@ impl Assembler {
     }
 }
 
+/// Room for a full pack: the target, the largest blob that can cross it, and
+/// a trailer's worth of entries.
+fn pack_capacity(repository: &Repository) -> usize {
+    repository.config().pack_target_bytes as usize
+        + repository.config().chunker.max_bytes as usize
+        + PACK_TRAILER_RESERVE_BYTES
+}
+
+/// Bytes reserved for a pack's trailer (about 900 entries; more just grows
+/// the buffer once).
+const PACK_TRAILER_RESERVE_BYTES: usize = 64 * 1024;
+
 /// Collects blobs into packs and uploads them, a bounded number at a time.
 struct Packer {
     repository: Repository,
@@ -1058,9 +1070,9 @@ struct Packer {
 impl Packer {
     fn new(repository: Repository, progress: Arc<Progress>) -> Self {
         Packer {
+            current: PackWriter::with_capacity(pack_capacity(&repository)),
             repository,
             progress,
-            current: PackWriter::new(),
             uploads: JoinSet::new(),
             unindexed: Vec::new(),
             bytes_new: 0,
@@ -1095,7 +1107,10 @@ impl Packer {
         while self.uploads.len() >= MAX_PACK_UPLOADS_IN_FLIGHT {
             self.collect_one().await?;
         }
-        let writer = std::mem::take(&mut self.current);
+        let writer = std::mem::replace(
+            &mut self.current,
+            PackWriter::with_capacity(pack_capacity(&self.repository)),
+        );
         let repository = self.repository.clone();
         self.uploads.spawn(async move {
             let pack = run_blocking(move || writer.finish()).await;

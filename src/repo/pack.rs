@@ -80,6 +80,17 @@ impl PackWriter {
         }
     }
 
+    /// An empty pack with room for `capacity` bytes, so a pack filled to
+    /// its target never reallocates (and never holds a doubled buffer).
+    pub fn with_capacity(capacity: usize) -> Self {
+        let mut bytes = Vec::with_capacity(capacity.max(PACK_MAGIC.len()));
+        bytes.extend_from_slice(PACK_MAGIC);
+        PackWriter {
+            bytes,
+            entries: Vec::new(),
+        }
+    }
+
     /// Append a blob's stored bytes.
     pub fn add(
         &mut self,
