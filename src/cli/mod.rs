@@ -99,14 +99,6 @@ impl RepoArgs {
     }
 }
 
-/// Threads for blocking work (file I/O, hashing, compression). Enough for
-/// every engine stage at once (walker, scan, parallel chunks, pack
-/// finishing; restore's file jobs and their decoding), and few, because
-/// every thread that frees large buffers gets its own glibc malloc arena,
-/// which keeps them resident: tokio's default of 512 let a 1 GiB restore
-/// reach 190 MiB of RSS.
-const MAX_BLOCKING_THREADS: usize = 8;
-
 /// How a verb ended, as the process exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -146,7 +138,7 @@ pub fn main() -> ExitCode {
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .max_blocking_threads(crate::engine::MAX_BLOCKING_THREADS)
         .build()
     {
         Ok(runtime) => runtime,
