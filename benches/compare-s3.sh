@@ -21,7 +21,7 @@ RESTIC="${RESTIC:-$(command -v restic || true)}"
 RUSTIC="${RUSTIC:-$(command -v rustic || true)}"
 KOPIA="${KOPIA:-$(command -v kopia || true)}"
 RCLONE="${RCLONE:-$(command -v rclone || true)}"
-TOOLS="${TOOLS:-haulage restic rustic kopia rclone}"
+TOOLS="${TOOLS:-haulage restic rustic kopia rclone sizing}"
 wanted() { [[ " $TOOLS " == *" $1 "* ]]; }
 export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench
 
@@ -148,4 +148,13 @@ elif [ -n "$RCLONE" ]; then
     checked rclone
 else
     echo "| rclone | not installed | | | | | |"
+fi
+# What `haulage bench` predicts for the same data and server, to set beside the
+# measured first backup above.
+if wanted sizing; then
+    echo
+    echo '```text'
+    echo "\$ haulage bench --source DATA --repo s3://bench/sizing"
+    "$HAULAGE" bench --source "$WORK/data" --repo s3://bench/sizing
+    echo '```'
 fi

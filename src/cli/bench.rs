@@ -29,6 +29,8 @@ use crate::repo::chunker::Chunker;
 use crate::repo::config::RepoConfig;
 use crate::store::{DynStore, PutMode};
 
+/// Seed of the order files are read in (fixed, so runs are comparable).
+const SAMPLE_ORDER_SEED: u64 = 0x6861_756c_6167_65;
 /// Default bytes of the source read for the read tests.
 const DEFAULT_SIZE_BYTES: u64 = 256 * 1024 * 1024;
 /// At most this much of what was read is kept as the CPU stages' sample.
@@ -288,8 +290,16 @@ async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchEr
     if facts.bytes == 0 {
         return Err(source_error("holds no file data to measure".into()));
     }
-    // Disjoint halves of the files, so the parallel readers do not read what
-    // the single reader just put in the page cache.
+    // Files in a fixed pseudo-random order, so the read budget and the CPU
+    // sample cover the whole tree and not just its first directories; then
+    // disjoint halves, so the parallel readers do not read what the single
+    // reader just put in the page cache.
+    let mut files = files;
+    {
+        use rand::SeedableRng;
+        use rand::seq::SliceRandom;
+        files.shuffle(&mut rand::rngs::StdRng::seed_from_u64(SAMPLE_ORDER_SEED));
+    }
     let budget = args.size.as_u64().max(1);
     let (single_files, parallel_files): (Vec<_>, Vec<_>) = files
         .into_iter()
