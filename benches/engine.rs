@@ -59,5 +59,45 @@ fn stages(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, stages);
+/// The whole backup pipeline (walk, chunk, hash, dedup, compress, pack,
+/// write) of a 128 MiB sample tree into a fresh `file://` repository.
+fn pipeline(c: &mut Criterion) {
+    use std::sync::Arc;
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let work = tempfile::tempdir().expect("temp dir");
+    let source = work.path().join("source");
+    let summary = haulage::sample::generate(&source, 128 << 20, 7).expect("sample");
+    let mut group = c.benchmark_group("pipeline");
+    group.throughput(Throughput::Bytes(summary.bytes));
+    group.sample_size(10);
+    group.bench_function("backup_128MiB_sample_full", |b| {
+        b.iter_with_setup(
+            || {
+                let repo = work.path().join(format!("repo-{}", rand::random::<u64>()));
+                let store: haulage::store::DynStore =
+                    Arc::new(haulage::store::local::LocalStore::new(&repo));
+                let repository = runtime
+                    .block_on(haulage::engine::Repository::init(store))
+                    .expect("init");
+                (repo, repository)
+            },
+            |(repo, repository)| {
+                let mut options = haulage::engine::backup::BackupOptions::new(&source);
+                options.parent = haulage::engine::backup::ParentPolicy::None;
+                runtime
+                    .block_on(haulage::engine::backup::backup(
+                        &repository,
+                        options,
+                        Arc::default(),
+                        Default::default(),
+                    ))
+                    .expect("backup");
+                std::fs::remove_dir_all(repo).expect("clean up");
+            },
+        )
+    });
+    group.finish();
+}
+
+criterion_group!(benches, stages, pipeline);
 criterion_main!(benches);

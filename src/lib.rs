@@ -4,6 +4,8 @@
 //!
 //! The map of the crate, pure cores first:
 //!
+//! - [`api`]: the custom resources (BackupStorageLocation, StoragePolicy,
+//!   VolumeBackup, VolumeTransfer), their status values and generated CRDs.
 //! - [`repo`]: the repository format (config, chunker, packs, indexes, trees,
 //!   snapshots): pure encode/decode, no I/O.
 //! - [`plan`]: the stage-pod planner, a pure function from cluster facts to a
@@ -19,6 +21,7 @@
 //!
 //! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
 
+pub mod api;
 pub mod cli;
 pub mod engine;
 pub mod plan;

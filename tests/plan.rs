@@ -177,6 +177,40 @@ fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
 }
 
 #[test]
+fn shared_volume_attached_only_to_an_unready_node_moves_to_a_healthy_one() {
+    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
+    let shared = shared.with_access_modes([AccessMode::ReadWriteMany]);
+    let facts = facts_with(
+        vec![
+            NodeFacts::new("a-sick").not_ready(),
+            NodeFacts::new("b-well"),
+        ],
+        vec![(shared, shared_volume)],
+        vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
+    );
+    assert_eq!(
+        node_of(&plan(&facts), "shop", "uploads").as_deref(),
+        Some("b-well")
+    );
+    let stuck = facts_with(
+        vec![
+            NodeFacts::new("a-sick").not_ready(),
+            NodeFacts::new("b-cordoned").cordoned(),
+        ],
+        vec![{
+            let (claim, volume) = ebs_claim("shop", "uploads", GIB);
+            (claim.with_access_modes([AccessMode::ReadWriteMany]), volume)
+        }],
+        vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
+    );
+    assert_eq!(
+        node_of(&plan(&stuck), "shop", "uploads").as_deref(),
+        Some("a-sick"),
+        "with nowhere else to go, the node it is attached to"
+    );
+}
+
+#[test]
 fn local_volume_goes_to_its_node_only() {
     let facts = facts_with(
         vec![NodeFacts::new("a"), NodeFacts::new("b")],
@@ -1058,16 +1092,20 @@ fn room_left(
     before + added < limit
 }
 
-fn check_backup_rules(
+fn every_selected_claim_appears_once(
     facts: &ClusterFacts,
     selection: &Selection,
     plan: &StagePlan,
 ) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    // Every selected claim exactly once.
     let mut seen: BTreeMap<(String, String), usize> = BTreeMap::new();
     for pod in &plan.stage_pods {
         prop_assert!(!pod.volumes.is_empty());
+        let bytes: u64 = pod
+            .volumes
+            .iter()
+            .map(|name| claim_by_key(facts, &pod.namespace, name).bytes())
+            .sum();
+        prop_assert_eq!(pod.bytes, bytes);
         for volume in &pod.volumes {
             *seen
                 .entry((pod.namespace.clone(), volume.clone()))
@@ -1101,29 +1139,129 @@ fn check_backup_rules(
         plan.stage_pods.len(),
         "one stage pod per namespace and node"
     );
+    Ok(())
+}
 
-    let placed = placements(plan);
-    let mut loads: HashMap<&str, u64> = HashMap::new();
-    for pod in &plan.stage_pods {
-        let bytes: u64 = pod
-            .volumes
-            .iter()
-            .map(|name| claim_by_key(facts, &pod.namespace, name).bytes())
-            .sum();
-        prop_assert_eq!(pod.bytes, bytes);
-        *loads.entry(pod.node.as_str()).or_default() += bytes;
+fn exclusive_attached_volumes_stay_on_their_node(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    for ((namespace, name), node_name) in &placements(plan) {
+        let claim = claim_by_key(facts, namespace, name);
+        let attached = oracle.attached_nodes(claim);
+        if !claim.is_shared() && !attached.is_empty() {
+            prop_assert!(
+                attached.contains(node_name),
+                "exclusive {}/{} moved off its node",
+                namespace,
+                name
+            );
+        }
     }
-    let counts = new_attachments(&oracle, plan);
+    // A volume attached to a node a stage pod can use is never left out
+    // (unless ReadWriteOncePod in use).
+    for entry in &plan.unplaceable {
+        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
+        if claim.phase == ClaimPhase::Bound
+            && oracle.volume(claim).is_some()
+            && !claim.is_single_pod()
+        {
+            let usable: Vec<_> = oracle
+                .attached_nodes(claim)
+                .into_iter()
+                .filter(|node| oracle.usable_for_attached(claim, node))
+                .collect();
+            prop_assert!(
+                usable.is_empty(),
+                "{}/{} attached to usable {:?} but unplaceable: {}",
+                entry.namespace,
+                entry.pvc,
+                usable,
+                entry.reason
+            );
+        }
+    }
+    Ok(())
+}
 
-    for ((namespace, name), node_name) in &placed {
+fn single_pod_volumes_in_use_ask_to_quiesce(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    for (namespace, name) in placements(plan).keys() {
+        let claim = claim_by_key(facts, namespace, name);
+        if claim.is_single_pod() {
+            prop_assert!(
+                oracle.live_users(claim).is_empty(),
+                "ReadWriteOncePod in use was placed"
+            );
+        }
+    }
+    for entry in &plan.unplaceable {
+        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
+        if claim.phase == ClaimPhase::Bound
+            && claim.is_single_pod()
+            && oracle.volume(claim).is_some()
+            && !oracle.live_users(claim).is_empty()
+        {
+            prop_assert!(
+                entry.reason.to_string().contains("quiesce"),
+                "{}",
+                entry.reason
+            );
+        }
+    }
+    Ok(())
+}
+
+fn shared_volumes_prefer_a_ready_node_they_are_attached_to(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    for ((namespace, name), node_name) in &placements(plan) {
+        let claim = claim_by_key(facts, namespace, name);
+        if !claim.is_shared() {
+            continue;
+        }
+        // Preference: a ready node it is attached to, else a new
+        // attachment, else an unready node it is attached to.
+        let attached = oracle.attached_nodes(claim);
+        let node = oracle.nodes[node_name.as_str()];
+        let ready_attached = attached.iter().any(|other| {
+            oracle.usable_for_attached(claim, other) && oracle.nodes[other.as_str()].ready
+        });
+        if ready_attached {
+            prop_assert!(
+                attached.contains(node_name) && node.ready,
+                "shared {}/{} not on a ready attached node",
+                namespace,
+                name
+            );
+        } else if attached.contains(node_name) {
+            prop_assert!(
+                oracle.usable_for_attached(claim, node_name),
+                "shared {}/{} on an unusable attached node",
+                namespace,
+                name
+            );
+        }
+    }
+    Ok(())
+}
+
+fn placed_volumes_are_on_nodes_they_may_use(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    for ((namespace, name), node_name) in &placements(plan) {
         let claim = claim_by_key(facts, namespace, name);
         let node = oracle.nodes.get(node_name.as_str()).copied();
         prop_assert!(node.is_some(), "stage pod on unknown node {}", node_name);
         let node = node.expect("checked");
-        prop_assert!(
-            node.taint_with_effect(TaintEffect::NoExecute).is_none(),
-            "NoExecute node used"
-        );
         prop_assert_eq!(claim.phase, ClaimPhase::Bound);
         let volume = oracle.volume(claim);
         prop_assert!(volume.is_some());
@@ -1136,104 +1274,52 @@ fn check_backup_rules(
                 node_name
             );
         }
-        let attached = oracle.attached_nodes(claim);
-        if !Oracle::takes_new_volumes(node) {
+        if let (Some(csi), Some(drivers)) = (
+            volume.and_then(|volume| volume.csi.as_ref()),
+            &node.csi_drivers,
+        ) {
             prop_assert!(
-                attached.contains(node_name),
+                drivers.contains_key(&csi.driver)
+                    || oracle.attached_nodes(claim).contains(node_name),
+                "new {} volume on a node without the driver",
+                csi.driver
+            );
+        }
+    }
+    Ok(())
+}
+
+fn unavailable_nodes_take_only_attached_volumes(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    for ((namespace, name), node_name) in &placements(plan) {
+        let node = oracle.nodes[node_name.as_str()];
+        prop_assert!(
+            node.taint_with_effect(TaintEffect::NoExecute).is_none(),
+            "NoExecute node {} used",
+            node_name
+        );
+        if !Oracle::takes_new_volumes(node) {
+            let claim = claim_by_key(facts, namespace, name);
+            prop_assert!(
+                oracle.attached_nodes(claim).contains(node_name),
                 "{}/{} is new on unavailable node {}",
                 namespace,
                 name,
                 node_name
             );
         }
-        if !claim.is_shared() && !attached.is_empty() {
-            prop_assert!(
-                attached.contains(node_name),
-                "exclusive {}/{} moved off its node",
-                namespace,
-                name
-            );
-        }
-        if claim.is_shared()
-            && attached
-                .iter()
-                .any(|node| oracle.usable_for_attached(claim, node))
-        {
-            prop_assert!(
-                attached.contains(node_name),
-                "shared {}/{} not on an attached node",
-                namespace,
-                name
-            );
-            let ready_alternative = attached.iter().any(|other| {
-                oracle.usable_for_attached(claim, other) && oracle.nodes[other.as_str()].ready
-            });
-            prop_assert!(
-                node.ready || !ready_alternative,
-                "shared {}/{} on an unready node",
-                namespace,
-                name
-            );
-        }
-        if claim.is_single_pod() {
-            prop_assert!(
-                oracle.live_users(claim).is_empty(),
-                "ReadWriteOncePod in use was placed"
-            );
-        }
-        if let (Some(csi), Some(drivers)) = (
-            volume.and_then(|volume| volume.csi.as_ref()),
-            &node.csi_drivers,
-        ) {
-            prop_assert!(
-                drivers.contains_key(&csi.driver) || attached.contains(node_name),
-                "new {} volume on a node without the driver",
-                csi.driver
-            );
-        }
     }
+    Ok(())
+}
 
-    for entry in &plan.unplaceable {
-        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
-        let reason = entry.reason.to_string();
-        match claim.phase {
-            ClaimPhase::Pending => prop_assert!(reason.contains("Pending"), "{}", reason),
-            ClaimPhase::Lost => prop_assert!(reason.contains("Lost"), "{}", reason),
-            ClaimPhase::Bound => {}
-        }
-        if claim.phase == ClaimPhase::Bound
-            && claim.is_single_pod()
-            && oracle.volume(claim).is_some()
-            && !oracle.live_users(claim).is_empty()
-        {
-            prop_assert!(reason.contains("quiesce"), "{}", reason);
-        }
-        // An exclusive volume attached to exactly one usable node is never
-        // left out.
-        let attached = oracle.attached_nodes(claim);
-        if claim.phase == ClaimPhase::Bound
-            && oracle.volume(claim).is_some()
-            && !claim.is_shared()
-            && !claim.is_single_pod()
-        {
-            let usable: Vec<_> = attached
-                .iter()
-                .filter(|node| oracle.usable_for_attached(claim, node))
-                .collect();
-            prop_assert!(
-                usable.is_empty(),
-                "{}/{} attached to usable {:?} but unplaceable: {}",
-                entry.namespace,
-                entry.pvc,
-                usable,
-                reason
-            );
-        }
-    }
-
-    // Attach limits: a node that got new volumes of a driver stays within
-    // its limit, counting what was attached before.
-    for ((node_name, driver), added) in &counts {
+fn attach_limits_hold(facts: &ClusterFacts, plan: &StagePlan) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    // A node that got new volumes of a driver stays within its limit,
+    // counting what was attached before.
+    for ((node_name, driver), added) in &new_attachments(&oracle, plan) {
         let node = oracle.nodes[node_name.as_str()];
         if let Some(limit) = node
             .csi_drivers
@@ -1256,15 +1342,43 @@ fn check_backup_rules(
             );
         }
     }
+    Ok(())
+}
 
-    // Balance: the last movable volume placed on a node (smallest, then
-    // last by namespace and name) could not go to any other node it was
-    // allowed on without that node ending at least as loaded.
+fn pending_and_lost_claims_name_their_phase(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    for entry in &plan.unplaceable {
+        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
+        let reason = entry.reason.to_string();
+        match claim.phase {
+            ClaimPhase::Pending => prop_assert!(reason.contains("Pending"), "{}", reason),
+            ClaimPhase::Lost => prop_assert!(reason.contains("Lost"), "{}", reason),
+            ClaimPhase::Bound => {}
+        }
+    }
+    Ok(())
+}
+
+/// The last movable volume placed on a node (smallest, then last by
+/// namespace and name) could not go to any other node it was allowed on
+/// without that node ending at least as loaded.
+fn no_single_move_lowers_the_peak(
+    facts: &ClusterFacts,
+    plan: &StagePlan,
+) -> Result<(), TestCaseError> {
+    let oracle = Oracle::new(facts);
+    let counts = new_attachments(&oracle, plan);
+    let mut loads: HashMap<&str, u64> = HashMap::new();
+    for pod in &plan.stage_pods {
+        *loads.entry(pod.node.as_str()).or_default() += pod.bytes;
+    }
+    let placed = placements(plan);
     let mut movable_by_node: BTreeMap<&str, Vec<&ClaimFacts>> = BTreeMap::new();
     for ((namespace, name), node_name) in &placed {
         let claim = claim_by_key(facts, namespace, name);
-        let attached = oracle.attached_nodes(claim);
-        let pinned = !claim.is_shared() && !attached.is_empty();
+        let pinned = !claim.is_shared() && !oracle.attached_nodes(claim).is_empty();
         if !pinned {
             movable_by_node
                 .entry(node_name.as_str())
@@ -1288,7 +1402,8 @@ fn check_backup_rules(
                 .filter(|node| oracle.usable_for_attached(last, node))
                 .map(|node| oracle.nodes[node.as_str()])
                 .collect();
-            // Ready attached nodes are preferred over unready ones.
+            // Ready attached nodes are preferred over unready ones, which
+            // are only used when no node takes a new attachment.
             if usable.iter().any(|node| node.ready) {
                 usable.into_iter().filter(|node| node.ready).collect()
             } else {
@@ -1359,9 +1474,52 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
     #[test]
-    fn backup_plans_keep_every_rule(facts in cluster_strategy(), selection in selection_strategy()) {
+    fn every_selected_claim_is_in_one_stage_pod_or_unplaceable(
+        facts in cluster_strategy(),
+        selection in selection_strategy(),
+    ) {
         let plan = plan_stage_pods(&facts, &selection).expect("generated facts have no duplicates");
-        check_backup_rules(&facts, &selection, &plan)?;
+        every_selected_claim_appears_once(&facts, &selection, &plan)?;
+    }
+
+    #[test]
+    fn exclusive_volumes_are_read_where_they_are_attached(facts in cluster_strategy()) {
+        exclusive_attached_volumes_stay_on_their_node(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn read_write_once_pod_volumes_in_use_are_left_for_quiescing(facts in cluster_strategy()) {
+        single_pod_volumes_in_use_ask_to_quiesce(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn shared_volumes_are_read_once_from_a_ready_attached_node(facts in cluster_strategy()) {
+        shared_volumes_prefer_a_ready_node_they_are_attached_to(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn volumes_land_within_their_node_affinity_and_driver(facts in cluster_strategy()) {
+        placed_volumes_are_on_nodes_they_may_use(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn unavailable_nodes_get_no_new_volumes_and_no_execute_nodes_none(facts in cluster_strategy()) {
+        unavailable_nodes_take_only_attached_volumes(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn csi_attach_limits_are_never_exceeded(facts in cluster_strategy()) {
+        attach_limits_hold(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn pending_and_lost_claims_are_unplaceable_with_their_phase(facts in cluster_strategy()) {
+        pending_and_lost_claims_name_their_phase(&facts, &plan(&facts))?;
+    }
+
+    #[test]
+    fn movable_volumes_are_balanced_by_bytes(facts in cluster_strategy()) {
+        no_single_move_lowers_the_peak(&facts, &plan(&facts))?;
     }
 
     #[test]
@@ -1402,6 +1560,8 @@ proptest! {
             })
             .collect();
         let plan = plan_restore(&facts, &restore).expect("no duplicates");
+        let reversed: Vec<RestoreClaim> = restore.iter().rev().cloned().collect();
+        prop_assert_eq!(&plan_restore(&facts, &reversed).expect("no duplicates"), &plan);
         let placed = placements(&plan);
         prop_assert_eq!(placed.len() + plan.unplaceable.len(), restore.len());
         let nodes: HashMap<&str, &NodeFacts> = facts.nodes.iter().map(|node| (node.name.as_str(), node)).collect();

@@ -9,6 +9,7 @@
 
 mod backup;
 mod bench;
+mod crds;
 mod demo;
 mod plan;
 mod progress;
@@ -59,6 +60,9 @@ pub enum Command {
     /// Write the reproducible sample tree the demo and benchmarks use.
     #[command(hide = true)]
     SampleData(demo::SampleDataArgs),
+    /// Write the CRDs generated from the API types (into manifests/crds).
+    #[command(hide = true)]
+    Crds(crds::CrdsArgs),
 }
 
 /// The repository a verb works on.
@@ -126,9 +130,6 @@ impl Outcome {
 /// Entry point of the `haulage` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    if let Command::Plan(arguments) = &cli.command {
-        return plan::run(arguments);
-    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HAULAGE_LOG")
@@ -159,7 +160,8 @@ pub fn main() -> ExitCode {
             Command::Verify(args) => verify::run(args).await,
             Command::Bench(args) => bench::run(args).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
-            Command::Plan(_) => unreachable!("plan runs without the async runtime"),
+            Command::Plan(arguments) => return plan::run(&arguments),
+            Command::Crds(arguments) => crds::run(&arguments),
         };
         match result {
             Ok(outcome) => outcome.exit_code(),

@@ -34,6 +34,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::buffers::BufferPool;
 use super::progress::Progress;
 use super::repository::Repository;
 use super::throttle::Throttle;
@@ -53,11 +54,15 @@ use crate::store::PutMode;
 /// walker a few items ahead.
 const WALK_CHANNEL_CAPACITY: usize = 16;
 /// Chunk plaintext bytes allowed between reading and packing. With 4 MiB
-/// maximum chunks this is at least 6 chunks in flight, enough to keep two
-/// cores busy, and bounds the pipeline's chunk memory.
-const CHUNK_BYTES_IN_FLIGHT: u32 = 24 * 1024 * 1024;
+/// maximum chunks this is at least 4 chunks in flight (16 with the 1 MiB
+/// average), enough to keep two cores busy, and bounds the pipeline's chunk
+/// memory.
+const CHUNK_BYTES_IN_FLIGHT: u32 = 16 * 1024 * 1024;
+/// Idle chunk buffers kept for reuse: enough for the chunks and compressed
+/// outputs in flight under [`CHUNK_BYTES_IN_FLIGHT`] with average chunks.
+const CHUNK_BUFFERS_KEPT: usize = 6;
 /// Packs being uploaded at once; each holds its full pack in memory.
-const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 2;
+const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 1;
 /// Write an index checkpoint after this many packs, so an interrupted
 /// backup's packs are found by their index and not by reading trailers.
 const INDEX_CHECKPOINT_PACKS: usize = 32;
@@ -166,6 +171,8 @@ struct Shared {
     /// are stored once.
     claimed: Mutex<HashSet<BlobId>>,
     progress: Arc<Progress>,
+    /// Chunk and compressed-chunk buffers.
+    buffers: BufferPool,
 }
 
 impl Shared {
@@ -216,6 +223,10 @@ pub async fn backup(
         index: index.clone(),
         claimed: Mutex::new(HashSet::new()),
         progress: progress.clone(),
+        buffers: BufferPool::new(
+            zstd::zstd_safe::compress_bound(repository.config().chunker.max_bytes as usize),
+            CHUNK_BUFFERS_KEPT,
+        ),
     });
 
     // Totals for ETA, from a cheap lstat-only scan running alongside.
@@ -238,6 +249,7 @@ pub async fn backup(
             cancel: cancel.clone(),
             items: items_tx,
             hardlinks_seen: HashSet::new(),
+            file_size_hint: 0,
         };
         let source = source.clone();
         tokio::task::spawn_blocking(move || {
@@ -368,7 +380,12 @@ fn hash_and_compress(
 ) -> Processed {
     let id = shared.repository.keys().blob_id(&data);
     let raw_length = data.len() as u32;
-    let new_blob = shared.claim(&id).then(|| compress(data, level));
+    let new_blob = if shared.claim(&id) {
+        Some(compress_pooled(&shared.buffers, data, level))
+    } else {
+        shared.buffers.give(data);
+        None
+    };
     Processed::Chunk {
         id,
         raw_length,
@@ -382,6 +399,44 @@ fn compress(data: Vec<u8>, level: i32) -> (Compression, Vec<u8>) {
     match zstd::bulk::compress(&data, level) {
         Ok(compressed) if compressed.len() < data.len() => (Compression::Zstd, compressed),
         _ => (Compression::None, data),
+    }
+}
+
+thread_local! {
+    /// One zstd context per worker thread, reused across chunks.
+    static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// [`compress`] into a pooled buffer with a reused zstd context; the buffer
+/// not kept goes back to the pool.
+fn compress_pooled(buffers: &BufferPool, data: Vec<u8>, level: i32) -> (Compression, Vec<u8>) {
+    let mut output = if data.len() * 2 > buffers.capacity() {
+        buffers.take()
+    } else {
+        Vec::with_capacity(zstd::zstd_safe::compress_bound(data.len()))
+    };
+    let result = COMPRESSOR.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if slot.as_ref().is_none_or(|(current, _)| *current != level) {
+            *slot = zstd::bulk::Compressor::new(level)
+                .ok()
+                .map(|compressor| (level, compressor));
+        }
+        match slot.as_mut() {
+            Some((_, compressor)) => compressor.compress_to_buffer(&data, &mut output),
+            None => Err(std::io::Error::other("cannot create a zstd context")),
+        }
+    });
+    match result {
+        Ok(length) if length < data.len() => {
+            buffers.give(data);
+            (Compression::Zstd, output)
+        }
+        _ => {
+            buffers.give(output);
+            (Compression::None, data)
+        }
     }
 }
 
@@ -426,6 +481,8 @@ struct WalkContext {
     items: mpsc::Sender<WalkItem>,
     /// (device, inode) of multiply-linked files already emitted.
     hardlinks_seen: HashSet<(u64, u64)>,
+    /// Size of the file being read, to size its read buffer.
+    file_size_hint: u64,
 }
 
 /// Metadata of a path as a tree entry (without content).
@@ -717,6 +774,7 @@ impl WalkContext {
         before: &Metadata,
     ) -> Result<Metadata, ReadFailure> {
         let size = before.len();
+        self.file_size_hint = size;
         let may_have_holes = before.blocks() * 512 < size;
         let mut position = 0u64;
         if may_have_holes {
@@ -763,7 +821,17 @@ impl WalkContext {
     fn chunk_region(&mut self, file: &mut File, limit: Option<u64>) -> Result<u64, ReadFailure> {
         let max = self.chunker.parameters().max_bytes as usize;
         let block = READ_BLOCK_BYTES.min(self.throttle.max_request_bytes());
-        let mut pending: Vec<u8> = Vec::new();
+        // Files smaller than a maximal chunk get a buffer of their own size;
+        // larger ones cycle through the pool's chunk-sized buffers.
+        let pooled = limit.unwrap_or(u64::MAX) > max as u64 && self.file_size_hint > max as u64;
+        let take = |shared: &Shared| {
+            if pooled {
+                shared.buffers.take()
+            } else {
+                Vec::new()
+            }
+        };
+        let mut pending: Vec<u8> = take(&self.shared);
         let mut remaining = limit.unwrap_or(u64::MAX);
         let mut total = 0u64;
         let mut at_end = false;
@@ -796,16 +864,14 @@ impl WalkContext {
                 Progress::add(&self.shared.progress.bytes_done, read as u64);
             }
             if pending.is_empty() {
+                self.shared.buffers.give(pending);
                 return Ok(total);
             }
             let cut = self.chunker.cut(&pending);
-            // Copy the chunk out at its own size and keep the read buffer:
-            // handing the buffer itself on would carry its whole capacity
-            // (up to the maximum chunk size, every page touched) with each
-            // chunk, which the chunk-bytes budget (counting lengths) does
-            // not see.
-            let chunk = pending[..cut].to_vec();
-            pending.drain(..cut);
+            let mut next = take(&self.shared);
+            next.extend_from_slice(&pending[cut..]);
+            pending.truncate(cut);
+            let chunk = std::mem::replace(&mut pending, next);
             self.send_chunk(chunk)?;
         }
     }
@@ -813,11 +879,14 @@ impl WalkContext {
     fn send_chunk(&self, chunk: Vec<u8>) -> Result<(), ReadFailure> {
         // An all-zero chunk is a hole: it costs no storage and restores as one.
         if chunk.iter().all(|byte| *byte == 0) {
+            let length = chunk.len() as u64;
+            self.shared.buffers.give(chunk);
             return self
-                .send(WalkItem::Hole(chunk.len() as u64))
+                .send(WalkItem::Hole(length))
                 .map_err(|_| ReadFailure::Cancelled);
         }
-        let permits = (chunk.len() as u32).min(CHUNK_BYTES_IN_FLIGHT);
+        // Count the buffer's capacity: that is the memory it holds.
+        let permits = (chunk.capacity().max(1) as u64).min(u64::from(CHUNK_BYTES_IN_FLIGHT)) as u32;
         let permit = self
             .handle
             .block_on(self.chunk_budget.clone().acquire_many_owned(permits))
@@ -924,8 +993,9 @@ impl Assembler {
             } => {
                 if let Some((compression, stored)) = new_blob {
                     self.packer
-                        .add(id, BlobKind::Data, compression, stored, raw_length)
+                        .add(id, BlobKind::Data, compression, &stored, raw_length)
                         .await?;
+                    self.shared.buffers.give(stored);
                 }
                 if let Some(file) = &mut self.current_file {
                     file.content.push(Extent::Chunk(id, raw_length));
@@ -1034,7 +1104,7 @@ impl Assembler {
         .await;
         if let Some((compression, stored)) = new_blob {
             self.packer
-                .add(id, BlobKind::Tree, compression, stored, raw_length)
+                .add(id, BlobKind::Tree, compression, &stored, raw_length)
                 .await?;
         }
         let _ = &self.progress;
@@ -1042,17 +1112,12 @@ impl Assembler {
     }
 }
 
-/// Room for a full pack: the target, the largest blob that can cross it, and
-/// a trailer's worth of entries.
-fn pack_capacity(repository: &Repository) -> usize {
-    repository.config().pack_target_bytes as usize
-        + repository.config().chunker.max_bytes as usize
-        + PACK_TRAILER_RESERVE_BYTES
+/// A pack closes once it reaches its target, so it holds at most the target
+/// plus one maximal (incompressible) chunk and its trailer.
+fn pack_buffer_bytes(repository: &Repository) -> usize {
+    let config = repository.config();
+    config.pack_target_bytes as usize + config.chunker.max_bytes as usize + 64 * 1024
 }
-
-/// Bytes reserved for a pack's trailer (about 900 entries; more just grows
-/// the buffer once).
-const PACK_TRAILER_RESERVE_BYTES: usize = 64 * 1024;
 
 /// Collects blobs into packs and uploads them, a bounded number at a time.
 struct Packer {
@@ -1070,7 +1135,7 @@ struct Packer {
 impl Packer {
     fn new(repository: Repository, progress: Arc<Progress>) -> Self {
         Packer {
-            current: PackWriter::with_capacity(pack_capacity(&repository)),
+            current: PackWriter::with_capacity(pack_buffer_bytes(&repository)),
             repository,
             progress,
             uploads: JoinSet::new(),
@@ -1086,14 +1151,14 @@ impl Packer {
         id: BlobId,
         kind: BlobKind,
         compression: Compression,
-        stored: Vec<u8>,
+        stored: &[u8],
         raw_length: u32,
     ) -> Result<(), EngineError> {
         self.bytes_new += u64::from(raw_length);
         self.bytes_stored += stored.len() as u64;
         Progress::add(&self.progress.bytes_new, u64::from(raw_length));
         Progress::add(&self.progress.bytes_stored, stored.len() as u64);
-        self.current.add(id, kind, compression, &stored, raw_length);
+        self.current.add(id, kind, compression, stored, raw_length);
         if self.current.len() >= self.repository.config().pack_target_bytes as usize {
             self.flush().await?;
         }
@@ -1109,7 +1174,7 @@ impl Packer {
         }
         let writer = std::mem::replace(
             &mut self.current,
-            PackWriter::with_capacity(pack_capacity(&self.repository)),
+            PackWriter::with_capacity(pack_buffer_bytes(&self.repository)),
         );
         let repository = self.repository.clone();
         self.uploads.spawn(async move {

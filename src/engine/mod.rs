@@ -8,9 +8,11 @@
 //!   write outside the target.
 //! - [`verify`]: re-read and check everything a snapshot references.
 //! - [`throttle`]: smooth bytes-per-second limits.
+//! - [`buffers`]: reusable large buffers for the pipeline.
 //! - [`progress`]: counters shared with whoever displays progress.
 
 pub mod backup;
+pub mod buffers;
 pub mod progress;
 pub mod repository;
 pub mod restore;

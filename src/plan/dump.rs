@@ -714,3 +714,100 @@ pub fn limit_range_minimum(limit_range: &LimitRange) -> Result<ResourceMinimum, 
     }
     Ok(minimum)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn limit_range_minimum_takes_the_largest_container_minimum() {
+        let objects = parse_objects(
+            "apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: LimitRange
+  metadata: {name: floor, namespace: shop}
+  spec:
+    limits:
+    - {type: Container, min: {cpu: 200m, memory: 256Mi}}
+    - {type: Container, min: {cpu: 50m}}
+    - {type: Pod, min: {cpu: '4'}}
+",
+        )
+        .expect("dump parses");
+        let minimum = limit_range_minimum(&objects.limit_ranges[0]).expect("limit range converts");
+        assert_eq!(
+            minimum,
+            ResourceMinimum {
+                cpu_millis: Some(200),
+                memory_bytes: Some(256 << 20),
+            }
+        );
+    }
+
+    #[test]
+    fn storage_class_keeps_binding_mode_topologies_and_default_mark() {
+        let facts = parse_dump(
+            "apiVersion: v1
+kind: List
+items:
+- apiVersion: storage.k8s.io/v1
+  kind: StorageClass
+  metadata:
+    name: zonal
+    annotations: {storageclass.kubernetes.io/is-default-class: 'true'}
+  provisioner: ebs.csi.aws.com
+  volumeBindingMode: WaitForFirstConsumer
+  allowedTopologies:
+  - matchLabelExpressions:
+    - {key: topology.kubernetes.io/zone, values: [z1, z2]}
+",
+        )
+        .expect("dump parses");
+        let class = &facts.storage_classes[0];
+        assert_eq!(class.binding_mode, BindingMode::WaitForFirstConsumer);
+        assert!(class.is_default);
+        let topology = class.allowed_topologies.as_ref().expect("topologies");
+        assert!(topology.matches(&NodeFacts::new("a").in_zone("z2")));
+        assert!(!topology.matches(&NodeFacts::new("a").in_zone("z3")));
+    }
+
+    #[test]
+    fn node_reads_readiness_cordon_and_attached_csi_volumes() {
+        let facts = parse_dump(
+            "apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Node
+  metadata: {name: a}
+  spec: {unschedulable: true}
+  status:
+    conditions: [{type: Ready, status: 'True'}]
+    volumesAttached:
+    - {name: kubernetes.io/csi/ebs.csi.aws.com^vol-1, devicePath: ''}
+    - {name: kubernetes.io/aws-ebs/aws://eu-1a/vol-2, devicePath: /dev/xvdb}
+- apiVersion: storage.k8s.io/v1
+  kind: CSINode
+  metadata: {name: a}
+  spec:
+    drivers: [{name: ebs.csi.aws.com, nodeID: i-1, allocatable: {count: 25}}]
+",
+        )
+        .expect("dump parses");
+        let node = &facts.nodes[0];
+        assert!(node.ready && node.unschedulable);
+        assert_eq!(
+            node.attached_volumes,
+            [CsiVolume {
+                driver: "ebs.csi.aws.com".into(),
+                handle: "vol-1".into(),
+            }]
+        );
+        assert_eq!(
+            node.csi_drivers,
+            Some(BTreeMap::from([("ebs.csi.aws.com".to_string(), Some(25))]))
+        );
+    }
+}

@@ -397,7 +397,8 @@ impl ClaimFacts {
 pub struct VolumeFacts {
     /// Volume name.
     pub name: String,
-    /// Access modes.
+    /// Access modes. Informational: placement reads the claim's modes,
+    /// which for a bound claim (`status.accessModes`) are the volume's.
     pub access_modes: Vec<AccessMode>,
     /// The CSI driver and handle, for CSI volumes (attach limits apply).
     pub csi: Option<CsiVolume>,

@@ -72,7 +72,7 @@ pub fn plan_stage_pods(
     let cluster = IndexedCluster::new(facts)?;
     let requests = cluster
         .claims
-        .values()
+        .iter()
         .filter(|claim| selection.selects(&claim.namespace, &claim.labels))
         .map(|&claim| Request {
             namespace: &claim.namespace,

@@ -247,12 +247,15 @@ fn human_bytes(bytes: u64) -> String {
     ByteSize::b(bytes).display().iec().to_string()
 }
 
+/// Namespaces the table names per node before summarising the rest, so a
+/// node shared by hundreds of namespaces keeps a readable row.
+const TABLE_NAMESPACES_SHOWN: usize = 3;
+
 impl StagePlan {
     /// The plan as a table for people: one row per node (stage pods,
     /// volumes, bytes, namespaces), a total, then each unplaceable claim
     /// with its reason.
     pub fn to_table(&self) -> String {
-        let plan = self;
         #[derive(Default)]
         struct NodeRow<'p> {
             pods: usize,
@@ -261,7 +264,7 @@ impl StagePlan {
             namespaces: BTreeSet<&'p str>,
         }
         let mut rows: BTreeMap<&str, NodeRow> = BTreeMap::new();
-        for pod in &plan.stage_pods {
+        for pod in &self.stage_pods {
             let row = rows.entry(pod.node.as_str()).or_default();
             row.pods += 1;
             row.volumes += pod.volumes.len();
@@ -281,7 +284,7 @@ impl StagePlan {
                 row.pods.to_string(),
                 row.volumes.to_string(),
                 human_bytes(row.bytes),
-                row.namespaces.iter().copied().collect::<Vec<_>>().join(","),
+                namespace_summary(&row.namespaces),
             ]);
         }
         let mut out = String::new();
@@ -289,16 +292,16 @@ impl StagePlan {
         let _ = writeln!(
             out,
             "\n{} stage pods on {} nodes: {} volumes, {}",
-            plan.stage_pods.len(),
+            self.stage_pods.len(),
             rows.len(),
-            plan.placed_volume_count(),
-            human_bytes(plan.total_bytes())
+            self.placed_volume_count(),
+            human_bytes(self.total_bytes())
         );
-        if !plan.unplaceable.is_empty() {
-            let _ = writeln!(out, "\nUNPLACEABLE ({})", plan.unplaceable.len());
+        if !self.unplaceable.is_empty() {
+            let _ = writeln!(out, "\nUNPLACEABLE ({})", self.unplaceable.len());
             let mut lines: Vec<[String; 3]> =
                 vec![["NAMESPACE".into(), "PVC".into(), "REASON".into()]];
-            for claim in &plan.unplaceable {
+            for claim in &self.unplaceable {
                 lines.push([
                     claim.namespace.clone(),
                     claim.pvc.clone(),
@@ -308,6 +311,21 @@ impl StagePlan {
             write_columns(&mut out, &lines);
         }
         out
+    }
+}
+
+/// Up to [`TABLE_NAMESPACES_SHOWN`] namespaces, then how many more.
+fn namespace_summary(namespaces: &BTreeSet<&str>) -> String {
+    let shown: Vec<&str> = namespaces
+        .iter()
+        .copied()
+        .take(TABLE_NAMESPACES_SHOWN)
+        .collect();
+    let hidden = namespaces.len() - shown.len();
+    if hidden == 0 {
+        shown.join(",")
+    } else {
+        format!("{} +{hidden} more", shown.join(","))
     }
 }
 
@@ -358,6 +376,27 @@ mod tests {
                 "unplaceable": [{"namespace": "shop", "pvc": "cache",
                     "reason": "claim is Lost: the volume it was bound to no longer exists"}],
             })
+        );
+    }
+
+    #[test]
+    fn table_summarises_many_namespaces_on_one_node() {
+        let plan = StagePlan {
+            stage_pods: ["a", "b", "c", "d", "e"]
+                .iter()
+                .map(|namespace| StagePod {
+                    namespace: namespace.to_string(),
+                    node: "node-a".into(),
+                    volumes: vec!["data".into()],
+                    bytes: 1 << 30,
+                })
+                .collect(),
+            unplaceable: Vec::new(),
+        };
+        let table = plan.to_table();
+        assert!(
+            table.contains("node-a  5           5        5.0 GiB  a,b,c +2 more"),
+            "{table}"
         );
     }
 

@@ -37,7 +37,8 @@ pub(crate) struct IndexedCluster<'f> {
     node_index: HashMap<&'f str, usize>,
     volumes: HashMap<&'f str, &'f VolumeFacts>,
     pub(crate) classes: HashMap<&'f str, &'f StorageClassFacts>,
-    pub(crate) claims: BTreeMap<(&'f str, &'f str), &'f ClaimFacts>,
+    /// Claims sorted by (namespace, name).
+    pub(crate) claims: Vec<&'f ClaimFacts>,
     /// Pods holding volumes, per claim (namespace, name), sorted by pod name.
     users: HashMap<(&'f str, &'f str), Vec<&'f PodFacts>>,
     /// Nodes whose `status.volumesAttached` lists a CSI volume, per
@@ -78,17 +79,18 @@ impl<'f> IndexedCluster<'f> {
                 });
             }
         }
-        let mut claims = BTreeMap::new();
-        for claim in &facts.claims {
-            if claims
-                .insert((claim.namespace.as_str(), claim.name.as_str()), claim)
-                .is_some()
-            {
-                return Err(PlanError::DuplicateObject {
-                    kind: "PersistentVolumeClaim",
-                    name: format!("{}/{}", claim.namespace, claim.name),
-                });
-            }
+        let mut claims: Vec<&ClaimFacts> = facts.claims.iter().collect();
+        claims.sort_unstable_by(|left, right| {
+            (&left.namespace, &left.name).cmp(&(&right.namespace, &right.name))
+        });
+        if let Some(pair) = claims
+            .windows(2)
+            .find(|pair| pair[0].namespace == pair[1].namespace && pair[0].name == pair[1].name)
+        {
+            return Err(PlanError::DuplicateObject {
+                kind: "PersistentVolumeClaim",
+                name: format!("{}/{}", pair[0].namespace, pair[0].name),
+            });
         }
         let mut pod_names = HashSet::with_capacity(facts.pods.len());
         let mut users: HashMap<(&str, &str), Vec<&PodFacts>> = HashMap::new();
@@ -136,6 +138,16 @@ impl<'f> IndexedCluster<'f> {
         })
     }
 
+    /// The claim with this namespace and name.
+    pub(crate) fn claim(&self, namespace: &str, name: &str) -> Option<&'f ClaimFacts> {
+        self.claims
+            .binary_search_by(|claim| {
+                (claim.namespace.as_str(), claim.name.as_str()).cmp(&(namespace, name))
+            })
+            .ok()
+            .map(|position| self.claims[position])
+    }
+
     /// Pods holding this claim's volume, sorted by name.
     fn users_of(&self, namespace: &'f str, claim: &'f str) -> &[&'f PodFacts] {
         self.users
@@ -174,6 +186,9 @@ pub(crate) enum Demand<'f> {
     AmongAttached(Vec<usize>),
     /// Not attached anywhere usable: any node meeting the constraints.
     Anywhere(Constraints<'f>),
+    /// Shared volume attached only to unready nodes: any node meeting the
+    /// constraints, else the least loaded of these.
+    AnywhereElseAttached(Constraints<'f>, Vec<usize>),
 }
 
 /// What an existing claim demands: phase, bound volume, access modes, users
@@ -250,9 +265,11 @@ pub(crate) fn demand_of_existing_claim<'f>(
         }
     }
     if claim.is_shared() {
-        // A shared volume can also be attached somewhere new.
-        // Among the nodes it is attached to, a ready one is preferred: a
-        // stage pod on a node that is not ready may never start.
+        // A shared volume can also be attached somewhere new. A ready node
+        // it is attached to is best; failing that, a new
+        // attachment on a node that takes new volumes, since a stage pod on
+        // a node that is not ready may never start; failing that, the
+        // unready node it is attached to.
         let ready: Vec<usize> = usable
             .iter()
             .copied()
@@ -263,7 +280,7 @@ pub(crate) fn demand_of_existing_claim<'f>(
         } else if usable.is_empty() {
             Demand::Anywhere(constraints)
         } else {
-            Demand::AmongAttached(usable)
+            Demand::AnywhereElseAttached(constraints, usable)
         };
     }
     // An exclusive volume can only be read where it is attached. Should it
@@ -319,7 +336,8 @@ struct Balancer<'c, 'f> {
     heaps: Vec<CandidateHeap>,
     /// Nodes per (label key, value), built when an affinity first needs it.
     label_index: Option<HashMap<(&'f str, &'f str), Vec<usize>>>,
-    stage_pods: BTreeMap<(&'f str, usize), (Vec<&'f str>, u64)>,
+    /// Stage pods by (namespace number, node).
+    stage_pods: BTreeMap<(u32, usize), StagePodDraft<'f>>,
     unplaceable: Vec<UnplaceableClaim>,
 }
 
@@ -329,21 +347,59 @@ pub(crate) fn place_requests<'f>(
     mut requests: Vec<Request<'f>>,
 ) -> StagePlan {
     let mut balancer = Balancer::new(cluster);
+    // Name order first (cheap when the caller's order is already it): a
+    // request's position then stands for its namespace and name, and
+    // namespaces get numbers in the same order, so the rest of placement
+    // compares integers, not strings.
+    requests.sort_by(|left, right| (left.namespace, left.name).cmp(&(right.namespace, right.name)));
+    let mut namespace_numbers = Vec::with_capacity(requests.len());
+    let mut number = 0u32;
+    for (position, request) in requests.iter().enumerate() {
+        if position > 0 && requests[position - 1].namespace != request.namespace {
+            number += 1;
+        }
+        namespace_numbers.push(number);
+    }
     // Pinned first: they have no choice, and their load steers the rest.
-    // Then largest first (the longest-processing-time rule).
-    requests.sort_by(|left, right| {
-        let left_pinned = matches!(left.demand, Demand::Pinned(_));
-        let right_pinned = matches!(right.demand, Demand::Pinned(_));
-        right_pinned
-            .cmp(&left_pinned)
-            .then(right.bytes.cmp(&left.bytes))
-            .then(left.namespace.cmp(right.namespace))
-            .then(left.name.cmp(right.name))
-    });
-    for request in requests {
-        balancer.place(request);
+    // Then largest first (the longest-processing-time rule), ties in name
+    // order.
+    let mut order: Vec<(bool, Reverse<u64>, usize)> = requests
+        .iter()
+        .enumerate()
+        .map(|(position, request)| {
+            (
+                !matches!(request.demand, Demand::Pinned(_)),
+                Reverse(request.bytes),
+                position,
+            )
+        })
+        .collect();
+    order.sort_unstable();
+    let mut slots: Vec<Option<Request<'f>>> = requests.into_iter().map(Some).collect();
+    for (_, _, position) in order {
+        if let Some(request) = slots[position].take() {
+            balancer.place(request, namespace_numbers[position]);
+        }
     }
     balancer.finish()
+}
+
+/// A claim on its way to a node.
+#[derive(Clone, Copy)]
+struct ClaimToPlace<'f> {
+    namespace: &'f str,
+    name: &'f str,
+    bytes: u64,
+    /// The namespace's number in name order.
+    namespace_number: u32,
+}
+
+/// The volumes one stage pod will mount, while placing.
+#[derive(Default)]
+struct StagePodDraft<'f> {
+    namespace: &'f str,
+    volumes: Vec<&'f str>,
+    bytes: u64,
 }
 
 impl<'c, 'f> Balancer<'c, 'f> {
@@ -357,8 +413,7 @@ impl<'c, 'f> Balancer<'c, 'f> {
         }
         for ((namespace, claim_name), pods) in &cluster.users {
             let Some(csi) = cluster
-                .claims
-                .get(&(*namespace, *claim_name))
+                .claim(namespace, claim_name)
                 .and_then(|claim| claim.volume.as_deref())
                 .and_then(|volume| cluster.volumes.get(volume))
                 .and_then(|volume| volume.csi.as_ref())
@@ -449,51 +504,92 @@ impl<'c, 'f> Balancer<'c, 'f> {
         )
     }
 
-    fn place(&mut self, request: Request<'f>) {
-        match request.demand {
-            Demand::Unplaceable(reason) => self.unplaceable.push(UnplaceableClaim {
-                namespace: request.namespace.to_string(),
-                pvc: request.name.to_string(),
-                reason,
-            }),
+    fn place(&mut self, request: Request<'f>, namespace_number: u32) {
+        let Request {
+            namespace,
+            name,
+            bytes,
+            demand,
+        } = request;
+        let claim = ClaimToPlace {
+            namespace,
+            name,
+            bytes,
+            namespace_number,
+        };
+        let result = match demand {
+            Demand::Unplaceable(reason) => Err(reason),
             Demand::Pinned(node) => {
-                self.assign(request.namespace, request.name, request.bytes, node)
+                self.assign(claim, node);
+                Ok(())
             }
-            Demand::AmongAttached(nodes) => {
-                match nodes.into_iter().min_by_key(|&node| self.key(node)) {
-                    Some(node) => self.assign(request.namespace, request.name, request.bytes, node),
-                    // Not built that way, but a claim must never vanish.
-                    None => self.unplaceable.push(UnplaceableClaim {
-                        namespace: request.namespace.to_string(),
-                        pvc: request.name.to_string(),
-                        reason: UnplaceableReason::NoEligibleNode(Exclusions::default()),
-                    }),
+            Demand::AmongAttached(nodes) => self.place_among(claim, &nodes, Exclusions::default()),
+            Demand::Anywhere(constraints) => self
+                .place_anywhere(claim, constraints)
+                .map_err(UnplaceableReason::NoEligibleNode),
+            Demand::AnywhereElseAttached(constraints, fallback) => {
+                match self.place_anywhere(claim, constraints) {
+                    Ok(()) => Ok(()),
+                    Err(exclusions) => self.place_among(claim, &fallback, exclusions),
                 }
             }
-            Demand::Anywhere(constraints) => match self.pick(constraints) {
-                Ok((group, node)) => {
-                    if let Some(driver) = self.heaps[group].driver {
-                        self.attachments[node][driver] += 1;
-                    }
-                    self.assign(request.namespace, request.name, request.bytes, node);
-                    let key = self.key(node);
-                    self.heaps[group].heap.push(Reverse((key, node)));
-                }
-                Err(exclusions) => self.unplaceable.push(UnplaceableClaim {
-                    namespace: request.namespace.to_string(),
-                    pvc: request.name.to_string(),
-                    reason: UnplaceableReason::NoEligibleNode(exclusions),
-                }),
-            },
+        };
+        if let Err(reason) = result {
+            self.unplaceable.push(UnplaceableClaim {
+                namespace: namespace.to_string(),
+                pvc: name.to_string(),
+                reason,
+            });
         }
     }
 
-    fn assign(&mut self, namespace: &'f str, name: &'f str, bytes: u64, node: usize) {
-        self.load_bytes[node] = self.load_bytes[node].saturating_add(bytes);
+    /// Place a claim on the least loaded of these nodes (where its volume is
+    /// attached already).
+    fn place_among(
+        &mut self,
+        claim: ClaimToPlace<'f>,
+        nodes: &[usize],
+        exclusions: Exclusions,
+    ) -> Result<(), UnplaceableReason> {
+        // Never empty as built, but a claim must never vanish.
+        let node = nodes
+            .iter()
+            .copied()
+            .min_by_key(|&node| self.key(node))
+            .ok_or(UnplaceableReason::NoEligibleNode(exclusions))?;
+        self.assign(claim, node);
+        Ok(())
+    }
+
+    /// Place a claim on the least loaded node meeting the constraints,
+    /// counting the new attachment.
+    fn place_anywhere(
+        &mut self,
+        claim: ClaimToPlace<'f>,
+        constraints: Constraints<'f>,
+    ) -> Result<(), Exclusions> {
+        let (group, node) = self.pick(constraints)?;
+        if let Some(driver) = self.heaps[group].driver {
+            self.attachments[node][driver] += 1;
+        }
+        self.assign(claim, node);
+        let key = self.key(node);
+        self.heaps[group].heap.push(Reverse((key, node)));
+        Ok(())
+    }
+
+    fn assign(&mut self, claim: ClaimToPlace<'f>, node: usize) {
+        self.load_bytes[node] = self.load_bytes[node].saturating_add(claim.bytes);
         self.load_count[node] += 1;
-        let entry = self.stage_pods.entry((namespace, node)).or_default();
-        entry.0.push(name);
-        entry.1 = entry.1.saturating_add(bytes);
+        let draft = self
+            .stage_pods
+            .entry((claim.namespace_number, node))
+            .or_insert_with(|| StagePodDraft {
+                namespace: claim.namespace,
+                ..StagePodDraft::default()
+            });
+        draft.volumes.push(claim.name);
+        draft.bytes = draft.bytes.saturating_add(claim.bytes);
     }
 
     /// The least loaded node meeting the constraints with room for one more
@@ -643,13 +739,13 @@ impl<'c, 'f> Balancer<'c, 'f> {
         let stage_pods = self
             .stage_pods
             .into_iter()
-            .map(|((namespace, node), (mut volumes, bytes))| {
-                volumes.sort_unstable();
+            .map(|((_, node), mut draft)| {
+                draft.volumes.sort_unstable();
                 StagePod {
-                    namespace: namespace.to_string(),
+                    namespace: draft.namespace.to_string(),
                     node: nodes[node].name.clone(),
-                    volumes: volumes.into_iter().map(str::to_string).collect(),
-                    bytes,
+                    volumes: draft.volumes.into_iter().map(str::to_string).collect(),
+                    bytes: draft.bytes,
                 }
             })
             .collect();

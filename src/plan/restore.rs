@@ -16,7 +16,7 @@
 //! volume's node affinity decides.
 
 use crate::plan::PlanError;
-use crate::plan::facts::{AccessMode, ClaimPhase, ClusterFacts};
+use crate::plan::facts::{ClaimPhase, ClusterFacts};
 use crate::plan::output::{StagePlan, UnplaceableReason};
 use crate::plan::placement::{
     Constraints, Demand, IndexedCluster, Request, demand_of_existing_claim, place_requests,
@@ -31,21 +31,19 @@ pub struct RestoreClaim {
     pub name: String,
     /// Bytes to write (the snapshot's size), for balancing.
     pub bytes: u64,
-    /// Access modes of the destination claim (after the access-mode map).
-    pub access_modes: Vec<AccessMode>,
     /// Destination storage class (after the storage-class map); `None` uses
     /// the cluster default.
     pub storage_class: Option<String>,
 }
 
 impl RestoreClaim {
-    /// A ReadWriteOnce claim of the default storage class.
+    /// A claim of the default storage class. (Access modes do not matter
+    /// for placement: a new volume is attached only where it is placed.)
     pub fn new(namespace: impl Into<String>, name: impl Into<String>, bytes: u64) -> Self {
         RestoreClaim {
             namespace: namespace.into(),
             name: name.into(),
             bytes,
-            access_modes: vec![AccessMode::ReadWriteOnce],
             storage_class: None,
         }
     }
@@ -73,10 +71,7 @@ pub fn plan_restore(facts: &ClusterFacts, claims: &[RestoreClaim]) -> Result<Sta
                 name: format!("{}/{}", claim.namespace, claim.name),
             });
         }
-        let existing = cluster
-            .claims
-            .get(&(claim.namespace.as_str(), claim.name.as_str()))
-            .copied();
+        let existing = cluster.claim(&claim.namespace, &claim.name);
         let demand = match existing {
             Some(existing) if existing.phase != ClaimPhase::Pending => {
                 demand_of_existing_claim(&cluster, existing)

@@ -12,8 +12,9 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, NodeAffinity,
     NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
-    PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ResourceRequirements,
-    SeccompProfile, SecurityContext, Toleration, Volume, VolumeMount,
+    PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ProjectedVolumeSource,
+    ResourceRequirements, SeccompProfile, SecretProjection, SecurityContext, Toleration, Volume,
+    VolumeMount, VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -33,6 +34,9 @@ pub const DATA_ROOT: &str = "/data";
 /// Where the agent's scratch space (an emptyDir) is mounted; the root
 /// filesystem is read-only.
 pub const SCRATCH_PATH: &str = "/scratch";
+/// Where the storage credentials are mounted, when the template names a
+/// Secret.
+pub const CREDENTIALS_PATH: &str = "/credentials";
 /// Grace period for the agent to abort in-flight uploads and checkpoint.
 pub const TERMINATION_GRACE_PERIOD_SECONDS: i64 = 60;
 /// Longest name a stage pod gets (a DNS label, so it can be a hostname).
@@ -135,6 +139,10 @@ pub struct StagePodTemplate {
     pub pinning: Pinning,
     /// Requests set by the StoragePolicy, if any.
     pub resources: ResourceOverride,
+    /// Secret (in the stage pod's namespace) holding the storage
+    /// credentials, mounted read-only at [`CREDENTIALS_PATH`] as a
+    /// projected volume: the agent never needs `get secrets`.
+    pub credentials_secret: Option<String>,
 }
 
 impl StagePodTemplate {
@@ -155,6 +163,7 @@ impl StagePodTemplate {
             backup_identity: BackupIdentity::Root,
             pinning: Pinning::RequiredNodeAffinity,
             resources: ResourceOverride::default(),
+            credentials_secret: None,
         }
     }
 }
@@ -328,6 +337,35 @@ pub fn build_stage_pod(
         mount_path: SCRATCH_PATH.to_string(),
         ..VolumeMount::default()
     });
+    if let Some(secret) = &template.credentials_secret {
+        // Owner-only for root; a non-root agent cannot read a root-owned
+        // 0400 file and there is no fsGroup to lend it the group.
+        let mode = match (template.operation, template.backup_identity) {
+            (Operation::Backup, BackupIdentity::NonRoot { .. }) => 0o444,
+            _ => 0o400,
+        };
+        volumes.push(Volume {
+            name: "credentials".to_string(),
+            projected: Some(ProjectedVolumeSource {
+                default_mode: Some(mode),
+                sources: Some(vec![VolumeProjection {
+                    secret: Some(SecretProjection {
+                        name: secret.clone(),
+                        optional: Some(false),
+                        ..SecretProjection::default()
+                    }),
+                    ..VolumeProjection::default()
+                }]),
+            }),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: "credentials".to_string(),
+            mount_path: CREDENTIALS_PATH.to_string(),
+            read_only: Some(true),
+            ..VolumeMount::default()
+        });
+    }
 
     let (cpu_millis, memory_bytes) = effective_requests(template.resources, minimum);
     let memory = Quantity(format_bytes(memory_bytes));
@@ -602,6 +640,45 @@ mod tests {
                 .and_then(|labels| labels.get(RESTORE_LABEL)),
             Some(&"move".to_string())
         );
+    }
+
+    #[test]
+    fn credentials_arrive_as_a_read_only_projected_secret() {
+        let mut template =
+            StagePodTemplate::new(Operation::Backup, "haulage", "nightly", "agent:1");
+        let without = build_stage_pod(&template, &stage("node-a"), None, None);
+        assert!(
+            container(&without)
+                .volume_mounts
+                .iter()
+                .flatten()
+                .all(|mount| mount.mount_path != CREDENTIALS_PATH)
+        );
+        template.credentials_secret = Some("bsl-credentials".into());
+        let pod = build_stage_pod(&template, &stage("node-a"), None, None);
+        let volume = pod
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.volumes.as_ref())
+            .and_then(|volumes| volumes.iter().find(|volume| volume.name == "credentials"))
+            .expect("credentials volume");
+        let projected = volume.projected.as_ref().expect("projected source");
+        assert_eq!(projected.default_mode, Some(0o400));
+        let secret = projected
+            .sources
+            .as_ref()
+            .and_then(|sources| sources[0].secret.as_ref());
+        assert_eq!(
+            secret.map(|secret| secret.name.as_str()),
+            Some("bsl-credentials")
+        );
+        let mount = container(&pod)
+            .volume_mounts
+            .iter()
+            .flatten()
+            .find(|mount| mount.mount_path == CREDENTIALS_PATH)
+            .expect("credentials mount");
+        assert_eq!(mount.read_only, Some(true));
     }
 
     #[test]

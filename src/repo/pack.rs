@@ -72,18 +72,13 @@ impl Default for PackWriter {
 impl PackWriter {
     /// An empty pack.
     pub fn new() -> Self {
-        let mut bytes = Vec::with_capacity(1024 * 1024);
-        bytes.extend_from_slice(PACK_MAGIC);
-        PackWriter {
-            bytes,
-            entries: Vec::new(),
-        }
+        Self::with_capacity(1024 * 1024)
     }
 
-    /// An empty pack with room for `capacity` bytes, so a pack filled to
-    /// its target never reallocates (and never holds a doubled buffer).
-    pub fn with_capacity(capacity: usize) -> Self {
-        let mut bytes = Vec::with_capacity(capacity.max(PACK_MAGIC.len()));
+    /// An empty pack whose buffer holds `bytes` without growing, so a pack
+    /// filled to its target never doubles its buffer.
+    pub fn with_capacity(bytes: usize) -> Self {
+        let mut bytes = Vec::with_capacity(bytes);
         bytes.extend_from_slice(PACK_MAGIC);
         PackWriter {
             bytes,

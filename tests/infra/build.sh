@@ -70,7 +70,7 @@ install_bins() {
     mkdir -p "$dest"
     rm -rf "$dest/bin.tmp"
     mv "$2" "$dest/bin.tmp"
-    rm -rf "$dest/bin"
+    rm -rf "${dest:?}/bin"
     mv "$dest/bin.tmp" "$dest/bin"
 }
 

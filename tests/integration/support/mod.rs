@@ -1,5 +1,7 @@
-//! Test harness shared by the integration tests: a real MinIO server
-//! ([`minio`]) and a fault-injecting TCP proxy ([`proxy`]).
+//! Test harness shared by the integration tests: a real kube-apiserver and
+//! etcd ([`kube`]), a real MinIO server ([`minio`]) and a fault-injecting
+//! TCP proxy ([`proxy`]).
 
+pub mod kube;
 pub mod minio;
 pub mod proxy;

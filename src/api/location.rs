@@ -1,0 +1,232 @@
+//! `BackupStorageLocation` (`bsl`): an S3 bucket and prefix that holds a
+//! haulage repository, the Secret with its credentials, and the limits the
+//! agents keep to when they write there. The controller probes it every
+//! `validationFrequency` and sets `status.phase`.
+
+use std::time::Duration;
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::api::condition::Condition;
+use crate::api::progress::{DurationError, parse_duration};
+
+/// `validationFrequency` when the spec leaves it out.
+pub const DEFAULT_VALIDATION_FREQUENCY: &str = "1m";
+/// Key in the credentials Secret when the spec leaves it out (Velero's).
+pub const DEFAULT_CREDENTIAL_KEY: &str = "cloud";
+
+/// Where backups are stored: an S3-compatible bucket and prefix.
+#[allow(
+    clippy::duplicated_attributes,
+    reason = "each kube printcolumn(...) repeats the same keys"
+)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "haulage.dev",
+    version = "v1alpha1",
+    kind = "BackupStorageLocation",
+    plural = "backupstoragelocations",
+    shortname = "bsl",
+    category = "haulage",
+    namespaced,
+    status = "BackupStorageLocationStatus",
+    derive = "PartialEq",
+    doc = "An S3-compatible bucket and prefix holding a haulage repository, with its credentials and limits",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "Bucket", type_ = "string", json_path = ".spec.bucket"),
+    printcolumn(
+        name = "Prefix",
+        type_ = "string",
+        json_path = ".spec.prefix",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Default",
+        type_ = "boolean",
+        json_path = ".spec.default",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Last Validated",
+        type_ = "date",
+        json_path = ".status.lastValidationTime"
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct BackupStorageLocationSpec {
+    /// Bucket name.
+    #[schemars(length(min = 1, max = 255))]
+    #[x_kube(validation = Rule::new("self.trim() == self && !self.contains('/')").message("must be a bucket name without slashes or surrounding spaces"))]
+    pub bucket: String,
+    /// Key prefix of the repository inside the bucket (no leading slash).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 512))]
+    #[x_kube(validation = Rule::new("!self.startsWith('/')").message("must not start with a slash"))]
+    pub prefix: Option<String>,
+    /// S3 endpoint URL (`https://rgw.example:443`); absent for AWS S3.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 2048))]
+    #[x_kube(validation = Rule::new("self.startsWith('https://') || self.startsWith('http://')").message("must be an http:// or https:// URL"))]
+    pub endpoint: Option<String>,
+    /// Region to sign requests for (`us-east-1` when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 64))]
+    pub region: Option<String>,
+    /// Address buckets by path (`endpoint/bucket/key`) rather than by host
+    /// name; most non-AWS servers (MinIO, Ceph RGW) need it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub s3_force_path_style: Option<bool>,
+    /// The Secret (in this namespace) and key holding the credentials, in
+    /// the AWS credentials-file format (`[default]`,
+    /// `aws_access_key_id = ...`, `aws_secret_access_key = ...`), as Velero
+    /// reads them.
+    pub credential: SecretKeyReference,
+    /// PEM certificates to trust for the endpoint, in addition to the
+    /// system roots (a private CA).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 65536))]
+    #[x_kube(validation = Rule::new("self.contains('-----BEGIN CERTIFICATE-----')").message("must hold PEM certificates"))]
+    pub ca_bundle: Option<String>,
+    /// Whether VolumeBackups that name no location use this one.
+    #[serde(default, rename = "default")]
+    pub is_default: bool,
+    /// How often the controller probes the location: a duration such as
+    /// `30s`, `5m` or `1h`; `0` disables probing (the location then stays
+    /// in the phase it last had).
+    #[serde(default = "default_validation_frequency")]
+    #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 30s, 5m, 1h30m, or 0 to disable validation"))]
+    pub validation_frequency: String,
+    /// Upload bandwidth cap of all agents writing here together, bytes per
+    /// second; unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub upload_bytes_per_second: Option<i64>,
+    /// Cap on concurrent requests to the endpoint, over all agents;
+    /// unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub max_concurrent_requests: Option<i32>,
+    /// Create the repository when the prefix holds none (otherwise a
+    /// missing repository makes the location Unavailable).
+    #[serde(default)]
+    pub initialize: bool,
+}
+
+fn default_validation_frequency() -> String {
+    DEFAULT_VALIDATION_FREQUENCY.to_string()
+}
+
+/// A key of a Secret in the referring object's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretKeyReference {
+    /// Secret name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key inside the Secret's data.
+    #[serde(default = "default_credential_key")]
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
+}
+
+fn default_credential_key() -> String {
+    DEFAULT_CREDENTIAL_KEY.to_string()
+}
+
+impl BackupStorageLocationSpec {
+    /// The probe interval, or `None` when probing is disabled (`0`).
+    pub fn validation_interval(&self) -> Result<Option<Duration>, DurationError> {
+        let interval = parse_duration(&self.validation_frequency)?;
+        Ok((!interval.is_zero()).then_some(interval))
+    }
+}
+
+/// What the controller last found out about a location.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct BackupStorageLocationStatus {
+    /// Available when the last probe succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<BackupStorageLocationPhase>,
+    /// When the last probe ran.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_validation_time: Option<Time>,
+    /// How long the last probe's requests took.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub last_probe_latency_milliseconds: Option<i64>,
+    /// Why the location is Unavailable; never carries credentials.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub message: Option<String>,
+    /// Conditions, keyed by type (`Available`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// Whether a location can be used.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum BackupStorageLocationPhase {
+    /// The last probe reached the bucket with the credentials.
+    Available,
+    /// The last probe failed, or the credentials are missing.
+    Unavailable,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(yaml: &str) -> BackupStorageLocationSpec {
+        serde_yaml::from_str(yaml).expect("valid spec")
+    }
+
+    #[test]
+    fn defaults_fill_the_optional_fields() {
+        let spec = spec("bucket: b\ncredential: {name: s3}\n");
+        assert_eq!(spec.validation_frequency, DEFAULT_VALIDATION_FREQUENCY);
+        assert_eq!(spec.credential.key, DEFAULT_CREDENTIAL_KEY);
+        assert!(!spec.is_default);
+        assert_eq!(
+            spec.validation_interval(),
+            Ok(Some(Duration::from_secs(60)))
+        );
+    }
+
+    #[test]
+    fn the_crd_checks_durations_with_the_pattern_the_parser_reads() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_string(&BackupStorageLocation::crd()).expect("serialisable");
+        assert!(
+            crd.contains(crate::api::progress::DURATION_PATTERN),
+            "{crd}"
+        );
+    }
+
+    #[test]
+    fn zero_validation_frequency_disables_probing() {
+        let spec = spec("bucket: b\ncredential: {name: s3}\nvalidationFrequency: '0'\n");
+        assert_eq!(spec.validation_interval(), Ok(None));
+    }
+
+    #[test]
+    fn the_default_flag_is_serialised_as_default() {
+        let spec = spec("bucket: b\ncredential: {name: s3}\ndefault: true\n");
+        assert!(spec.is_default);
+        let json = serde_json::to_value(&spec).expect("serialisable");
+        assert_eq!(json["default"], serde_json::Value::Bool(true));
+    }
+}

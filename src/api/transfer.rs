@@ -1,0 +1,312 @@
+//! `VolumeTransfer` (`vxf`): the move of one PersistentVolumeClaim's data,
+//! up into a repository (backup) or down from it (restore). It lives in the
+//! claim's namespace. The controller writes the spec; the mover agent in
+//! the stage pod claims it and writes the status.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::api::condition::Condition;
+use crate::api::progress::Progress;
+
+/// One claim's data on its way to or from a storage location.
+#[allow(
+    clippy::duplicated_attributes,
+    reason = "each kube printcolumn(...) repeats the same keys"
+)]
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "haulage.dev",
+    version = "v1alpha1",
+    kind = "VolumeTransfer",
+    plural = "volumetransfers",
+    shortname = "vxf",
+    category = "haulage",
+    namespaced,
+    status = "VolumeTransferStatus",
+    derive = "PartialEq",
+    doc = "The transfer of one PersistentVolumeClaim's data to or from a BackupStorageLocation",
+    selectable = ".spec.stagePod",
+    selectable = ".spec.pvc",
+    selectable = ".spec.direction",
+    printcolumn(name = "Phase", type_ = "string", json_path = ".status.phase"),
+    printcolumn(name = "PVC", type_ = "string", json_path = ".spec.pvc"),
+    printcolumn(name = "Direction", type_ = "string", json_path = ".spec.direction"),
+    printcolumn(
+        name = "Progress",
+        type_ = "integer",
+        description = "percent of the bytes done",
+        json_path = ".status.progress.percent"
+    ),
+    printcolumn(
+        name = "Bytes Done",
+        type_ = "integer",
+        json_path = ".status.progress.bytesDone"
+    ),
+    printcolumn(
+        name = "Total Bytes",
+        type_ = "integer",
+        json_path = ".status.progress.totalBytes"
+    ),
+    printcolumn(
+        name = "Stage Pod",
+        type_ = "string",
+        json_path = ".spec.stagePod",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Snapshot",
+        type_ = "string",
+        json_path = ".status.snapshotId",
+        priority = 1
+    ),
+    printcolumn(
+        name = "Age",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[x_kube(validation = Rule::new("self.direction != 'Download' || (has(self.snapshot) && size(self.snapshot) > 0)").message("snapshot is required when direction is Download").field_path(".snapshot"))]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeTransferSpec {
+    /// Upload (backup) or Download (restore).
+    #[x_kube(validation = Rule::new("self == oldSelf").message("is immutable"))]
+    pub direction: TransferDirection,
+    /// The claim, in this VolumeTransfer's namespace.
+    #[schemars(length(min = 1, max = 253))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("is immutable"))]
+    pub pvc: String,
+    /// The VolumeBackup (Upload) or VolumeRestore (Download) this belongs to.
+    #[x_kube(validation = Rule::new("self == oldSelf").message("is immutable"))]
+    pub backup_ref: OwnerReference,
+    /// The storage location the repository is in.
+    pub storage_location: StorageLocationReference,
+    /// Name of the stage pod (in this namespace) whose agent does the work.
+    #[schemars(length(min = 1, max = 253))]
+    pub stage_pod: String,
+    /// Snapshot to reuse unchanged files from (Upload); a full read when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub parent_snapshot: Option<String>,
+    /// Snapshot to restore (Download; required there).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 128))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("is immutable"))]
+    pub snapshot: Option<String>,
+    /// Bandwidth this transfer may use now, bytes per second; the
+    /// controller changes it while the transfer runs and the agent follows.
+    /// Unlimited when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub granted_bytes_per_second: Option<i64>,
+}
+
+/// Which way the data goes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum TransferDirection {
+    /// From the claim into the repository (backup).
+    Upload,
+    /// From the repository into the claim (restore).
+    Download,
+}
+
+/// The object a transfer belongs to, which may be in another namespace
+/// (so it cannot be an owner reference; the controller cleans up by label).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct OwnerReference {
+    /// Its namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+    /// Its name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Its UID, so a new object with the same name is not mistaken for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<String>,
+}
+
+/// A BackupStorageLocation, which may be in another namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageLocationReference {
+    /// Its namespace.
+    #[schemars(length(min = 1, max = 63))]
+    pub namespace: String,
+    /// Its name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+}
+
+/// What the agent (and, for admission, the controller) reports.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeTransferStatus {
+    /// Where the transfer is in its life.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<VolumeTransferPhase>,
+    /// Place in the admission queue while Queued (1 = next).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub queue_position: Option<i32>,
+    /// Stage pods started for it so far; the controller retries a failed
+    /// stage pod with backoff up to a bound, then fails the transfer with
+    /// the pod's reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub attempts: Option<i32>,
+    /// How far it has come; never goes backwards.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<Progress>,
+    /// The agent working on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentClaim>,
+    /// The snapshot written (Upload) once Completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_id: Option<String>,
+    /// Bytes read from the claim (Upload) or the repository (Download).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub bytes_read: Option<i64>,
+    /// Bytes of data the repository did not have yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub bytes_new: Option<i64>,
+    /// Bytes stored for them, after compression.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub bytes_stored: Option<i64>,
+    /// Files that could not be read or written (listed in the agent's log).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub warnings: Option<i64>,
+    /// Why it failed, or the first warning.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub message: Option<String>,
+    /// When the agent started moving data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<Time>,
+    /// When it reached a final phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_time: Option<Time>,
+    /// Conditions, keyed by type (`Admitted`, `StorageAvailable`,
+    /// `Progressing`, `Complete`, `Failed`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
+    pub conditions: Vec<Condition>,
+    /// The `metadata.generation` the status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}
+
+/// The agent that claimed a transfer.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentClaim {
+    /// The agent's identity: its pod name and UID (`name/uid`), from the
+    /// downward API, so a restarted pod with a new UID is a new agent.
+    #[schemars(length(min = 1, max = 512))]
+    pub identity: String,
+    /// When it claimed the transfer.
+    pub claimed_at: Time,
+    /// When it last reported; a claim whose heartbeat is old belongs to a
+    /// dead agent and may be taken over.
+    pub heartbeat_time: Time,
+}
+
+/// The life of a VolumeTransfer:
+/// New → Queued → Admitted → InProgress → Finalizing → Completed | Failed |
+/// Canceled. Failed and Canceled can be reached from every phase that is
+/// not final.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, JsonSchema,
+)]
+pub enum VolumeTransferPhase {
+    /// Created by the controller.
+    New,
+    /// Waiting for room under the caps.
+    Queued,
+    /// Allowed to start; waiting for its agent.
+    Admitted,
+    /// The agent is moving data.
+    InProgress,
+    /// Data moved; the agent writes the index and snapshot.
+    Finalizing,
+    /// Done; `snapshotId` is set (Upload).
+    Completed,
+    /// Given up; `message` says why.
+    Failed,
+    /// Stopped because its backup or restore was deleted.
+    Canceled,
+}
+
+impl VolumeTransferPhase {
+    /// Whether nothing more happens in this phase.
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Completed | Self::Failed | Self::Canceled)
+    }
+
+    /// Whether a status writer may move from `self` to `next`: forward
+    /// along the chain (skipping is allowed, so an agent that restarts
+    /// mid-way is not stuck), never out of a final phase, never back.
+    pub fn can_move_to(self, next: VolumeTransferPhase) -> bool {
+        if self.is_final() {
+            return self == next;
+        }
+        match next {
+            Self::Failed | Self::Canceled => true,
+            _ => next >= self,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use VolumeTransferPhase::*;
+
+    const ALL: [VolumeTransferPhase; 8] = [
+        New, Queued, Admitted, InProgress, Finalizing, Completed, Failed, Canceled,
+    ];
+
+    #[test]
+    fn phases_only_move_forward() {
+        assert!(New.can_move_to(Queued));
+        assert!(Queued.can_move_to(InProgress));
+        assert!(InProgress.can_move_to(InProgress));
+        assert!(Finalizing.can_move_to(Completed));
+        assert!(!InProgress.can_move_to(Queued));
+        assert!(!Finalizing.can_move_to(New));
+    }
+
+    #[test]
+    fn final_phases_are_never_left() {
+        for from in [Completed, Failed, Canceled] {
+            for to in ALL {
+                assert_eq!(from.can_move_to(to), from == to, "{from:?} -> {to:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_open_phase_can_fail_or_be_canceled() {
+        for from in ALL.into_iter().filter(|phase| !phase.is_final()) {
+            assert!(from.can_move_to(Failed), "{from:?}");
+            assert!(from.can_move_to(Canceled), "{from:?}");
+        }
+    }
+
+    #[test]
+    fn a_download_spec_round_trips_with_camel_case_names() {
+        let yaml = "direction: Download\npvc: data\nbackupRef: {namespace: ops, name: nightly}\n\
+                    storageLocation: {namespace: ops, name: s3}\nstagePod: stage-a\nsnapshot: abc\n";
+        let spec: VolumeTransferSpec = serde_yaml::from_str(yaml).expect("valid spec");
+        assert_eq!(spec.direction, TransferDirection::Download);
+        let json = serde_json::to_value(&spec).expect("serialisable");
+        assert_eq!(json["backupRef"]["name"], "nightly");
+        assert_eq!(json["stagePod"], "stage-a");
+    }
+}
