@@ -120,10 +120,26 @@ fi
 if ! wanted rustic; then
     :
 elif [ -n "$RUSTIC" ]; then
-    RO=(--repository opendal:s3 --repo-hot "" -o "bucket=bench" -o "root=/rustic" -o "endpoint=$AWS_ENDPOINT_URL" -o "region=us-east-1" -o "access_key_id=$AWS_ACCESS_KEY_ID" -o "secret_access_key=$AWS_SECRET_ACCESS_KEY")
-    "$RUSTIC" "${RO[@]}" init >/dev/null 2>"$WORK/state/rustic-init.log" || tail -3 "$WORK/state/rustic-init.log" >&2
-    measure rustic "first backup" "$RUSTIC" "${RO[@]}" backup "$WORK/data"
-    measure rustic restore "$RUSTIC" "${RO[@]}" restore latest "$RESTORE_ROOT/rustic"
+    # rustic takes S3 options from a profile; -P ./NAME reads ./NAME.toml.
+    cat >"$WORK/state/rustic-bench.toml" <<TOML
+[repository]
+repository = "opendal:s3"
+password = "bench"
+[repository.options]
+bucket = "bench"
+root = "/rustic"
+endpoint = "$AWS_ENDPOINT_URL"
+region = "us-east-1"
+access_key_id = "$AWS_ACCESS_KEY_ID"
+secret_access_key = "$AWS_SECRET_ACCESS_KEY"
+TOML
+    (
+        cd "$WORK/state"
+        RO=(-P ./rustic-bench --no-progress)
+        "$RUSTIC" "${RO[@]}" init >/dev/null 2>"$WORK/state/rustic-init.log" || tail -3 "$WORK/state/rustic-init.log" >&2
+        measure rustic "first backup" "$RUSTIC" "${RO[@]}" backup "$WORK/data"
+        measure rustic restore "$RUSTIC" "${RO[@]}" restore latest "$RESTORE_ROOT/rustic"
+    )
     checked rustic
 else
     echo "| rustic | not available | | | | | |"
