@@ -70,7 +70,11 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .max_blocking_threads(haulage::engine::MAX_BLOCKING_THREADS)
+        .build()
+    {
         Ok(runtime) => runtime,
         Err(error) => {
             eprintln!("error: cannot start the async runtime: {error}");

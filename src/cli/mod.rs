@@ -8,6 +8,7 @@
 //! that could not restore some files); 130 cancelled (Ctrl-C / SIGTERM).
 
 mod backup;
+mod bench;
 mod crds;
 mod demo;
 mod plan;
@@ -51,6 +52,9 @@ pub enum Command {
     Snapshots(snapshots::SnapshotsArgs),
     /// Re-read and check everything a snapshot references.
     Verify(verify::VerifyArgs),
+    /// Measure what a migration will take: source reads, the CPU stages,
+    /// upload, download and latency against the location, and an estimate.
+    Bench(bench::BenchArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
     /// Write the reproducible sample tree the demo and benchmarks use.
@@ -135,6 +139,7 @@ pub fn main() -> ExitCode {
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .max_blocking_threads(crate::engine::MAX_BLOCKING_THREADS)
         .build()
     {
         Ok(runtime) => runtime,
@@ -153,6 +158,7 @@ pub fn main() -> ExitCode {
             Command::Restore(args) => restore::run(args, cancel.clone()).await,
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Bench(args) => bench::run(args).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(arguments) => return plan::run(&arguments),
             Command::Crds(arguments) => crds::run(&arguments),

@@ -301,20 +301,31 @@ pub async fn backup(
     scan_cancel.cancel();
     let _ = scan.await;
     let root_tree = match (assembled, walk_result) {
-        (Err(error), _) => return Err(error),
-        (Ok(_), Err(error)) => return Err(error),
-        (Ok(root), Ok(())) => root.ok_or_else(|| EngineError::Source {
-            path: source.clone(),
-            reason: "walk ended without the root directory".into(),
-        })?,
+        (Ok(Some(root)), Ok(())) if !cancel.is_cancelled() => root,
+        (assembled, walked) => {
+            // Stop the uploads in flight and wait for their aborts, so a
+            // failed or cancelled backup leaves no multipart upload behind.
+            assembler.packer.abandon().await;
+            return Err(match (assembled, walked) {
+                (Err(error), _) | (Ok(_), Err(error)) => error,
+                _ if cancel.is_cancelled() => EngineError::Cancelled,
+                _ => EngineError::Source {
+                    path: source.clone(),
+                    reason: "walk ended without the root directory".into(),
+                },
+            });
+        }
     };
-    if cancel.is_cancelled() {
-        return Err(EngineError::Cancelled);
-    }
 
     // Packs are stored; now the index (including adopted packs), then the
     // snapshot.
-    let mut pending_index = assembler.packer.finish().await?;
+    let mut pending_index = match assembler.packer.finish().await {
+        Ok(pending) => pending,
+        Err(error) => {
+            assembler.packer.abandon().await;
+            return Err(error);
+        }
+    };
     pending_index.extend(loaded.unindexed_packs);
     if !pending_index.is_empty() {
         repository.write_index(pending_index).await?;
@@ -994,7 +1005,13 @@ impl Assembler {
                 () = cancel.cancelled() => return Err(EngineError::Cancelled),
             };
             let Some(next) = next else { break };
-            if let Some(id) = self.handle(next).await? {
+            // Handling may wait for an upload slot; a cancel must not wait
+            // for a slow or stalled upload to finish.
+            let handled = tokio::select! {
+                handled = self.handle(next) => handled?,
+                () = cancel.cancelled() => return Err(EngineError::Cancelled),
+            };
+            if let Some(id) = handled {
                 root = Some(id);
             }
         }
@@ -1227,6 +1244,15 @@ impl Packer {
             self.repository.write_index(packs).await?;
         }
         Ok(())
+    }
+
+    /// Cancel the uploads in flight and wait until they are gone and the
+    /// store has cleaned up after them (aborted multipart uploads). Packs
+    /// already stored stay: the next backup adopts them from their trailers.
+    async fn abandon(&mut self) {
+        self.uploads.abort_all();
+        while self.uploads.join_next().await.is_some() {}
+        self.repository.store().wait_for_cleanup().await;
     }
 
     /// Upload what is left and wait for every upload; returns the packs

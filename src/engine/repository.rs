@@ -2,7 +2,7 @@
 //! operations every engine verb shares (load the index, read blobs, trees
 //! and snapshots, write indexes and snapshots).
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -18,12 +18,17 @@ use crate::repo::tree::Tree;
 use crate::repo::{
     self, BlobId, CONFIG_KEY, Compression, DATA_PREFIX, INDEX_PREFIX, ObjectId, SNAPSHOT_PREFIX,
 };
+use crate::store::ranges::{DEFAULT_COALESCE_GAP_BYTES, get_ranges_capped};
 use crate::store::{DynStore, PutMode};
 
 /// Tree blobs larger than this are refused as damaged or hostile.
 const MAX_TREE_BYTES: u32 = 512 * 1024 * 1024;
 /// Concurrent requests while loading indexes and pack trailers.
 const LOAD_CONCURRENCY: usize = 8;
+/// Largest single merged read of [`Repository::read_blobs`]: with the
+/// caller's batch of at most a few MiB of blobs and 1 MiB gaps, a read
+/// never holds more than this.
+pub const MAX_BLOB_READ_BYTES: u64 = 8 * 1024 * 1024;
 
 /// A repository ready for use.
 #[derive(Debug, Clone)]
@@ -278,6 +283,72 @@ impl Repository {
         let this = self.clone();
         let id = *id;
         super::run_blocking(move || this.decode_blob(&id, &pack, &location, &stored)).await
+    }
+
+    /// Fetch many blobs with as few requests as the packs allow: the blobs
+    /// of one pack are read with merged ranged reads ([`get_ranges_capped`],
+    /// gaps up to [`DEFAULT_COALESCE_GAP_BYTES`], reads up to
+    /// [`MAX_BLOB_READ_BYTES`]), then each is decompressed and checked
+    /// against its id.
+    ///
+    /// Best effort: a blob that is unknown, whose pack could not be read, or
+    /// that does not decode is left out of the answer, and the caller reads
+    /// it with [`Repository::read_blob`], which reports exactly what is wrong.
+    /// Memory is the stored plus decoded bytes of `ids`, so callers bound it
+    /// by the batch they ask for.
+    pub async fn read_blobs(&self, index: &BlobIndex, ids: &[BlobId]) -> HashMap<BlobId, Vec<u8>> {
+        let mut by_pack: BTreeMap<ObjectId, Vec<(BlobId, BlobLocation)>> = BTreeMap::new();
+        let mut seen = HashSet::new();
+        for id in ids {
+            if let Some(location) = index.get(id)
+                && seen.insert(*id)
+            {
+                by_pack
+                    .entry(index.pack_of(location))
+                    .or_default()
+                    .push((*id, *location));
+            }
+        }
+        let mut blobs = HashMap::with_capacity(seen.len());
+        for (pack, wanted) in by_pack {
+            let ranges: Vec<_> = wanted
+                .iter()
+                .map(|(_, location)| {
+                    let start = u64::from(location.offset);
+                    start..start + u64::from(location.stored_length)
+                })
+                .collect();
+            let stored = match get_ranges_capped(
+                self.store.as_ref(),
+                &repo::pack_key(&pack),
+                &ranges,
+                DEFAULT_COALESCE_GAP_BYTES,
+                MAX_BLOB_READ_BYTES,
+            )
+            .await
+            {
+                Ok(stored) => stored,
+                Err(error) => {
+                    tracing::debug!(pack = %pack, error = %error, "batched blob read failed, reading blobs one by one");
+                    continue;
+                }
+            };
+            let this = self.clone();
+            let decoded = super::run_blocking(move || {
+                wanted
+                    .into_iter()
+                    .zip(stored)
+                    .filter_map(|((id, location), bytes)| {
+                        this.decode_blob(&id, &pack, &location, &bytes)
+                            .ok()
+                            .map(|plaintext| (id, plaintext))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .await;
+            blobs.extend(decoded);
+        }
+        blobs
     }
 
     /// Fetch and decode a tree blob.

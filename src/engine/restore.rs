@@ -14,6 +14,7 @@
 //! differing chunks of a changed file are rewritten, and entries that are
 //! not in the snapshot are removed (as rsync `--delete` would).
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
@@ -36,8 +37,19 @@ use crate::repo::index::BlobIndex;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
 use crate::repo::{BlobId, ObjectId};
 
-/// Files restored at once.
+/// Files (or batches of small files) restored at once.
 const PARALLEL_FILE_RESTORES: usize = 4;
+/// Raw bytes of blobs fetched together: a file's next chunks, or the
+/// content of a batch of small files. Neighbouring blobs of one pack then
+/// come in one ranged read instead of one each; with
+/// [`PARALLEL_FILE_RESTORES`] jobs this bounds fetched-but-unwritten data
+/// to a few tens of MiB.
+const RESTORE_BATCH_BYTES: u64 = 4 * 1024 * 1024;
+/// Files of at most this size are restored in batches with the small files
+/// that follow them in the snapshot, so their blobs are fetched together.
+const SMALL_FILE_BYTES: u64 = 1024 * 1024;
+/// Most files in one batch of small files.
+const SMALL_FILE_BATCH_FILES: usize = 256;
 
 /// How to restore.
 #[derive(Debug, Clone)]
@@ -146,11 +158,14 @@ pub async fn restore(
         deferred_links: Vec::new(),
         deferred_symlinks: Vec::new(),
         directories: Vec::new(),
+        small_files: Vec::new(),
+        small_file_bytes: 0,
     };
     let root_fd = restorer.root_fd.clone();
     restorer
         .restore_directory(root_fd, Vec::new(), root_tree)
         .await?;
+    restorer.spawn_small_files().await;
     while let Some(joined) = restorer.file_jobs.join_next().await {
         joined.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
     }
@@ -245,6 +260,9 @@ struct Restorer {
     deferred_symlinks: Vec<(Components, Entry)>,
     /// Directories in pre-order, for metadata in post-order at the end.
     directories: Vec<(Components, Entry)>,
+    /// Small files waiting to be restored together, and their bytes.
+    small_files: Vec<(Arc<OwnedFd>, Components, Entry)>,
+    small_file_bytes: u64,
 }
 
 impl Restorer {
@@ -328,6 +346,15 @@ impl Restorer {
                             }
                             // Reserve; the real path is recorded once written.
                             first.insert(key, Vec::new());
+                        } else if !self.options.sync && entry.size <= SMALL_FILE_BYTES {
+                            self.small_file_bytes += entry.size;
+                            self.small_files.push((directory_fd.clone(), path, entry));
+                            if self.small_file_bytes >= RESTORE_BATCH_BYTES
+                                || self.small_files.len() >= SMALL_FILE_BATCH_FILES
+                            {
+                                self.spawn_small_files().await;
+                            }
+                            continue;
                         }
                         self.spawn_file(directory_fd.clone(), path, entry).await;
                     }
@@ -464,7 +491,57 @@ impl Restorer {
         let Ok(slot) = self.file_slots.clone().acquire_owned().await else {
             return;
         };
-        let job = FileJob {
+        let job = self.file_job();
+        self.file_jobs.spawn_blocking(move || {
+            job.restore(&directory_fd, path, entry, &HashMap::new());
+            drop(slot);
+        });
+        self.reap_finished_jobs();
+    }
+
+    /// Reap finished jobs as we go: a JoinSet keeps every finished task until
+    /// joined, which for 200,000 files was 150 MiB.
+    fn reap_finished_jobs(&mut self) {
+        while let Some(joined) = self.file_jobs.try_join_next() {
+            joined.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
+        }
+    }
+
+    /// Restore the waiting small files as one job that fetches all their
+    /// blobs first ([`Repository::read_blobs`]), so neighbouring blobs of a
+    /// pack come in one request.
+    async fn spawn_small_files(&mut self) {
+        let files = std::mem::take(&mut self.small_files);
+        self.small_file_bytes = 0;
+        if files.is_empty() {
+            return;
+        }
+        let Ok(slot) = self.file_slots.clone().acquire_owned().await else {
+            return;
+        };
+        let job = self.file_job();
+        self.file_jobs.spawn_blocking(move || {
+            let ids: Vec<BlobId> = files
+                .iter()
+                .flat_map(|(_, _, entry)| entry.content.iter())
+                .filter_map(|extent| match extent {
+                    Extent::Chunk(id, _) => Some(*id),
+                    Extent::Hole(_) => None,
+                })
+                .collect();
+            let prefetched = job
+                .handle
+                .block_on(job.repository.read_blobs(&job.index, &ids));
+            for (directory_fd, path, entry) in files {
+                job.restore(&directory_fd, path, entry, &prefetched);
+            }
+            drop(slot);
+        });
+        self.reap_finished_jobs();
+    }
+
+    fn file_job(&self) -> FileJob {
+        FileJob {
             repository: self.repository.clone(),
             index: self.index.clone(),
             options: self.options.clone(),
@@ -473,15 +550,6 @@ impl Restorer {
             outcome: self.outcome.clone(),
             first_links: self.first_links.clone(),
             handle: tokio::runtime::Handle::current(),
-        };
-        self.file_jobs.spawn_blocking(move || {
-            job.restore(&directory_fd, path, entry);
-            drop(slot);
-        });
-        // Reap finished jobs as we go: a JoinSet keeps every finished task
-        // until joined, which for 200,000 files was 150 MiB.
-        while let Some(joined) = self.file_jobs.try_join_next() {
-            joined.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
         }
     }
 
@@ -699,12 +767,19 @@ enum FileFailure {
 }
 
 impl FileJob {
-    fn restore(&self, dir: &OwnedFd, path: Components, entry: Entry) {
+    /// Restore one file; blobs in `prefetched` are not fetched again.
+    fn restore(
+        &self,
+        dir: &OwnedFd,
+        path: Components,
+        entry: Entry,
+        prefetched: &HashMap<BlobId, Vec<u8>>,
+    ) {
         if self.cancel.is_cancelled() {
             return;
         }
         let name = entry.name.as_slice();
-        let result = self.restore_file(dir, name, &entry);
+        let result = self.restore_file(dir, name, &entry, prefetched);
         let mut outcome = self.outcome.lock().expect("outcome");
         match result {
             Ok(written) => {
@@ -743,7 +818,13 @@ impl FileJob {
     }
 
     /// Returns the bytes written.
-    fn restore_file(&self, dir: &OwnedFd, name: &[u8], entry: &Entry) -> Result<u64, FileFailure> {
+    fn restore_file(
+        &self,
+        dir: &OwnedFd,
+        name: &[u8],
+        entry: &Entry,
+        prefetched: &HashMap<BlobId, Vec<u8>>,
+    ) -> Result<u64, FileFailure> {
         let existing = if self.options.sync {
             match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
                 Ok(stat)
@@ -782,7 +863,11 @@ impl FileJob {
         let mut offset = 0u64;
         let mut written = 0u64;
         let existing_size = existing.as_ref().map_or(0, |stat| stat.st_size as u64);
-        for extent in &entry.content {
+        // The blobs of the next chunks, fetched together (a new file only:
+        // when updating in place, most chunks are expected to match already).
+        let mut window: HashMap<BlobId, Vec<u8>> = HashMap::new();
+        let mut window_end = 0usize;
+        for (position, extent) in entry.content.iter().enumerate() {
             if self.cancel.is_cancelled() {
                 return Err(FileFailure::Cancelled);
             }
@@ -802,10 +887,23 @@ impl FileJob {
                         && offset + length <= existing_size
                         && self.region_matches(&fd, offset, length, id)?;
                     if !same {
-                        let data = self
-                            .handle
-                            .block_on(self.repository.read_blob(&self.index, id))
-                            .map_err(FileFailure::Data)?;
+                        if existing.is_none() && position >= window_end {
+                            window.clear();
+                            window_end = self.fetch_window(
+                                &entry.content,
+                                position,
+                                prefetched,
+                                &mut window,
+                            );
+                        }
+                        let data = match prefetched.get(id).or_else(|| window.get(id)) {
+                            Some(data) => Cow::Borrowed(data.as_slice()),
+                            None => Cow::Owned(
+                                self.handle
+                                    .block_on(self.repository.read_blob(&self.index, id))
+                                    .map_err(FileFailure::Data)?,
+                            ),
+                        };
                         let zero = data.iter().all(|byte| *byte == 0);
                         if !(zero && offset >= existing_size) {
                             self.write_at(&fd, &data, offset)?;
@@ -833,6 +931,38 @@ impl FileJob {
                 .map_err(|e| FileFailure::Io("set attributes", e))?;
         }
         Ok(written)
+    }
+
+    /// Fetch the blobs of the chunks from `content[start]` on, up to
+    /// [`RESTORE_BATCH_BYTES`] (at least one chunk), into `window`; returns
+    /// the index of the first extent not covered.
+    fn fetch_window(
+        &self,
+        content: &[Extent],
+        start: usize,
+        prefetched: &HashMap<BlobId, Vec<u8>>,
+        window: &mut HashMap<BlobId, Vec<u8>>,
+    ) -> usize {
+        let mut ids = Vec::new();
+        let mut bytes = 0u64;
+        let mut end = start;
+        for extent in &content[start..] {
+            if let Extent::Chunk(id, length) = extent {
+                let length = u64::from(*length);
+                if bytes > 0 && bytes + length > RESTORE_BATCH_BYTES {
+                    break;
+                }
+                bytes += length;
+                if !prefetched.contains_key(id) {
+                    ids.push(*id);
+                }
+            }
+            end += 1;
+        }
+        *window = self
+            .handle
+            .block_on(self.repository.read_blobs(&self.index, &ids));
+        end
     }
 
     fn read_at(&self, fd: &OwnedFd, offset: u64, length: u64) -> Result<Vec<u8>, FileFailure> {

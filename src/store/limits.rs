@@ -105,6 +105,10 @@ impl ObjectStore for ConcurrencyLimitStore {
         let _permit = self.permit().await;
         self.inner.sweep_incomplete_uploads(older_than).await
     }
+
+    async fn wait_for_cleanup(&self) {
+        self.inner.wait_for_cleanup().await
+    }
 }
 
 /// Why an upload rate limit could not be set up.
@@ -214,6 +218,10 @@ impl ObjectStore for UploadRateLimitStore {
         older_than: Duration,
     ) -> Result<SweepReport, StoreError> {
         self.inner.sweep_incomplete_uploads(older_than).await
+    }
+
+    async fn wait_for_cleanup(&self) {
+        self.inner.wait_for_cleanup().await
     }
 }
 

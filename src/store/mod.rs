@@ -156,6 +156,11 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
         let _ = older_than;
         Ok(SweepReport::default())
     }
+    /// Wait until cleanup this store started in the background has finished
+    /// (S3: aborts of multipart uploads whose `put` was dropped). Call it
+    /// after cancelling uploads and before the process exits, so nothing is
+    /// left behind. Wrappers forward it; the default has nothing to wait for.
+    async fn wait_for_cleanup(&self) {}
 }
 
 /// What [`ObjectStore::sweep_incomplete_uploads`] found and removed.

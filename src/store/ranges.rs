@@ -61,6 +61,18 @@ pub async fn get_ranges(
     ranges: &[Range<u64>],
     max_gap: u64,
 ) -> Result<Vec<Bytes>, StoreError> {
+    get_ranges_capped(store, key, ranges, max_gap, MAX_COALESCED_READ_BYTES).await
+}
+
+/// [`get_ranges`] with a caller's cap on one merged read (`max_read`
+/// bytes), for callers that bound their memory more tightly.
+pub async fn get_ranges_capped(
+    store: &dyn ObjectStore,
+    key: &str,
+    ranges: &[Range<u64>],
+    max_gap: u64,
+    max_read: u64,
+) -> Result<Vec<Bytes>, StoreError> {
     let refuse = |message: String| StoreError::Permanent {
         location: store.location(),
         operation: "get",
@@ -73,7 +85,7 @@ pub async fn get_ranges(
             reversed.start, reversed.end
         )));
     }
-    let reads = coalesce_ranges(ranges, max_gap, MAX_COALESCED_READ_BYTES);
+    let reads = coalesce_ranges(ranges, max_gap, max_read);
     let fetched: Vec<(Range<u64>, Bytes)> = futures::stream::iter(reads)
         .map(|read| async move {
             let bytes = store.get(key, Some(read.clone())).await?;

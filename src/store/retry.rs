@@ -174,6 +174,10 @@ impl ObjectStore for RetryStore {
         self.run("sweep", || self.inner.sweep_incomplete_uploads(older_than))
             .await
     }
+
+    async fn wait_for_cleanup(&self) {
+        self.inner.wait_for_cleanup().await
+    }
 }
 
 #[cfg(test)]

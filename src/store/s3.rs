@@ -6,10 +6,14 @@
 //! larger ones as a multipart upload whose parts are sent a bounded number
 //! at a time. Every multipart upload is completed or aborted: on error the
 //! abort is awaited before `put` returns; when the `put` future is dropped
-//! (cancellation) a guard spawns the abort on the current runtime. An upload
-//! that neither path could abort (the process was killed, or the `put` was
-//! dropped while CreateMultipartUpload was in flight, before the upload id
-//! came back) is what [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
+//! (cancellation) a guard spawns the abort on the current runtime. The
+//! CreateMultipartUpload request itself runs as a background task, so a `put`
+//! dropped while it is in flight still learns the upload id and aborts it.
+//! Background aborts are tracked: [`ObjectStore::wait_for_cleanup`] waits for
+//! them, so a cancelled process can finish them before it exits. An upload
+//! that neither path could abort (the process was killed, or the server was
+//! unreachable for every abort attempt) is what
+//! [`ObjectStore::sweep_incomplete_uploads`] removes. Nothing is ever visible
 //! under a key before the whole object is: S3 publishes an object only when
 //! its PUT or CompleteMultipartUpload succeeds.
 //!
@@ -43,6 +47,7 @@ use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart};
 use aws_smithy_http_client::tls::{self, TlsContext, TrustStore, rustls_provider::CryptoMode};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use tokio_util::task::TaskTracker;
 
 use super::{
     ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Credentials, S3Options, StoreError,
@@ -288,6 +293,9 @@ pub struct S3Store {
     region: String,
     upload: UploadSettings,
     list_page_size: Option<i32>,
+    /// Multipart creations and aborts running after their `put` was dropped;
+    /// shared by clones.
+    background: TaskTracker,
 }
 
 impl S3Store {
@@ -414,6 +422,7 @@ impl S3Store {
             region: region.to_string(),
             upload,
             list_page_size: None,
+            background: TaskTracker::new(),
         })
     }
 
@@ -636,14 +645,39 @@ impl S3Store {
         data: Bytes,
         mode: PutMode,
     ) -> Result<(), StoreError> {
-        let created = self
+        // Run the creation as a tracked task: if this `put` is dropped while
+        // the request is in flight, the task still gets the upload id and
+        // aborts the upload instead of leaving it for a sweep.
+        let (sender, receiver) = tokio::sync::oneshot::channel();
+        let request = self
             .client
             .create_multipart_upload()
             .bucket(&self.location.bucket)
-            .key(full_key)
-            .send()
-            .await
-            .map_err(|error| self.classify("put", key, error))?;
+            .key(full_key);
+        let (client, bucket, task_key) = (
+            self.client.clone(),
+            self.location.bucket.clone(),
+            full_key.to_string(),
+        );
+        self.background.spawn(async move {
+            let result = request.send().await;
+            if let Err(Ok(created)) = sender.send(result)
+                && let Some(upload_id) = created.upload_id()
+            {
+                abort_upload(client, bucket, task_key, upload_id.to_string()).await;
+            }
+        });
+        let created = match receiver.await {
+            Ok(result) => result.map_err(|error| self.classify("put", key, error))?,
+            Err(_) => {
+                return Err(self.transient(
+                    "put",
+                    key,
+                    "the multipart upload could not be started (the runtime is shutting down)"
+                        .to_string(),
+                ));
+            }
+        };
         let Some(upload_id) = created.upload_id() else {
             return Err(self.permanent(
                 "put",
@@ -653,6 +687,7 @@ impl S3Store {
         };
         let guard = AbortGuard::new(
             self.client.clone(),
+            self.background.clone(),
             &self.location.bucket,
             full_key,
             upload_id,
@@ -744,6 +779,7 @@ impl S3Store {
 /// spawned from `Drop` when the `put` future is cancelled.
 struct AbortGuard {
     client: Client,
+    background: TaskTracker,
     bucket: String,
     key: String,
     upload_id: String,
@@ -751,9 +787,16 @@ struct AbortGuard {
 }
 
 impl AbortGuard {
-    fn new(client: Client, bucket: &str, key: &str, upload_id: &str) -> Self {
+    fn new(
+        client: Client,
+        background: TaskTracker,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> Self {
         AbortGuard {
             client,
+            background,
             bucket: bucket.to_string(),
             key: key.to_string(),
             upload_id: upload_id.to_string(),
@@ -789,7 +832,10 @@ impl Drop for AbortGuard {
         );
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
-                runtime.spawn(abort_upload(self.client.clone(), bucket, key, upload_id));
+                self.background.spawn_on(
+                    abort_upload(self.client.clone(), bucket, key, upload_id),
+                    &runtime,
+                );
             }
             Err(_) => tracing::warn!(
                 bucket,
@@ -870,6 +916,12 @@ fn total_from_content_range(content_range: &str) -> Option<u64> {
 
 #[async_trait]
 impl ObjectStore for S3Store {
+    async fn wait_for_cleanup(&self) {
+        self.background.close();
+        self.background.wait().await;
+        self.background.reopen();
+    }
+
     async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
         let full_key = self.full_key("put", key)?;
         if mode == PutMode::Create && !self.upload.conditional_create {

@@ -4,7 +4,9 @@
 //! harness compiles once; each module is one area.
 
 mod api;
+mod bench;
 mod engine;
+mod engine_s3;
 mod s3;
 mod store_conformance;
 mod support;

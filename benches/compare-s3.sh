@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# End-to-end comparison against a local S3 server: haulage, restic, rustic,
+# kopia and rclone (raw copy, no dedup or compression) on the same generated
+# dataset against the same MinIO in one run: first backup and restore. For each
+# step: wall time, throughput, the client's CPU (user+sys, /usr/bin/time -v),
+# the server's CPU (utime+stime from /proc/<minio pid>/stat before and after;
+# the server shares the machine's cores) and the client's peak RSS.
+# Prints a Markdown table; docs/benchmarks.md records runs.
+#
+# Usage: benches/compare-s3.sh [SIZE] [WORKDIR]   (default 1GiB, /tmp/haulage-compare-s3)
+# RESTORE_ROOT=/dev/shm/x restores into RAM, so a busy shared disk does not
+# decide the restore figures (each restore is checked and removed after it).
+# Needs the MinIO binary (bash tests/infra/build.sh minio) and /usr/bin/time.
+# Peers are used when on PATH (or given as RESTIC=, RUSTIC=, KOPIA=, RCLONE=);
+# missing ones are reported, not faked. TOOLS="haulage restic" runs only those.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SIZE="${1:-1GiB}"
+WORK="${2:-/tmp/haulage-compare-s3}"
+RESTIC="${RESTIC:-$(command -v restic || true)}"
+RUSTIC="${RUSTIC:-$(command -v rustic || true)}"
+KOPIA="${KOPIA:-$(command -v kopia || true)}"
+RCLONE="${RCLONE:-$(command -v rclone || true)}"
+TOOLS="${TOOLS:-haulage restic rustic kopia rclone sizing}"
+wanted() { [[ " $TOOLS " == *" $1 "* ]]; }
+export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench
+
+cargo build --release --quiet --bin haulage
+HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
+[ -x /usr/bin/time ] || { echo "compare-s3.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
+MINIO=$(ls -d "$HOME"/.cache/haulage-infra/minio-*/bin/minio 2>/dev/null | tail -1)
+[ -x "$MINIO" ] || { echo "compare-s3.sh: no MinIO; run: bash tests/infra/build.sh minio" >&2; exit 1; }
+
+RESTORE_ROOT="${RESTORE_ROOT:-$WORK/restore}"
+rm -rf "$WORK/minio" "$RESTORE_ROOT" "$WORK/state"
+mkdir -p "$WORK/minio" "$RESTORE_ROOT" "$WORK/state"
+if [ ! -d "$WORK/data" ]; then
+    "$HAULAGE" sample-data "$WORK/data" --size "$SIZE" >&2
+fi
+DATA_BYTES=$(du -sb --apparent-size "$WORK/data" | cut -f1)
+FILES=$(find "$WORK/data" -type f | wc -l)
+find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null   # hot cache
+
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+CONSOLE_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+# Plain HTTP to 127.0.0.1: a CA bundle from the environment only trips rclone.
+unset AWS_CA_BUNDLE
+export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
+export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
+MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \
+    "$MINIO" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$CONSOLE_PORT" "$WORK/minio" \
+    >"$WORK/state/minio.log" 2>&1 &
+MINIO_PID=$!
+trap 'kill "$MINIO_PID" 2>/dev/null; wait "$MINIO_PID" 2>/dev/null || true' EXIT
+for _ in $(seq 100); do
+    curl -sf "http://127.0.0.1:$PORT/minio/health/ready" >/dev/null 2>&1 && break
+    sleep 0.1
+done
+# rclone reaches the server through an env-configured remote named "minio".
+export RCLONE_CONFIG_MINIO_TYPE=s3 RCLONE_CONFIG_MINIO_PROVIDER=Minio \
+    RCLONE_CONFIG_MINIO_ENDPOINT="$AWS_ENDPOINT_URL" RCLONE_CONFIG_MINIO_REGION=us-east-1 \
+    RCLONE_CONFIG_MINIO_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" RCLONE_CONFIG_MINIO_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY"
+curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" \
+    -X PUT "$AWS_ENDPOINT_URL/bench" >/dev/null || { echo "compare-s3.sh: cannot create the bucket" >&2; exit 1; }
+
+TICKS=$(getconf CLK_TCK)
+server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
+
+# checked TOOL: the restore into $RESTORE_ROOT/TOOL has every file (content is
+# the tools' business; the engine tests check haulage's); then remove it.
+checked() {
+    local dir="$RESTORE_ROOT/$1" found
+    found=$(find "$dir" -type f 2>/dev/null | wc -l)
+    [ "$found" -ge "$FILES" ] || echo "warning: $1 restored $found of $FILES files" >&2
+    rm -rf "$dir"
+}
+
+# measure TOOL STEP CMD... : run once, print one table row.
+measure() {
+    local tool="$1" step="$2"; shift 2
+    local log before after; log=$(mktemp)
+    sync
+    before=$(server_cpu)
+    if ! /usr/bin/time -v "$@" >/dev/null 2>"$log"; then
+        echo "| $tool | $step | failed | | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
+    fi
+    after=$(server_cpu)
+    awk -F': ' -v t="$tool" -v s="$step" -v b="$DATA_BYTES" -v sb="$before" -v sa="$after" '
+        /Elapsed \(wall clock\)/ { n = split($2, p, ":"); w = (n == 3) ? p[1]*3600 + p[2]*60 + p[3] : p[1]*60 + p[2] }
+        /User time \(seconds\)/ { u = $2 }
+        /System time \(seconds\)/ { y = $2 }
+        /Maximum resident set size/ { r = $2 }
+        END { printf "| %s | %s | %.2f | %.0f | %.2f | %.2f | %.0f |\n", t, s, w, (b/1048576)/w, u + y, sa - sb, r/1024 }' "$log"
+    rm -f "$log"
+}
+
+echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)"
+echo
+echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | client peak RSS MiB |"
+echo "| --- | --- | --- | --- | --- | --- | --- |"
+
+if wanted haulage; then
+    "$HAULAGE" repo init --repo s3://bench/haulage >/dev/null
+    measure haulage "first backup" "$HAULAGE" backup "$WORK/data" --no-progress --repo s3://bench/haulage
+    measure haulage restore "$HAULAGE" restore latest "$RESTORE_ROOT/haulage" --no-progress --repo s3://bench/haulage
+    checked haulage
+fi
+
+if ! wanted restic; then
+    :
+elif [ -n "$RESTIC" ]; then
+    R="s3:$AWS_ENDPOINT_URL/bench/restic"
+    "$RESTIC" init -q --repo "$R" >/dev/null
+    measure restic "first backup" "$RESTIC" backup -q --repo "$R" "$WORK/data"
+    measure restic restore "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
+    checked restic
+else
+    echo "| restic | not installed | | | | | |"
+fi
+if ! wanted rustic; then
+    :
+elif [ -n "$RUSTIC" ]; then
+    # rustic takes S3 options from a profile; -P ./NAME reads ./NAME.toml.
+    cat >"$WORK/state/rustic-bench.toml" <<TOML
+[repository]
+repository = "opendal:s3"
+password = "bench"
+[repository.options]
+bucket = "bench"
+root = "/rustic"
+endpoint = "$AWS_ENDPOINT_URL"
+region = "us-east-1"
+access_key_id = "$AWS_ACCESS_KEY_ID"
+secret_access_key = "$AWS_SECRET_ACCESS_KEY"
+TOML
+    (
+        cd "$WORK/state"
+        RO=(-P ./rustic-bench --no-progress)
+        "$RUSTIC" "${RO[@]}" init >/dev/null 2>"$WORK/state/rustic-init.log" || tail -3 "$WORK/state/rustic-init.log" >&2
+        measure rustic "first backup" "$RUSTIC" "${RO[@]}" backup "$WORK/data"
+        measure rustic restore "$RUSTIC" "${RO[@]}" restore latest "$RESTORE_ROOT/rustic"
+    )
+    checked rustic
+else
+    echo "| rustic | not available | | | | | |"
+fi
+if ! wanted kopia; then
+    :
+elif [ -n "$KOPIA" ]; then
+    export KOPIA_CONFIG_PATH="$WORK/state/kopia.config" KOPIA_CHECK_FOR_UPDATES=false
+    "$KOPIA" repository create s3 --bucket bench --prefix kopia/ --endpoint "127.0.0.1:$PORT" --disable-tls \
+        --access-key "$AWS_ACCESS_KEY_ID" --secret-access-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1
+    measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
+    measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE_ROOT/kopia"
+    checked kopia
+else
+    echo "| kopia | not available | | | | | |"
+fi
+if ! wanted rclone; then
+    :
+elif [ -n "$RCLONE" ]; then
+    measure "rclone (raw copy)" upload "$RCLONE" copy --links "$WORK/data" minio:bench/rclone
+    measure "rclone (raw copy)" download "$RCLONE" copy --links minio:bench/rclone "$RESTORE_ROOT/rclone"
+    checked rclone
+else
+    echo "| rclone | not installed | | | | | |"
+fi
+# What `haulage bench` predicts for the same data and server, to set beside the
+# measured first backup above.
+if wanted sizing; then
+    echo
+    echo '```text'
+    echo "\$ haulage bench --source DATA --repo s3://bench/sizing"
+    "$HAULAGE" bench --source "$WORK/data" --repo s3://bench/sizing
+    echo '```'
+fi

@@ -1,0 +1,798 @@
+//! `haulage bench --source DIR --repo URL`: size a migration before running
+//! it, like kopia's benchmark commands.
+//!
+//! It measures each stage the backup pipeline runs through, on this
+//! machine, this source and this location: reading the source (one reader,
+//! then several, on disjoint files so the page cache does not flatter the
+//! second), the CPU stages on a sample of the source's own data (FastCDC,
+//! keyed BLAKE3, zstd at the configured level), and upload, download and
+//! request latency against the location, with objects written under a
+//! `bench/` prefix and deleted afterwards. The estimate for N bytes is the
+//! slowest stage, after the caps (`--limit-read`, `--limit-upload`) and the
+//! sample's compression ratio. Every phase is bounded in bytes, objects and
+//! time, so a bench against a slow location still ends.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Args;
+use clap::builder::TypedValueParser;
+use futures::StreamExt;
+use serde::Serialize;
+
+use super::progress::human_bytes;
+use super::{Outcome, RepoArgs};
+use crate::engine::backup::DEFAULT_COMPRESSION_LEVEL;
+use crate::engine::throttle::ByteRate;
+use crate::repo::chunker::Chunker;
+use crate::repo::config::RepoConfig;
+use crate::store::{DynStore, PutMode};
+
+/// Seed of the order files are read in (fixed, so runs are comparable).
+const SAMPLE_ORDER_SEED: u64 = 0x6861_756c_6167_65;
+/// Default bytes of the source read for the read tests.
+const DEFAULT_SIZE_BYTES: u64 = 256 * 1024 * 1024;
+/// At most this much of what was read is kept as the CPU stages' sample.
+const MAX_SAMPLE_BYTES: usize = 64 * 1024 * 1024;
+/// Readers in the parallel read test.
+const DEFAULT_PARALLEL_READERS: usize = 4;
+/// Size of each upload/download test object: one pack.
+const DEFAULT_OBJECT_BYTES: u64 = crate::repo::config::DEFAULT_PACK_TARGET_BYTES as u64;
+/// Most test objects uploaded.
+const DEFAULT_OBJECTS: usize = 8;
+/// Uploads in flight at once, as a backup sends packs.
+const UPLOADS_IN_FLIGHT: usize = 2;
+/// Downloads in flight at once, as a restore's file jobs read.
+const DOWNLOADS_IN_FLIGHT: usize = 4;
+/// Small requests per kind for the latency figures.
+const LATENCY_REQUESTS: usize = 20;
+/// Size of the latency test's objects.
+const LATENCY_OBJECT_BYTES: usize = 4 * 1024;
+/// Prefix under the location for everything the bench writes.
+pub const BENCH_PREFIX: &str = "bench/";
+/// Bytes per read(2) in the read tests, as the backup reads.
+const READ_BLOCK_BYTES: usize = 256 * 1024;
+
+/// Arguments of `haulage bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Directory whose data will be migrated (read only).
+    #[arg(long, value_name = "DIR")]
+    pub source: PathBuf,
+    #[command(flatten)]
+    pub repo: RepoArgs,
+    /// Bytes of the source read for the read tests (a sample of at most
+    /// 64 MiB of it feeds the CPU stages), e.g. 256MiB.
+    #[arg(long, value_name = "BYTES", default_value_t = bytesize::ByteSize::b(DEFAULT_SIZE_BYTES))]
+    pub size: bytesize::ByteSize,
+    /// Bytes to estimate the backup time for (default: the source's size).
+    #[arg(long, value_name = "BYTES")]
+    pub estimate_bytes: Option<bytesize::ByteSize>,
+    /// The read cap the backup will run with (e.g. 50MiB, per second).
+    #[arg(long, value_name = "RATE")]
+    pub limit_read: Option<ByteRate>,
+    /// The location's upload cap (e.g. 20MiB, per second); applied to the
+    /// upload test too.
+    #[arg(long, value_name = "RATE")]
+    pub limit_upload: Option<ByteRate>,
+    /// zstd level the backup will use.
+    #[arg(long, default_value_t = DEFAULT_COMPRESSION_LEVEL, value_parser = clap::value_parser!(i32).range(-7..=19))]
+    pub compression_level: i32,
+    /// Readers in the parallel read test.
+    #[arg(long, default_value_t = DEFAULT_PARALLEL_READERS, value_parser = clap::value_parser!(u16).range(1..=64).map(usize::from))]
+    pub readers: usize,
+    /// Test objects uploaded and downloaded (each one pack in size).
+    #[arg(long, default_value_t = DEFAULT_OBJECTS, value_parser = clap::value_parser!(u16).range(1..=256).map(usize::from))]
+    pub objects: usize,
+    /// Longest time each storage phase may take; it stops early after that.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub max_phase_time: Duration,
+    /// Print one JSON object on standard output instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A throughput figure.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Rate {
+    /// Bytes processed.
+    pub bytes: u64,
+    /// Seconds taken.
+    pub seconds: f64,
+    /// Bytes per second.
+    pub bytes_per_second: f64,
+}
+
+impl Rate {
+    fn new(bytes: u64, elapsed: Duration) -> Self {
+        let seconds = elapsed.as_secs_f64().max(1e-9);
+        Rate {
+            bytes,
+            seconds,
+            bytes_per_second: bytes as f64 / seconds,
+        }
+    }
+}
+
+/// Latency percentiles of one kind of request, in milliseconds.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Latency {
+    /// Requests measured.
+    pub requests: usize,
+    /// Median.
+    pub p50_milliseconds: f64,
+    /// 99th percentile (the slowest request when fewer than 100).
+    pub p99_milliseconds: f64,
+}
+
+impl Latency {
+    fn of(mut samples: Vec<Duration>) -> Self {
+        samples.sort();
+        let at = |quantile: f64| {
+            samples
+                .get(((samples.len() as f64 - 1.0) * quantile).round() as usize)
+                .map_or(0.0, |duration| duration.as_secs_f64() * 1000.0)
+        };
+        Latency {
+            requests: samples.len(),
+            p50_milliseconds: at(0.50),
+            p99_milliseconds: at(0.99),
+        }
+    }
+}
+
+/// What the source holds.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceFacts {
+    /// The directory.
+    pub path: String,
+    /// Regular files.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// CPU throughput of the pipeline stages on one core.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CpuStages {
+    /// FastCDC chunking.
+    pub chunking: Rate,
+    /// Keyed BLAKE3 of every chunk.
+    pub hashing: Rate,
+    /// zstd of every chunk.
+    pub compression: Rate,
+    /// The zstd level used.
+    pub compression_level: i32,
+    /// Stored bytes per source byte on the sample (1.0 when nothing shrinks).
+    pub compression_ratio: f64,
+    /// Cores the backup spreads hashing and compression over.
+    pub cores: usize,
+    /// What chunking on one thread plus hashing and compression on all
+    /// cores can sustain, bytes per second.
+    pub pipeline_bytes_per_second: f64,
+}
+
+/// Upload, download and request latency against the location.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StorageFigures {
+    /// Where.
+    pub location: String,
+    /// Test objects written (and read back).
+    pub objects: usize,
+    /// Size of each.
+    pub object_bytes: u64,
+    /// Upload, [`UPLOADS_IN_FLIGHT`] at a time.
+    pub upload: Rate,
+    /// Download, [`DOWNLOADS_IN_FLIGHT`] at a time.
+    pub download: Rate,
+    /// Small PUTs.
+    pub put_latency: Latency,
+    /// Small GETs.
+    pub get_latency: Latency,
+    /// HEADs.
+    pub head_latency: Latency,
+    /// Objects left under the bench prefix after the clean-up (0 unless a
+    /// delete failed).
+    pub objects_left: usize,
+}
+
+/// The time estimate.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Estimate {
+    /// Source bytes the estimate is for.
+    pub bytes: u64,
+    /// Source bytes per second of each limit, by name.
+    pub limits: Vec<(String, f64)>,
+    /// The slowest of them.
+    pub bottleneck: String,
+    /// Source bytes per second overall.
+    pub bytes_per_second: f64,
+    /// Seconds a first (full) backup of `bytes` takes.
+    pub seconds: f64,
+}
+
+/// Everything `haulage bench` measured.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BenchReport {
+    /// The source.
+    pub source: SourceFacts,
+    /// One reader.
+    pub read_single: Rate,
+    /// Several readers on other files.
+    pub read_parallel: Rate,
+    /// Readers in the parallel test.
+    pub readers: usize,
+    /// CPU stages.
+    pub cpu: CpuStages,
+    /// Storage.
+    pub storage: StorageFigures,
+    /// The estimate.
+    pub estimate: Estimate,
+}
+
+/// Why the bench could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// The source cannot be read.
+    #[error("cannot benchmark source {path}: {reason}")]
+    Source {
+        /// The directory.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// A storage request failed.
+    #[error("storage benchmark against {location} failed to {operation}: {source}")]
+    Storage {
+        /// The location.
+        location: String,
+        /// What was being done.
+        operation: String,
+        /// The store's error.
+        #[source]
+        source: crate::store::StoreError,
+    },
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<Outcome> {
+    let store = args.repo.store().await?;
+    let report = bench(&args, store).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report, &args);
+    }
+    Ok(if report.storage.objects_left == 0 {
+        Outcome::Success
+    } else {
+        Outcome::Failed
+    })
+}
+
+async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchError> {
+    let source_error = |reason: String| BenchError::Source {
+        path: args.source.clone(),
+        reason,
+    };
+    let source = args.source.clone();
+    let (facts, files) = tokio::task::spawn_blocking(move || scan(&source))
+        .await
+        .map_err(|error| source_error(error.to_string()))?
+        .map_err(|error| source_error(error.to_string()))?;
+    if facts.bytes == 0 {
+        return Err(source_error("holds no file data to measure".into()));
+    }
+    // Files in a fixed pseudo-random order, so the read budget and the CPU
+    // sample cover the whole tree and not just its first directories; then
+    // disjoint halves, so the parallel readers do not read what the single
+    // reader just put in the page cache.
+    let mut files = files;
+    {
+        use rand::SeedableRng;
+        use rand::seq::SliceRandom;
+        files.shuffle(&mut rand::rngs::StdRng::seed_from_u64(SAMPLE_ORDER_SEED));
+    }
+    let budget = args.size.as_u64().max(1);
+    let (single_files, parallel_files): (Vec<_>, Vec<_>) = files
+        .into_iter()
+        .enumerate()
+        .partition(|(index, _)| index % 2 == 0);
+    let single_files: Vec<_> = single_files.into_iter().map(|(_, file)| file).collect();
+    let mut parallel_files: Vec<_> = parallel_files.into_iter().map(|(_, file)| file).collect();
+    if parallel_files.is_empty() {
+        parallel_files = single_files.clone();
+    }
+    let (read_single, sample) = tokio::task::spawn_blocking(move || {
+        read_files(&single_files, budget / 2, 1, MAX_SAMPLE_BYTES)
+    })
+    .await
+    .map_err(|error| source_error(error.to_string()))?
+    .map_err(|error| source_error(error.to_string()))?;
+    let readers = args.readers;
+    let (read_parallel, _) =
+        tokio::task::spawn_blocking(move || read_files(&parallel_files, budget / 2, readers, 0))
+            .await
+            .map_err(|error| source_error(error.to_string()))?
+            .map_err(|error| source_error(error.to_string()))?;
+
+    let level = args.compression_level;
+    let cpu = tokio::task::spawn_blocking(move || cpu_stages(&sample, level))
+        .await
+        .map_err(|error| source_error(error.to_string()))?;
+    let storage = storage_figures(store, args).await?;
+
+    let estimate_bytes = args
+        .estimate_bytes
+        .map_or(facts.bytes, |bytes| bytes.as_u64());
+    let estimate = estimate(
+        estimate_bytes,
+        &read_parallel,
+        &cpu,
+        &storage,
+        args.limit_read,
+        args.limit_upload,
+    );
+    Ok(BenchReport {
+        source: facts,
+        read_single,
+        read_parallel,
+        readers: args.readers,
+        cpu,
+        storage,
+        estimate,
+    })
+}
+
+/// Regular files under `root` with their sizes, and the totals.
+fn scan(root: &Path) -> std::io::Result<(SourceFacts, Vec<(PathBuf, u64)>)> {
+    let mut files = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    std::fs::read_dir(root)?;
+    while let Some(dir) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let Ok(file_type) = entry.file_type() else {
+                continue;
+            };
+            if file_type.is_dir() {
+                stack.push(entry.path());
+            } else if file_type.is_file()
+                && let Ok(metadata) = entry.metadata()
+            {
+                files.push((entry.path(), metadata.len()));
+            }
+        }
+    }
+    files.sort();
+    let facts = SourceFacts {
+        path: root.display().to_string(),
+        files: files.len() as u64,
+        bytes: files.iter().map(|(_, size)| size).sum(),
+    };
+    Ok((facts, files))
+}
+
+/// Read `files` in order with `readers` threads until `budget` bytes;
+/// returns the rate and up to `keep` bytes of what was read (in order).
+fn read_files(
+    files: &[(PathBuf, u64)],
+    budget: u64,
+    readers: usize,
+    keep: usize,
+) -> std::io::Result<(Rate, Vec<u8>)> {
+    use std::io::Read;
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    let next = AtomicUsize::new(0);
+    let total = AtomicU64::new(0);
+    let sample = Mutex::new(Vec::with_capacity(keep.min(budget as usize)));
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..readers.max(1) {
+            scope.spawn(|| {
+                let mut buffer = vec![0u8; READ_BLOCK_BYTES];
+                loop {
+                    if total.load(Ordering::Relaxed) >= budget {
+                        return;
+                    }
+                    let Some((path, _)) = files.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                        return;
+                    };
+                    let Ok(mut file) = std::fs::File::open(path) else {
+                        continue;
+                    };
+                    loop {
+                        let read = match file.read(&mut buffer) {
+                            Ok(0) | Err(_) => break,
+                            Ok(read) => read,
+                        };
+                        if keep > 0 {
+                            let mut sample = sample.lock().expect("sample");
+                            let room = keep.saturating_sub(sample.len()).min(read);
+                            sample.extend_from_slice(&buffer[..room]);
+                        }
+                        if total.fetch_add(read as u64, Ordering::Relaxed) + read as u64 >= budget {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let rate = Rate::new(total.load(Ordering::Relaxed), started.elapsed());
+    Ok((rate, sample.into_inner().expect("sample")))
+}
+
+/// Chunk, hash and compress `sample` on one core, stage by stage.
+fn cpu_stages(sample: &[u8], level: i32) -> CpuStages {
+    let config = RepoConfig::generate();
+    let keys = config.keys().expect("a generated config is valid");
+    let chunker = Chunker::new(config.chunker, keys.gear_seed);
+    let started = Instant::now();
+    let lengths = chunker.chunk_lengths(sample);
+    let chunking = Rate::new(sample.len() as u64, started.elapsed());
+    let mut chunks = Vec::with_capacity(lengths.len());
+    let mut offset = 0;
+    for length in lengths {
+        chunks.push(&sample[offset..offset + length]);
+        offset += length;
+    }
+    let started = Instant::now();
+    for chunk in &chunks {
+        std::hint::black_box(keys.blob_id(chunk));
+    }
+    let hashing = Rate::new(sample.len() as u64, started.elapsed());
+    let started = Instant::now();
+    let mut stored = 0u64;
+    for chunk in &chunks {
+        stored += match zstd::bulk::compress(chunk, level) {
+            Ok(compressed) if compressed.len() < chunk.len() => compressed.len() as u64,
+            _ => chunk.len() as u64,
+        };
+    }
+    let compression = Rate::new(sample.len() as u64, started.elapsed());
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_core_hash_and_compress =
+        1.0 / (1.0 / hashing.bytes_per_second + 1.0 / compression.bytes_per_second);
+    let pipeline_bytes_per_second = chunking
+        .bytes_per_second
+        .min(per_core_hash_and_compress * cores as f64);
+    CpuStages {
+        chunking,
+        hashing,
+        compression,
+        compression_level: level,
+        compression_ratio: if sample.is_empty() {
+            1.0
+        } else {
+            stored as f64 / sample.len() as f64
+        },
+        cores,
+        pipeline_bytes_per_second,
+    }
+}
+
+/// Incompressible bytes, different for every object so no server can dedup.
+fn test_object(size: usize, seed: u64) -> Bytes {
+    use rand::{RngCore, SeedableRng};
+    let mut data = vec![0u8; size];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
+    Bytes::from(data)
+}
+
+async fn storage_figures(store: DynStore, args: &BenchArgs) -> Result<StorageFigures, BenchError> {
+    let location = store.location();
+    let run_prefix = format!("{BENCH_PREFIX}{}/", hex::encode(rand::random::<[u8; 8]>()));
+    let store = match args.limit_upload {
+        Some(ByteRate(rate)) => crate::store::wrap_store(
+            store,
+            &crate::store::StoreOptions {
+                upload_bytes_per_second: std::num::NonZeroU64::new(rate),
+                retry: Some(crate::store::retry::RetryPolicy {
+                    max_attempts: 1,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        )
+        .map_err(|error| BenchError::Storage {
+            location: location.clone(),
+            operation: "apply the upload cap".into(),
+            source: crate::store::StoreError::Permanent {
+                location: location.clone(),
+                operation: "put",
+                key: String::new(),
+                message: error.to_string(),
+            },
+        })?,
+        None => store,
+    };
+    let measured = measure_storage(&store, args, &run_prefix).await;
+    // Clean up whatever was written, also after a failure.
+    let mut objects_left = 0;
+    match store.list(&run_prefix).await {
+        Ok(objects) => {
+            for object in objects {
+                if store.delete(&object.key).await.is_err() {
+                    objects_left += 1;
+                }
+            }
+        }
+        Err(error) => {
+            tracing::warn!(error = %error, prefix = run_prefix, "cannot list bench objects to delete them");
+            objects_left = usize::MAX;
+        }
+    }
+    let mut figures = measured?;
+    figures.objects_left = objects_left;
+    Ok(figures)
+}
+
+/// Turns a store error into a [`BenchError`] saying what was being done.
+fn storage_error(
+    store: &DynStore,
+    operation: String,
+) -> impl FnOnce(crate::store::StoreError) -> BenchError {
+    let location = store.location();
+    move |source| BenchError::Storage {
+        location,
+        operation,
+        source,
+    }
+}
+
+async fn measure_storage(
+    store: &DynStore,
+    args: &BenchArgs,
+    prefix: &str,
+) -> Result<StorageFigures, BenchError> {
+    let object_bytes = DEFAULT_OBJECT_BYTES;
+    let deadline = Instant::now() + args.max_phase_time;
+    // Upload: objects one pack in size, as many in flight as a backup sends,
+    // until the count or the time is used up.
+    let started = Instant::now();
+    let mut uploaded = Vec::new();
+    let mut uploads = futures::stream::iter(0..args.objects)
+        .take_while(|_| std::future::ready(Instant::now() < deadline))
+        .map(|index| {
+            let key = format!("{prefix}object-{index:03}");
+            let data = test_object(object_bytes as usize, index as u64);
+            async move {
+                store
+                    .put(&key, data, PutMode::Overwrite)
+                    .await
+                    .map(|()| key.clone())
+                    .map_err(|error| (key, error))
+            }
+        })
+        .buffer_unordered(UPLOADS_IN_FLIGHT);
+    while let Some(result) = uploads.next().await {
+        let key =
+            result.map_err(|(key, error)| storage_error(store, format!("upload {key}"))(error))?;
+        uploaded.push(key);
+    }
+    drop(uploads);
+    let upload = Rate::new(uploaded.len() as u64 * object_bytes, started.elapsed());
+
+    let deadline = Instant::now() + args.max_phase_time;
+    let started = Instant::now();
+    let mut downloaded = 0u64;
+    let mut downloads = futures::stream::iter(uploaded.iter())
+        .take_while(|_| std::future::ready(Instant::now() < deadline))
+        .map(|key| async move { (key, store.get(key, None).await) })
+        .buffer_unordered(DOWNLOADS_IN_FLIGHT);
+    while let Some((key, result)) = downloads.next().await {
+        let bytes = result.map_err(storage_error(store, format!("download {key}")))?;
+        downloaded += bytes.len() as u64;
+    }
+    drop(downloads);
+    let download = Rate::new(downloaded, started.elapsed());
+
+    let deadline = Instant::now() + args.max_phase_time;
+    let (mut puts, mut gets, mut heads) = (Vec::new(), Vec::new(), Vec::new());
+    for index in 0..LATENCY_REQUESTS {
+        if Instant::now() >= deadline {
+            break;
+        }
+        let key = format!("{prefix}small-{index:03}");
+        let data = test_object(LATENCY_OBJECT_BYTES, 1_000_000 + index as u64);
+        let started = Instant::now();
+        store
+            .put(&key, data, PutMode::Overwrite)
+            .await
+            .map_err(storage_error(store, format!("put {key}")))?;
+        puts.push(started.elapsed());
+        let started = Instant::now();
+        store
+            .get(&key, None)
+            .await
+            .map_err(storage_error(store, format!("get {key}")))?;
+        gets.push(started.elapsed());
+        let started = Instant::now();
+        store
+            .head(&key)
+            .await
+            .map_err(storage_error(store, format!("head {key}")))?;
+        heads.push(started.elapsed());
+    }
+    Ok(StorageFigures {
+        location: store.location(),
+        objects: uploaded.len(),
+        object_bytes,
+        upload,
+        download,
+        put_latency: Latency::of(puts),
+        get_latency: Latency::of(gets),
+        head_latency: Latency::of(heads),
+        objects_left: 0,
+    })
+}
+
+/// The slowest stage decides, each expressed in source bytes per second.
+fn estimate(
+    bytes: u64,
+    read: &Rate,
+    cpu: &CpuStages,
+    storage: &StorageFigures,
+    limit_read: Option<ByteRate>,
+    limit_upload: Option<ByteRate>,
+) -> Estimate {
+    // Uploaded bytes are the source's after compression (a first backup
+    // dedups little), so a byte of upload carries 1/ratio source bytes.
+    let ratio = cpu.compression_ratio.clamp(0.01, 1.0);
+    let mut limits = vec![
+        ("read".to_string(), read.bytes_per_second),
+        ("cpu".to_string(), cpu.pipeline_bytes_per_second),
+        (
+            "upload".to_string(),
+            storage.upload.bytes_per_second / ratio,
+        ),
+    ];
+    if let Some(ByteRate(rate)) = limit_read {
+        limits.push(("read cap".to_string(), rate as f64));
+    }
+    if let Some(ByteRate(rate)) = limit_upload {
+        limits.push(("upload cap".to_string(), rate as f64 / ratio));
+    }
+    let (bottleneck, rate) = limits
+        .iter()
+        .filter(|(_, rate)| rate.is_finite() && *rate > 0.0)
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        .unwrap_or(("nothing measured".to_string(), 0.0));
+    Estimate {
+        bytes,
+        seconds: if rate > 0.0 {
+            bytes as f64 / rate
+        } else {
+            f64::INFINITY
+        },
+        limits,
+        bottleneck,
+        bytes_per_second: rate,
+    }
+}
+
+fn per_second(rate: f64) -> String {
+    format!("{}/s", human_bytes(rate as u64))
+}
+
+fn print_table(report: &BenchReport, args: &BenchArgs) {
+    let cpu = &report.cpu;
+    let storage = &report.storage;
+    println!(
+        "source   {}: {} in {} files",
+        report.source.path,
+        human_bytes(report.source.bytes),
+        report.source.files
+    );
+    println!("location {}", storage.location);
+    println!();
+    println!("{:<34} {:>14}  notes", "stage", "rate");
+    let row = |name: &str, rate: f64, notes: String| {
+        println!("{name:<34} {:>14}  {notes}", per_second(rate));
+    };
+    row(
+        "read, 1 reader",
+        report.read_single.bytes_per_second,
+        format!("{} read", human_bytes(report.read_single.bytes)),
+    );
+    row(
+        &format!("read, {} readers", report.readers),
+        report.read_parallel.bytes_per_second,
+        format!(
+            "{} read, other files",
+            human_bytes(report.read_parallel.bytes)
+        ),
+    );
+    row(
+        "chunking (FastCDC)",
+        cpu.chunking.bytes_per_second,
+        format!("1 core, {} sample", human_bytes(cpu.chunking.bytes)),
+    );
+    row(
+        "hashing (keyed BLAKE3)",
+        cpu.hashing.bytes_per_second,
+        "1 core".into(),
+    );
+    row(
+        &format!("compression (zstd level {})", cpu.compression_level),
+        cpu.compression.bytes_per_second,
+        format!("1 core, stored/source {:.2}", cpu.compression_ratio),
+    );
+    row(
+        "pipeline CPU",
+        cpu.pipeline_bytes_per_second,
+        format!("chunking + hashing and compression on {} cores", cpu.cores),
+    );
+    row(
+        "upload",
+        storage.upload.bytes_per_second,
+        format!(
+            "{} × {}, {UPLOADS_IN_FLIGHT} at a time",
+            storage.objects,
+            human_bytes(storage.object_bytes)
+        ),
+    );
+    row(
+        "download",
+        storage.download.bytes_per_second,
+        format!("{DOWNLOADS_IN_FLIGHT} at a time"),
+    );
+    println!();
+    println!(
+        "{:<34} {:>10} {:>10}",
+        "request latency", "p50 ms", "p99 ms"
+    );
+    for (name, latency) in [
+        ("put 4 KiB", &storage.put_latency),
+        ("get 4 KiB", &storage.get_latency),
+        ("head", &storage.head_latency),
+    ] {
+        println!(
+            "{name:<34} {:>10.1} {:>10.1}",
+            latency.p50_milliseconds, latency.p99_milliseconds
+        );
+    }
+    println!();
+    let estimate = &report.estimate;
+    let caps = match (args.limit_read, args.limit_upload) {
+        (None, None) => "no caps".to_string(),
+        (read, upload) => [
+            read.map(|ByteRate(rate)| format!("read cap {}", per_second(rate as f64))),
+            upload.map(|ByteRate(rate)| format!("upload cap {}", per_second(rate as f64))),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(", "),
+    };
+    println!(
+        "estimate: a first backup of {} takes about {} at {} ({caps}), limited by {}",
+        human_bytes(estimate.bytes),
+        if estimate.seconds.is_finite() {
+            humantime::format_duration(Duration::from_secs(estimate.seconds.ceil() as u64))
+                .to_string()
+        } else {
+            "forever".to_string()
+        },
+        per_second(estimate.bytes_per_second),
+        estimate.bottleneck
+    );
+    if storage.objects_left > 0 {
+        println!(
+            "warning: {} bench objects could not be deleted under {BENCH_PREFIX} of {}",
+            storage.objects_left, storage.location
+        );
+    }
+}

@@ -1,0 +1,511 @@
+//! The engine over `s3://` against a real MinIO server, through the
+//! `haulage` binary with the standard `AWS_*` variables, as a user runs it:
+//! a byte-identical round trip, a server stopped mid-backup, connections cut
+//! mid-upload, a cancelled backup, and restore reads coalesced per pack.
+
+use std::collections::HashSet;
+use std::path::Path;
+use std::process::{Child, Command, Output};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use haulage::engine::Repository;
+use haulage::engine::progress::Progress;
+use haulage::engine::restore::{RestoreOptions, restore};
+use haulage::repo::pack::decode_pack;
+use haulage::repo::{BlobId, DATA_PREFIX, ObjectId};
+use haulage::store::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError, open_store};
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::support::{assert_same_tree, haulage, random_bytes};
+use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::proxy::FaultProxy;
+
+const BUCKET: &str = "haulage-engine";
+const PREFIX: &str = "cluster-a/repo";
+/// How long a backup process may take in these tests before it counts as hung.
+const PROCESS_DEADLINE: Duration = Duration::from_secs(300);
+
+fn repo_url() -> String {
+    format!("s3://{BUCKET}/{PREFIX}")
+}
+
+async fn server_with_bucket() -> MinioServer {
+    let server = MinioServer::start().await.expect("start minio");
+    server.create_bucket(BUCKET).await.expect("create bucket");
+    server
+}
+
+/// `haulage ARGS` with the repository at `endpoint`, credentials from the
+/// standard variables.
+fn haulage_at(endpoint: &str) -> Command {
+    let mut command = haulage();
+    command
+        .env("AWS_ENDPOINT_URL", endpoint)
+        .env("AWS_REGION", REGION)
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env_remove("AWS_PROFILE")
+        .env_remove("AWS_SESSION_TOKEN");
+    command
+}
+
+fn assert_success(output: &Output, what: &str) {
+    assert!(
+        output.status.success(),
+        "{what} failed ({}):\nstdout: {}\nstderr: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+fn init_repo(endpoint: &str) {
+    let output = haulage_at(endpoint)
+        .args(["repo", "init", "--repo", &repo_url()])
+        .output()
+        .expect("run haulage repo init");
+    assert_success(&output, "repo init");
+}
+
+/// Back up `source`; returns the JSON summary.
+fn backup_json(endpoint: &str, source: &Path) -> serde_json::Value {
+    let output = haulage_at(endpoint)
+        .args(["backup", "--json", "--repo", &repo_url()])
+        .arg(source)
+        .output()
+        .expect("run haulage backup");
+    assert_success(&output, "backup");
+    serde_json::from_slice(&output.stdout).expect("backup --json prints JSON")
+}
+
+fn verify_and_restore(endpoint: &str, snapshot: &str, source: &Path, target: &Path) {
+    let verify = haulage_at(endpoint)
+        .args(["verify", "--repo", &repo_url()])
+        .output()
+        .expect("run haulage verify");
+    assert_success(&verify, "verify");
+    let restored = haulage_at(endpoint)
+        .args(["restore", snapshot, "--no-progress", "--repo", &repo_url()])
+        .arg(target)
+        .output()
+        .expect("run haulage restore");
+    assert_success(&restored, "restore");
+    assert_same_tree(source, target);
+}
+
+/// A tree that needs several packs (multipart uploads) and many small
+/// objects' worth of files: `large` random files of `large_bytes`, plus
+/// small files, an empty file, a symlink and a nested directory.
+fn write_source(root: &Path, large: u64, large_bytes: usize) {
+    std::fs::create_dir_all(root.join("nested/deeper")).expect("mkdir");
+    for index in 0..large {
+        std::fs::write(
+            root.join(format!("volume-{index:02}.img")),
+            random_bytes(7_000 + index, large_bytes),
+        )
+        .expect("write large file");
+    }
+    for index in 0..200u64 {
+        let size = 100 + (index as usize * 997) % 40_000;
+        std::fs::write(
+            root.join("nested").join(format!("small-{index:03}.txt")),
+            random_bytes(index, size),
+        )
+        .expect("write small file");
+    }
+    std::fs::write(root.join("nested/deeper/empty"), b"").expect("write empty file");
+    std::os::unix::fs::symlink("../volume-00.img", root.join("nested/link")).expect("symlink");
+}
+
+/// Every object under `PREFIX/data/` as (key, bytes), read behind the
+/// store's back.
+async fn stored_packs(server: &MinioServer) -> Vec<(String, Vec<u8>)> {
+    let client = server.admin_client();
+    let mut packs = Vec::new();
+    let mut token = None;
+    loop {
+        let page = client
+            .list_objects_v2()
+            .bucket(BUCKET)
+            .prefix(format!("{PREFIX}/{DATA_PREFIX}"))
+            .set_continuation_token(token.take())
+            .send()
+            .await
+            .expect("list packs");
+        for object in page.contents() {
+            let key = object.key().expect("key").to_string();
+            let body = client
+                .get_object()
+                .bucket(BUCKET)
+                .key(&key)
+                .send()
+                .await
+                .expect("get pack")
+                .body
+                .collect()
+                .await
+                .expect("read pack")
+                .into_bytes()
+                .to_vec();
+            packs.push((key, body));
+        }
+        match page.next_continuation_token() {
+            Some(next) => token = Some(next.to_string()),
+            None => return packs,
+        }
+    }
+}
+
+async fn pack_count(server: &MinioServer) -> usize {
+    server
+        .admin_client()
+        .list_objects_v2()
+        .bucket(BUCKET)
+        .prefix(format!("{PREFIX}/{DATA_PREFIX}"))
+        .send()
+        .await
+        .map(|page| page.contents().len())
+        .unwrap_or(0)
+}
+
+/// Check that every stored pack is whole: its bytes hash to its name and
+/// its trailer decodes. Returns (blobs counted with duplicates, distinct blobs).
+fn assert_packs_whole(packs: &[(String, Vec<u8>)]) -> (usize, HashSet<BlobId>) {
+    let mut total = 0;
+    let mut unique = HashSet::new();
+    for (key, bytes) in packs {
+        let name = key.rsplit('/').next().expect("pack name");
+        assert_eq!(
+            ObjectId::of(bytes).to_hex(),
+            name,
+            "pack {key} does not match its name: a partial or corrupt object is visible"
+        );
+        let entries =
+            decode_pack(bytes, name).unwrap_or_else(|error| panic!("pack {key}: {error}"));
+        for entry in entries {
+            total += 1;
+            unique.insert(entry.id);
+        }
+    }
+    (total, unique)
+}
+
+/// Wait (bounded) for `condition`, checking the backup process is still running.
+async fn wait_while_running(
+    child: &mut Child,
+    what: &str,
+    mut condition: impl AsyncFnMut() -> bool,
+) {
+    let deadline = Instant::now() + PROCESS_DEADLINE;
+    while !condition().await {
+        assert!(
+            child.try_wait().expect("poll backup").is_none(),
+            "the backup ended before {what}"
+        );
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn wait_with_output(child: Child) -> Output {
+    child.wait_with_output().expect("wait for haulage")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn backup_verify_and_restore_through_s3_are_byte_identical_and_leave_no_upload_behind() {
+    let server = server_with_bucket().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = dir.path().join("source");
+    write_source(&source, 3, 12 << 20);
+    init_repo(&server.endpoint());
+
+    let summary = backup_json(&server.endpoint(), &source);
+    assert!(summary["packsWritten"].as_u64().expect("packs") >= 2);
+    let snapshot = summary["snapshotId"].as_str().expect("id").to_string();
+    verify_and_restore(
+        &server.endpoint(),
+        &snapshot,
+        &source,
+        &dir.path().join("restored"),
+    );
+
+    // A second backup of the unchanged tree stores nothing new.
+    let again = backup_json(&server.endpoint(), &source);
+    assert_eq!(again["bytesNew"].as_u64(), Some(0), "{again}");
+    let (total, unique) = assert_packs_whole(&stored_packs(&server).await);
+    assert_eq!(total, unique.len(), "a blob was stored twice");
+    assert!(
+        server
+            .multipart_uploads(BUCKET, PREFIX)
+            .await
+            .expect("list uploads")
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_sends_only_missing_packs()
+ {
+    let mut server = server_with_bucket().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = dir.path().join("source");
+    write_source(&source, 8, 16 << 20);
+    init_repo(&server.endpoint());
+
+    // Slow reading so the server can be stopped between packs.
+    let mut first = haulage_at(&server.endpoint())
+        .args([
+            "backup",
+            "--no-progress",
+            "--limit-read",
+            "40MiB",
+            "--repo",
+            &repo_url(),
+        ])
+        .arg(&source)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start backup");
+    wait_while_running(&mut first, "two packs were stored", async || {
+        pack_count(&server).await >= 2
+    })
+    .await;
+    server.stop();
+    let output = wait_with_output(first);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("127.0.0.1:{}", server.port())),
+        "the error does not name the endpoint: {stderr}"
+    );
+    assert!(
+        !stderr.contains(SECRET_KEY),
+        "the error shows the secret: {stderr}"
+    );
+
+    server.restart().await.expect("restart minio");
+    let (stored_before, _) = assert_packs_whole(&stored_packs(&server).await);
+    assert!(stored_before > 0);
+    let summary = backup_json(&server.endpoint(), &source);
+    let bytes_new = summary["bytesNew"].as_u64().expect("bytesNew");
+    let total_bytes = summary["totalBytes"].as_u64().expect("totalBytes");
+    assert!(
+        bytes_new < total_bytes,
+        "the rerun stored everything again ({bytes_new} of {total_bytes} bytes)"
+    );
+    let (total, unique) = assert_packs_whole(&stored_packs(&server).await);
+    assert_eq!(total, unique.len(), "a blob was stored twice");
+    let snapshot = summary["snapshotId"].as_str().expect("id").to_string();
+    verify_and_restore(
+        &server.endpoint(),
+        &snapshot,
+        &source,
+        &dir.path().join("restored"),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
+    let server = server_with_bucket().await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
+        .await
+        .expect("start proxy");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = dir.path().join("source");
+    write_source(&source, 4, 12 << 20);
+    init_repo(&server.endpoint());
+
+    let mut backup = haulage_at(&proxy.endpoint())
+        .args([
+            "backup",
+            "--json",
+            "--no-progress",
+            "--limit-read",
+            "40MiB",
+            "--repo",
+            &repo_url(),
+        ])
+        .arg(&source)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start backup");
+    // Cut three upload connections, each a few MiB into whatever is in flight.
+    for cut in 1..=3u64 {
+        proxy.cut_upload_after(3 << 20);
+        wait_while_running(&mut backup, "the connection was cut", async || {
+            proxy.cuts() >= cut
+        })
+        .await;
+        // Nothing visible is ever partial, also while the backup runs.
+        assert_packs_whole(&stored_packs(&server).await);
+    }
+    let output = wait_with_output(backup);
+    assert_success(&output, "backup through the cutting proxy");
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    let (total, unique) = assert_packs_whole(&stored_packs(&server).await);
+    assert_eq!(total, unique.len(), "a blob was stored twice");
+    let snapshot = summary["snapshotId"].as_str().expect("id").to_string();
+    verify_and_restore(
+        &server.endpoint(),
+        &snapshot,
+        &source,
+        &dir.path().join("restored"),
+    );
+    assert!(
+        server
+            .multipart_uploads(BUCKET, PREFIX)
+            .await
+            .expect("list uploads")
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_before_exiting() {
+    let server = server_with_bucket().await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
+        .await
+        .expect("start proxy");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = dir.path().join("source");
+    write_source(&source, 4, 16 << 20);
+    init_repo(&server.endpoint());
+
+    // Hold every upload byte after the first few MiB, so multipart uploads
+    // are in flight when the signal arrives.
+    proxy.stall_upload_after(6 << 20);
+    let mut backup = haulage_at(&proxy.endpoint())
+        .args(["backup", "--no-progress", "--repo", &repo_url()])
+        .arg(&source)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start backup");
+    wait_while_running(
+        &mut backup,
+        "a multipart upload was in flight",
+        async || {
+            proxy.uploaded_bytes() >= 6 << 20
+                && !server
+                    .multipart_uploads(BUCKET, PREFIX)
+                    .await
+                    .unwrap_or_default()
+                    .is_empty()
+        },
+    )
+    .await;
+    let signalled = Command::new("kill")
+        .args(["-TERM", &backup.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(signalled.success());
+    // The aborts go through the proxy too: let them pass. The process must
+    // wait for them before it exits.
+    proxy.resume();
+    let output = wait_with_output(backup);
+    assert_eq!(
+        output.status.code(),
+        Some(130),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let pending = server
+        .multipart_uploads(BUCKET, PREFIX)
+        .await
+        .expect("list uploads");
+    assert!(
+        pending.is_empty(),
+        "the cancelled backup exited with multipart uploads pending: {pending:?}"
+    );
+    assert_packs_whole(&stored_packs(&server).await);
+}
+
+/// Counts ranged reads of packs reaching the wrapped store.
+#[derive(Debug)]
+struct PackReadCounter {
+    inner: DynStore,
+    pack_reads: AtomicU32,
+}
+
+#[async_trait]
+impl ObjectStore for PackReadCounter {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        self.inner.put(key, data, mode).await
+    }
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, StoreError> {
+        if key.starts_with(DATA_PREFIX) {
+            self.pack_reads.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.get(key, range).await
+    }
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.inner.delete(key).await
+    }
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn restore_reads_neighbouring_blobs_of_a_pack_in_few_requests() {
+    let server = server_with_bucket().await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = dir.path().join("source");
+    write_source(&source, 3, 12 << 20);
+    init_repo(&server.endpoint());
+    let summary = backup_json(&server.endpoint(), &source);
+    let snapshot: ObjectId = summary["snapshotId"]
+        .as_str()
+        .expect("id")
+        .parse()
+        .expect("snapshot id");
+
+    let store = open_store(&repo_url(), &server.store_options())
+        .await
+        .expect("open store");
+    let counter = Arc::new(PackReadCounter {
+        inner: store,
+        pack_reads: AtomicU32::new(0),
+    });
+    let repository = Repository::open(counter.clone()).await.expect("open");
+    let loaded = repository.load_index().await.expect("index");
+    let blobs = loaded.index.len();
+    let packs = stored_packs(&server).await.len();
+    let before = counter.pack_reads.load(Ordering::SeqCst);
+    let target = dir.path().join("restored");
+    let outcome = restore(
+        &repository,
+        &snapshot,
+        RestoreOptions::new(&target),
+        Arc::new(Progress::default()),
+        CancellationToken::new(),
+    )
+    .await
+    .expect("restore");
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_same_tree(&source, &target);
+    let reads = counter.pack_reads.load(Ordering::SeqCst) - before;
+    eprintln!("restore made {reads} pack reads for {blobs} blobs in {packs} packs");
+    // One read per blob is what an uncoalesced restore does; coalescing
+    // within files and across small files must cut that by far.
+    assert!(
+        (reads as usize) * 4 <= blobs,
+        "restore made {reads} pack reads for {blobs} blobs in {packs} packs: reads are not coalesced"
+    );
+}
