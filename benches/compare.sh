@@ -32,20 +32,21 @@ measure() {
     local tool="$1" step="$2"; shift 2
     local log; log=$(mktemp)
     if ! /usr/bin/time -v "$@" >/dev/null 2>"$log"; then
-        echo "| $tool | $step | failed | | |"; tail -5 "$log" >&2; rm -f "$log"; return
+        echo "| $tool | $step | failed | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
     fi
-    local wall rss
+    local wall rss cpu
     wall=$(awk -F': ' '/Elapsed \(wall clock\)/ {print $2}' "$log" | awk -F: '{ if (NF==3) print $1*3600+$2*60+$3; else print $1*60+$2 }')
     rss=$(awk -F': ' '/Maximum resident set size/ {print $2}' "$log")
-    awk -v t="$tool" -v s="$step" -v w="$wall" -v b="$DATA_BYTES" -v r="$rss" \
-        'BEGIN { printf "| %s | %s | %.2f | %.0f | %.0f |\n", t, s, w, (b/1048576)/w, r/1024 }'
+    cpu=$(awk -F': ' '/User time|System time/ {sum += $2} END {print sum}' "$log")
+    awk -v t="$tool" -v s="$step" -v w="$wall" -v b="$DATA_BYTES" -v r="$rss" -v c="$cpu" \
+        'BEGIN { printf "| %s | %s | %.2f | %.0f | %.2f | %.0f |\n", t, s, w, (b/1048576)/w, c, r/1024 }'
     rm -f "$log"
 }
 
 echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB, $(nproc) cores"
 echo
-echo "| tool | step | wall s | MiB/s | peak RSS MiB |"
-echo "| --- | --- | --- | --- | --- |"
+echo "| tool | step | wall s | MiB/s | CPU s (user+sys) | peak RSS MiB |"
+echo "| --- | --- | --- | --- | --- | --- |"
 
 "$HAULAGE" repo init --repo "$WORK/repos/haulage" >/dev/null
 measure haulage "first backup" "$HAULAGE" backup "$WORK/data" --no-progress --repo "$WORK/repos/haulage"
@@ -58,7 +59,7 @@ if command -v restic >/dev/null; then
     measure restic "second backup" restic backup -q --repo "$WORK/repos/restic" "$WORK/data"
     measure restic restore restic restore -q latest --repo "$WORK/repos/restic" --target "$WORK/restore/restic"
 else
-    echo "| restic | not installed | | | |"
+    echo "| restic | not installed | | | | |"
 fi
 if command -v rustic >/dev/null; then
     rustic init --repository "$WORK/repos/rustic" >/dev/null 2>&1
@@ -66,7 +67,7 @@ if command -v rustic >/dev/null; then
     measure rustic "second backup" rustic backup --repository "$WORK/repos/rustic" "$WORK/data"
     measure rustic restore rustic restore --repository "$WORK/repos/rustic" latest "$WORK/restore/rustic"
 else
-    echo "| rustic | not installed | | | |"
+    echo "| rustic | not installed | | | | |"
 fi
 if command -v kopia >/dev/null; then
     export KOPIA_CONFIG_PATH="$WORK/repos/kopia.config"
@@ -75,5 +76,5 @@ if command -v kopia >/dev/null; then
     measure kopia "second backup" kopia snapshot create "$WORK/data"
     measure kopia restore kopia snapshot restore "$WORK/data" "$WORK/restore/kopia"
 else
-    echo "| kopia | not installed | | | |"
+    echo "| kopia | not installed | | | | |"
 fi
