@@ -8,6 +8,7 @@
 //! that could not restore some files); 130 cancelled (Ctrl-C / SIGTERM).
 
 mod backup;
+mod controller;
 mod crds;
 mod demo;
 mod plan;
@@ -53,6 +54,8 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
+    /// Run the controller: reconcile VolumeBackups and BackupStorageLocations.
+    Controller(crate::controller::ControllerArgs),
     /// Write the reproducible sample tree the demo and benchmarks use.
     #[command(hide = true)]
     SampleData(demo::SampleDataArgs),
@@ -153,6 +156,7 @@ pub fn main() -> ExitCode {
             Command::Restore(args) => restore::run(args, cancel.clone()).await,
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Controller(args) => controller::run(args, cancel.clone()).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(arguments) => return plan::run(&arguments),
             Command::Crds(arguments) => crds::run(&arguments),
