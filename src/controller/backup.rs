@@ -12,7 +12,7 @@ use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{Event, finalizer};
 use kube::{Api, Resource, ResourceExt};
@@ -556,83 +556,73 @@ async fn write_transfer_status(
     }
 }
 
-/// Namespaces that may hold the backup's children.
-fn child_namespaces(backup: &VolumeBackup, context: &Context, owner: &Owner) -> BTreeSet<String> {
-    let mut namespaces: BTreeSet<String> = backup.spec.namespaces.iter().cloned().collect();
-    namespaces.extend(
-        owned_pods(context, owner)
-            .iter()
-            .filter_map(|pod| pod.namespace()),
-    );
-    namespaces
+/// Delete one object by name; a missing one is already gone.
+async fn delete_named<K>(api: &Api<K>, name: &str, kind: &'static str) -> Result<(), Error>
+where
+    K: Resource + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(error) if is_not_found(&error) => Ok(()),
+        Err(source) => Err(kube_error("delete", kind, name)(source)),
+    }
 }
 
 /// Delete the stage pods, their Roles, bindings and credentials copies
-/// (the transfers stay: they carry the per-volume results).
+/// (the transfers stay: they carry the per-volume results). Deletes by
+/// name (from the plan and the pod cache): the controller's RBAC has no
+/// `deletecollection`, and Secrets outside its namespace it may only
+/// create and delete.
 async fn release_stage_pods(
     backup: &VolumeBackup,
     owner: &Owner,
     context: &Context,
 ) -> Result<(), Error> {
-    let selector = ListParams::default().labels(&owner.selector());
-    let delete = DeleteParams::background();
     let plan = backup
         .status
         .as_ref()
         .and_then(|status| status.plan.clone())
         .unwrap_or_default();
-    let mut copies: BTreeSet<(String, String)> = plan
+    let mut pods: BTreeSet<(String, String)> = plan
         .stage_pods
         .iter()
         .filter_map(|pod| {
-            pod.pod_name.as_ref().map(|name| {
-                (
-                    pod.namespace.clone(),
-                    crate::controller::children::credentials_copy_name(name),
-                )
-            })
+            pod.pod_name
+                .clone()
+                .map(|name| (pod.namespace.clone(), name))
         })
         .collect();
-    copies.extend(owned_pods(context, owner).iter().map(|pod| {
-        (
-            pod.namespace().unwrap_or_default(),
-            crate::controller::children::credentials_copy_name(&pod.name_any()),
-        )
-    }));
-    for namespace in child_namespaces(backup, context, owner) {
+    pods.extend(
+        owned_pods(context, owner)
+            .iter()
+            .map(|pod| (pod.namespace().unwrap_or_default(), pod.name_any())),
+    );
+    for (namespace, name) in pods {
         let client = context.client.clone();
-        let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
-        pods.delete_collection(&delete, &selector)
-            .await
-            .map_err(kube_error("delete stage pods in", "Namespace", &namespace))?;
-        let bindings: Api<RoleBinding> = Api::namespaced(client.clone(), &namespace);
-        bindings
-            .delete_collection(&delete, &selector)
-            .await
-            .map_err(kube_error(
-                "delete agent bindings in",
-                "Namespace",
-                &namespace,
-            ))?;
-        let roles: Api<Role> = Api::namespaced(client, &namespace);
-        roles
-            .delete_collection(&delete, &selector)
-            .await
-            .map_err(kube_error("delete agent roles in", "Namespace", &namespace))?;
-    }
-    for (namespace, name) in copies {
-        let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &namespace);
-        match secrets.delete(&name, &delete).await {
-            Ok(_) => {}
-            Err(error) if is_not_found(&error) => {}
-            Err(source) => {
-                return Err(kube_error(
-                    "delete",
-                    "Secret",
-                    format!("{namespace}/{name}"),
-                )(source));
-            }
-        }
+        delete_named(
+            &Api::<Pod>::namespaced(client.clone(), &namespace),
+            &name,
+            "Pod",
+        )
+        .await?;
+        delete_named(
+            &Api::<RoleBinding>::namespaced(client.clone(), &namespace),
+            &name,
+            "RoleBinding",
+        )
+        .await?;
+        delete_named(
+            &Api::<Role>::namespaced(client.clone(), &namespace),
+            &name,
+            "Role",
+        )
+        .await?;
+        delete_named(
+            &Api::<Secret>::namespaced(client, &namespace),
+            &crate::controller::children::credentials_copy_name(&name),
+            "Secret",
+        )
+        .await?;
     }
     Ok(())
 }
@@ -658,14 +648,11 @@ async fn cleanup(backup: &VolumeBackup, context: &Context) -> Result<Action, Err
             write_transfer_status(&transfer, &status, context).await?;
         }
         release_stage_pods(backup, &owner, context).await?;
-        let selector = ListParams::default().labels(&owner.selector());
-        for namespace in child_namespaces(backup, context, &owner) {
+        for transfer in owned_transfers(context, &owner) {
+            let namespace = transfer.namespace().unwrap_or_default();
             let transfers: Api<VolumeTransfer> =
                 Api::namespaced(context.client.clone(), &namespace);
-            transfers
-                .delete_collection(&DeleteParams::background(), &selector)
-                .await
-                .map_err(kube_error("delete transfers in", "Namespace", &namespace))?;
+            delete_named(&transfers, &transfer.name_any(), "VolumeTransfer").await?;
         }
         Ok::<(), Error>(())
     };

@@ -4,6 +4,7 @@
 //! harness compiles once; each module is one area.
 
 mod api;
+mod controller;
 mod engine;
 mod s3;
 mod store_conformance;

@@ -1,0 +1,385 @@
+//! The controller and the mover agent end to end on a real kube-apiserver
+//! and a real MinIO: manifests applied as a user would, a BSL and a
+//! VolumeBackup created, the controller running with its own
+//! ServiceAccount's token (so its RBAC is the real one), stage pods run by
+//! the kubelet stand-in as real `mover-agent` processes with their own
+//! TokenRequest tokens; every snapshot restores byte-identical, and nothing
+//! is left behind.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
+use haulage::api::{BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup};
+use haulage::engine::Repository;
+use haulage::engine::progress::Progress;
+use haulage::engine::restore::{RestoreOptions, restore};
+use haulage::store::open_store;
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::support::assert_same_tree;
+use crate::support::kube::KubeCluster;
+use crate::support::kubelet::Kubelet;
+use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+
+const BUCKET: &str = "haulage-e2e";
+const PREFIX: &str = "cluster-a";
+/// Generous: two cores shared with other builds, debug binaries.
+const BACKUP_DEADLINE: Duration = Duration::from_secs(240);
+
+fn manifests() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("manifests")
+}
+
+async fn create<K>(
+    client: &kube::Client,
+    namespace: Option<&str>,
+    value: serde_json::Value,
+) -> anyhow::Result<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug,
+{
+    let object: K = serde_json::from_value(value)?;
+    let resource = kube::core::ApiResource::erase::<K>(&());
+    let api: Api<kube::core::DynamicObject> = match namespace {
+        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    };
+    let dynamic: kube::core::DynamicObject =
+        serde_json::from_value(serde_json::to_value(&object)?)?;
+    let created = api
+        .create(&PostParams::default(), &dynamic)
+        .await
+        .with_context(|| format!("create {:?}", object.meta().name))?;
+    Ok(serde_json::from_value(serde_json::to_value(created)?)?)
+}
+
+/// A bound claim with its volume; `mode` is the access mode.
+async fn bound_claim(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    mode: &str,
+) -> anyhow::Result<()> {
+    let volume = format!("pv-{namespace}-{name}");
+    create::<PersistentVolume>(
+        client,
+        None,
+        json!({"apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "csi": {"driver": "test.csi.haulage.dev", "volumeHandle": volume},
+                "claimRef": {"namespace": namespace, "name": name}}}),
+    )
+    .await?;
+    create::<PersistentVolumeClaim>(
+        client,
+        Some(namespace),
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": namespace, "labels": {"backup": "yes"}},
+            "spec": {"accessModes": [mode], "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}}}}),
+    )
+    .await?;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    claims
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Bound", "accessModes": [mode],
+                "capacity": {"storage": "1Gi"}}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A running application pod on `node` mounting `claim`.
+async fn app_pod(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    node: &str,
+    claim: &str,
+) -> anyhow::Result<()> {
+    create::<Pod>(
+        client,
+        Some(namespace),
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"nodeName": node,
+                "containers": [{"name": "app", "image": "app:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]}}),
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    pods.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Running"}})),
+    )
+    .await?;
+    Ok(())
+}
+
+async fn client_from(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
+    let kubeconfig = Kubeconfig::read_from(kubeconfig)?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// Poll `check` until it returns `Some`, failing with `describe` after the
+/// deadline.
+async fn eventually<T, F, Fut>(deadline: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(value) = check().await? {
+            return Ok(value);
+        }
+        if start.elapsed() > deadline {
+            bail!("not reached within {deadline:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() -> anyhow::Result<()>
+{
+    let cluster = KubeCluster::start().await?;
+    let minio = MinioServer::start().await?;
+    minio.create_bucket(BUCKET).await?;
+    let client = cluster.client().await?;
+    cluster
+        .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
+        .await?;
+    cluster
+        .kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/volumebackups.haulage.dev",
+                "crd/volumetransfers.haulage.dev",
+                "crd/backupstoragelocations.haulage.dev",
+            ],
+            None,
+        )
+        .await?;
+
+    // The repository, initialised as a user would with `haulage repo init`.
+    let repository_url = format!("s3://{BUCKET}/{PREFIX}");
+    let store = open_store(&repository_url, &minio.store_options()).await?;
+    Repository::init(store.clone()).await?;
+
+    // Two namespaces, five claims with generated data, three nodes.
+    let work = tempfile::tempdir()?;
+    let volumes = work.path().join("volumes");
+    let claims = [
+        ("shop", "db", "ReadWriteOnce", 3_u64),
+        ("shop", "uploads", "ReadWriteMany", 4),
+        ("shop", "archive", "ReadWriteOnce", 5),
+        ("web", "content", "ReadWriteOnce", 6),
+        ("web", "logs", "ReadWriteOnce", 7),
+    ];
+    for namespace in ["shop", "web"] {
+        create::<Namespace>(
+            &client,
+            None,
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
+        )
+        .await?;
+    }
+    for (namespace, name, mode, seed) in claims {
+        bound_claim(&client, namespace, name, mode).await?;
+        haulage::sample::generate(&volumes.join(namespace).join(name), 2 << 20, seed)?;
+    }
+    let kubelet = Kubelet::start(
+        client.clone(),
+        cluster.kubeconfig(),
+        &["node-a", "node-b", "node-c"],
+        &volumes,
+        &work.path().join("kubelet"),
+    )
+    .await?;
+    app_pod(&client, "shop", "db-0", "node-a", "db").await?;
+    app_pod(&client, "shop", "uploader-b", "node-b", "uploads").await?;
+    app_pod(&client, "shop", "uploader-c", "node-c", "uploads").await?;
+
+    // The BSL, pointing at MinIO, with its credentials Secret.
+    create::<Secret>(
+        &client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
+            "stringData": {"cloud": format!(
+                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")}}),
+    )
+    .await?;
+    create::<BackupStorageLocation>(
+        &client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
+            "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
+                "region": REGION, "s3ForcePathStyle": true, "default": true,
+                "credential": {"name": "s3-credentials", "key": "cloud"},
+                "validationFrequency": "10s"}}),
+    )
+    .await?;
+
+    // The controller, in-process, with its own ServiceAccount's token.
+    let controller_kubeconfig = kubelet
+        .service_account_kubeconfig(
+            SYSTEM_NAMESPACE,
+            "haulage-controller",
+            &work.path().join("controller.kubeconfig"),
+        )
+        .await?;
+    let controller_client = client_from(&controller_kubeconfig).await?;
+    let config = haulage::controller::Config {
+        namespace: SYSTEM_NAMESPACE.to_string(),
+        identity: "controller-0".to_string(),
+        agent_image: "mover-agent:test".to_string(),
+        health_address: "127.0.0.1:0".parse()?,
+        concurrency: 4,
+        pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
+    };
+    let shutdown = CancellationToken::new();
+    let controller = tokio::spawn(haulage::controller::run(
+        config,
+        controller_client,
+        shutdown.clone(),
+    ));
+
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    eventually(Duration::from_secs(60), || async {
+        let location = locations.get("minio").await?;
+        Ok(
+            (location.status.and_then(|s| s.phase) == Some(BackupStorageLocationPhase::Available))
+                .then_some(()),
+        )
+    })
+    .await
+    .context("the BSL never became Available")?;
+
+    create::<VolumeBackup>(
+        &client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+            "metadata": {"name": "nightly", "namespace": SYSTEM_NAMESPACE},
+            "spec": {"namespaces": ["shop", "web"], "selector": {"matchLabels": {"backup": "yes"}}}}),
+    )
+    .await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let finished = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("nightly").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await;
+    let backup = match finished {
+        Ok(backup) => backup,
+        Err(error) => {
+            let backup = backups.get("nightly").await?;
+            bail!(
+                "{error}: status {:#?}\nagent logs:\n{}",
+                backup.status,
+                kubelet.all_agent_logs()
+            );
+        }
+    };
+    let status = backup.status.clone().context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{status:#?}\n{}",
+        kubelet.all_agent_logs()
+    );
+
+    // The plan: the RWO claim in use on node-a is read there, the RWX one
+    // by exactly one stage pod, every claim placed.
+    let plan = status.plan.clone().context("plan in status")?;
+    assert!(plan.unplaceable.is_empty(), "{plan:#?}");
+    let pod_of = |namespace: &str, pvc: &str| {
+        plan.stage_pods
+            .iter()
+            .filter(|pod| pod.namespace == namespace && pod.volumes.iter().any(|v| v == pvc))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(pod_of("shop", "db").len(), 1);
+    assert_eq!(pod_of("shop", "db")[0].node, "node-a");
+    assert_eq!(pod_of("shop", "uploads").len(), 1);
+    assert!(["node-b", "node-c"].contains(&pod_of("shop", "uploads")[0].node.as_str()));
+
+    let counts = status.volumes.clone().context("volume counts")?;
+    assert_eq!((counts.total, counts.completed, counts.failed), (5, 5, 0));
+    let progress = status.progress.clone().context("progress")?;
+    assert!(
+        progress.total_bytes > 0 && progress.bytes_done == progress.total_bytes,
+        "{progress:?}"
+    );
+    assert_eq!(status.results.len(), 5);
+
+    // Every snapshot restores byte-identical.
+    let repository = Repository::open(store.clone()).await?;
+    for result in &status.results {
+        let snapshot_text = result.snapshot_id.as_deref().context("snapshot id")?;
+        let snapshot = repository.resolve_snapshot(snapshot_text).await?;
+        let target = work
+            .path()
+            .join("restored")
+            .join(&result.namespace)
+            .join(&result.pvc);
+        restore(
+            &repository,
+            &snapshot,
+            RestoreOptions::new(&target),
+            Arc::new(Progress::default()),
+            CancellationToken::new(),
+        )
+        .await?;
+        assert_same_tree(&volumes.join(&result.namespace).join(&result.pvc), &target);
+    }
+
+    // Nothing left behind: stage pods, credentials copies, uploads.
+    let stage_pods: Api<Pod> = Api::all(client.clone());
+    let selector = "app.kubernetes.io/name=haulage-agent";
+    eventually(Duration::from_secs(60), || async {
+        let left = stage_pods
+            .list(&ListParams::default().labels(selector))
+            .await?;
+        Ok(left.items.is_empty().then_some(()))
+    })
+    .await
+    .context("stage pods remain")?;
+    let secrets: Api<Secret> = Api::all(client.clone());
+    let copies = secrets
+        .list(&ListParams::default().labels(&format!("{CREDENTIALS_COPY_LABEL}=true")))
+        .await?;
+    assert!(copies.items.is_empty(), "credentials copies remain");
+    assert!(minio.multipart_uploads(BUCKET, "").await?.is_empty());
+
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), controller).await;
+    Ok(())
+}
