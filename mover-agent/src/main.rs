@@ -79,6 +79,12 @@ struct TransfersArguments {
     /// Path-style S3 addressing.
     #[arg(long)]
     path_style: bool,
+    /// Upload cap of this agent, bytes per second (the BSL's).
+    #[arg(long)]
+    upload_bytes_per_second: Option<std::num::NonZeroU64>,
+    /// Requests to the store at once (the BSL's cap).
+    #[arg(long)]
+    max_concurrent_requests: Option<usize>,
     /// This pod's name (downward API).
     #[arg(long, env = "POD_NAME")]
     pod_name: String,
@@ -182,6 +188,8 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
     options.s3.endpoint = arguments.endpoint.clone();
     options.s3.region = arguments.region.clone();
     options.s3.path_style = arguments.path_style.then_some(true);
+    options.upload_bytes_per_second = arguments.upload_bytes_per_second;
+    options.max_concurrent_requests = arguments.max_concurrent_requests;
     if let Some(path) = &arguments.credentials_file {
         options.s3.credentials = Some(S3Credentials::from_credentials_file(path, None)?);
     }

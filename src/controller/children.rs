@@ -135,6 +135,16 @@ pub fn agent_arguments(location: &BackupStorageLocationSpec) -> Vec<String> {
     if location.s3_force_path_style == Some(true) {
         arguments.push("--path-style".to_string());
     }
+    // The location's caps, applied by each agent to its own uploads.
+    if let Some(rate) = location.upload_bytes_per_second {
+        arguments.extend(["--upload-bytes-per-second".to_string(), rate.to_string()]);
+    }
+    if let Some(requests) = location.max_concurrent_requests {
+        arguments.extend([
+            "--max-concurrent-requests".to_string(),
+            requests.to_string(),
+        ]);
+    }
     arguments
 }
 
@@ -299,7 +309,7 @@ mod tests {
     fn location() -> BackupStorageLocationSpec {
         serde_yaml::from_str(
             "bucket: backups\nprefix: /team/\nendpoint: http://127.0.0.1:9000\nregion: us-east-1\n\
-             s3ForcePathStyle: true\ncredential: {name: s3, key: cloud}\n",
+             s3ForcePathStyle: true\ncredential: {name: s3, key: cloud}\nuploadBytesPerSecond: 1048576\n",
         )
         .expect("valid spec")
     }
@@ -333,7 +343,9 @@ mod tests {
                 "http://127.0.0.1:9000",
                 "--region",
                 "us-east-1",
-                "--path-style"
+                "--path-style",
+                "--upload-bytes-per-second",
+                "1048576"
             ]
         );
     }

@@ -13,13 +13,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
-use haulage::api::{BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup};
+use haulage::api::{
+    BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeTransfer,
+    VolumeTransferPhase,
+};
 use haulage::engine::Repository;
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::store::open_store;
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -160,71 +163,90 @@ where
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() -> anyhow::Result<()>
-{
-    let cluster = KubeCluster::start().await?;
-    let minio = MinioServer::start().await?;
-    minio.create_bucket(BUCKET).await?;
-    let client = cluster.client().await?;
-    cluster
-        .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
-        .await?;
-    cluster
-        .kubectl_ok(
-            &[
-                "wait",
-                "--for=condition=Established",
-                "--timeout=60s",
-                "crd/volumebackups.haulage.dev",
-                "crd/volumetransfers.haulage.dev",
-                "crd/backupstoragelocations.haulage.dev",
-            ],
-            None,
+/// A cluster with the manifests applied, MinIO with an initialised
+/// repository, five claims with data on three nodes run by the kubelet
+/// stand-in, an Available BSL and the controller running.
+struct Fixture {
+    cluster: KubeCluster,
+    minio: MinioServer,
+    client: kube::Client,
+    kubelet: Kubelet,
+    work: tempfile::TempDir,
+    volumes: PathBuf,
+    store: haulage::store::DynStore,
+    shutdown: CancellationToken,
+    controller: tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
+}
+
+impl Fixture {
+    /// `upload_bytes_per_second` caps each agent (the BSL's cap), to make
+    /// transfers slow enough to interrupt; `volume_bytes` is each claim's data.
+    async fn start(
+        upload_bytes_per_second: Option<u64>,
+        volume_bytes: u64,
+    ) -> anyhow::Result<Self> {
+        let cluster = KubeCluster::start().await?;
+        let minio = MinioServer::start().await?;
+        minio.create_bucket(BUCKET).await?;
+        let client = cluster.client().await?;
+        cluster
+            .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
+            .await?;
+        cluster
+            .kubectl_ok(
+                &[
+                    "wait",
+                    "--for=condition=Established",
+                    "--timeout=60s",
+                    "crd/volumebackups.haulage.dev",
+                    "crd/volumetransfers.haulage.dev",
+                    "crd/backupstoragelocations.haulage.dev",
+                ],
+                None,
+            )
+            .await?;
+
+        // The repository, initialised as a user would with `haulage repo init`.
+        let repository_url = format!("s3://{BUCKET}/{PREFIX}");
+        let store = open_store(&repository_url, &minio.store_options()).await?;
+        Repository::init(store.clone()).await?;
+
+        // Two namespaces, five claims with generated data, three nodes.
+        let work = tempfile::tempdir()?;
+        let volumes = work.path().join("volumes");
+        let claims = [
+            ("shop", "db", "ReadWriteOnce", 3_u64),
+            ("shop", "uploads", "ReadWriteMany", 4),
+            ("shop", "archive", "ReadWriteOnce", 5),
+            ("web", "content", "ReadWriteOnce", 6),
+            ("web", "logs", "ReadWriteOnce", 7),
+        ];
+        for namespace in ["shop", "web"] {
+            create::<Namespace>(
+                &client,
+                None,
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
+            )
+            .await?;
+        }
+        for (namespace, name, mode, seed) in claims {
+            bound_claim(&client, namespace, name, mode).await?;
+            haulage::sample::generate(&volumes.join(namespace).join(name), volume_bytes, seed)?;
+        }
+        let kubelet = Kubelet::start(
+            client.clone(),
+            cluster.kubeconfig(),
+            &["node-a", "node-b", "node-c"],
+            &volumes,
+            &work.path().join("kubelet"),
         )
         .await?;
+        app_pod(&client, "shop", "db-0", "node-a", "db").await?;
+        app_pod(&client, "shop", "uploader-b", "node-b", "uploads").await?;
+        app_pod(&client, "shop", "uploader-c", "node-c", "uploads").await?;
 
-    // The repository, initialised as a user would with `haulage repo init`.
-    let repository_url = format!("s3://{BUCKET}/{PREFIX}");
-    let store = open_store(&repository_url, &minio.store_options()).await?;
-    Repository::init(store.clone()).await?;
-
-    // Two namespaces, five claims with generated data, three nodes.
-    let work = tempfile::tempdir()?;
-    let volumes = work.path().join("volumes");
-    let claims = [
-        ("shop", "db", "ReadWriteOnce", 3_u64),
-        ("shop", "uploads", "ReadWriteMany", 4),
-        ("shop", "archive", "ReadWriteOnce", 5),
-        ("web", "content", "ReadWriteOnce", 6),
-        ("web", "logs", "ReadWriteOnce", 7),
-    ];
-    for namespace in ["shop", "web"] {
-        create::<Namespace>(
-            &client,
-            None,
-            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
-        )
-        .await?;
-    }
-    for (namespace, name, mode, seed) in claims {
-        bound_claim(&client, namespace, name, mode).await?;
-        haulage::sample::generate(&volumes.join(namespace).join(name), 2 << 20, seed)?;
-    }
-    let kubelet = Kubelet::start(
-        client.clone(),
-        cluster.kubeconfig(),
-        &["node-a", "node-b", "node-c"],
-        &volumes,
-        &work.path().join("kubelet"),
-    )
-    .await?;
-    app_pod(&client, "shop", "db-0", "node-a", "db").await?;
-    app_pod(&client, "shop", "uploader-b", "node-b", "uploads").await?;
-    app_pod(&client, "shop", "uploader-c", "node-c", "uploads").await?;
-
-    // The BSL, pointing at MinIO, with its credentials Secret.
-    create::<Secret>(
+        // The BSL, pointing at MinIO, with its credentials Secret.
+        create::<Secret>(
         &client,
         Some(SYSTEM_NAMESPACE),
         json!({"apiVersion": "v1", "kind": "Secret",
@@ -233,61 +255,114 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
                 "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")}}),
     )
     .await?;
-    create::<BackupStorageLocation>(
-        &client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+        create::<BackupStorageLocation>(
+            &client,
+            Some(SYSTEM_NAMESPACE),
+            json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
             "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
             "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
                 "region": REGION, "s3ForcePathStyle": true, "default": true,
                 "credential": {"name": "s3-credentials", "key": "cloud"},
-                "validationFrequency": "10s"}}),
-    )
-    .await?;
-
-    // The controller, in-process, with its own ServiceAccount's token.
-    let controller_kubeconfig = kubelet
-        .service_account_kubeconfig(
-            SYSTEM_NAMESPACE,
-            "haulage-controller",
-            &work.path().join("controller.kubeconfig"),
+                "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
         )
         .await?;
-    let controller_client = client_from(&controller_kubeconfig).await?;
-    let config = haulage::controller::Config {
-        namespace: SYSTEM_NAMESPACE.to_string(),
-        identity: "controller-0".to_string(),
-        agent_image: "mover-agent:test".to_string(),
-        health_address: "127.0.0.1:0".parse()?,
-        concurrency: 4,
-        pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
-    };
-    let shutdown = CancellationToken::new();
-    let controller = tokio::spawn(haulage::controller::run(
-        config,
-        controller_client,
-        shutdown.clone(),
-    ));
 
-    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    eventually(Duration::from_secs(60), || async {
-        let location = locations.get("minio").await?;
-        Ok(
-            (location.status.and_then(|s| s.phase) == Some(BackupStorageLocationPhase::Available))
-                .then_some(()),
-        )
-    })
-    .await
-    .context("the BSL never became Available")?;
+        // The controller, in-process, with its own ServiceAccount's token.
+        let controller_kubeconfig = kubelet
+            .service_account_kubeconfig(
+                SYSTEM_NAMESPACE,
+                "haulage-controller",
+                &work.path().join("controller.kubeconfig"),
+            )
+            .await?;
+        let controller_client = client_from(&controller_kubeconfig).await?;
+        let config = haulage::controller::Config {
+            namespace: SYSTEM_NAMESPACE.to_string(),
+            identity: "controller-0".to_string(),
+            agent_image: "mover-agent:test".to_string(),
+            health_address: "127.0.0.1:0".parse()?,
+            concurrency: 4,
+            pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
+        };
+        let shutdown = CancellationToken::new();
+        let controller = tokio::spawn(haulage::controller::run(
+            config,
+            controller_client,
+            shutdown.clone(),
+        ));
 
+        let locations: Api<BackupStorageLocation> =
+            Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+        eventually(Duration::from_secs(60), || async {
+            let location = locations.get("minio").await?;
+            Ok((location.status.and_then(|s| s.phase)
+                == Some(BackupStorageLocationPhase::Available))
+            .then_some(()))
+        })
+        .await
+        .context("the BSL never became Available")?;
+
+        Ok(Fixture {
+            cluster,
+            minio,
+            client,
+            kubelet,
+            work,
+            volumes,
+            store,
+            shutdown,
+            controller,
+        })
+    }
+
+    async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.controller).await;
+        drop(self.kubelet);
+        drop(self.cluster);
+    }
+}
+
+/// Create the VolumeBackup `name` of both namespaces' labelled claims.
+async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
     create::<VolumeBackup>(
-        &client,
+        client,
         Some(SYSTEM_NAMESPACE),
         json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
-            "metadata": {"name": "nightly", "namespace": SYSTEM_NAMESPACE},
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
             "spec": {"namespaces": ["shop", "web"], "selector": {"matchLabels": {"backup": "yes"}}}}),
     )
     .await?;
+    Ok(())
+}
+
+/// Stage pods and credentials copies left in the cluster.
+async fn leftovers(client: &kube::Client) -> anyhow::Result<(usize, usize)> {
+    let stage_pods: Api<Pod> = Api::all(client.clone());
+    let pods = stage_pods
+        .list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
+        .await?;
+    let secrets: Api<Secret> = Api::all(client.clone());
+    let copies = secrets
+        .list(&ListParams::default().labels(&format!("{CREDENTIALS_COPY_LABEL}=true")))
+        .await?;
+    Ok((pods.items.len(), copies.items.len()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() -> anyhow::Result<()>
+{
+    let fixture = Fixture::start(None, 2 << 20).await?;
+    let Fixture {
+        client,
+        kubelet,
+        volumes,
+        store,
+        minio,
+        work,
+        ..
+    } = &fixture;
+    create_backup(client, "nightly").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let finished = eventually(BACKUP_DEADLINE, || async {
         let backup = backups.get("nightly").await?;
@@ -362,24 +437,76 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     }
 
     // Nothing left behind: stage pods, credentials copies, uploads.
-    let stage_pods: Api<Pod> = Api::all(client.clone());
-    let selector = "app.kubernetes.io/name=haulage-agent";
     eventually(Duration::from_secs(60), || async {
-        let left = stage_pods
-            .list(&ListParams::default().labels(selector))
-            .await?;
-        Ok(left.items.is_empty().then_some(()))
+        Ok((leftovers(client).await? == (0, 0)).then_some(()))
     })
     .await
-    .context("stage pods remain")?;
-    let secrets: Api<Secret> = Api::all(client.clone());
-    let copies = secrets
-        .list(&ListParams::default().labels(&format!("{CREDENTIALS_COPY_LABEL}=true")))
-        .await?;
-    assert!(copies.items.is_empty(), "credentials copies remain");
+    .context("stage pods or credentials copies remain")?;
     assert!(minio.multipart_uploads(BUCKET, "").await?.is_empty());
+    fixture.stop().await;
+    Ok(())
+}
 
-    shutdown.cancel();
-    let _ = tokio::time::timeout(Duration::from_secs(10), controller).await;
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deleting_a_volume_backup_mid_transfer_stops_its_agents_and_leaves_nothing_behind()
+-> anyhow::Result<()> {
+    // Slow uploads (256 KiB/s per agent) keep the transfers running.
+    let fixture = Fixture::start(Some(256 << 10), 4 << 20).await?;
+    let client = &fixture.client;
+    create_backup(client, "doomed").await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    eventually(Duration::from_secs(120), || async {
+        let list = transfers.list(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .iter()
+            .any(|transfer| {
+                let status = transfer.status.clone().unwrap_or_default();
+                status.phase == Some(VolumeTransferPhase::InProgress)
+                    && status
+                        .progress
+                        .is_some_and(|progress| progress.bytes_done > 0)
+            })
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "no transfer got going:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert!(fixture.kubelet.running_agents() > 0, "agents already done");
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    backups.delete("doomed", &DeleteParams::default()).await?;
+    eventually(Duration::from_secs(60), || async {
+        Ok(backups.get_opt("doomed").await?.is_none().then_some(()))
+    })
+    .await
+    .context("the finalizer was not released")?;
+
+    eventually(Duration::from_secs(60), || async {
+        let remaining = transfers.list(&ListParams::default()).await?.items.len();
+        Ok((remaining == 0
+            && leftovers(client).await? == (0, 0)
+            && fixture.kubelet.running_agents() == 0)
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "transfers, stage pods, credentials copies or agents remain:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert!(
+        fixture
+            .minio
+            .multipart_uploads(BUCKET, "")
+            .await?
+            .is_empty()
+    );
+    fixture.stop().await;
     Ok(())
 }

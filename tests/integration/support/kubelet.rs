@@ -484,6 +484,16 @@ impl Kubelet {
         Ok(child)
     }
 
+    /// Agent processes running now.
+    pub fn running_agents(&self) -> usize {
+        self.processes
+            .lock()
+            .expect("lock")
+            .values()
+            .filter(|running| running.child.is_some())
+            .count()
+    }
+
     /// Every agent log, for failure messages.
     pub fn all_agent_logs(&self) -> String {
         let mut text = String::new();
