@@ -42,7 +42,9 @@ pub fn next_progress(
         bytes_done,
         total_files: signed(counters.total_files).max(previous.total_files),
         files_done: signed(counters.files_done).max(previous.files_done),
-        bytes_uploaded: signed(counters.bytes_transferred).max(previous.bytes_uploaded),
+        // Compressed bytes of new data packed for upload (at most one
+        // pack ahead of what the store has).
+        bytes_uploaded: signed(counters.bytes_stored).max(previous.bytes_uploaded),
         bytes_per_second: rate.max(0),
         eta_seconds,
         percent: 0,

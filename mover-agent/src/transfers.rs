@@ -278,6 +278,17 @@ async fn run_one(
     let last = transfer.status.as_ref().and_then(|s| s.progress.clone());
     let final_progress = next_progress(&progress.snapshot(), last.as_ref(), 0.0);
     let time = now();
+    // Server-side apply drops fields this manager applied before and
+    // leaves out now, so the claim is applied again with the final status.
+    let agent = AgentClaim {
+        identity: assignment.identity.clone(),
+        claimed_at: transfer
+            .status
+            .as_ref()
+            .and_then(|status| status.agent.as_ref())
+            .map_or_else(|| time.clone(), |agent| agent.claimed_at.clone()),
+        heartbeat_time: time.clone(),
+    };
     let patch = match result {
         Ok(outcome) => {
             let summary = &outcome.snapshot.summary;
@@ -299,6 +310,7 @@ async fn run_one(
             let signed = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
             status_patch(serde_json::json!({
                 "phase": VolumeTransferPhase::Completed,
+                "agent": agent,
                 "progress": completed.with_percent(true),
                 "snapshotId": outcome.snapshot_id.to_string(),
                 "bytesRead": signed(summary.bytes_read),
@@ -317,6 +329,7 @@ async fn run_one(
             warn!(transfer = name, "backup failed: {message}");
             status_patch(serde_json::json!({
                 "phase": VolumeTransferPhase::Failed,
+                "agent": agent,
                 "progress": final_progress,
                 "message": haulage::api::condition::bounded_message(&message),
                 "completionTime": time.clone(),

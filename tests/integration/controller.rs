@@ -27,7 +27,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::support::assert_same_tree;
+use crate::engine::support::{assert_same_tree, random_bytes};
 use crate::support::kube::KubeCluster;
 use crate::support::kubelet::Kubelet;
 use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
@@ -180,10 +180,13 @@ struct Fixture {
 
 impl Fixture {
     /// `upload_bytes_per_second` caps each agent (the BSL's cap), to make
-    /// transfers slow enough to interrupt; `volume_bytes` is each claim's data.
+    /// transfers slow enough to interrupt; `volume_bytes` is each claim's
+    /// data (a sample tree, or with `small_packs` incompressible random
+    /// files and 1 MiB packs, so a transfer stores several packs).
     async fn start(
         upload_bytes_per_second: Option<u64>,
         volume_bytes: u64,
+        small_packs: bool,
     ) -> anyhow::Result<Self> {
         let cluster = KubeCluster::start().await?;
         let minio = MinioServer::start().await?;
@@ -209,7 +212,19 @@ impl Fixture {
         // The repository, initialised as a user would with `haulage repo init`.
         let repository_url = format!("s3://{BUCKET}/{PREFIX}");
         let store = open_store(&repository_url, &minio.store_options()).await?;
-        Repository::init(store.clone()).await?;
+        if small_packs {
+            let mut config = haulage::repo::config::RepoConfig::generate();
+            config.pack_target_bytes = 1 << 20;
+            store
+                .put(
+                    haulage::repo::CONFIG_KEY,
+                    config.to_json().into(),
+                    haulage::store::PutMode::Create,
+                )
+                .await?;
+        } else {
+            Repository::init(store.clone()).await?;
+        }
 
         // Two namespaces, five claims with generated data, three nodes.
         let work = tempfile::tempdir()?;
@@ -231,7 +246,16 @@ impl Fixture {
         }
         for (namespace, name, mode, seed) in claims {
             bound_claim(&client, namespace, name, mode).await?;
-            haulage::sample::generate(&volumes.join(namespace).join(name), volume_bytes, seed)?;
+            let directory = volumes.join(namespace).join(name);
+            if small_packs {
+                std::fs::create_dir_all(&directory)?;
+                for part in 0..4 {
+                    let bytes = random_bytes(seed * 10 + part, (volume_bytes / 4) as usize);
+                    std::fs::write(directory.join(format!("part{part}.bin")), bytes)?;
+                }
+            } else {
+                haulage::sample::generate(&directory, volume_bytes, seed)?;
+            }
         }
         let kubelet = Kubelet::start(
             client.clone(),
@@ -352,7 +376,7 @@ async fn leftovers(client: &kube::Client) -> anyhow::Result<(usize, usize)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() -> anyhow::Result<()>
 {
-    let fixture = Fixture::start(None, 2 << 20).await?;
+    let fixture = Fixture::start(None, 2 << 20, false).await?;
     let Fixture {
         client,
         kubelet,
@@ -451,7 +475,7 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
 async fn deleting_a_volume_backup_mid_transfer_stops_its_agents_and_leaves_nothing_behind()
 -> anyhow::Result<()> {
     // Slow uploads (256 KiB/s per agent) keep the transfers running.
-    let fixture = Fixture::start(Some(256 << 10), 4 << 20).await?;
+    let fixture = Fixture::start(Some(256 << 10), 4 << 20, false).await?;
     let client = &fixture.client;
     create_backup(client, "doomed").await?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
@@ -506,6 +530,102 @@ async fn deleting_a_volume_backup_mid_transfer_stops_its_agents_and_leaves_nothi
             .multipart_uploads(BUCKET, "")
             .await?
             .is_empty()
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_again()
+-> anyhow::Result<()> {
+    // 12 MiB of random data per claim in 1 MiB packs, uploaded at 1 MiB/s:
+    // the kill lands well before the snapshot is written.
+    let fixture = Fixture::start(Some(1 << 20), 12 << 20, true).await?;
+    let client = &fixture.client;
+    create_backup(client, "resumed").await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    // With 1 MiB packs and one upload in flight, 3.5 MiB packed means at
+    // least two packs are in the store.
+    let victim = eventually(Duration::from_secs(120), || async {
+        let list = transfers.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().find(|transfer| {
+            let status = transfer.status.clone().unwrap_or_default();
+            status.phase == Some(VolumeTransferPhase::InProgress)
+                && status
+                    .progress
+                    .is_some_and(|progress| progress.bytes_uploaded >= 7 << 19)
+        }))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "no transfer got going:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let namespace = victim.metadata.namespace.clone().context("namespace")?;
+    let starts_before = fixture
+        .kubelet
+        .starts
+        .load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        fixture.kubelet.kill(&namespace, &victim.spec.stage_pod),
+        "the agent had already exited"
+    );
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("resumed").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{status:#?}\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+    assert!(
+        fixture
+            .kubelet
+            .starts
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > starts_before,
+        "the killed agent was not restarted"
+    );
+    // The transfers are kept until the backup is deleted.
+    let resumed = Api::<VolumeTransfer>::namespaced(client.clone(), &namespace)
+        .get(&victim.metadata.name.clone().context("name")?)
+        .await?;
+    let final_status = resumed.status.context("transfer status")?;
+    let bytes_read = final_status.bytes_read.context("bytesRead")?;
+    let bytes_new = final_status.bytes_new.context("bytesNew")?;
+    assert!(
+        bytes_new + (1 << 20) <= bytes_read,
+        "the restarted agent sent stored data again: {bytes_new} new of {bytes_read} read\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+
+    let repository = Repository::open(fixture.store.clone()).await?;
+    let snapshot_text = final_status.snapshot_id.context("snapshot id")?;
+    let snapshot = repository.resolve_snapshot(&snapshot_text).await?;
+    let target = fixture.work.path().join("restored-victim");
+    restore(
+        &repository,
+        &snapshot,
+        RestoreOptions::new(&target),
+        Arc::new(Progress::default()),
+        CancellationToken::new(),
+    )
+    .await?;
+    assert_same_tree(
+        &fixture.volumes.join(&namespace).join(&resumed.spec.pvc),
+        &target,
     );
     fixture.stop().await;
     Ok(())

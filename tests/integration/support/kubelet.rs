@@ -31,8 +31,10 @@ const SYNC_INTERVAL: Duration = Duration::from_millis(300);
 /// Restarts of a failing container before the pod is left Failed.
 const MAX_RESTARTS: i32 = 5;
 
-/// The `mover-agent` binary next to the test binary (`cargo test
-/// --workspace` builds every workspace binary into the same directory).
+/// The `mover-agent` binary next to the test binary. `cargo test
+/// --workspace` builds it first (mover-agent has an integration test, so
+/// its binary is built); `cargo test --test integration` alone does not
+/// rebuild it: run `cargo build -p mover-agent` after changing the agent.
 pub fn agent_binary() -> anyhow::Result<PathBuf> {
     let test_binary = std::env::current_exe()?;
     let directory = test_binary
@@ -184,7 +186,6 @@ impl Kubelet {
 
     /// SIGKILL the agent of a pod (the stand-in restarts it, as a kubelet
     /// would). Returns whether a process was running.
-    #[allow(dead_code, reason = "for the kill-and-resume test")]
     pub fn kill(&self, namespace: &str, pod: &str) -> bool {
         let mut processes = self.processes.lock().expect("lock");
         match processes
