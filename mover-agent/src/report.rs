@@ -42,8 +42,9 @@ pub fn next_progress(
         bytes_done,
         total_files: signed(counters.total_files).max(previous.total_files),
         files_done: signed(counters.files_done).max(previous.files_done),
-        // Compressed bytes of new data packed for upload (at most one
-        // pack ahead of what the store has).
+        // Compressed bytes of new data packed for upload: the engine does
+        // not count bytes the store acknowledged, and packing runs ahead
+        // of a throttled upload by the packs queued behind it.
         bytes_uploaded: signed(counters.bytes_stored).max(previous.bytes_uploaded),
         bytes_per_second: rate.max(0),
         eta_seconds,

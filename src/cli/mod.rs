@@ -11,6 +11,7 @@ mod backup;
 mod controller;
 mod crds;
 mod demo;
+mod describe;
 mod plan;
 mod progress;
 mod repo;
@@ -54,6 +55,9 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
+    /// Show a cluster object's plan and progress, from its status.
+    #[command(subcommand)]
+    Describe(describe::DescribeCommand),
     /// Run the controller: reconcile VolumeBackups and BackupStorageLocations.
     Controller(crate::controller::ControllerArgs),
     /// Write the reproducible sample tree the demo and benchmarks use.
@@ -156,6 +160,7 @@ pub fn main() -> ExitCode {
             Command::Restore(args) => restore::run(args, cancel.clone()).await,
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Describe(command) => describe::run(command, cancel.clone()).await,
             Command::Controller(args) => controller::run(args, cancel.clone()).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(arguments) => return plan::run(&arguments),

@@ -143,6 +143,7 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         ensure_children(&owner, plan, location, context).await?;
     }
     admit_new_transfers(&owner, context).await?;
+    fail_transfers_of_failed_pods(&owner, context).await?;
 
     let observed = Observed {
         generation: backup.metadata.generation,
@@ -500,6 +501,81 @@ async fn create_stage_pod(
     Ok(())
 }
 
+/// Why a stage pod failed, when it did: the kubelet gave up on it (phase
+/// Failed), with the container's exit code, reason and termination message
+/// (its last log lines, `FallbackToLogsOnError`).
+pub fn stage_pod_failure(pod: &Pod) -> Option<String> {
+    let status = pod.status.as_ref()?;
+    if status.phase.as_deref() != Some("Failed") {
+        return None;
+    }
+    let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
+    let terminated = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .find_map(|container| container.state.as_ref()?.terminated.clone());
+    let detail = match terminated {
+        Some(state) => {
+            let mut detail = format!("exit code {}", state.exit_code);
+            if let Some(reason) = state.reason.filter(|reason| !reason.is_empty()) {
+                detail.push_str(&format!(" ({reason})"));
+            }
+            if let Some(message) = state.message.filter(|message| !message.is_empty()) {
+                let last = message.lines().last().unwrap_or_default().to_string();
+                detail.push_str(&format!(": {last}"));
+            }
+            detail
+        }
+        None => status
+            .message
+            .clone()
+            .or_else(|| status.reason.clone())
+            .unwrap_or_else(|| "no reason given".to_string()),
+    };
+    Some(format!("stage pod {name} failed: {detail}"))
+}
+
+/// Fail the open transfers of stage pods the kubelet gave up on, so the
+/// backup ends with the pod's reason instead of waiting forever.
+async fn fail_transfers_of_failed_pods(owner: &Owner, context: &Context) -> Result<(), Error> {
+    for pod in owned_pods(context, owner) {
+        let Some(message) = stage_pod_failure(&pod) else {
+            continue;
+        };
+        let namespace = pod.namespace().unwrap_or_default();
+        for transfer in owned_transfers(context, owner) {
+            let open = !transfer
+                .status
+                .as_ref()
+                .and_then(|status| status.phase)
+                .is_some_and(VolumeTransferPhase::is_final);
+            if open
+                && transfer.spec.stage_pod == pod.name_any()
+                && transfer.namespace().as_deref() == Some(namespace.as_str())
+            {
+                warn!(transfer = %transfer.name_any(), "{message}");
+                let status = VolumeTransferStatus {
+                    phase: Some(VolumeTransferPhase::Failed),
+                    message: Some(crate::api::condition::bounded_message(&message)),
+                    completion_time: Some(now()),
+                    conditions: vec![Condition::new(
+                        condition_type::FAILED,
+                        ConditionStatus::True,
+                        reason::STAGE_POD_FAILED,
+                        &message,
+                        transfer.metadata.generation,
+                        now(),
+                    )],
+                    ..VolumeTransferStatus::default()
+                };
+                write_transfer_status(&transfer, &status, context).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Move transfers with an empty status to Admitted (no caps yet: every
 /// transfer is admitted at once).
 async fn admit_new_transfers(owner: &Owner, context: &Context) -> Result<(), Error> {
@@ -671,6 +747,28 @@ async fn cleanup(backup: &VolumeBackup, context: &Context) -> Result<Action, Err
 mod tests {
     use super::*;
     use crate::plan::output::UnplaceableReason;
+
+    #[test]
+    fn a_failed_stage_pod_reports_exit_code_reason_and_last_log_line() {
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "stage-a"},
+            "status": {"phase": "Failed", "containerStatuses": [{
+                "name": "agent", "image": "agent", "imageID": "", "ready": false,
+                "restartCount": 5,
+                "state": {"terminated": {"exitCode": 1, "reason": "Error",
+                    "message": "starting\nerror: bucket not found"}}}]}
+        }))
+        .expect("valid pod");
+        assert_eq!(
+            stage_pod_failure(&pod).as_deref(),
+            Some("stage pod stage-a failed: exit code 1 (Error): error: bucket not found")
+        );
+        let running: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "stage-b"}, "status": {"phase": "Running"}
+        }))
+        .expect("valid pod");
+        assert_eq!(stage_pod_failure(&running), None);
+    }
 
     #[test]
     fn the_status_plan_names_each_stage_pod_and_keeps_reasons() {

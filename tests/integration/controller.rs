@@ -91,7 +91,8 @@ async fn bound_claim(
         client,
         Some(namespace),
         json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": name, "namespace": namespace, "labels": {"backup": "yes"}},
+            "metadata": {"name": name, "namespace": namespace,
+                "labels": {"backup": "yes", "claim": name}},
             "spec": {"accessModes": [mode], "volumeName": volume,
                 "resources": {"requests": {"storage": "1Gi"}}}}),
     )
@@ -349,12 +350,21 @@ impl Fixture {
 
 /// Create the VolumeBackup `name` of both namespaces' labelled claims.
 async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    create_backup_of(client, name, json!({"matchLabels": {"backup": "yes"}})).await
+}
+
+/// Create the VolumeBackup `name` of the claims `selector` picks.
+async fn create_backup_of(
+    client: &kube::Client,
+    name: &str,
+    selector: serde_json::Value,
+) -> anyhow::Result<()> {
     create::<VolumeBackup>(
         client,
         Some(SYSTEM_NAMESPACE),
         json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
             "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
-            "spec": {"namespaces": ["shop", "web"], "selector": {"matchLabels": {"backup": "yes"}}}}),
+            "spec": {"namespaces": ["shop", "web"], "selector": selector}}),
     )
     .await?;
     Ok(())
@@ -438,6 +448,28 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
         "{progress:?}"
     );
     assert_eq!(status.results.len(), 5);
+
+    // `haulage describe backup` shows the plan and every volume, from status.
+    let described = std::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args(["describe", "backup", "nightly"])
+        .env("KUBECONFIG", fixture.cluster.kubeconfig())
+        .output()?;
+    let text = String::from_utf8_lossy(&described.stdout);
+    assert!(
+        described.status.success(),
+        "{}",
+        String::from_utf8_lossy(&described.stderr)
+    );
+    assert!(text.contains("Phase:     Completed"), "{text}");
+    assert!(text.contains("5 total: 5 completed"), "{text}");
+    for (namespace, pvc) in [("shop", "db"), ("shop", "uploads"), ("web", "logs")] {
+        assert!(
+            text.lines().any(|line| line.starts_with(namespace)
+                && line.contains(pvc)
+                && line.contains("100%")),
+            "{pvc} missing:\n{text}"
+        );
+    }
 
     // Every snapshot restores byte-identical.
     let repository = Repository::open(store.clone()).await?;
@@ -542,27 +574,43 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     // the kill lands well before the snapshot is written.
     let fixture = Fixture::start(Some(1 << 20), 12 << 20, true).await?;
     let client = &fixture.client;
-    create_backup(client, "resumed").await?;
+    // One claim only, so every pack in the bucket is this transfer's.
+    create_backup_of(
+        client,
+        "resumed",
+        json!({"matchLabels": {"claim": "archive"}}),
+    )
+    .await?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
-    // With 1 MiB packs and one upload in flight, 3.5 MiB packed means at
-    // least two packs are in the store.
-    let victim = eventually(Duration::from_secs(120), || async {
-        let list = transfers.list(&ListParams::default()).await?;
-        Ok(list.items.into_iter().find(|transfer| {
-            let status = transfer.status.clone().unwrap_or_default();
-            status.phase == Some(VolumeTransferPhase::InProgress)
-                && status
-                    .progress
-                    .is_some_and(|progress| progress.bytes_uploaded >= 7 << 19)
-        }))
+    let s3 = fixture.minio.admin_client();
+    let packs_stored = || async {
+        let listed = s3
+            .list_objects_v2()
+            .bucket(BUCKET)
+            .prefix(format!("{PREFIX}/{}", haulage::repo::DATA_PREFIX))
+            .send()
+            .await?;
+        anyhow::Ok(listed.contents().len())
+    };
+    // A pack object exists only once fully uploaded: kill after two.
+    eventually(Duration::from_secs(120), || async {
+        Ok((packs_stored().await? >= 2).then_some(()))
     })
     .await
-    .with_context(|| {
-        format!(
-            "no transfer got going:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let victim = transfers
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .next()
+        .context("no transfer")?;
+    let phase = victim.status.clone().and_then(|status| status.phase);
+    assert_eq!(
+        phase,
+        Some(VolumeTransferPhase::InProgress),
+        "finished before the kill"
+    );
     let namespace = victim.metadata.namespace.clone().context("namespace")?;
     let starts_before = fixture
         .kubelet
