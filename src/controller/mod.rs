@@ -41,7 +41,7 @@ pub use error::Error;
 /// Server-side apply field manager of every controller write.
 pub const FIELD_MANAGER: &str = CONTROLLER_FIELD_MANAGER;
 /// Default agent image of stage pods.
-pub const DEFAULT_AGENT_IMAGE: &str = "ghcr.io/haulage/mover-agent:latest";
+pub const DEFAULT_AGENT_IMAGE: &str = "ghcr.io/haulage-dev/mover-agent:0.1.0";
 /// Default address of the health endpoints.
 pub const DEFAULT_HEALTH_ADDRESS: &str = "0.0.0.0:8080";
 /// Default number of objects reconciled at once per controller.
@@ -67,8 +67,9 @@ pub enum PinningArg {
 #[derive(Debug, Clone, clap::Args)]
 pub struct ControllerArgs {
     /// Namespace of the controller, its BackupStorageLocations, their
-    /// Secrets and the VolumeBackups it serves.
-    #[arg(long, env = "HAULAGE_NAMESPACE", default_value = SYSTEM_NAMESPACE)]
+    /// Secrets and the VolumeBackups it serves (its own, from the downward
+    /// API, in the Deployment).
+    #[arg(long, env = "POD_NAMESPACE", default_value = SYSTEM_NAMESPACE)]
     pub namespace: String,
     /// This replica's identity in ownership claims (default: `$POD_NAME`,
     /// then `$HOSTNAME`).
