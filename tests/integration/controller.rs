@@ -189,6 +189,23 @@ impl Fixture {
         volume_bytes: u64,
         small_packs: bool,
     ) -> anyhow::Result<Self> {
+        Self::start_with_secret(
+            upload_bytes_per_second,
+            volume_bytes,
+            small_packs,
+            SECRET_KEY,
+        )
+        .await
+    }
+
+    /// Like [`Fixture::start`] with `secret_key` in the BSL's credentials;
+    /// waits for the BSL to be Available only when it is the right one.
+    async fn start_with_secret(
+        upload_bytes_per_second: Option<u64>,
+        volume_bytes: u64,
+        small_packs: bool,
+        secret_key: &str,
+    ) -> anyhow::Result<Self> {
         let cluster = KubeCluster::start().await?;
         let minio = MinioServer::start().await?;
         minio.create_bucket(BUCKET).await?;
@@ -277,7 +294,7 @@ impl Fixture {
         json!({"apiVersion": "v1", "kind": "Secret",
             "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
             "stringData": {"cloud": format!(
-                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")}}),
+                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
     )
     .await?;
         create::<BackupStorageLocation>(
@@ -319,6 +336,9 @@ impl Fixture {
         let locations: Api<BackupStorageLocation> =
             Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
         eventually(Duration::from_secs(60), || async {
+            if secret_key != SECRET_KEY {
+                return Ok(Some(()));
+            }
             let location = locations.get("minio").await?;
             Ok((location.status.and_then(|s| s.phase)
                 == Some(BackupStorageLocationPhase::Available))
@@ -674,6 +694,73 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     assert_same_tree(
         &fixture.volumes.join(&namespace).join(&resumed.spec.pvc),
         &target,
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backup_waits_with_a_condition_while_its_location_is_unavailable_and_runs_once_fixed()
+-> anyhow::Result<()> {
+    let fixture = Fixture::start_with_secret(None, 1 << 20, false, "wrong-secret-key").await?;
+    let client = &fixture.client;
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    create_backup(client, "patient").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    eventually(Duration::from_secs(60), || async {
+        let location = locations.get("minio").await?;
+        let backup = backups.get("patient").await?;
+        let status = backup.status.unwrap_or_default();
+        let storage = haulage::api::condition::find_condition(
+            &status.conditions,
+            haulage::api::condition::condition_type::STORAGE_AVAILABLE,
+        )
+        .cloned();
+        Ok(
+            (location.status.and_then(|s| s.phase)
+                == Some(BackupStorageLocationPhase::Unavailable)
+                && status.phase == Some(VolumeBackupPhase::WaitingForStorage)
+                && storage.is_some_and(|condition| {
+                    condition.status == haulage::api::ConditionStatus::False
+                        && condition.reason
+                            == haulage::api::condition::reason::STORAGE_LOCATION_UNAVAILABLE
+                }))
+            .then_some(()),
+        )
+    })
+    .await
+    .context("the backup did not wait for the unavailable location with a condition")?;
+    let pods: Api<Pod> = Api::all(client.clone());
+    assert!(
+        pods.list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
+            .await?
+            .items
+            .is_empty(),
+        "stage pods created for an unavailable location"
+    );
+
+    // The user fixes the credentials; the next probe (every 10 s) finds it.
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    secrets
+        .patch(
+            "s3-credentials",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"stringData": {"cloud": format!(
+                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")}})),
+        )
+        .await?;
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("patient").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    assert_eq!(
+        backup.status.and_then(|status| status.phase),
+        Some(VolumeBackupPhase::Completed)
     );
     fixture.stop().await;
     Ok(())
