@@ -765,3 +765,102 @@ async fn a_backup_waits_with_a_condition_while_its_location_is_unavailable_and_r
     fixture.stop().await;
     Ok(())
 }
+
+/// `GET path` on 127.0.0.1:port; the status code, if it answered.
+async fn http_status(port: u16, path: &str) -> Option<u16> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    response.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_by_its_owner()
+-> anyhow::Result<()> {
+    let fixture = Fixture::start(None, 1 << 20, false).await?;
+    let client = &fixture.client;
+    // The second replica: `haulage controller` as the Deployment runs it,
+    // with the controller ServiceAccount's token.
+    let kubeconfig = fixture
+        .kubelet
+        .service_account_kubeconfig(
+            SYSTEM_NAMESPACE,
+            "haulage-controller",
+            &fixture.work.path().join("replica-1.kubeconfig"),
+        )
+        .await?;
+    let port = crate::support::minio::free_port()?;
+    let mut replica = tokio::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args([
+            "controller",
+            "--health-address",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .env("POD_NAME", "controller-1")
+        .env("POD_NAMESPACE", SYSTEM_NAMESPACE)
+        .env("HAULAGE_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()?;
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(port, "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("the binary never became ready")?;
+    assert_eq!(http_status(port, "/healthz").await, Some(200));
+
+    for name in ["first", "second", "third"] {
+        create_backup(client, name).await?;
+    }
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    for name in ["first", "second", "third"] {
+        let backup = eventually(BACKUP_DEADLINE, || async {
+            let backup = backups.get(name).await?;
+            let phase = backup.status.as_ref().and_then(|status| status.phase);
+            Ok(phase
+                .is_some_and(|phase| phase.is_final())
+                .then_some(backup))
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "{name} never finished:\n{}",
+                fixture.kubelet.all_agent_logs()
+            )
+        })?;
+        let status = backup.status.context("status")?;
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Completed), "{name}");
+        let owner = status.owner.context("owner")?.replica;
+        assert!(["controller-0", "controller-1"].contains(&owner.as_str()));
+        let claimed = haulage::api::condition::find_condition(
+            &status.conditions,
+            haulage::api::condition::condition_type::CLAIMED,
+        )
+        .context("Claimed condition")?;
+        assert_eq!(
+            claimed.message,
+            format!("claimed by replica {owner}"),
+            "{name}: the status was written by a replica that does not own it"
+        );
+    }
+
+    // SIGTERM stops the binary cleanly.
+    let pid = replica.id().context("pid")?;
+    tokio::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .await?;
+    let exit = tokio::time::timeout(Duration::from_secs(30), replica.wait()).await??;
+    assert!(exit.success(), "haulage controller exited with {exit}");
+    fixture.stop().await;
+    Ok(())
+}
