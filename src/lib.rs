@@ -17,12 +17,15 @@
 //!   repository held in a store: walk, chunk, hash, dedup, compress, pack,
 //!   upload; restore writer; throttling; progress.
 //! - [`sample`]: a reproducible sample tree for the demo and benchmarks.
+//! - [`controller`]: `haulage controller`, the reconcilers over shared
+//!   caches of the cluster (VolumeBackup, BackupStorageLocation).
 //! - [`cli`]: the `haulage` command line.
 //!
 //! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
 
 pub mod api;
 pub mod cli;
+pub mod controller;
 pub mod engine;
 pub mod plan;
 pub mod repo;

@@ -1,11 +1,18 @@
-//! haulage's mover agent: runs in a stage pod and moves the data of one
-//! volume between its mount and the backup storage location.
+//! haulage's mover agent: runs in a stage pod and moves the data of its
+//! volumes between their mounts and the backup storage location.
 //!
-//! Until the controller assigns work through VolumeTransfer objects, the
-//! agent takes its volume from the command line; it runs the same engine as
-//! the `haulage` CLI, logs progress every `--progress-interval` seconds,
-//! and on SIGTERM stops cleanly (everything already stored is reused by the
-//! next run).
+//! - `mover-agent transfers`: the stage-pod mode. Identity from the
+//!   downward API (`POD_NAME`, `POD_NAMESPACE`, `NODE_NAME`), work from the
+//!   VolumeTransfers the controller named in `HAULAGE_TRANSFERS`, progress
+//!   and results into their status ([`transfers`]).
+//! - `mover-agent volume`: one volume from the command line, progress in
+//!   the log (for trying the agent by hand).
+//!
+//! Both run the same engine as the `haulage` CLI and on SIGTERM stop
+//! cleanly: everything already stored is reused by the next run.
+
+mod report;
+mod transfers;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,17 +20,20 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::engine::throttle::{ByteRate, Throttle};
-use haulage::store::{StoreOptions, open_store};
+use haulage::store::{S3Credentials, StoreOptions, open_store};
 use tokio_util::sync::CancellationToken;
 
 /// Default seconds between progress reports.
 const DEFAULT_PROGRESS_INTERVAL_SECONDS: u64 = 2;
+/// Default number of volumes a stage pod backs up at once: two keep the
+/// upload busy while one volume walks small files, within 128Mi.
+const DEFAULT_PARALLEL_VOLUMES: usize = 2;
 
 /// Which way the data moves.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -34,9 +44,77 @@ enum Direction {
     Download,
 }
 
-/// Move one volume's data.
+/// Move volume data between stage-pod mounts and a repository.
 #[derive(Debug, Parser)]
 #[command(name = "mover-agent", version)]
+struct Cli {
+    #[command(subcommand)]
+    mode: Mode,
+}
+
+/// How the agent gets its work.
+#[derive(Debug, Subcommand)]
+enum Mode {
+    /// Work on the VolumeTransfers assigned to this stage pod.
+    Transfers(TransfersArguments),
+    /// Move one volume named on the command line.
+    Volume(Arguments),
+}
+
+/// The stage-pod mode's arguments (the controller sets them).
+#[derive(Debug, Args)]
+struct TransfersArguments {
+    /// Repository URL (s3://bucket/prefix or file:///path).
+    #[arg(long, env = "HAULAGE_REPO")]
+    repo: String,
+    /// AWS-style credentials file (the mounted credentials copy).
+    #[arg(long, env = "HAULAGE_CREDENTIALS_FILE")]
+    credentials_file: Option<PathBuf>,
+    /// S3 endpoint URL.
+    #[arg(long)]
+    endpoint: Option<String>,
+    /// S3 region.
+    #[arg(long)]
+    region: Option<String>,
+    /// Path-style S3 addressing.
+    #[arg(long)]
+    path_style: bool,
+    /// Upload cap of this agent, bytes per second (the BSL's).
+    #[arg(long)]
+    upload_bytes_per_second: Option<std::num::NonZeroU64>,
+    /// Requests to the store at once (the BSL's cap).
+    #[arg(long)]
+    max_concurrent_requests: Option<usize>,
+    /// This pod's name (downward API).
+    #[arg(long, env = "POD_NAME")]
+    pod_name: String,
+    /// This pod's namespace (downward API).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pod_namespace: String,
+    /// This pod's node (downward API), for logs.
+    #[arg(long, env = "NODE_NAME")]
+    node_name: Option<String>,
+    /// The VolumeTransfers of this pod, comma-separated.
+    #[arg(
+        long,
+        env = "HAULAGE_TRANSFERS",
+        value_delimiter = ',',
+        required = true
+    )]
+    transfers: Vec<String>,
+    /// Where the claims are mounted, each at `<root>/<pvc>`.
+    #[arg(long, env = "HAULAGE_DATA_ROOT", default_value = "/data")]
+    data_root: PathBuf,
+    /// Volumes backed up at once.
+    #[arg(long, default_value_t = DEFAULT_PARALLEL_VOLUMES)]
+    parallel_volumes: usize,
+    /// Least seconds between two progress writes of a transfer.
+    #[arg(long, default_value_t = DEFAULT_PROGRESS_INTERVAL_SECONDS)]
+    progress_interval: u64,
+}
+
+/// Move one volume's data.
+#[derive(Debug, Args)]
 struct Arguments {
     /// Repository URL (s3://bucket/prefix or file:///path).
     #[arg(long, env = "HAULAGE_REPO")]
@@ -62,7 +140,7 @@ struct Arguments {
 }
 
 fn main() -> ExitCode {
-    let arguments = Arguments::parse();
+    let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("HAULAGE_LOG")
@@ -81,13 +159,60 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(arguments)) {
+    let result = match cli.mode {
+        Mode::Transfers(arguments) => runtime.block_on(run_transfers(arguments)),
+        Mode::Volume(arguments) => runtime.block_on(run(arguments)),
+    };
+    match result {
         Ok(code) => code,
         Err(error) => {
             tracing::error!("{error:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// A token cancelled by SIGTERM.
+fn cancel_on_sigterm() -> anyhow::Result<CancellationToken> {
+    let cancel = CancellationToken::new();
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("cannot listen for SIGTERM")?;
+    let token = cancel.clone();
+    tokio::spawn(async move {
+        terminate.recv().await;
+        tracing::warn!("SIGTERM: stopping; stored data is kept and reused on restart");
+        token.cancel();
+    });
+    Ok(cancel)
+}
+
+async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode> {
+    let cancel = cancel_on_sigterm()?;
+    let mut options = StoreOptions::default();
+    options.s3.endpoint = arguments.endpoint.clone();
+    options.s3.region = arguments.region.clone();
+    options.s3.path_style = arguments.path_style.then_some(true);
+    options.upload_bytes_per_second = arguments.upload_bytes_per_second;
+    options.max_concurrent_requests = arguments.max_concurrent_requests;
+    if let Some(path) = &arguments.credentials_file {
+        options.s3.credentials = Some(S3Credentials::from_credentials_file(path, None)?);
+    }
+    let store = open_store(&arguments.repo, &options).await?;
+    let repository = Arc::new(Repository::open(store).await?);
+    let client = kube::Client::try_default()
+        .await
+        .context("cannot reach the Kubernetes API")?;
+    let assignment = transfers::Assignment {
+        identity: arguments.pod_name,
+        namespace: arguments.pod_namespace,
+        node: arguments.node_name,
+        transfers: arguments.transfers,
+        data_root: arguments.data_root,
+        parallelism: arguments.parallel_volumes,
+        progress_interval: Duration::from_secs(arguments.progress_interval.max(1)),
+    };
+    transfers::run(assignment, repository, client, cancel).await?;
+    Ok(ExitCode::SUCCESS)
 }
 
 async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {

@@ -9,8 +9,10 @@
 
 mod backup;
 mod bench;
+mod controller;
 mod crds;
 mod demo;
+mod describe;
 mod plan;
 mod progress;
 mod repo;
@@ -57,6 +59,11 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
+    /// Show a cluster object's plan and progress, from its status.
+    #[command(subcommand)]
+    Describe(describe::DescribeCommand),
+    /// Run the controller: reconcile VolumeBackups and BackupStorageLocations.
+    Controller(crate::controller::ControllerArgs),
     /// Write the reproducible sample tree the demo and benchmarks use.
     #[command(hide = true)]
     SampleData(demo::SampleDataArgs),
@@ -159,6 +166,8 @@ pub fn main() -> ExitCode {
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Describe(command) => describe::run(command, cancel.clone()).await,
+            Command::Controller(args) => controller::run(args, cancel.clone()).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(arguments) => return plan::run(&arguments),
             Command::Crds(arguments) => crds::run(&arguments),

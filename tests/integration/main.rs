@@ -5,6 +5,7 @@
 
 mod api;
 mod bench;
+mod controller;
 mod engine;
 mod engine_s3;
 mod s3;

@@ -3,5 +3,6 @@
 //! TCP proxy ([`proxy`]).
 
 pub mod kube;
+pub mod kubelet;
 pub mod minio;
 pub mod proxy;

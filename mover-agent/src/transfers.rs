@@ -1,0 +1,346 @@
+//! VolumeTransfer mode: the agent of a stage pod claims the transfers the
+//! controller assigned to its pod (a resourceVersion-checked write, so a
+//! transfer claimed by a live agent is never taken by another), backs each
+//! volume up with the engine (a bounded number at once), reports progress
+//! at most once per interval and never backwards, and writes the final
+//! figures. SIGTERM cancels the engine and exits non-zero, leaving the
+//! transfers InProgress: the restarted pod claims them again and the
+//! engine adopts the packs already stored.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use haulage::api::condition::{Condition, ConditionStatus, condition_type, reason};
+use haulage::api::labels::AGENT_FIELD_MANAGER;
+use haulage::api::transfer::AgentClaim;
+use haulage::api::{Progress as ApiProgress, VolumeTransfer, VolumeTransferPhase};
+use haulage::engine::Repository;
+use haulage::engine::backup::{BackupOptions, backup};
+use haulage::engine::progress::Progress;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, ResourceExt};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::report::next_progress;
+
+/// Hostname recorded in every snapshot the agent writes: stable across
+/// stage pods and nodes, so the next backup of the same claim (source
+/// label `namespace/pvc`) finds its parent wherever it runs.
+const SNAPSHOT_HOSTNAME: &str = "haulage-stage-pod";
+/// Seconds between looks at a transfer that is not admitted yet.
+const ADMISSION_POLL_SECONDS: u64 = 2;
+
+/// Who the agent is and what it works on.
+#[derive(Debug, Clone)]
+pub struct Assignment {
+    /// Pod name (downward API `POD_NAME`): the agent's identity.
+    pub identity: String,
+    /// Pod namespace (`POD_NAMESPACE`), the transfers' namespace.
+    pub namespace: String,
+    /// Node (`NODE_NAME`), for logs.
+    pub node: Option<String>,
+    /// Names of the transfers of this stage pod.
+    pub transfers: Vec<String>,
+    /// Where the claims are mounted (`<root>/<pvc>`).
+    pub data_root: PathBuf,
+    /// Volumes backed up at once.
+    pub parallelism: usize,
+    /// Least time between two progress writes of one transfer.
+    pub progress_interval: Duration,
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+fn status_patch(status: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": format!("{}/{}", haulage::api::GROUP, haulage::api::VERSION),
+        "kind": "VolumeTransfer",
+        "status": status,
+    })
+}
+
+/// Run every assigned transfer; Ok when each reached a final phase (its
+/// own failure is recorded in its status, not in the exit code).
+pub async fn run(
+    assignment: Assignment,
+    repository: Arc<Repository>,
+    client: kube::Client,
+    cancel: CancellationToken,
+) -> anyhow::Result<()> {
+    info!(
+        agent = %assignment.identity,
+        node = assignment.node.as_deref().unwrap_or("-"),
+        transfers = assignment.transfers.len(),
+        "agent started"
+    );
+    let api: Api<VolumeTransfer> = Api::namespaced(client, &assignment.namespace);
+    let gate = Arc::new(Semaphore::new(assignment.parallelism.max(1)));
+    let mut tasks = JoinSet::new();
+    for name in assignment.transfers.clone() {
+        let api = api.clone();
+        let repository = repository.clone();
+        let assignment = assignment.clone();
+        let cancel = cancel.clone();
+        let gate = gate.clone();
+        tasks.spawn(async move {
+            let _permit = gate.acquire_owned().await;
+            let result = run_one(&api, &name, &assignment, &repository, &cancel).await;
+            (name, result)
+        });
+    }
+    let mut first_error = None;
+    while let Some(joined) = tasks.join_next().await {
+        let (name, result) = joined.context("a transfer task panicked")?;
+        if let Err(error) = result {
+            warn!(transfer = %name, "{error:#}");
+            first_error.get_or_insert(error.context(format!("transfer {name}")));
+        }
+    }
+    if cancel.is_cancelled() {
+        anyhow::bail!("stopped by SIGTERM; the restarted agent resumes");
+    }
+    match first_error {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
+/// Wait until the transfer is admitted, then claim it. `None` when there is
+/// nothing to do (final already, or claimed by another live agent).
+async fn claim(
+    api: &Api<VolumeTransfer>,
+    name: &str,
+    identity: &str,
+    cancel: &CancellationToken,
+) -> anyhow::Result<Option<VolumeTransfer>> {
+    loop {
+        let transfer = api
+            .get(name)
+            .await
+            .with_context(|| format!("failed to get VolumeTransfer {name}"))?;
+        let status = transfer.status.clone().unwrap_or_default();
+        let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+        if phase.is_final() {
+            info!(transfer = name, ?phase, "already final");
+            return Ok(None);
+        }
+        if let Some(agent) = &status.agent
+            && agent.identity != identity
+        {
+            info!(transfer = name, owner = %agent.identity, "claimed by another agent");
+            return Ok(None);
+        }
+        if phase < VolumeTransferPhase::Admitted {
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(Duration::from_secs(ADMISSION_POLL_SECONDS)) => continue,
+            }
+        }
+        let time = now();
+        let claim = serde_json::json!({
+            "metadata": {"resourceVersion": transfer.resource_version()},
+            "status": {
+                "phase": VolumeTransferPhase::InProgress,
+                "agent": AgentClaim {
+                    identity: identity.to_string(),
+                    claimed_at: status.agent.as_ref().map_or(time.clone(), |a| a.claimed_at.clone()),
+                    heartbeat_time: time.clone(),
+                },
+                "startTime": status.start_time.clone().unwrap_or(time),
+            },
+        });
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&claim))
+            .await
+        {
+            Ok(claimed) => return Ok(Some(claimed)),
+            Err(kube::Error::Api(status)) if status.code == 409 => {
+                info!(transfer = name, "changed while claiming; looking again");
+            }
+            Err(error) => {
+                return Err(error)
+                    .with_context(|| format!("failed to claim VolumeTransfer {name}"));
+            }
+        }
+    }
+}
+
+async fn run_one(
+    api: &Api<VolumeTransfer>,
+    name: &str,
+    assignment: &Assignment,
+    repository: &Repository,
+    cancel: &CancellationToken,
+) -> anyhow::Result<()> {
+    let Some(transfer) = claim(api, name, &assignment.identity, cancel).await? else {
+        return Ok(());
+    };
+    let pvc = transfer.spec.pvc.clone();
+    info!(transfer = name, pvc = %pvc, "claimed");
+    let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
+    let progress = Arc::new(Progress::default());
+    let volume_cancel = cancel.child_token();
+    let reporter = {
+        let api = api.clone();
+        let name = name.to_string();
+        let progress = progress.clone();
+        let volume_cancel = volume_cancel.clone();
+        let interval = assignment.progress_interval;
+        let identity = assignment.identity.clone();
+        let claimed_at = transfer
+            .status
+            .as_ref()
+            .and_then(|status| status.agent.as_ref())
+            .map_or_else(now, |agent| agent.claimed_at.clone());
+        let apply = apply.clone();
+        let mut last: Option<ApiProgress> = transfer
+            .status
+            .as_ref()
+            .and_then(|status| status.progress.clone());
+        tokio::spawn(async move {
+            let mut last_time = Instant::now();
+            loop {
+                tokio::select! {
+                    _ = volume_cancel.cancelled() => return,
+                    _ = tokio::time::sleep(interval) => {}
+                }
+                let elapsed = last_time.elapsed().as_secs_f64();
+                last_time = Instant::now();
+                let report = next_progress(&progress.snapshot(), last.as_ref(), elapsed);
+                let patch = status_patch(serde_json::json!({
+                    "phase": VolumeTransferPhase::InProgress,
+                    "progress": report,
+                    "agent": AgentClaim {
+                        identity: identity.clone(),
+                        claimed_at: claimed_at.clone(),
+                        heartbeat_time: now(),
+                    },
+                }));
+                last = Some(report);
+                match api.patch_status(&name, &apply, &Patch::Apply(&patch)).await {
+                    Ok(_) => {}
+                    Err(kube::Error::Api(status)) if status.code == 404 => {
+                        warn!(transfer = %name, "transfer deleted; stopping");
+                        volume_cancel.cancel();
+                        return;
+                    }
+                    // The CRD refuses moving a final phase; the controller
+                    // canceled it.
+                    Err(error) => warn!(transfer = %name, "progress not written: {error}"),
+                }
+                if let Ok(current) = api.get(&name).await
+                    && current
+                        .status
+                        .and_then(|status| status.phase)
+                        .is_some_and(|phase| phase == VolumeTransferPhase::Canceled)
+                {
+                    warn!(transfer = %name, "canceled by the controller; stopping");
+                    volume_cancel.cancel();
+                    return;
+                }
+            }
+        })
+    };
+
+    let mut options = BackupOptions::new(assignment.data_root.join(&pvc));
+    options.source_label = Some(format!("{}/{pvc}", assignment.namespace));
+    options.hostname = SNAPSHOT_HOSTNAME.to_string();
+    if let Some(parent) = &transfer.spec.parent_snapshot {
+        match repository.resolve_snapshot(parent).await {
+            Ok(snapshot) => {
+                options.parent = haulage::engine::backup::ParentPolicy::Snapshot(snapshot)
+            }
+            Err(error) => warn!(transfer = name, "parent {parent} not usable: {error}"),
+        }
+    }
+    let result = backup(repository, options, progress.clone(), volume_cancel.clone()).await;
+    let stopped_by_controller = volume_cancel.is_cancelled() && !cancel.is_cancelled();
+    volume_cancel.cancel();
+    let _ = reporter.await;
+    if cancel.is_cancelled() {
+        info!(
+            transfer = name,
+            "stopped by SIGTERM; stays InProgress for the restarted agent"
+        );
+        return Ok(());
+    }
+    if stopped_by_controller {
+        return Ok(());
+    }
+    let last = transfer.status.as_ref().and_then(|s| s.progress.clone());
+    let final_progress = next_progress(&progress.snapshot(), last.as_ref(), 0.0);
+    let time = now();
+    // Server-side apply drops fields this manager applied before and
+    // leaves out now, so the claim is applied again with the final status.
+    let agent = AgentClaim {
+        identity: assignment.identity.clone(),
+        claimed_at: transfer
+            .status
+            .as_ref()
+            .and_then(|status| status.agent.as_ref())
+            .map_or_else(|| time.clone(), |agent| agent.claimed_at.clone()),
+        heartbeat_time: time.clone(),
+    };
+    let patch = match result {
+        Ok(outcome) => {
+            let summary = &outcome.snapshot.summary;
+            let message = summary
+                .warnings
+                .first()
+                .map(|warning| format!("{} warnings, first: {warning:?}", summary.warning_count));
+            info!(
+                transfer = name,
+                snapshot = %outcome.snapshot_id,
+                bytes_read = summary.bytes_read,
+                bytes_new = summary.bytes_new,
+                bytes_stored = summary.bytes_stored,
+                "volume backed up"
+            );
+            let mut completed = final_progress.clone();
+            completed.bytes_done = completed.total_bytes;
+            completed.eta_seconds = Some(0);
+            let signed = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
+            status_patch(serde_json::json!({
+                "phase": VolumeTransferPhase::Completed,
+                "agent": agent,
+                "progress": completed.with_percent(true),
+                "snapshotId": outcome.snapshot_id.to_string(),
+                "bytesRead": signed(summary.bytes_read),
+                "bytesNew": signed(summary.bytes_new),
+                "bytesStored": signed(summary.bytes_stored),
+                "warnings": signed(summary.warning_count),
+                "message": message.map(|m| haulage::api::condition::bounded_message(&m)),
+                "completionTime": time.clone(),
+                "conditions": [Condition::new(
+                    condition_type::COMPLETE, ConditionStatus::True, reason::ALL_VOLUMES_COMPLETED,
+                    "snapshot written", transfer.metadata.generation, time.clone())],
+            }))
+        }
+        Err(error) => {
+            let message = format!("{error:#}");
+            warn!(transfer = name, "backup failed: {message}");
+            status_patch(serde_json::json!({
+                "phase": VolumeTransferPhase::Failed,
+                "agent": agent,
+                "progress": final_progress,
+                "message": haulage::api::condition::bounded_message(&message),
+                "completionTime": time.clone(),
+                "conditions": [Condition::new(
+                    condition_type::FAILED, ConditionStatus::True, reason::ALL_VOLUMES_FAILED,
+                    &message, transfer.metadata.generation, time.clone())],
+            }))
+        }
+    };
+    api.patch_status(name, &apply, &Patch::Apply(&patch))
+        .await
+        .with_context(|| format!("failed to write the final status of VolumeTransfer {name}"))?;
+    Ok(())
+}

@@ -1,0 +1,528 @@
+//! A kubelet stand-in: registers fake Nodes, watches haulage stage pods
+//! pinned to them (`spec.nodeName` or the builder's node-affinity pin),
+//! and runs the real `mover-agent` binary as a local process per pod: env
+//! from the pod spec (downward API fields resolved), each claim's
+//! directory as its mount, the projected credentials Secret written to a
+//! file, and a service-account token from the TokenRequest API in a
+//! kubeconfig, so the agent's RBAC is the real one. It reports phase, exit
+//! code and restarts in the pod status, restarts failed containers
+//! (`restartPolicy: OnFailure`), stops a deleted pod's process with SIGTERM
+//! and confirms the deletion, and can kill a pod's process on demand.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret, ServiceAccount};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, ResourceExt};
+use serde_json::json;
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+/// Label selecting stage pods (what the builder puts on them).
+const STAGE_POD_SELECTOR: &str = "app.kubernetes.io/name=haulage-agent";
+/// How often the stand-in looks at pods and processes.
+const SYNC_INTERVAL: Duration = Duration::from_millis(300);
+/// Restarts of a failing container before the pod is left Failed.
+const MAX_RESTARTS: i32 = 5;
+
+/// The `mover-agent` binary next to the test binary. `cargo test
+/// --workspace` builds it first (mover-agent has an integration test, so
+/// its binary is built); `cargo test --test integration` alone does not
+/// rebuild it: run `cargo build -p mover-agent` after changing the agent.
+pub fn agent_binary() -> anyhow::Result<PathBuf> {
+    let test_binary = std::env::current_exe()?;
+    let directory = test_binary
+        .parent()
+        .and_then(Path::parent)
+        .context("test binary has no target directory")?;
+    let agent = directory.join("mover-agent");
+    if !agent.exists() {
+        bail!(
+            "{} is missing: run `cargo build -p mover-agent` (or `cargo test --workspace`)",
+            agent.display()
+        );
+    }
+    Ok(agent)
+}
+
+struct Running {
+    child: Option<Child>,
+    restarts: i32,
+    finished: bool,
+}
+
+/// The stand-in; stops its processes when dropped.
+pub struct Kubelet {
+    client: kube::Client,
+    server: String,
+    ca_pem: String,
+    root: PathBuf,
+    volumes: PathBuf,
+    nodes: Vec<String>,
+    processes: Arc<Mutex<HashMap<(String, String), Running>>>,
+    stop: CancellationToken,
+    /// Agents started so far (restarts included).
+    pub starts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+fn pinned_node(pod: &Pod) -> Option<String> {
+    let spec = pod.spec.as_ref()?;
+    if let Some(node) = &spec.node_name {
+        return Some(node.clone());
+    }
+    let terms = &spec
+        .affinity
+        .as_ref()?
+        .node_affinity
+        .as_ref()?
+        .required_during_scheduling_ignored_during_execution
+        .as_ref()?
+        .node_selector_terms;
+    terms.iter().find_map(|term| {
+        term.match_fields.as_ref()?.iter().find_map(|field| {
+            (field.key == "metadata.name" && field.operator == "In")
+                .then(|| field.values.as_ref()?.first().cloned())
+                .flatten()
+        })
+    })
+}
+
+impl Kubelet {
+    /// Register `nodes` (Ready) and start watching. `volumes` holds each
+    /// claim's data at `<volumes>/<namespace>/<pvc>`.
+    pub async fn start(
+        client: kube::Client,
+        kubeconfig: &Path,
+        nodes: &[&str],
+        volumes: &Path,
+        root: &Path,
+    ) -> anyhow::Result<Self> {
+        let config: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(kubeconfig)?)?;
+        let cluster = &config["clusters"][0]["cluster"];
+        let server = cluster["server"].as_str().context("server")?.to_string();
+        let ca_data = cluster["certificate-authority-data"]
+            .as_str()
+            .context("certificate-authority-data")?;
+        use base64::Engine;
+        let ca_pem = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(ca_data)?)?;
+        let node_api: Api<Node> = Api::all(client.clone());
+        for name in nodes {
+            let node: Node = serde_json::from_value(json!({
+                "apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+            }))?;
+            node_api.create(&PostParams::default(), &node).await?;
+            // The TaintNodesByCondition admission plugin taints a new node
+            // not-ready:NoSchedule; the node lifecycle controller (not
+            // running here) would lift it once the node reports Ready.
+            node_api
+                .patch(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"spec": {"taints": null}})),
+                )
+                .await?;
+            node_api
+                .patch_status(
+                    name,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"status": {"conditions": [
+                        {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                         "message": "kubelet stand-in", "lastHeartbeatTime": null}
+                    ]}})),
+                )
+                .await?;
+        }
+        let kubelet = Kubelet {
+            client,
+            server,
+            ca_pem,
+            root: root.to_path_buf(),
+            volumes: volumes.to_path_buf(),
+            nodes: nodes.iter().map(|n| n.to_string()).collect(),
+            processes: Arc::new(Mutex::new(HashMap::new())),
+            stop: CancellationToken::new(),
+            starts: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        };
+        kubelet.spawn_loop();
+        Ok(kubelet)
+    }
+
+    fn spawn_loop(&self) {
+        let this = self.handle();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = this.stop.cancelled() => return,
+                    _ = tokio::time::sleep(SYNC_INTERVAL) => {}
+                }
+                if let Err(error) = this.sync().await {
+                    eprintln!("kubelet stand-in: {error:#}");
+                }
+            }
+        });
+    }
+
+    fn handle(&self) -> Kubelet {
+        Kubelet {
+            client: self.client.clone(),
+            server: self.server.clone(),
+            ca_pem: self.ca_pem.clone(),
+            root: self.root.clone(),
+            volumes: self.volumes.clone(),
+            nodes: self.nodes.clone(),
+            processes: self.processes.clone(),
+            stop: self.stop.clone(),
+            starts: self.starts.clone(),
+        }
+    }
+
+    /// SIGKILL the agent of a pod (the stand-in restarts it, as a kubelet
+    /// would). Returns whether a process was running.
+    pub fn kill(&self, namespace: &str, pod: &str) -> bool {
+        let mut processes = self.processes.lock().expect("lock");
+        match processes
+            .get_mut(&(namespace.to_string(), pod.to_string()))
+            .and_then(|running| running.child.as_mut())
+        {
+            Some(child) => child.start_kill().is_ok(),
+            None => false,
+        }
+    }
+
+    async fn sync(&self) -> anyhow::Result<()> {
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let list = pods
+            .list(&ListParams::default().labels(STAGE_POD_SELECTOR))
+            .await?;
+        let mut seen = Vec::new();
+        for pod in list.items {
+            let Some(node) = pinned_node(&pod) else {
+                continue;
+            };
+            if !self.nodes.contains(&node) {
+                continue;
+            }
+            let namespace = pod.namespace().unwrap_or_default();
+            let name = pod.name_any();
+            let key = (namespace.clone(), name.clone());
+            seen.push(key.clone());
+            let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
+            if pod.metadata.deletion_timestamp.is_some() {
+                self.terminate(&key).await;
+                let _ = api
+                    .delete(&name, &DeleteParams::default().grace_period(0))
+                    .await;
+                continue;
+            }
+            let exists = self.processes.lock().expect("lock").contains_key(&key);
+            if !exists {
+                let child = self.launch(&pod, &node).await?;
+                self.processes.lock().expect("lock").insert(
+                    key.clone(),
+                    Running {
+                        child: Some(child),
+                        restarts: 0,
+                        finished: false,
+                    },
+                );
+                self.report(&api, &name, "Running", None, 0).await?;
+                continue;
+            }
+            let exited = {
+                let mut processes = self.processes.lock().expect("lock");
+                let running = processes.get_mut(&key).context("tracked")?;
+                match running.child.as_mut().map(Child::try_wait) {
+                    Some(Ok(Some(status))) => {
+                        running.child = None;
+                        Some((status.code().unwrap_or(137), running.restarts))
+                    }
+                    _ => None,
+                }
+            };
+            if let Some((code, restarts)) = exited {
+                if code == 0 {
+                    self.report(&api, &name, "Succeeded", Some(code), restarts)
+                        .await?;
+                    if let Some(running) = self.processes.lock().expect("lock").get_mut(&key) {
+                        running.finished = true;
+                    }
+                } else if restarts < MAX_RESTARTS {
+                    let child = self.launch(&pod, &node).await?;
+                    if let Some(running) = self.processes.lock().expect("lock").get_mut(&key) {
+                        running.child = Some(child);
+                        running.restarts += 1;
+                    }
+                    self.report(&api, &name, "Running", Some(code), restarts + 1)
+                        .await?;
+                } else {
+                    self.report(&api, &name, "Failed", Some(code), restarts)
+                        .await?;
+                }
+            }
+        }
+        // Pods gone from the API: stop their processes.
+        let gone: Vec<(String, String)> = self
+            .processes
+            .lock()
+            .expect("lock")
+            .keys()
+            .filter(|key| !seen.contains(key))
+            .cloned()
+            .collect();
+        for key in gone {
+            self.terminate(&key).await;
+            self.processes.lock().expect("lock").remove(&key);
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then SIGKILL after a grace period.
+    async fn terminate(&self, key: &(String, String)) {
+        let child = self
+            .processes
+            .lock()
+            .expect("lock")
+            .get_mut(key)
+            .and_then(|running| running.child.take());
+        if let Some(mut child) = child {
+            if let Some(pid) = child.id() {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &pid.to_string()])
+                    .status()
+                    .await;
+            }
+            if tokio::time::timeout(Duration::from_secs(20), child.wait())
+                .await
+                .is_err()
+            {
+                let _ = child.kill().await;
+            }
+        }
+    }
+
+    async fn report(
+        &self,
+        api: &Api<Pod>,
+        name: &str,
+        phase: &str,
+        exit_code: Option<i32>,
+        restarts: i32,
+    ) -> anyhow::Result<()> {
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let state = match (phase, exit_code) {
+            ("Running", _) => json!({"running": {"startedAt": now}}),
+            (_, Some(code)) => json!({"terminated": {"exitCode": code, "finishedAt": now,
+                "reason": if code == 0 { "Completed" } else { "Error" }}}),
+            _ => json!({"waiting": {"reason": "ContainerCreating"}}),
+        };
+        let last_state = match (phase, exit_code) {
+            ("Running", Some(code)) => {
+                json!({"terminated": {"exitCode": code, "finishedAt": now, "reason": "Error"}})
+            }
+            _ => json!({}),
+        };
+        api.patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "phase": phase,
+                "containerStatuses": [{
+                    "name": "agent", "image": "mover-agent", "imageID": "", "ready": phase == "Running",
+                    "restartCount": restarts, "state": state, "lastState": last_state,
+                }],
+            }})),
+        )
+        .await
+        .with_context(|| format!("report pod {name} {phase}"))?;
+        Ok(())
+    }
+
+    /// A kubeconfig with a fresh token of the pod's service account.
+    async fn agent_kubeconfig(&self, pod: &Pod, directory: &Path) -> anyhow::Result<PathBuf> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let account = pod
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.service_account_name.clone())
+            .unwrap_or_else(|| "default".to_string());
+        self.service_account_kubeconfig(&namespace, &account, &directory.join("kubeconfig"))
+            .await
+    }
+
+    /// Write a kubeconfig at `path` holding a TokenRequest token of the
+    /// service account `namespace/account`.
+    pub async fn service_account_kubeconfig(
+        &self,
+        namespace: &str,
+        account: &str,
+        path: &Path,
+    ) -> anyhow::Result<PathBuf> {
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), namespace);
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                audiences: vec!["https://kubernetes.default.svc.cluster.local".to_string()],
+                expiration_seconds: Some(3600),
+                ..TokenRequestSpec::default()
+            },
+            ..TokenRequest::default()
+        };
+        let response: TokenRequest = accounts
+            .create_subresource("token", account, &PostParams::default(), &request)
+            .await
+            .map_err(|error| {
+                anyhow::anyhow!("TokenRequest for {namespace}/{account}: {error:?}")
+            })?;
+        let token = response
+            .status
+            .context("TokenRequest without status")?
+            .token;
+        use base64::Engine;
+        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
+        let path = path.to_path_buf();
+        std::fs::write(
+            &path,
+            format!(
+                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\n\
+                 users:\n- name: agent\n  user:\n    token: {token}\n\
+                 contexts:\n- name: agent\n  context:\n    cluster: c\n    user: agent\n    namespace: {namespace}\n\
+                 current-context: agent\n",
+                self.server
+            ),
+        )?;
+        Ok(path)
+    }
+
+    async fn launch(&self, pod: &Pod, node: &str) -> anyhow::Result<Child> {
+        let namespace = pod.namespace().unwrap_or_default();
+        let name = pod.name_any();
+        let spec = pod.spec.as_ref().context("pod without spec")?;
+        let container = spec.containers.first().context("pod without container")?;
+        let directory = self.root.join("pods").join(&namespace).join(&name);
+        let scratch = directory.join("scratch");
+        let credentials = directory.join("credentials");
+        std::fs::create_dir_all(&scratch)?;
+        std::fs::create_dir_all(&credentials)?;
+        // The projected Secret volume, as the kubelet would mount it.
+        for volume in spec.volumes.iter().flatten() {
+            for source in volume
+                .projected
+                .iter()
+                .flat_map(|p| p.sources.iter().flatten())
+            {
+                if let Some(secret) = &source.secret {
+                    let secrets: Api<Secret> = Api::namespaced(self.client.clone(), &namespace);
+                    let copy = secrets
+                        .get(&secret.name)
+                        .await
+                        .with_context(|| format!("credentials copy {namespace}/{}", secret.name))?;
+                    for (key, value) in copy.data.unwrap_or_default() {
+                        std::fs::write(credentials.join(key), value.0)?;
+                    }
+                }
+            }
+        }
+        let kubeconfig = self.agent_kubeconfig(pod, &directory).await?;
+        let mut environment = BTreeMap::new();
+        for variable in container.env.iter().flatten() {
+            let value = match (&variable.value, &variable.value_from) {
+                (Some(value), _) => value.clone(),
+                (None, Some(source)) => {
+                    match source.field_ref.as_ref().map(|f| f.field_path.as_str()) {
+                        Some("metadata.name") => name.clone(),
+                        Some("metadata.namespace") => namespace.clone(),
+                        Some("spec.nodeName") => node.to_string(),
+                        _ => continue,
+                    }
+                }
+                _ => continue,
+            };
+            environment.insert(variable.name.clone(), value);
+        }
+        environment.insert("NODE_NAME".to_string(), node.to_string());
+        environment.insert(
+            "HAULAGE_DATA_ROOT".to_string(),
+            self.volumes.join(&namespace).to_string_lossy().into_owned(),
+        );
+        environment.insert("TMPDIR".to_string(), scratch.to_string_lossy().into_owned());
+        environment.insert(
+            "KUBECONFIG".to_string(),
+            kubeconfig.to_string_lossy().into_owned(),
+        );
+        environment.insert("HAULAGE_LOG".to_string(), "info".to_string());
+        let arguments: Vec<String> = container
+            .args
+            .iter()
+            .flatten()
+            .map(|argument| match argument.strip_prefix("/credentials/") {
+                Some(rest) => credentials.join(rest).to_string_lossy().into_owned(),
+                None => argument.clone(),
+            })
+            .collect();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(directory.join("agent.log"))?;
+        let child = Command::new(agent_binary()?)
+            .args(&arguments)
+            .env_clear()
+            .envs(&environment)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("start mover-agent")?;
+        self.starts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(child)
+    }
+
+    /// Agent processes running now.
+    pub fn running_agents(&self) -> usize {
+        self.processes
+            .lock()
+            .expect("lock")
+            .values()
+            .filter(|running| running.child.is_some())
+            .count()
+    }
+
+    /// Every agent log, for failure messages.
+    pub fn all_agent_logs(&self) -> String {
+        let mut text = String::new();
+        for namespace in std::fs::read_dir(self.root.join("pods"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            for pod in std::fs::read_dir(namespace.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let log = std::fs::read_to_string(pod.path().join("agent.log")).unwrap_or_default();
+                let lines: Vec<&str> = log.lines().collect();
+                text.push_str(&format!(
+                    "--- {}:\n{}\n",
+                    pod.path().display(),
+                    lines[lines.len().saturating_sub(20)..].join("\n")
+                ));
+            }
+        }
+        text
+    }
+}
+
+impl Drop for Kubelet {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
