@@ -30,7 +30,7 @@ use crate::repo::config::RepoConfig;
 use crate::store::{DynStore, PutMode};
 
 /// Seed of the order files are read in (fixed, so runs are comparable).
-const SAMPLE_ORDER_SEED: u64 = 0x6861_756c_6167_65;
+const SAMPLE_ORDER_SEED: u64 = 0x0068_6175_6c61_6765;
 /// Default bytes of the source read for the read tests.
 const DEFAULT_SIZE_BYTES: u64 = 256 * 1024 * 1024;
 /// At most this much of what was read is kept as the CPU stages' sample.

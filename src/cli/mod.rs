@@ -85,6 +85,10 @@ pub struct RepoArgs {
     /// Profile to read from the credentials file.
     #[arg(long, value_name = "NAME", requires = "credentials_file")]
     pub profile: Option<String>,
+    /// s3:// only: objects of at least this size go up as multipart uploads
+    /// (default 64MiB, so a pack is one PUT).
+    #[arg(long, value_name = "BYTES", env = "HAULAGE_S3_MULTIPART_THRESHOLD")]
+    pub multipart_threshold: Option<bytesize::ByteSize>,
 }
 
 impl RepoArgs {
@@ -100,6 +104,7 @@ impl RepoArgs {
             reason: error.to_string(),
         };
         let mut options = StoreOptions::default();
+        options.s3.multipart_threshold_bytes = self.multipart_threshold.map(|size| size.as_u64());
         if let Some(path) = &self.credentials_file {
             options.s3.credentials = Some(
                 crate::store::S3Credentials::from_credentials_file(path, self.profile.as_deref())

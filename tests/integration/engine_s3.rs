@@ -48,6 +48,9 @@ fn haulage_at(endpoint: &str) -> Command {
         .env("AWS_REGION", REGION)
         .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
         .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        // Packs (16 MiB) as multipart uploads, so the fault tests cut and
+        // cancel multipart uploads, not only single PUTs.
+        .env("HAULAGE_S3_MULTIPART_THRESHOLD", "8MiB")
         .env_remove("AWS_PROFILE")
         .env_remove("AWS_SESSION_TOKEN");
     command
