@@ -158,6 +158,12 @@ pub async fn reconcile(
         }
         Err(_) => Duration::from_secs(60),
     };
+    // A status write (ours or another replica's) wakes this reconciler too;
+    // a location validated at its current generation within the interval is
+    // not probed again until the interval is up.
+    if let Some(remaining) = time_until_next_probe(&location, interval, now()) {
+        return Ok(Action::requeue(remaining));
+    }
     let secrets: Api<Secret> = Api::namespaced(context.client.clone(), &namespace);
     let outcome = match read_credentials(&secrets, &location.spec).await? {
         Err(message) => ProbeOutcome::CredentialsNotFound(message),
@@ -213,6 +219,23 @@ pub async fn reconcile(
     Ok(Action::requeue(interval))
 }
 
+/// How long until `location` is due for a probe, or `None` when it is due
+/// now (never validated, spec changed since, or the interval has passed).
+fn time_until_next_probe(
+    location: &BackupStorageLocation,
+    interval: Duration,
+    now: Time,
+) -> Option<Duration> {
+    let status = location.status.as_ref()?;
+    if status.observed_generation != location.metadata.generation {
+        return None;
+    }
+    let last = status.last_validation_time.as_ref()?;
+    let elapsed = now.0.duration_since(last.0);
+    let elapsed = Duration::try_from(elapsed).unwrap_or(Duration::ZERO);
+    interval.checked_sub(elapsed).filter(|remaining| !remaining.is_zero())
+}
+
 /// The current time as an API timestamp.
 pub(crate) fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
@@ -225,6 +248,25 @@ mod tests {
 
     fn at(seconds: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
+    }
+
+    #[test]
+    fn a_location_validated_recently_at_its_generation_is_not_probed_again_on_a_status_event() {
+        let interval = Duration::from_secs(60);
+        let mut location = BackupStorageLocation::test("minio");
+        assert_eq!(time_until_next_probe(&location, interval, at(0)), None, "never validated");
+        location.status = Some(BackupStorageLocationStatus {
+            last_validation_time: Some(at(0)),
+            observed_generation: location.metadata.generation,
+            ..Default::default()
+        });
+        assert_eq!(
+            time_until_next_probe(&location, interval, at(20)),
+            Some(Duration::from_secs(40))
+        );
+        assert_eq!(time_until_next_probe(&location, interval, at(60)), None, "interval passed");
+        location.metadata.generation = Some(2);
+        assert_eq!(time_until_next_probe(&location, interval, at(20)), None, "spec changed");
     }
 
     #[test]
