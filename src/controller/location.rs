@@ -233,7 +233,9 @@ fn time_until_next_probe(
     let last = status.last_validation_time.as_ref()?;
     let elapsed = now.0.duration_since(last.0);
     let elapsed = Duration::try_from(elapsed).unwrap_or(Duration::ZERO);
-    interval.checked_sub(elapsed).filter(|remaining| !remaining.is_zero())
+    interval
+        .checked_sub(elapsed)
+        .filter(|remaining| !remaining.is_zero())
 }
 
 /// The current time as an API timestamp.
@@ -254,7 +256,11 @@ mod tests {
     fn a_location_validated_recently_at_its_generation_is_not_probed_again_on_a_status_event() {
         let interval = Duration::from_secs(60);
         let mut location = BackupStorageLocation::test("minio");
-        assert_eq!(time_until_next_probe(&location, interval, at(0)), None, "never validated");
+        assert_eq!(
+            time_until_next_probe(&location, interval, at(0)),
+            None,
+            "never validated"
+        );
         location.status = Some(BackupStorageLocationStatus {
             last_validation_time: Some(at(0)),
             observed_generation: location.metadata.generation,
@@ -264,9 +270,17 @@ mod tests {
             time_until_next_probe(&location, interval, at(20)),
             Some(Duration::from_secs(40))
         );
-        assert_eq!(time_until_next_probe(&location, interval, at(60)), None, "interval passed");
+        assert_eq!(
+            time_until_next_probe(&location, interval, at(60)),
+            None,
+            "interval passed"
+        );
         location.metadata.generation = Some(2);
-        assert_eq!(time_until_next_probe(&location, interval, at(20)), None, "spec changed");
+        assert_eq!(
+            time_until_next_probe(&location, interval, at(20)),
+            None,
+            "spec changed"
+        );
     }
 
     #[test]
