@@ -813,7 +813,6 @@ impl WalkContext {
                         .map_err(|_| ReadFailure::Cancelled)?;
                 }
                 if data_start >= size {
-                    position = data_start;
                     break;
                 }
                 let hole_start = rustix::fs::seek(&file, rustix::fs::SeekFrom::Hole(data_start))
@@ -832,9 +831,8 @@ impl WalkContext {
                 }
             }
         } else {
-            position = self.chunk_region(&mut file, None)?;
+            self.chunk_region(&mut file, None)?;
         }
-        let _ = position;
         file.metadata().map_err(ReadFailure::Io)
     }
 
@@ -970,9 +968,8 @@ struct Assembler {
     shared: Arc<Shared>,
     packer: Packer,
     stats: Stats,
-    progress: Arc<Progress>,
-    /// Open directories: the entry (None for the root is never used) and
-    /// the children collected so far.
+    /// Open directories, innermost last: each directory's entry and the
+    /// children collected so far.
     directories: Vec<(Entry, Vec<Entry>)>,
     current_file: Option<Entry>,
     hardlink_content: HashMap<(u64, u64), Vec<Extent>>,
@@ -981,10 +978,9 @@ struct Assembler {
 impl Assembler {
     fn new(repository: Repository, shared: Arc<Shared>, progress: Arc<Progress>) -> Self {
         Assembler {
-            packer: Packer::new(repository, progress.clone()),
+            packer: Packer::new(repository, progress),
             shared,
             stats: Stats::default(),
-            progress,
             directories: Vec::new(),
             current_file: None,
             hardlink_content: HashMap::new(),
@@ -1144,7 +1140,6 @@ impl Assembler {
                 .add(id, BlobKind::Tree, compression, &stored, raw_length)
                 .await?;
         }
-        let _ = &self.progress;
         Ok(id)
     }
 }

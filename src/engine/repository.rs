@@ -3,7 +3,6 @@
 //! and snapshots, write indexes and snapshots).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -495,6 +494,3 @@ impl Repository {
         }
     }
 }
-
-/// Convenience for callers holding the repository in an `Arc`.
-pub type SharedRepository = Arc<Repository>;
