@@ -200,6 +200,10 @@ pub struct OwnerClaim {
     pub replica: String,
     /// When it claimed the object.
     pub claimed_at: Time,
+    /// The replica that owned it before, when this one adopted it because
+    /// that replica stopped renewing its lease.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopted_from: Option<String>,
 }
 
 /// The stage-pod plan as the planner made it (`haulage plan -o json`).

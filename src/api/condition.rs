@@ -179,6 +179,8 @@ pub mod reason {
     pub const STORAGE_UNAVAILABLE_TIMEOUT: &str = "StorageUnavailableTimeout";
     /// A controller replica claimed the object.
     pub const CLAIMED_BY_REPLICA: &str = "ClaimedByReplica";
+    /// A replica adopted the object after its owner's lease expired.
+    pub const ADOPTED_FROM_REPLICA: &str = "AdoptedFromReplica";
     /// The selector matched no PersistentVolumeClaim.
     pub const NO_VOLUMES_SELECTED: &str = "NoVolumesSelected";
     /// The plan places every selected volume.
@@ -219,6 +221,7 @@ pub mod reason {
         STORAGE_LOCATION_AVAILABLE,
         STORAGE_UNAVAILABLE_TIMEOUT,
         CLAIMED_BY_REPLICA,
+        ADOPTED_FROM_REPLICA,
         NO_VOLUMES_SELECTED,
         PLAN_COMPLETE,
         VOLUMES_UNPLACEABLE,

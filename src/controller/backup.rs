@@ -31,6 +31,7 @@ use crate::api::{
 use crate::controller::children::{Owner, StagePodObjects, desired_stage_pod, desired_transfer};
 use crate::controller::error::{Error, is_conflict, is_not_found, kube_error};
 use crate::controller::location::{now, read_credentials};
+use crate::controller::replicas::{self, Liveness};
 use crate::controller::status::{Observed, StorageState, TransferObservation, next_status};
 use crate::controller::{Context, FIELD_MANAGER};
 use crate::plan::dump::{ClusterObjects, facts_from_objects, node_facts};
@@ -39,6 +40,9 @@ use crate::plan::{LabelSelector, Selection, StagePlan, plan_stage_pods};
 
 /// How often a waiting or running backup is looked at even without events.
 const RECHECK_SECONDS: u64 = 15;
+/// How often a backup owned by another replica is checked for adoption
+/// (from the cache: no API request unless that replica's lease expired).
+const ADOPTION_CHECK_SECONDS: u64 = 20;
 /// Upper bound on the cancel cleanup; the finalizer is released after it.
 const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
 
@@ -101,34 +105,51 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         return Ok(Action::await_change());
     }
 
-    match &old.owner {
-        Some(claim) if &claim.replica != identity => {
-            // Another replica owns it; it keeps working on it.
-            return Ok(Action::await_change());
-        }
-        Some(_) => {}
-        None => {
-            let claim = serde_json::json!({
-                "metadata": {"resourceVersion": backup.resource_version()},
-                "status": {
-                    "owner": OwnerClaim { replica: identity.clone(), claimed_at: now() },
-                },
-            });
-            match api
-                .patch_status(&owner.name, &PatchParams::default(), &Patch::Merge(&claim))
-                .await
-            {
-                Ok(_) => info!(replica = %identity, "claimed"),
-                Err(error) if is_conflict(&error) => {
-                    info!("another replica claimed it first, or it changed; moving on");
-                    return Ok(Action::await_change());
-                }
-                Err(source) => {
-                    return Err(kube_error("claim", "VolumeBackup", &owner.name)(source));
-                }
+    let claim = match &old.owner {
+        Some(claim) if &claim.replica == identity => claim.clone(),
+        Some(claim) => {
+            // Another replica owns it and keeps working on it, unless it
+            // stopped renewing its lease: then this one adopts it.
+            // An unsynced cache would make every replica look gone.
+            if context.stores.leases.wait_until_ready().await.is_err() {
+                return Ok(Action::requeue(Duration::from_secs(ADOPTION_CHECK_SECONDS)));
             }
+            let leases = replicas::cached(&context.stores.leases);
+            let why = match replicas::liveness(
+                &claim.replica,
+                claim.claimed_at.0.as_second(),
+                &leases,
+                now().0.as_second(),
+            ) {
+                Liveness::Alive => {
+                    return Ok(Action::requeue(Duration::from_secs(ADOPTION_CHECK_SECONDS)));
+                }
+                Liveness::Gone { why } => why,
+            };
+            let adopted = OwnerClaim {
+                replica: identity.clone(),
+                claimed_at: now(),
+                adopted_from: Some(claim.replica.clone()),
+            };
+            if !take_ownership(backup, &api, &owner, &adopted).await? {
+                return Ok(Action::await_change());
+            }
+            warn!(replica = %identity, previous = %claim.replica, "adopted: {why}");
+            adopted
         }
-    }
+        None => {
+            let claimed = OwnerClaim {
+                replica: identity.clone(),
+                claimed_at: now(),
+                adopted_from: None,
+            };
+            if !take_ownership(backup, &api, &owner, &claimed).await? {
+                return Ok(Action::await_change());
+            }
+            info!(replica = %identity, "claimed");
+            claimed
+        }
+    };
 
     let (storage, location) = resolve_location(backup, context);
     let plan = match (&old.plan, &storage) {
@@ -148,6 +169,7 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     let observed = Observed {
         generation: backup.metadata.generation,
         replica: identity.clone(),
+        adopted_from: claim.adopted_from.clone(),
         storage,
         fail_after_unavailable_seconds: backup.spec.fail_after_unavailable_seconds,
         plan,
@@ -157,12 +179,7 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
             .collect(),
     };
     let mut status = next_status(&old, &observed, now());
-    status.owner = old.owner.clone().or_else(|| {
-        Some(OwnerClaim {
-            replica: identity.clone(),
-            claimed_at: now(),
-        })
-    });
+    status.owner = Some(claim);
     if status != old {
         api.patch_status(
             &owner.name,
@@ -178,6 +195,33 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         return Ok(Action::await_change());
     }
     Ok(Action::requeue(Duration::from_secs(RECHECK_SECONDS)))
+}
+
+/// Write `claim` as the backup's owner, on the condition that the backup
+/// did not change since it was read (a resourceVersion precondition): of
+/// two replicas racing to claim or adopt it, exactly one wins. `false` when
+/// this one lost.
+async fn take_ownership(
+    backup: &VolumeBackup,
+    api: &Api<VolumeBackup>,
+    owner: &Owner,
+    claim: &OwnerClaim,
+) -> Result<bool, Error> {
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": backup.resource_version()},
+        "status": {"owner": claim},
+    });
+    match api
+        .patch_status(&owner.name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(true),
+        Err(error) if is_conflict(&error) => {
+            info!("another replica claimed it first, or it changed; moving on");
+            Ok(false)
+        }
+        Err(source) => Err(kube_error("claim", "VolumeBackup", &owner.name)(source)),
+    }
 }
 
 fn observe(transfer: &VolumeTransfer) -> TransferObservation {

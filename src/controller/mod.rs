@@ -10,12 +10,15 @@
 //!   pods, agent RBAC).
 //! - [`error`]: one error variant per failed call, transient or permanent.
 //! - [`health`]: `/healthz` and `/readyz` (ready once the caches synced).
+//! - [`replicas`]: each replica's liveness Lease; adoption of a dead
+//!   replica's backups.
 
 pub mod backup;
 pub mod children;
 pub mod error;
 pub mod health;
 pub mod location;
+pub mod replicas;
 pub mod status;
 
 use std::net::SocketAddr;
@@ -24,12 +27,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::controller::{Action, Config as ControllerConfig};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::{Controller, WatchStreamExt, reflector, watcher};
 use kube::{Api, Client, ResourceExt};
+use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -92,7 +97,19 @@ pub struct ControllerArgs {
         default_value = "node-affinity"
     )]
     pub pinning: PinningArg,
+    /// Seconds this replica's liveness Lease lasts without renewal (renewed
+    /// every 10 s); when it expires, other replicas adopt its backups.
+    #[arg(
+        long,
+        env = "HAULAGE_REPLICA_LEASE_SECONDS",
+        default_value_t = replicas::DEFAULT_LEASE_SECONDS,
+        value_parser = clap::value_parser!(u32).range(i64::from(MIN_LEASE_SECONDS)..=3600)
+    )]
+    pub replica_lease_seconds: u32,
 }
+
+/// Shortest replica lease: one and a half renewal periods.
+pub const MIN_LEASE_SECONDS: u32 = 15;
 
 /// The controller's validated configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +126,8 @@ pub struct Config {
     pub concurrency: u16,
     /// Stage pod pinning.
     pub pinning: Pinning,
+    /// Seconds this replica's liveness Lease lasts without renewal.
+    pub replica_lease_seconds: u32,
 }
 
 /// Arguments that do not make a configuration.
@@ -143,6 +162,7 @@ impl ControllerArgs {
                 PinningArg::NodeAffinity => Pinning::RequiredNodeAffinity,
                 PinningArg::NodeName => Pinning::NodeName,
             },
+            replica_lease_seconds: self.replica_lease_seconds.max(MIN_LEASE_SECONDS),
         })
     }
 }
@@ -164,6 +184,8 @@ pub struct Stores {
     pub volumes: Store<PersistentVolume>,
     /// StorageClasses.
     pub classes: Store<StorageClass>,
+    /// The replicas' liveness Leases in the controller's namespace.
+    pub leases: Store<Lease>,
 }
 
 /// What every reconcile gets.
@@ -211,9 +233,13 @@ where
     }
 }
 
-/// Run a watcher into a cache until the process ends.
-fn spawn_reflector<K>(api: Api<K>, writer: reflector::store::Writer<K>)
-where
+/// Run a watcher into a cache until `tasks` is dropped.
+fn spawn_reflector<K>(
+    tasks: &mut JoinSet<()>,
+    api: Api<K>,
+    config: watcher::Config,
+    writer: reflector::store::Writer<K>,
+) where
     K: kube::Resource<DynamicType = ()>
         + Clone
         + serde::de::DeserializeOwned
@@ -222,8 +248,8 @@ where
         + Sync
         + 'static,
 {
-    tokio::spawn(
-        watcher(api, watcher::Config::default())
+    tasks.spawn(
+        watcher(api, config)
             .default_backoff()
             .reflect(writer)
             .for_each(|_| futures::future::ready(())),
@@ -236,6 +262,9 @@ pub async fn run(
     client: Client,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
+    // Every task of this replica lives in `tasks`: when `run` returns or is
+    // dropped (a test's simulated crash), they all stop with it.
+    let mut tasks = JoinSet::new();
     let ready = Arc::new(AtomicBool::new(false));
     let listener = tokio::net::TcpListener::bind(config.health_address)
         .await
@@ -243,21 +272,75 @@ pub async fn run(
             address: config.health_address,
             source,
         })?;
-    tokio::spawn(health::serve(listener, ready.clone(), shutdown.clone()));
+    info!(address = %config.health_address, "health endpoints listening");
+    tasks.spawn(health::serve(listener, ready.clone(), shutdown.clone()));
 
     let (claims, claims_writer) = reflector::store();
     spawn_reflector(
+        &mut tasks,
         Api::<PersistentVolumeClaim>::all(client.clone()),
+        watcher::Config::default(),
         claims_writer,
     );
     let (pods, pods_writer) = reflector::store();
-    spawn_reflector(Api::<Pod>::all(client.clone()), pods_writer);
+    spawn_reflector(
+        &mut tasks,
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default(),
+        pods_writer,
+    );
     let (nodes, nodes_writer) = reflector::store();
-    spawn_reflector(Api::<Node>::all(client.clone()), nodes_writer);
+    spawn_reflector(
+        &mut tasks,
+        Api::<Node>::all(client.clone()),
+        watcher::Config::default(),
+        nodes_writer,
+    );
     let (volumes, volumes_writer) = reflector::store();
-    spawn_reflector(Api::<PersistentVolume>::all(client.clone()), volumes_writer);
+    spawn_reflector(
+        &mut tasks,
+        Api::<PersistentVolume>::all(client.clone()),
+        watcher::Config::default(),
+        volumes_writer,
+    );
     let (classes, classes_writer) = reflector::store();
-    spawn_reflector(Api::<StorageClass>::all(client.clone()), classes_writer);
+    spawn_reflector(
+        &mut tasks,
+        Api::<StorageClass>::all(client.clone()),
+        watcher::Config::default(),
+        classes_writer,
+    );
+
+    let (leases, leases_writer) = reflector::store();
+    spawn_reflector(
+        &mut tasks,
+        Api::<Lease>::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default().labels(&format!("{}=true", replicas::REPLICA_LEASE_LABEL)),
+        leases_writer,
+    );
+
+    // This replica's liveness lease, written before it claims anything.
+    // An API server that is not reachable yet is waited for, not a crash.
+    let lease_task = loop {
+        match replicas::keep_alive(
+            client.clone(),
+            config.namespace.clone(),
+            config.identity.clone(),
+            config.replica_lease_seconds,
+            shutdown.clone(),
+        )
+        .await
+        {
+            Ok(task) => break tokio_util::task::AbortOnDropHandle::new(task),
+            Err(error) => {
+                warn!(%error, namespace = %config.namespace, "cannot write this replica's lease; retrying in 5s (check the API server and the controller's RBAC for leases)");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                }
+            }
+        }
+    };
 
     // Shared caches: each feeds a controller and triggers the other.
     let (backups, backups_writer) = reflector::store_shared::<VolumeBackup>(SUBSCRIBER_BUFFER);
@@ -283,7 +366,7 @@ pub async fn run(
     else {
         return Err(RunError::Subscribe);
     };
-    tokio::spawn(
+    tasks.spawn(
         watcher(
             Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
             watcher::Config::default(),
@@ -292,7 +375,7 @@ pub async fn run(
         .reflect_shared(backups_writer)
         .for_each(|_| futures::future::ready(())),
     );
-    tokio::spawn(
+    tasks.spawn(
         watcher(
             Api::<BackupStorageLocation>::namespaced(client.clone(), &config.namespace),
             watcher::Config::default(),
@@ -301,7 +384,7 @@ pub async fn run(
         .reflect_shared(locations_writer)
         .for_each(|_| futures::future::ready(())),
     );
-    tokio::spawn(
+    tasks.spawn(
         watcher(
             Api::<VolumeTransfer>::all(client.clone()),
             watcher::Config::default().labels(&format!(
@@ -323,12 +406,13 @@ pub async fn run(
         nodes,
         volumes,
         classes,
+        leases,
     };
     {
         let stores = stores.clone();
         let backups = backups.clone();
         let ready = ready.clone();
-        tokio::spawn(async move {
+        tasks.spawn(async move {
             let synced = futures::future::join_all([
                 Box::pin(stores.locations.wait_until_ready())
                     as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>,
@@ -346,11 +430,13 @@ pub async fn run(
                 stores.nodes.wait_until_ready().await,
                 stores.volumes.wait_until_ready().await,
                 stores.classes.wait_until_ready().await,
+                stores.leases.wait_until_ready().await,
             );
             if synced.iter().chain(others.iter()).all(Result::is_ok)
                 && rest.0.is_ok()
                 && rest.1.is_ok()
                 && rest.2.is_ok()
+                && rest.3.is_ok()
             {
                 info!("caches synced; ready");
                 ready.store(true, Ordering::SeqCst);
@@ -403,6 +489,8 @@ pub async fn run(
 
     info!(identity = %config.identity, namespace = %config.namespace, "controller started");
     futures::future::join(backup_controller, location_controller).await;
+    // Releases the lease, so other replicas adopt this one's backups now.
+    let _ = lease_task.await;
     info!("controller stopped");
     Ok(())
 }

@@ -55,6 +55,8 @@ pub struct Observed {
     pub generation: Option<i64>,
     /// The replica that owns the backup (this one, once claimed).
     pub replica: String,
+    /// The replica it was adopted from, when its lease expired.
+    pub adopted_from: Option<String>,
     /// The storage location's state.
     pub storage: StorageState,
     /// The spec's `failAfterUnavailableSeconds`.
@@ -91,13 +93,25 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
             now.clone(),
         );
     };
-    set(
-        &mut status,
-        condition_type::CLAIMED,
-        ConditionStatus::True,
-        reason::CLAIMED_BY_REPLICA,
-        &format!("claimed by replica {}", observed.replica),
-    );
+    match &observed.adopted_from {
+        None => set(
+            &mut status,
+            condition_type::CLAIMED,
+            ConditionStatus::True,
+            reason::CLAIMED_BY_REPLICA,
+            &format!("claimed by replica {}", observed.replica),
+        ),
+        Some(previous) => set(
+            &mut status,
+            condition_type::CLAIMED,
+            ConditionStatus::True,
+            reason::ADOPTED_FROM_REPLICA,
+            &format!(
+                "claimed by replica {}, adopted from replica {previous} after its lease expired",
+                observed.replica
+            ),
+        ),
+    }
 
     let (storage_reason, storage_message) = match &observed.storage {
         StorageState::Available { name } => {
@@ -324,6 +338,7 @@ mod tests {
         Observed {
             generation: Some(1),
             replica: "controller-0".to_string(),
+            adopted_from: None,
             storage,
             fail_after_unavailable_seconds: None,
             plan: None,
