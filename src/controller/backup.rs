@@ -32,6 +32,7 @@ use crate::controller::children::{Owner, StagePodObjects, desired_stage_pod, des
 use crate::controller::error::{Error, is_conflict, is_not_found, kube_error};
 use crate::controller::location::{now, read_credentials};
 use crate::controller::replicas::{self, Liveness};
+use crate::controller::stage_pods::{self, Verdict};
 use crate::controller::status::{Observed, StorageState, TransferObservation, next_status};
 use crate::controller::{Context, FIELD_MANAGER};
 use crate::plan::dump::{ClusterObjects, facts_from_objects, node_facts};
@@ -164,7 +165,7 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         ensure_children(&owner, plan, location, context).await?;
     }
     admit_new_transfers(&owner, context).await?;
-    fail_transfers_of_failed_pods(&owner, context).await?;
+    let backoff = supervise_stage_pods(&owner, context).await?;
 
     let observed = Observed {
         generation: backup.metadata.generation,
@@ -194,7 +195,10 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         release_stage_pods(backup, &owner, context).await?;
         return Ok(Action::await_change());
     }
-    Ok(Action::requeue(Duration::from_secs(RECHECK_SECONDS)))
+    let recheck = Duration::from_secs(RECHECK_SECONDS);
+    Ok(Action::requeue(backoff.map_or(recheck, |wait| {
+        wait.min(recheck).max(Duration::from_secs(1))
+    })))
 }
 
 /// Write `claim` as the backup's owner, on the condition that the backup
@@ -438,6 +442,7 @@ async fn ensure_children(
         .iter()
         .map(|pod| (pod.namespace().unwrap_or_default(), pod.name_any()))
         .collect();
+    let transfers = owned_transfers(context, owner);
     let nodes = context.stores.nodes.state();
     let mut credentials: Option<BTreeMap<String, ByteString>> = None;
     for planned in &plan.stage_pods {
@@ -448,6 +453,22 @@ async fn ensure_children(
         let objects = desired_stage_pod(owner, &template, planned, node.as_ref(), &location.spec);
         let pod_name = objects.pod.name_any();
         if existing_pods.contains(&(planned.namespace.clone(), pod_name.clone())) {
+            continue;
+        }
+        // A pod stopped because its volumes failed is not made again.
+        let of_pod: Vec<_> = transfers
+            .iter()
+            .filter(|transfer| {
+                transfer.spec.stage_pod == pod_name
+                    && transfer.namespace().as_deref() == Some(planned.namespace.as_str())
+            })
+            .collect();
+        if !of_pod.is_empty()
+            && of_pod.len() >= planned.volumes.len()
+            && of_pod
+                .iter()
+                .all(|transfer| transfer_phase(transfer).is_some_and(VolumeTransferPhase::is_final))
+        {
             continue;
         }
         if credentials.is_none() {
@@ -545,79 +566,128 @@ async fn create_stage_pod(
     Ok(())
 }
 
-/// Why a stage pod failed, when it did: the kubelet gave up on it (phase
-/// Failed), with the container's exit code, reason and termination message
-/// (its last log lines, `FallbackToLogsOnError`).
-pub fn stage_pod_failure(pod: &Pod) -> Option<String> {
-    let status = pod.status.as_ref()?;
-    if status.phase.as_deref() != Some("Failed") {
-        return None;
-    }
-    let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
-    let terminated = status
-        .container_statuses
-        .iter()
-        .flatten()
-        .find_map(|container| container.state.as_ref()?.terminated.clone());
-    let detail = match terminated {
-        Some(state) => {
-            let mut detail = format!("exit code {}", state.exit_code);
-            if let Some(reason) = state.reason.filter(|reason| !reason.is_empty()) {
-                detail.push_str(&format!(" ({reason})"));
+/// Supervise the backup's stage pods ([`stage_pods::verdict`]): recreate a
+/// failed one after its backoff, fail the open volumes of one that cannot
+/// work, and delete a pod whose volumes are all final but which did not
+/// finish (so a crash-looping agent stops). Returns when to look again,
+/// if a backoff is running.
+async fn supervise_stage_pods(owner: &Owner, context: &Context) -> Result<Option<Duration>, Error> {
+    let transfers = owned_transfers(context, owner);
+    let mut next_look: Option<Duration> = None;
+    for pod in owned_pods(context, owner) {
+        let namespace = pod.namespace().unwrap_or_default();
+        let pod_name = pod.name_any();
+        let of_pod: Vec<&Arc<VolumeTransfer>> = transfers
+            .iter()
+            .filter(|transfer| {
+                transfer.spec.stage_pod == pod_name
+                    && transfer.namespace().as_deref() == Some(namespace.as_str())
+            })
+            .collect();
+        let open: Vec<&Arc<VolumeTransfer>> = of_pod
+            .iter()
+            .copied()
+            .filter(|transfer| !transfer_phase(transfer).is_some_and(VolumeTransferPhase::is_final))
+            .collect();
+        let pods: Api<Pod> = Api::namespaced(context.client.clone(), &namespace);
+        let finished = pod
+            .status
+            .as_ref()
+            .and_then(|status| status.phase.as_deref())
+            == Some("Succeeded");
+        if open.is_empty() {
+            if !of_pod.is_empty() && !finished && pod.metadata.deletion_timestamp.is_none() {
+                info!(pod = %pod_name, namespace, "every volume of this stage pod is final; stopping it");
+                delete_named(&pods, &pod_name, "Pod").await?;
             }
-            if let Some(message) = state.message.filter(|message| !message.is_empty()) {
-                let last = message.lines().last().unwrap_or_default().to_string();
-                detail.push_str(&format!(": {last}"));
-            }
-            detail
+            continue;
         }
-        None => status
-            .message
-            .clone()
-            .or_else(|| status.reason.clone())
-            .unwrap_or_else(|| "no reason given".to_string()),
-    };
-    Some(format!("stage pod {name} failed: {detail}"))
+        let attempts = of_pod
+            .iter()
+            .filter_map(|transfer| transfer.status.as_ref().and_then(|status| status.attempts))
+            .max()
+            .unwrap_or(0);
+        match stage_pods::verdict(&pod, attempts, now().0.as_second()) {
+            Verdict::Healthy => {}
+            Verdict::Fail { message } => {
+                warn!(pod = %pod_name, namespace, "{message}");
+                for transfer in open {
+                    fail_transfer(transfer, &message, context).await?;
+                }
+            }
+            Verdict::Recreate {
+                attempt,
+                after_seconds,
+                message,
+            } => {
+                if after_seconds > 0 {
+                    let wait = Duration::from_secs(after_seconds.unsigned_abs());
+                    next_look = Some(next_look.map_or(wait, |other| other.min(wait)));
+                    continue;
+                }
+                warn!(pod = %pod_name, namespace, attempt, "{message}; creating it again");
+                for transfer in &of_pod {
+                    record_attempts(transfer, attempt - 1, context).await?;
+                }
+                if pod.metadata.deletion_timestamp.is_none() {
+                    delete_named(&pods, &pod_name, "Pod").await?;
+                }
+            }
+        }
+    }
+    Ok(next_look)
 }
 
-/// Fail the open transfers of stage pods the kubelet gave up on, so the
-/// backup ends with the pod's reason instead of waiting forever.
-async fn fail_transfers_of_failed_pods(owner: &Owner, context: &Context) -> Result<(), Error> {
-    for pod in owned_pods(context, owner) {
-        let Some(message) = stage_pod_failure(&pod) else {
-            continue;
-        };
-        let namespace = pod.namespace().unwrap_or_default();
-        for transfer in owned_transfers(context, owner) {
-            let open = !transfer
-                .status
-                .as_ref()
-                .and_then(|status| status.phase)
-                .is_some_and(VolumeTransferPhase::is_final);
-            if open
-                && transfer.spec.stage_pod == pod.name_any()
-                && transfer.namespace().as_deref() == Some(namespace.as_str())
-            {
-                warn!(transfer = %transfer.name_any(), "{message}");
-                let status = VolumeTransferStatus {
-                    phase: Some(VolumeTransferPhase::Failed),
-                    message: Some(crate::api::condition::bounded_message(&message)),
-                    completion_time: Some(now()),
-                    conditions: vec![Condition::new(
-                        condition_type::FAILED,
-                        ConditionStatus::True,
-                        reason::STAGE_POD_FAILED,
-                        &message,
-                        transfer.metadata.generation,
-                        now(),
-                    )],
-                    ..VolumeTransferStatus::default()
-                };
-                write_transfer_status(&transfer, &status, context).await?;
-            }
-        }
+fn transfer_phase(transfer: &VolumeTransfer) -> Option<VolumeTransferPhase> {
+    transfer.status.as_ref().and_then(|status| status.phase)
+}
+
+/// Fail one open transfer with a stage pod's reason.
+async fn fail_transfer(
+    transfer: &VolumeTransfer,
+    message: &str,
+    context: &Context,
+) -> Result<(), Error> {
+    let status = VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::Failed),
+        message: Some(crate::api::condition::bounded_message(message)),
+        completion_time: Some(now()),
+        conditions: vec![Condition::new(
+            condition_type::FAILED,
+            ConditionStatus::True,
+            reason::STAGE_POD_FAILED,
+            message,
+            transfer.metadata.generation,
+            now(),
+        )],
+        ..VolumeTransferStatus::default()
+    };
+    write_transfer_status(transfer, &status, context).await
+}
+
+/// Record on a transfer how many stage pods were made for it before the
+/// next one (survives the pod's deletion; the agent does not write it).
+async fn record_attempts(
+    transfer: &VolumeTransfer,
+    attempts: i32,
+    context: &Context,
+) -> Result<(), Error> {
+    let namespace = transfer.namespace().unwrap_or_default();
+    let name = transfer.name_any();
+    let api: Api<VolumeTransfer> = Api::namespaced(context.client.clone(), &namespace);
+    let patch = serde_json::json!({"status": {"attempts": attempts}});
+    match api
+        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(error) if is_not_found(&error) => Ok(()),
+        Err(source) => Err(kube_error(
+            "record attempts on",
+            "VolumeTransfer",
+            format!("{namespace}/{name}"),
+        )(source)),
     }
-    Ok(())
 }
 
 /// Move transfers with an empty status to Admitted (no caps yet: every
@@ -791,28 +861,6 @@ async fn cleanup(backup: &VolumeBackup, context: &Context) -> Result<Action, Err
 mod tests {
     use super::*;
     use crate::plan::output::UnplaceableReason;
-
-    #[test]
-    fn a_failed_stage_pod_reports_exit_code_reason_and_last_log_line() {
-        let pod: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "stage-a"},
-            "status": {"phase": "Failed", "containerStatuses": [{
-                "name": "agent", "image": "agent", "imageID": "", "ready": false,
-                "restartCount": 5,
-                "state": {"terminated": {"exitCode": 1, "reason": "Error",
-                    "message": "starting\nerror: bucket not found"}}}]}
-        }))
-        .expect("valid pod");
-        assert_eq!(
-            stage_pod_failure(&pod).as_deref(),
-            Some("stage pod stage-a failed: exit code 1 (Error): error: bucket not found")
-        );
-        let running: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "stage-b"}, "status": {"phase": "Running"}
-        }))
-        .expect("valid pod");
-        assert_eq!(stage_pod_failure(&running), None);
-    }
 
     #[test]
     fn the_status_plan_names_each_stage_pod_and_keeps_reasons() {

@@ -10,6 +10,8 @@
 //!   pods, agent RBAC).
 //! - [`error`]: one error variant per failed call, transient or permanent.
 //! - [`health`]: `/healthz` and `/readyz` (ready once the caches synced).
+//! - [`stage_pods`]: the pure stage-pod verdict (healthy, recreate after a
+//!   backoff, or fail its volumes with the pod's reason).
 //! - [`replicas`]: each replica's liveness Lease; adoption of a dead
 //!   replica's backups.
 
@@ -19,6 +21,7 @@ pub mod error;
 pub mod health;
 pub mod location;
 pub mod replicas;
+pub mod stage_pods;
 pub mod status;
 
 use std::net::SocketAddr;
@@ -282,12 +285,17 @@ pub async fn run(
         watcher::Config::default(),
         claims_writer,
     );
-    let (pods, pods_writer) = reflector::store();
-    spawn_reflector(
-        &mut tasks,
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default(),
-        pods_writer,
+    // Pods are shared: the planner reads them and stage pod changes wake
+    // their VolumeBackup (a crash loop or an eviction is acted on at once).
+    let (pods, pods_writer) = reflector::store_shared::<Pod>(SUBSCRIBER_BUFFER);
+    let Some(pod_events) = pods_writer.subscribe() else {
+        return Err(RunError::Subscribe);
+    };
+    tasks.spawn(
+        watcher(Api::<Pod>::all(client.clone()), watcher::Config::default())
+            .default_backoff()
+            .reflect_shared(pods_writer)
+            .for_each(|_| futures::future::ready(())),
     );
     let (nodes, nodes_writer) = reflector::store();
     spawn_reflector(
@@ -457,6 +465,12 @@ pub async fn run(
         .watches_shared_stream(transfer_events, |transfer: Arc<VolumeTransfer>| {
             let reference = &transfer.spec.backup_ref;
             Some(ObjectRef::<VolumeBackup>::new(&reference.name).within(&reference.namespace))
+        })
+        .watches_shared_stream(pod_events, |pod: Arc<Pod>| {
+            let labels = pod.labels();
+            let namespace = labels.get(crate::api::labels::OWNER_NAMESPACE_LABEL)?;
+            let name = labels.get(crate::api::labels::OWNER_NAME_LABEL)?;
+            Some(ObjectRef::<VolumeBackup>::new(name).within(namespace))
         })
         .watches_shared_stream(
             location_events_for_backups,

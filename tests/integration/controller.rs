@@ -1017,3 +1017,156 @@ async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyh
     fixture.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_volume_with_the_last_log_line()
+-> anyhow::Result<()> {
+    // 12 MiB per claim at 1 MiB/s: both transfers run long enough to be
+    // interrupted. "archive" (shop) and "content" (web) are in different
+    // namespaces, so in different stage pods.
+    let fixture = Fixture::start(Some(1 << 20), 12 << 20, true).await?;
+    let client = fixture.client.clone();
+    create_backup_of(
+        &client,
+        "supervised",
+        json!({"matchExpressions": [{"key": "claim", "operator": "In", "values": ["archive", "content"]}]}),
+    )
+    .await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let stage_pod_of = |pvc: &'static str| {
+        let transfers = transfers.clone();
+        async move {
+            let list = transfers.list(&ListParams::default()).await?;
+            let transfer = list
+                .items
+                .into_iter()
+                .find(|transfer| transfer.spec.pvc == pvc)
+                .filter(|transfer| {
+                    transfer.status.as_ref().and_then(|status| status.phase)
+                        == Some(VolumeTransferPhase::InProgress)
+                });
+            anyhow::Ok(transfer.map(|transfer| {
+                (
+                    transfer.metadata.namespace.clone().unwrap_or_default(),
+                    transfer.spec.stage_pod.clone(),
+                )
+            }))
+        }
+    };
+    let (archive_namespace, archive_pod) =
+        eventually(Duration::from_secs(120), || stage_pod_of("archive"))
+            .await
+            .context("archive never started")?;
+    let (content_namespace, content_pod) =
+        eventually(Duration::from_secs(120), || stage_pod_of("content"))
+            .await
+            .context("content never started")?;
+
+    // The node evicts archive's stage pod: the controller recreates it
+    // after its backoff and the transfer resumes.
+    fixture
+        .kubelet
+        .evict(&archive_namespace, &archive_pod)
+        .await?;
+
+    // content's agent keeps dying: each time it is up again, it is killed,
+    // until the kubelet reports five restarts; then its volume fails.
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &content_namespace);
+    let kills = std::sync::atomic::AtomicI32::new(0);
+    eventually(Duration::from_secs(120), || {
+        let pods = pods.clone();
+        let kubelet = &fixture.kubelet;
+        let content_namespace = content_namespace.clone();
+        let content_pod = content_pod.clone();
+        let kills = &kills;
+        async move {
+            // Gone: the controller already stopped it after the fifth restart.
+            let Some(pod) = pods.get_opt(&content_pod).await? else {
+                return Ok(Some(()));
+            };
+            let container = pod
+                .status
+                .and_then(|status| status.container_statuses)
+                .and_then(|statuses| statuses.into_iter().next());
+            let Some(container) = container else {
+                return Ok(None);
+            };
+            if container.restart_count >= 5 {
+                return Ok(Some(()));
+            }
+            let running = container.state.is_some_and(|state| state.running.is_some());
+            // Kill each incarnation once: the one the kubelet reports
+            // running after as many restarts as there were kills.
+            if running
+                && container.restart_count == kills.load(std::sync::atomic::Ordering::SeqCst)
+                && kubelet.kill(&content_namespace, &content_pod)
+            {
+                kills.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+            Ok(None)
+        }
+    })
+    .await
+    .context("content's agent was not restarted five times")?;
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("supervised").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the backup never finished:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::PartiallyFailed),
+        "{:?}",
+        status.results
+    );
+    let result = |pvc: &str| {
+        status
+            .results
+            .iter()
+            .find(|result| result.pvc == pvc)
+            .cloned()
+            .with_context(|| format!("no result for {pvc}"))
+    };
+    let archive = result("archive")?;
+    assert_eq!(archive.phase, VolumeTransferPhase::Completed, "{archive:?}");
+    assert!(archive.snapshot_id.is_some());
+    let content = result("content")?;
+    assert_eq!(content.phase, VolumeTransferPhase::Failed);
+    let message = content.message.unwrap_or_default();
+    assert!(
+        message.contains(&format!("the agent in stage pod {content_pod} crashed"))
+            && message.contains("last: exit code 137 (Error): "),
+        "{message}"
+    );
+    let archive_transfer = transfers
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|transfer| transfer.spec.pvc == "archive")
+        .context("archive transfer")?;
+    assert_eq!(
+        archive_transfer.status.and_then(|status| status.attempts),
+        Some(1),
+        "one earlier stage pod for archive"
+    );
+    eventually(Duration::from_secs(60), || async {
+        Ok((leftovers(&client).await? == (0, 0)).then_some(()))
+    })
+    .await
+    .context("stage pods or credential copies remain")?;
+    fixture.stop().await;
+    Ok(())
+}

@@ -28,8 +28,16 @@ use tokio_util::sync::CancellationToken;
 const STAGE_POD_SELECTOR: &str = "app.kubernetes.io/name=haulage-agent";
 /// How often the stand-in looks at pods and processes.
 const SYNC_INTERVAL: Duration = Duration::from_millis(300);
-/// Restarts of a failing container before the pod is left Failed.
-const MAX_RESTARTS: i32 = 5;
+/// First delay before a crashed agent is started again; doubled per
+/// restart up to [`MAX_RESTART_DELAY`] (the kubelet's 10 s → 5 min
+/// CrashLoopBackOff, compressed for tests). Like a kubelet with
+/// `restartPolicy: OnFailure`, the stand-in never gives up on its own.
+const RESTART_DELAY: Duration = Duration::from_millis(200);
+/// Longest delay between restarts.
+const MAX_RESTART_DELAY: Duration = Duration::from_secs(3);
+/// Bytes of the log tail a `FallbackToLogsOnError` termination message
+/// holds (the kubelet's limit).
+const TERMINATION_MESSAGE_BYTES: usize = 2048;
 
 /// The `mover-agent` binary next to the test binary. `cargo test
 /// --workspace` builds it first (mover-agent has an integration test, so
@@ -52,9 +60,16 @@ pub fn agent_binary() -> anyhow::Result<PathBuf> {
 }
 
 struct Running {
+    /// The pod's UID: a pod deleted and created again under the same name
+    /// is a new pod.
+    uid: String,
     child: Option<Child>,
     restarts: i32,
     finished: bool,
+    /// While crash-looping: when the next start is due.
+    restart_at: Option<std::time::Instant>,
+    /// The last termination, reported as `lastState`.
+    last_termination: serde_json::Value,
 }
 
 /// The stand-in; stops its processes when dropped.
@@ -69,6 +84,10 @@ pub struct Kubelet {
     stop: CancellationToken,
     /// Agents started so far (restarts included).
     pub starts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+fn running_state() -> serde_json::Value {
+    json!({"running": {"startedAt": k8s_openapi::jiff::Timestamp::now().to_string()}})
 }
 
 fn pinned_node(pod: &Pod) -> Option<String> {
@@ -197,6 +216,40 @@ impl Kubelet {
         }
     }
 
+    /// Evict a pod as a kubelet under memory pressure does: kill its agent
+    /// and leave the pod `Failed` with reason `Evicted` (never restarted).
+    pub async fn evict(&self, namespace: &str, pod: &str) -> anyhow::Result<()> {
+        let key = (namespace.to_string(), pod.to_string());
+        let child = {
+            let mut processes = self.processes.lock().expect("lock");
+            let running = processes.get_mut(&key).context("no such pod running")?;
+            running.finished = true;
+            running.child.take()
+        };
+        if let Some(mut child) = child {
+            let _ = child.kill().await;
+        }
+        let now = k8s_openapi::jiff::Timestamp::now().to_string();
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), namespace);
+        api.patch_status(
+            pod,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "phase": "Failed", "reason": "Evicted",
+                "message": "The node was low on resource: memory.",
+                "containerStatuses": [{
+                    "name": "agent", "image": "mover-agent", "imageID": "", "ready": false,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": 137, "reason": "Error",
+                        "finishedAt": now}},
+                }],
+            }})),
+        )
+        .await
+        .with_context(|| format!("evict pod {namespace}/{pod}"))?;
+        Ok(())
+    }
+
     async fn sync(&self) -> anyhow::Result<()> {
         let pods: Api<Pod> = Api::all(self.client.clone());
         let list = pods
@@ -212,6 +265,7 @@ impl Kubelet {
             }
             let namespace = pod.namespace().unwrap_or_default();
             let name = pod.name_any();
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
             let key = (namespace.clone(), name.clone());
             seen.push(key.clone());
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
@@ -222,18 +276,53 @@ impl Kubelet {
                     .await;
                 continue;
             }
+            let replaced = self
+                .processes
+                .lock()
+                .expect("lock")
+                .get(&key)
+                .is_some_and(|running| running.uid != uid);
+            if replaced {
+                self.terminate(&key).await;
+                self.processes.lock().expect("lock").remove(&key);
+            }
             let exists = self.processes.lock().expect("lock").contains_key(&key);
             if !exists {
                 let child = self.launch(&pod, &node).await?;
                 self.processes.lock().expect("lock").insert(
                     key.clone(),
                     Running {
+                        uid,
                         child: Some(child),
                         restarts: 0,
                         finished: false,
+                        restart_at: None,
+                        last_termination: json!({}),
                     },
                 );
-                self.report(&api, &name, "Running", None, 0).await?;
+                self.report(&api, &name, "Running", running_state(), json!({}), 0)
+                    .await?;
+                continue;
+            }
+            // A crash-looping agent whose backoff is over starts again.
+            let due = {
+                let processes = self.processes.lock().expect("lock");
+                let running = processes.get(&key).context("tracked")?;
+                (!running.finished
+                    && running.child.is_none()
+                    && running
+                        .restart_at
+                        .is_some_and(|at| at <= std::time::Instant::now()))
+                .then(|| (running.restarts, running.last_termination.clone()))
+            };
+            if let Some((restarts, last)) = due {
+                let child = self.launch(&pod, &node).await?;
+                if let Some(running) = self.processes.lock().expect("lock").get_mut(&key) {
+                    running.child = Some(child);
+                    running.restart_at = None;
+                }
+                self.report(&api, &name, "Running", running_state(), last, restarts)
+                    .await?;
                 continue;
             }
             let exited = {
@@ -242,31 +331,60 @@ impl Kubelet {
                 match running.child.as_mut().map(Child::try_wait) {
                     Some(Ok(Some(status))) => {
                         running.child = None;
-                        Some((status.code().unwrap_or(137), running.restarts))
+                        Some(status.code().unwrap_or(137))
                     }
                     _ => None,
                 }
             };
-            if let Some((code, restarts)) = exited {
-                if code == 0 {
-                    self.report(&api, &name, "Succeeded", Some(code), restarts)
-                        .await?;
-                    if let Some(running) = self.processes.lock().expect("lock").get_mut(&key) {
-                        running.finished = true;
-                    }
-                } else if restarts < MAX_RESTARTS {
-                    let child = self.launch(&pod, &node).await?;
-                    if let Some(running) = self.processes.lock().expect("lock").get_mut(&key) {
-                        running.child = Some(child);
-                        running.restarts += 1;
-                    }
-                    self.report(&api, &name, "Running", Some(code), restarts + 1)
-                        .await?;
-                } else {
-                    self.report(&api, &name, "Failed", Some(code), restarts)
-                        .await?;
-                }
+            let Some(code) = exited else {
+                continue;
+            };
+            let now = k8s_openapi::jiff::Timestamp::now().to_string();
+            if code == 0 {
+                let restarts = {
+                    let mut processes = self.processes.lock().expect("lock");
+                    let running = processes.get_mut(&key).context("tracked")?;
+                    running.finished = true;
+                    running.restarts
+                };
+                let state = json!({"terminated": {"exitCode": 0, "reason": "Completed",
+                    "finishedAt": now}});
+                self.report(&api, &name, "Succeeded", state, json!({}), restarts)
+                    .await?;
+                continue;
             }
+            // Crashed: the termination message is the log's tail
+            // (`terminationMessagePolicy: FallbackToLogsOnError`).
+            let log = std::fs::read(
+                self.root
+                    .join("pods")
+                    .join(&namespace)
+                    .join(&name)
+                    .join("agent.log"),
+            )
+            .unwrap_or_default();
+            let tail = String::from_utf8_lossy(
+                &log[log.len().saturating_sub(TERMINATION_MESSAGE_BYTES)..],
+            )
+            .into_owned();
+            let termination = json!({"terminated": {"exitCode": code,
+                "reason": "Error",
+                "message": tail, "finishedAt": now}});
+            let restarts = {
+                let mut processes = self.processes.lock().expect("lock");
+                let running = processes.get_mut(&key).context("tracked")?;
+                running.restarts += 1;
+                let delay = RESTART_DELAY
+                    .saturating_mul(1 << (running.restarts - 1).clamp(0, 16))
+                    .min(MAX_RESTART_DELAY);
+                running.restart_at = Some(std::time::Instant::now() + delay);
+                running.last_termination = termination.clone();
+                running.restarts
+            };
+            let waiting = json!({"waiting": {"reason": "CrashLoopBackOff",
+                "message": "back-off restarting failed container agent"}});
+            self.report(&api, &name, "Running", waiting, termination, restarts)
+                .await?;
         }
         // Pods gone from the API: stop their processes.
         let gone: Vec<(String, String)> = self
@@ -313,29 +431,18 @@ impl Kubelet {
         api: &Api<Pod>,
         name: &str,
         phase: &str,
-        exit_code: Option<i32>,
+        state: serde_json::Value,
+        last_state: serde_json::Value,
         restarts: i32,
     ) -> anyhow::Result<()> {
-        let now = k8s_openapi::jiff::Timestamp::now().to_string();
-        let state = match (phase, exit_code) {
-            ("Running", _) => json!({"running": {"startedAt": now}}),
-            (_, Some(code)) => json!({"terminated": {"exitCode": code, "finishedAt": now,
-                "reason": if code == 0 { "Completed" } else { "Error" }}}),
-            _ => json!({"waiting": {"reason": "ContainerCreating"}}),
-        };
-        let last_state = match (phase, exit_code) {
-            ("Running", Some(code)) => {
-                json!({"terminated": {"exitCode": code, "finishedAt": now, "reason": "Error"}})
-            }
-            _ => json!({}),
-        };
+        let ready = phase == "Running" && state.get("running").is_some();
         api.patch_status(
             name,
             &PatchParams::default(),
             &Patch::Merge(json!({"status": {
                 "phase": phase,
                 "containerStatuses": [{
-                    "name": "agent", "image": "mover-agent", "imageID": "", "ready": phase == "Running",
+                    "name": "agent", "image": "mover-agent", "imageID": "", "ready": ready,
                     "restartCount": restarts, "state": state, "lastState": last_state,
                 }],
             }})),

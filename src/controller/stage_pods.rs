@@ -1,0 +1,333 @@
+//! Stage pod supervision as a pure function: from a stage pod as the cache
+//! shows it, the attempts already spent on its transfers and the clock,
+//! decide whether it is healthy, should be recreated (after a backoff), or
+//! has failed for good with a reason a user can act on.
+//!
+//! Who retries what:
+//! - a crashing agent container is restarted by the kubelet
+//!   (`restartPolicy: OnFailure`, the kubelet's own 10 s → 5 min backoff);
+//!   after [`MAX_CONTAINER_RESTARTS`] restarts (about 5 minutes of kubelet
+//!   backoff) the controller stops it, even if it is up again, and
+//!   fails its volumes with the last exit code, reason and log line, since
+//!   the next restart would most likely crash the same way;
+//! - a pod the kubelet gave up on (phase `Failed`: evicted, node shut down,
+//!   preempted) is deleted and created again by the controller, after
+//!   [`RECREATE_BACKOFF_SECONDS`] × 2^attempts, at most
+//!   [`MAX_POD_ATTEMPTS`] times in all;
+//! - a pod that cannot start (image cannot be pulled, container cannot be
+//!   created, cannot be scheduled) fails its volumes after
+//!   [`PENDING_TIMEOUT_SECONDS`], or at once when the image name is invalid.
+
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
+
+/// Container restarts after which a crash-looping agent's volumes fail.
+pub const MAX_CONTAINER_RESTARTS: i32 = 5;
+/// Stage pods made for the same volumes, the first one included.
+pub const MAX_POD_ATTEMPTS: i32 = 3;
+/// Seconds before the first re-creation of a failed pod; doubled each time.
+pub const RECREATE_BACKOFF_SECONDS: i64 = 10;
+/// Seconds a pod may stay unable to start before its volumes fail.
+pub const PENDING_TIMEOUT_SECONDS: i64 = 300;
+
+/// Waiting reasons of a container whose image cannot be pulled.
+const IMAGE_PULL_REASONS: &[&str] = &["ErrImagePull", "ImagePullBackOff", "ErrImageNeverPull"];
+/// Waiting reasons of a container that cannot be created.
+const CREATE_REASONS: &[&str] = &["CreateContainerConfigError", "CreateContainerError"];
+
+/// What to do with a stage pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Verdict {
+    /// Running, starting, or finished well: nothing to do.
+    Healthy,
+    /// Failed, with attempts left: delete it so it is created again, once
+    /// `after_seconds` have passed (0: now).
+    Recreate {
+        /// The attempt number the new pod will be (2 for the first retry).
+        attempt: i32,
+        /// Seconds to wait before deleting it.
+        after_seconds: i64,
+        /// Why the pod failed.
+        message: String,
+    },
+    /// Its volumes fail with this message.
+    Fail {
+        /// What went wrong and what to do.
+        message: String,
+    },
+}
+
+/// Judge `pod`, `attempts` pods having been made for its volumes before
+/// this one (0 for the first), at `now` (seconds since the epoch).
+pub fn verdict(pod: &Pod, attempts: i32, now: i64) -> Verdict {
+    let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
+    let Some(status) = pod.status.as_ref() else {
+        return Verdict::Healthy;
+    };
+    let created = pod
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map_or(now, |time| time.0.as_second());
+    let age = now - created;
+    let container = status.container_statuses.iter().flatten().next();
+
+    if status.phase.as_deref() == Some("Failed") {
+        let terminated = container
+            .and_then(|container| container.state.as_ref())
+            .and_then(|state| state.terminated.as_ref());
+        let detail = match terminated {
+            Some(state) => describe_termination(state),
+            None => status
+                .message
+                .clone()
+                .or_else(|| status.reason.clone())
+                .unwrap_or_else(|| "no reason given".to_string()),
+        };
+        let this_attempt = attempts + 1;
+        if this_attempt >= MAX_POD_ATTEMPTS {
+            return Verdict::Fail {
+                message: format!("stage pod {name} failed {this_attempt} times; last: {detail}"),
+            };
+        }
+        let failed_at = terminated
+            .and_then(|state| state.finished_at.as_ref())
+            .map_or(now, |time| time.0.as_second());
+        let backoff = RECREATE_BACKOFF_SECONDS << attempts.clamp(0, 10);
+        return Verdict::Recreate {
+            attempt: this_attempt + 1,
+            after_seconds: (failed_at + backoff - now).max(0),
+            message: format!("stage pod {name} failed: {detail}"),
+        };
+    }
+
+    if let Some(container) = container {
+        if container.restart_count >= MAX_CONTAINER_RESTARTS {
+            let last = container
+                .last_state
+                .as_ref()
+                .and_then(|state| state.terminated.as_ref())
+                .or_else(|| {
+                    container
+                        .state
+                        .as_ref()
+                        .and_then(|state| state.terminated.as_ref())
+                })
+                .map(describe_termination)
+                .unwrap_or_else(|| "no exit recorded".to_string());
+            return Verdict::Fail {
+                message: format!(
+                    "the agent in stage pod {name} crashed {} times; last: {last}",
+                    container.restart_count
+                ),
+            };
+        }
+        if let Some(waiting) = container
+            .state
+            .as_ref()
+            .and_then(|state| state.waiting.as_ref())
+        {
+            let reason = waiting.reason.as_deref().unwrap_or_default();
+            let detail = waiting.message.as_deref().unwrap_or(reason);
+            if reason == "InvalidImageName" {
+                return Verdict::Fail {
+                    message: format!(
+                        "stage pod {name}: invalid agent image {:?}: {detail}; fix --agent-image (HAULAGE_AGENT_IMAGE) of the controller",
+                        container.image
+                    ),
+                };
+            }
+            if IMAGE_PULL_REASONS.contains(&reason) && age > PENDING_TIMEOUT_SECONDS {
+                return Verdict::Fail {
+                    message: format!(
+                        "stage pod {name}: agent image {} cannot be pulled ({reason}: {detail}); check --agent-image (HAULAGE_AGENT_IMAGE), the registry and its pull secret",
+                        container.image
+                    ),
+                };
+            }
+            if CREATE_REASONS.contains(&reason) && age > PENDING_TIMEOUT_SECONDS {
+                return Verdict::Fail {
+                    message: format!(
+                        "stage pod {name}: the agent container cannot be created ({reason}: {detail})"
+                    ),
+                };
+            }
+        }
+    }
+
+    let unschedulable = status.conditions.iter().flatten().find(|condition| {
+        condition.type_ == "PodScheduled"
+            && condition.status == "False"
+            && condition.reason.as_deref() == Some("Unschedulable")
+    });
+    if let Some(condition) = unschedulable
+        && age > PENDING_TIMEOUT_SECONDS
+    {
+        return Verdict::Fail {
+            message: format!(
+                "stage pod {name} cannot be scheduled: {}; check the node's taints, resources and the volume's topology",
+                condition.message.as_deref().unwrap_or("no message")
+            ),
+        };
+    }
+    Verdict::Healthy
+}
+
+/// "exit code 137 (OOMKilled): last log line".
+fn describe_termination(state: &ContainerStateTerminated) -> String {
+    let mut detail = format!("exit code {}", state.exit_code);
+    if let Some(reason) = state.reason.as_deref().filter(|reason| !reason.is_empty()) {
+        detail.push_str(&format!(" ({reason})"));
+    }
+    if let Some(message) = state.message.as_deref() {
+        let last = message.lines().rev().find(|line| !line.trim().is_empty());
+        if let Some(last) = last {
+            detail.push_str(&format!(": {}", last.trim()));
+        }
+    }
+    detail
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const T0: i64 = 1_800_000_000;
+
+    fn at(seconds: i64) -> String {
+        k8s_openapi::jiff::Timestamp::from_second(T0 + seconds)
+            .expect("valid")
+            .to_string()
+    }
+
+    fn pod(status: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "stage-a", "creationTimestamp": at(0)},
+            "status": status,
+        }))
+        .expect("valid pod")
+    }
+
+    fn container(
+        state: serde_json::Value,
+        last: serde_json::Value,
+        restarts: i32,
+    ) -> serde_json::Value {
+        serde_json::json!({
+            "name": "agent", "image": "ghcr.io/haulage-dev/mover-agent:0.1.0", "imageID": "",
+            "ready": false, "restartCount": restarts, "state": state, "lastState": last,
+        })
+    }
+
+    #[test]
+    fn a_running_or_finished_pod_is_healthy() {
+        let running = pod(
+            serde_json::json!({"phase": "Running", "containerStatuses": [
+            container(serde_json::json!({"running": {"startedAt": at(1)}}), serde_json::json!({}), 2)]}),
+        );
+        assert_eq!(verdict(&running, 0, T0 + 1000), Verdict::Healthy);
+        let done = pod(serde_json::json!({"phase": "Succeeded"}));
+        assert_eq!(verdict(&done, 0, T0 + 1000), Verdict::Healthy);
+    }
+
+    #[test]
+    fn a_crash_looping_agent_fails_with_its_last_exit_reason_and_log_line() {
+        let looping = pod(
+            serde_json::json!({"phase": "Running", "containerStatuses": [container(
+            serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            serde_json::json!({"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                "message": "reading /data/db\nerror: out of memory\n"}}),
+            5)]}),
+        );
+        assert_eq!(
+            verdict(&looping, 0, T0 + 60),
+            Verdict::Fail {
+                message: "the agent in stage pod stage-a crashed 5 times; last: exit code 137 (OOMKilled): error: out of memory".to_string()
+            }
+        );
+        let fewer = pod(
+            serde_json::json!({"phase": "Running", "containerStatuses": [container(
+            serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            serde_json::json!({"terminated": {"exitCode": 1}}), 4)]}),
+        );
+        assert_eq!(verdict(&fewer, 0, T0 + 60), Verdict::Healthy);
+    }
+
+    #[test]
+    fn a_failed_pod_is_recreated_after_a_doubling_backoff_then_fails_for_good() {
+        let failed = pod(serde_json::json!({"phase": "Failed", "reason": "Evicted",
+            "message": "The node was low on resource: memory.",
+            "containerStatuses": [container(
+                serde_json::json!({"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": at(100)}}),
+                serde_json::json!({}), 0)]}));
+        assert_eq!(
+            verdict(&failed, 0, T0 + 100),
+            Verdict::Recreate {
+                attempt: 2,
+                after_seconds: 10,
+                message: "stage pod stage-a failed: exit code 137 (Error)".to_string()
+            }
+        );
+        assert!(matches!(
+            verdict(&failed, 1, T0 + 100),
+            Verdict::Recreate {
+                attempt: 3,
+                after_seconds: 20,
+                ..
+            }
+        ));
+        assert!(matches!(
+            verdict(&failed, 1, T0 + 500),
+            Verdict::Recreate {
+                after_seconds: 0,
+                ..
+            }
+        ));
+        let Verdict::Fail { message } = verdict(&failed, 2, T0 + 500) else {
+            panic!("the third failure is final");
+        };
+        assert!(
+            message.starts_with("stage pod stage-a failed 3 times"),
+            "{message}"
+        );
+        let evicted = pod(serde_json::json!({"phase": "Failed", "reason": "Evicted",
+            "message": "The node was low on resource: memory."}));
+        assert!(matches!(
+            verdict(&evicted, 0, T0),
+            Verdict::Recreate { message, .. } if message.ends_with("The node was low on resource: memory.")
+        ));
+    }
+
+    #[test]
+    fn a_pod_that_cannot_start_fails_after_the_timeout_and_an_invalid_image_at_once() {
+        let pulling = pod(
+            serde_json::json!({"phase": "Pending", "containerStatuses": [container(
+            serde_json::json!({"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}),
+            serde_json::json!({}), 0)]}),
+        );
+        assert_eq!(verdict(&pulling, 0, T0 + 60), Verdict::Healthy);
+        let Verdict::Fail { message } = verdict(&pulling, 0, T0 + PENDING_TIMEOUT_SECONDS + 1)
+        else {
+            panic!("pulling for too long fails");
+        };
+        assert!(
+            message.contains("cannot be pulled (ImagePullBackOff: Back-off pulling image)"),
+            "{message}"
+        );
+        let invalid = pod(
+            serde_json::json!({"phase": "Pending", "containerStatuses": [container(
+            serde_json::json!({"waiting": {"reason": "InvalidImageName"}}), serde_json::json!({}), 0)]}),
+        );
+        assert!(matches!(verdict(&invalid, 0, T0 + 1), Verdict::Fail { .. }));
+        let unschedulable = pod(serde_json::json!({"phase": "Pending", "conditions": [{
+            "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+            "message": "0/3 nodes are available: 1 node(s) had untolerated taint"}]}));
+        assert_eq!(verdict(&unschedulable, 0, T0 + 10), Verdict::Healthy);
+        let Verdict::Fail { message } = verdict(&unschedulable, 0, T0 + 301) else {
+            panic!("unschedulable for too long fails");
+        };
+        assert!(
+            message.contains("1 node(s) had untolerated taint"),
+            "{message}"
+        );
+    }
+}
