@@ -3,8 +3,8 @@
 //!
 //! - [`backup`]: the VolumeBackup reconciler (claim, storage, plan,
 //!   children, roll-up; the cancel finalizer).
-//! - [`location`]: the minimal BackupStorageLocation prober that sets its
-//!   phase.
+//! - [`location`]: the BackupStorageLocation validator (probe, repository
+//!   check, reasons, default conflicts, the periodic summary).
 //! - [`status`]: `next_status`, the pure VolumeBackup status function.
 //! - [`children`]: the pure desired objects of a plan (transfers, stage
 //!   pods, agent RBAC).
@@ -53,6 +53,9 @@ const TRANSIENT_RETRY_SECONDS: u64 = 5;
 const PERMANENT_RETRY_SECONDS: u64 = 120;
 /// Events buffered per shared cache subscriber.
 const SUBSCRIBER_BUFFER: usize = 256;
+/// Seconds between the storage-locations summary lines (one warning per
+/// interval while there is no location or some are bad, never a stream).
+pub const LOCATION_SUMMARY_INTERVAL_SECONDS: u64 = 60;
 
 /// How stage pods are pinned to their node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -266,6 +269,7 @@ pub async fn run(
         reflector::store_shared::<BackupStorageLocation>(SUBSCRIBER_BUFFER);
     let location_events = locations_writer.subscribe();
     let location_events_for_backups = locations_writer.subscribe();
+    let location_events_for_defaults = locations_writer.subscribe();
     let (transfers, transfers_writer) =
         reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
     let transfer_events = transfers_writer.subscribe();
@@ -273,11 +277,13 @@ pub async fn run(
         Some(backup_events),
         Some(location_events),
         Some(location_events_for_backups),
+        Some(location_events_for_defaults),
         Some(transfer_events),
     ) = (
         backup_events,
         location_events,
         location_events_for_backups,
+        location_events_for_defaults,
         transfer_events,
     )
     else {
@@ -395,8 +401,30 @@ pub async fn run(
         .run(backup::reconcile, error_policy, context.clone())
         .for_each(|_| futures::future::ready(()));
 
+    tokio::spawn(summarize_locations_periodically(
+        config.namespace.clone(),
+        locations.clone(),
+        shutdown.clone(),
+    ));
+
+    // A change of one location can change the default conditions of the
+    // others marked default.
+    let locations_for_defaults = locations.clone();
     let location_controller = Controller::for_shared_stream(location_events, locations)
         .with_config(controller_config)
+        .watches_shared_stream(
+            location_events_for_defaults,
+            move |changed: Arc<BackupStorageLocation>| {
+                let namespace = changed.namespace();
+                locations_for_defaults
+                    .state()
+                    .into_iter()
+                    .filter(|other| other.namespace() == namespace && other.spec.is_default)
+                    .filter(|other| other.name_any() != changed.name_any())
+                    .map(|other| ObjectRef::from_obj(other.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(location::reconcile, error_policy, context)
         .for_each(|_| futures::future::ready(()));
@@ -405,6 +433,34 @@ pub async fn run(
     futures::future::join(backup_controller, location_controller).await;
     info!("controller stopped");
     Ok(())
+}
+
+/// Log the storage-locations summary once per
+/// [`LOCATION_SUMMARY_INTERVAL_SECONDS`], the first after one interval (so
+/// the first probes have run), until `shutdown`.
+async fn summarize_locations_periodically(
+    namespace: String,
+    locations: Store<BackupStorageLocation>,
+    shutdown: CancellationToken,
+) {
+    if locations.wait_until_ready().await.is_err() {
+        return;
+    }
+    let period = Duration::from_secs(LOCATION_SUMMARY_INTERVAL_SECONDS);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let mine: Vec<_> = locations
+            .state()
+            .into_iter()
+            .filter(|location| location.namespace().as_deref() == Some(namespace.as_str()))
+            .collect();
+        location::log_locations_summary(&namespace, &mine);
+    }
 }
 
 #[cfg(test)]
