@@ -175,6 +175,8 @@ struct Fixture {
     work: tempfile::TempDir,
     volumes: PathBuf,
     store: haulage::store::DynStore,
+    /// Port of the in-process controller's `/healthz` and `/readyz`.
+    health_port: u16,
     shutdown: CancellationToken,
     controller: tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
 }
@@ -205,6 +207,26 @@ impl Fixture {
         volume_bytes: u64,
         small_packs: bool,
         secret_key: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_with_objects(
+            upload_bytes_per_second,
+            volume_bytes,
+            small_packs,
+            secret_key,
+            &[],
+        )
+        .await
+    }
+
+    /// Like [`Fixture::start_with_secret`], with `extra_objects` (more
+    /// BSLs, Secrets) created in the controller's namespace before the
+    /// controller starts.
+    async fn start_with_objects(
+        upload_bytes_per_second: Option<u64>,
+        volume_bytes: u64,
+        small_packs: bool,
+        secret_key: &str,
+        extra_objects: &[serde_json::Value],
     ) -> anyhow::Result<Self> {
         let cluster = KubeCluster::start().await?;
         let minio = MinioServer::start().await?;
@@ -308,6 +330,15 @@ impl Fixture {
                 "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
         )
         .await?;
+        if !extra_objects.is_empty() {
+            let list = json!({"apiVersion": "v1", "kind": "List", "items": extra_objects});
+            cluster
+                .kubectl_ok(
+                    &["apply", "-n", SYSTEM_NAMESPACE, "-f", "-"],
+                    Some(&list.to_string()),
+                )
+                .await?;
+        }
 
         // The controller, in-process, with its own ServiceAccount's token.
         let controller_kubeconfig = kubelet
@@ -318,11 +349,12 @@ impl Fixture {
             )
             .await?;
         let controller_client = client_from(&controller_kubeconfig).await?;
+        let health_port = crate::support::minio::free_port()?;
         let config = haulage::controller::Config {
             namespace: SYSTEM_NAMESPACE.to_string(),
             identity: "controller-0".to_string(),
             agent_image: "mover-agent:test".to_string(),
-            health_address: "127.0.0.1:0".parse()?,
+            health_address: format!("127.0.0.1:{health_port}").parse()?,
             concurrency: 4,
             pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
         };
@@ -355,6 +387,7 @@ impl Fixture {
             work,
             volumes,
             store,
+            health_port,
             shutdown,
             controller,
         })
@@ -862,6 +895,276 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
         .await?;
     let exit = tokio::time::timeout(Duration::from_secs(30), replica.wait()).await??;
     assert!(exit.success(), "haulage controller exited with {exit}");
+    fixture.stop().await;
+    Ok(())
+}
+
+/// A BSL in the controller's namespace, validated every 5 s.
+fn location_object(name: &str, endpoint: &str, bucket: &str, secret: &str) -> serde_json::Value {
+    json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+        "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+        "spec": {"bucket": bucket, "prefix": PREFIX, "endpoint": endpoint,
+            "region": REGION, "s3ForcePathStyle": true, "initialize": true,
+            "credential": {"name": secret, "key": "cloud"},
+            "validationFrequency": "5s"}})
+}
+
+/// The phase and `Available` reason of every BSL.
+async fn location_states(
+    client: &kube::Client,
+) -> anyhow::Result<std::collections::BTreeMap<String, (Option<BackupStorageLocationPhase>, String)>>
+{
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    Ok(locations
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|location| {
+            let status = location.status.clone().unwrap_or_default();
+            let why = haulage::api::condition::find_condition(
+                &status.conditions,
+                haulage::api::condition::condition_type::AVAILABLE,
+            )
+            .map(|condition| condition.reason.clone())
+            .unwrap_or_default();
+            (
+                location.metadata.name.clone().unwrap_or_default(),
+                (status.phase, why),
+            )
+        })
+        .collect())
+}
+
+/// Create a VolumeBackup of the claim labelled `claim` into `location`.
+async fn create_backup_to(
+    client: &kube::Client,
+    name: &str,
+    claim: &str,
+    location: &str,
+) -> anyhow::Result<()> {
+    create::<VolumeBackup>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+            "spec": {"namespaces": ["shop", "web"], "storageLocation": location,
+                "selector": {"matchLabels": {"claim": claim}}}}),
+    )
+    .await?;
+    Ok(())
+}
+
+impl Fixture {
+    /// The controller is Ready and its task still runs.
+    async fn assert_controller_up(&self, when: &str) {
+        assert!(
+            !self.controller.is_finished(),
+            "{when}: the controller task exited"
+        );
+        assert_eq!(
+            http_status(self.health_port, "/readyz").await,
+            Some(200),
+            "{when}: /readyz"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_ready_and_a_stopped_server_recovers()
+-> anyhow::Result<()> {
+    // A second S3 server with a bucket, stopped before the controller
+    // starts; restarted later on the same port and data directory.
+    let mut stopped = MinioServer::start().await?;
+    stopped.create_bucket(BUCKET).await?;
+    stopped.stop();
+    let wrong_credentials = json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "wrong-credentials", "namespace": SYSTEM_NAMESPACE},
+        "stringData": {"cloud": format!(
+            "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = not-the-secret\n")}});
+    // The good server's endpoint is only known once the fixture started
+    // it, so the two BSLs on it are created right after; the stopped one
+    // exists before the controller starts.
+    let fixture = Fixture::start_with_objects(
+        None,
+        1 << 20,
+        false,
+        SECRET_KEY,
+        &[
+            wrong_credentials,
+            location_object("stopped", &stopped.endpoint(), BUCKET, "s3-credentials"),
+        ],
+    )
+    .await?;
+    let client = &fixture.client;
+    let endpoint = fixture.minio.endpoint();
+    for object in [
+        location_object(
+            "wrong-bucket",
+            &endpoint,
+            "no-such-bucket",
+            "s3-credentials",
+        ),
+        location_object("wrong-credentials", &endpoint, BUCKET, "wrong-credentials"),
+    ] {
+        create::<BackupStorageLocation>(client, Some(SYSTEM_NAMESPACE), object).await?;
+    }
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(fixture.health_port, "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("the controller never became ready")?;
+    fixture.assert_controller_up("at start").await;
+
+    let expected = [
+        ("stopped", "EndpointUnreachable"),
+        ("wrong-bucket", "BucketNotFound"),
+        ("wrong-credentials", "AccessDenied"),
+    ];
+    let reasons = eventually(Duration::from_secs(120), || async {
+        let states = location_states(client).await?;
+        let all = expected.iter().all(|(name, why)| {
+            states.get(*name).is_some_and(|(phase, reason)| {
+                *phase == Some(BackupStorageLocationPhase::Unavailable) && reason == why
+            })
+        });
+        Ok(all.then_some(()))
+    })
+    .await;
+    if let Err(error) = reasons {
+        bail!(
+            "the bad locations did not get their reasons ({error}): {:#?}",
+            location_states(client).await?
+        );
+    }
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    for (name, _) in expected {
+        let message = locations
+            .get(name)
+            .await?
+            .status
+            .and_then(|status| status.message)
+            .unwrap_or_default();
+        assert!(!message.contains(SECRET_KEY), "{name}: {message}");
+        assert!(!message.contains("not-the-secret"), "{name}: {message}");
+        assert!(message.len() <= 1024, "{name}: {} bytes", message.len());
+    }
+    fixture
+        .assert_controller_up("with three bad locations")
+        .await;
+
+    // A backup to the good location completes; one to the stopped server
+    // waits with a condition.
+    create_backup_to(client, "to-good", "logs", "minio").await?;
+    create_backup_to(client, "to-stopped", "content", "stopped").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let finished = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("to-good").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase.is_some_and(|phase| phase.is_final()).then_some(phase))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "to-good never finished:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert_eq!(finished, Some(VolumeBackupPhase::Completed));
+    let waiting = backups.get("to-stopped").await?.status.unwrap_or_default();
+    assert_eq!(waiting.phase, Some(VolumeBackupPhase::WaitingForStorage));
+    let storage = haulage::api::condition::find_condition(
+        &waiting.conditions,
+        haulage::api::condition::condition_type::STORAGE_AVAILABLE,
+    )
+    .context("StorageAvailable condition")?;
+    assert_eq!(storage.status, haulage::api::ConditionStatus::False);
+    assert_eq!(
+        storage.reason,
+        haulage::api::condition::reason::STORAGE_LOCATION_UNAVAILABLE
+    );
+    assert!(storage.message.contains("stopped"), "{}", storage.message);
+
+    // `haulage status -o json` shows the four locations from status.
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args([
+            "status",
+            "-o",
+            "json",
+            "--namespace",
+            SYSTEM_NAMESPACE,
+            "--kubeconfig",
+        ])
+        .arg(fixture.cluster.kubeconfig())
+        .output()
+        .await?;
+    assert!(
+        output.status.success(),
+        "haulage status exited with {}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let phases: std::collections::BTreeMap<String, (String, String)> = report["locations"]
+        .as_array()
+        .context("locations array")?
+        .iter()
+        .map(|location| {
+            (
+                location["name"].as_str().unwrap_or_default().to_string(),
+                (
+                    location["phase"].as_str().unwrap_or_default().to_string(),
+                    location["reason"].as_str().unwrap_or_default().to_string(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(phases.len(), 4, "{report:#}");
+    assert_eq!(phases["minio"].0, "Available", "{report:#}");
+    for (name, why) in expected {
+        assert_eq!(
+            phases[name],
+            ("Unavailable".to_string(), why.to_string()),
+            "{report:#}"
+        );
+    }
+    assert_eq!(report["defaultLocation"], "minio");
+    assert!(
+        report["queuedBackups"]
+            .as_array()
+            .is_some_and(|queued| queued.iter().any(|backup| backup["name"] == "to-stopped")),
+        "{report:#}"
+    );
+
+    // The server comes back: the next probe (every 5 s) initialises the
+    // repository there (spec.initialize) and the waiting backup runs.
+    stopped.restart().await?;
+    eventually(Duration::from_secs(60), || async {
+        let states = location_states(client).await?;
+        Ok(states
+            .get("stopped")
+            .is_some_and(|(phase, _)| *phase == Some(BackupStorageLocationPhase::Available))
+            .then_some(()))
+    })
+    .await
+    .context("the restarted server's location never became Available")?;
+    let finished = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("to-stopped").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase.is_some_and(|phase| phase.is_final()).then_some(phase))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "to-stopped never finished:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert_eq!(finished, Some(VolumeBackupPhase::Completed));
+    let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &stopped.store_options()).await?;
+    let repository = Repository::open(store).await?;
+    assert_eq!(repository.snapshot_ids().await?.len(), 1);
+    fixture.assert_controller_up("at the end").await;
     fixture.stop().await;
     Ok(())
 }
