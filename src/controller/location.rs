@@ -620,7 +620,13 @@ pub fn summarize_locations<'a>(
         total += 1;
         let status = location.status.clone().unwrap_or_default();
         if status.phase != Some(BackupStorageLocationPhase::Available) {
-            let why = find_reason(&status).unwrap_or_else(|| "NotValidatedYet".to_string());
+            let why = find_reason(&status).unwrap_or_else(|| {
+                if status.phase.is_none() {
+                    "NotValidatedYet".to_string()
+                } else {
+                    "NoReason".to_string()
+                }
+            });
             unavailable.push(format!("{} ({why})", location.name_any()));
         }
     }

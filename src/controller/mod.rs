@@ -233,19 +233,33 @@ where
     );
 }
 
-/// Run the controllers until `shutdown` is cancelled.
+/// Run the controllers until `shutdown` is cancelled, serving the health
+/// endpoints on `config.health_address`.
 pub async fn run(
     config: Config,
     client: Client,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
-    let ready = Arc::new(AtomicBool::new(false));
     let listener = tokio::net::TcpListener::bind(config.health_address)
         .await
         .map_err(|source| RunError::Health {
             address: config.health_address,
             source,
         })?;
+    run_with_health_listener(config, client, listener, shutdown).await
+}
+
+/// [`run`] with the health endpoints on an already bound `listener`
+/// (`config.health_address` is not used): a caller that binds port 0
+/// knows the port before the controller starts, with no window in which
+/// another process could take it.
+pub async fn run_with_health_listener(
+    config: Config,
+    client: Client,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    let ready = Arc::new(AtomicBool::new(false));
     tokio::spawn(health::serve(listener, ready.clone(), shutdown.clone()));
 
     let (claims, claims_writer) = reflector::store();
@@ -489,6 +503,84 @@ mod tests {
             arguments.into_config(None),
             Err(ConfigError::NoIdentity)
         ));
+    }
+
+    /// Log lines written while the test runs, for counting.
+    #[derive(Clone, Default)]
+    struct CapturedLog(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for CapturedLog {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .map_err(|_| std::io::Error::other("poisoned"))?
+                .extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl CapturedLog {
+        fn lines_containing(&self, text: &str) -> usize {
+            let bytes = self.0.lock().map(|bytes| bytes.clone()).unwrap_or_default();
+            String::from_utf8_lossy(&bytes)
+                .lines()
+                .filter(|line| line.contains(text))
+                .count()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_any_location_the_summary_warns_once_per_interval_not_in_a_stream() {
+        let log = CapturedLog::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+
+        let (locations, mut writer) = reflector::store::<BackupStorageLocation>();
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let shutdown = CancellationToken::new();
+        let summary = tokio::spawn(summarize_locations_periodically(
+            SYSTEM_NAMESPACE.to_string(),
+            locations,
+            shutdown.clone(),
+        ));
+        // Three and a half intervals of (paused, auto-advanced) time.
+        tokio::time::sleep(Duration::from_secs(
+            LOCATION_SUMMARY_INTERVAL_SECONDS * 7 / 2,
+        ))
+        .await;
+        assert_eq!(log.lines_containing("no BackupStorageLocation"), 3);
+        assert_eq!(log.lines_containing("WARN"), 3);
+
+        // One location that is Unavailable: an error per interval instead.
+        let mut location = BackupStorageLocation::test("offsite");
+        location.status = Some(location::next_location_status(
+            &Default::default(),
+            &location::ProbeOutcome::Failed {
+                problem: location::ProbeProblem::AccessDenied,
+                message: "refused".to_string(),
+            },
+            &[],
+            None,
+            location::now(),
+        ));
+        writer.apply_watcher_event(&watcher::Event::Apply(location));
+        tokio::time::sleep(Duration::from_secs(LOCATION_SUMMARY_INTERVAL_SECONDS * 2)).await;
+        assert_eq!(
+            log.lines_containing("no BackupStorageLocation is Available"),
+            2
+        );
+        assert_eq!(log.lines_containing("offsite (AccessDenied)"), 2);
+
+        shutdown.cancel();
+        summary.await.expect("the summary task ends on shutdown");
     }
 
     #[test]

@@ -349,7 +349,8 @@ impl Fixture {
             )
             .await?;
         let controller_client = client_from(&controller_kubeconfig).await?;
-        let health_port = crate::support::minio::free_port()?;
+        let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let health_port = health.local_addr()?.port();
         let config = haulage::controller::Config {
             namespace: SYSTEM_NAMESPACE.to_string(),
             identity: "controller-0".to_string(),
@@ -359,9 +360,10 @@ impl Fixture {
             pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
         };
         let shutdown = CancellationToken::new();
-        let controller = tokio::spawn(haulage::controller::run(
+        let controller = tokio::spawn(haulage::controller::run_with_health_listener(
             config,
             controller_client,
+            health,
             shutdown.clone(),
         ));
 
@@ -998,13 +1000,17 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     .await?;
     let client = &fixture.client;
     let endpoint = fixture.minio.endpoint();
+    // The wrong bucket is also marked default: two defaults, the older
+    // (the fixture's `minio`) wins.
+    let mut wrong_bucket = location_object(
+        "wrong-bucket",
+        &endpoint,
+        "no-such-bucket",
+        "s3-credentials",
+    );
+    wrong_bucket["spec"]["default"] = json!(true);
     for object in [
-        location_object(
-            "wrong-bucket",
-            &endpoint,
-            "no-such-bucket",
-            "s3-credentials",
-        ),
+        wrong_bucket,
         location_object("wrong-credentials", &endpoint, BUCKET, "wrong-credentials"),
     ] {
         create::<BackupStorageLocation>(client, Some(SYSTEM_NAMESPACE), object).await?;
@@ -1052,6 +1058,56 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     fixture
         .assert_controller_up("with three bad locations")
         .await;
+
+    // Both defaults carry the conflict, each naming the other.
+    let default_condition = |name: &'static str| {
+        let locations = locations.clone();
+        async move {
+            let status = locations.get(name).await?.status.unwrap_or_default();
+            anyhow::Ok(
+                haulage::api::condition::find_condition(
+                    &status.conditions,
+                    haulage::api::condition::condition_type::UNIQUE_DEFAULT,
+                )
+                .cloned(),
+            )
+        }
+    };
+    let conflict = eventually(Duration::from_secs(60), || async {
+        let winner = default_condition("minio").await?;
+        let loser = default_condition("wrong-bucket").await?;
+        Ok(match (winner, loser) {
+            (Some(winner), Some(loser))
+                if winner.reason == haulage::api::condition::reason::DEFAULT_CONFLICT
+                    && loser.reason == haulage::api::condition::reason::DEFAULT_CONFLICT =>
+            {
+                Some((winner, loser))
+            }
+            _ => None,
+        })
+    })
+    .await;
+    let (winner, loser) = match conflict {
+        Ok(pair) => pair,
+        Err(error) => bail!(
+            "no DefaultConflict on both defaults ({error}): minio {:?}, wrong-bucket {:?}",
+            default_condition("minio").await?,
+            default_condition("wrong-bucket").await?
+        ),
+    };
+    assert_eq!(winner.status, haulage::api::ConditionStatus::False);
+    assert!(
+        winner
+            .message
+            .contains("wrong-bucket is also marked default"),
+        "{}",
+        winner.message
+    );
+    assert!(
+        loser.message.contains("minio is older"),
+        "{}",
+        loser.message
+    );
 
     // A backup to the good location completes; one to the stopped server
     // waits with a condition.
@@ -1130,11 +1186,40 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     }
     assert_eq!(report["defaultLocation"], "minio");
     assert!(
+        report["problems"]
+            .as_array()
+            .is_some_and(|problems| problems.iter().any(|problem| problem
+                .as_str()
+                .is_some_and(|text| text.contains("several locations are marked default")))),
+        "{report:#}"
+    );
+    assert!(
         report["queuedBackups"]
             .as_array()
             .is_some_and(|queued| queued.iter().any(|backup| backup["name"] == "to-stopped")),
         "{report:#}"
     );
+
+    // The conflict is fixed: the remaining default says it is the only one.
+    locations
+        .patch(
+            "wrong-bucket",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"default": false}})),
+        )
+        .await?;
+    eventually(Duration::from_secs(60), || async {
+        let winner = default_condition("minio").await?;
+        let loser = default_condition("wrong-bucket").await?;
+        Ok((loser.is_none()
+            && winner.is_some_and(|condition| {
+                condition.status == haulage::api::ConditionStatus::True
+                    && condition.reason == haulage::api::condition::reason::SINGLE_DEFAULT
+            }))
+        .then_some(()))
+    })
+    .await
+    .context("the default conditions did not follow the fix")?;
 
     // The server comes back: the next probe (every 5 s) initialises the
     // repository there (spec.initialize) and the waiting backup runs.
@@ -1166,5 +1251,108 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     assert_eq!(repository.snapshot_ids().await?.len(), 1);
     fixture.assert_controller_up("at the end").await;
     fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_any_storage_location_the_controller_is_ready_backups_wait_and_status_exits_5()
+-> anyhow::Result<()> {
+    let cluster = KubeCluster::start().await?;
+    cluster
+        .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
+        .await?;
+    cluster
+        .kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/volumebackups.haulage.dev",
+                "crd/backupstoragelocations.haulage.dev",
+            ],
+            None,
+        )
+        .await?;
+    let client = cluster.client().await?;
+    // The admin client: this test is about having no location, not about
+    // RBAC, which the fixture's tests cover with the controller's own token.
+    let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let health_port = health.local_addr()?.port();
+    let config = haulage::controller::Config {
+        namespace: SYSTEM_NAMESPACE.to_string(),
+        identity: "controller-0".to_string(),
+        agent_image: "mover-agent:test".to_string(),
+        health_address: format!("127.0.0.1:{health_port}").parse()?,
+        concurrency: 2,
+        pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
+    };
+    let shutdown = CancellationToken::new();
+    let controller = tokio::spawn(haulage::controller::run_with_health_listener(
+        config,
+        client.clone(),
+        health,
+        shutdown.clone(),
+    ));
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(health_port, "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("the controller never became ready without a location")?;
+
+    create_backup(&client, "orphan").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    eventually(Duration::from_secs(60), || async {
+        let status = backups.get("orphan").await?.status.unwrap_or_default();
+        let waiting = status.phase == Some(VolumeBackupPhase::WaitingForStorage)
+            && haulage::api::condition::find_condition(
+                &status.conditions,
+                haulage::api::condition::condition_type::STORAGE_AVAILABLE,
+            )
+            .is_some_and(|condition| {
+                condition.reason == haulage::api::condition::reason::STORAGE_LOCATION_NOT_FOUND
+            });
+        Ok(waiting.then_some(()))
+    })
+    .await
+    .context("the backup did not wait for a location with a condition")?;
+
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args([
+            "status",
+            "-o",
+            "json",
+            "-n",
+            SYSTEM_NAMESPACE,
+            "--kubeconfig",
+        ])
+        .arg(cluster.kubeconfig())
+        .output()
+        .await?;
+    assert_eq!(
+        output.status.code(),
+        Some(5),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(report["locations"], json!([]), "{report:#}");
+    assert_eq!(report["queuedBackups"][0]["name"], "orphan", "{report:#}");
+    assert!(
+        report["problems"]
+            .as_array()
+            .is_some_and(|problems| problems.iter().any(|problem| problem
+                .as_str()
+                .is_some_and(|text| text.contains("no BackupStorageLocation")))),
+        "{report:#}"
+    );
+
+    assert!(!controller.is_finished(), "the controller task exited");
+    assert_eq!(http_status(health_port, "/readyz").await, Some(200));
+    shutdown.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(30), controller).await;
+    assert!(
+        matches!(stopped, Ok(Ok(Ok(())))),
+        "the controller did not stop cleanly: {stopped:?}"
+    );
     Ok(())
 }
