@@ -546,7 +546,9 @@ impl S3Store {
                         .transient(
                             operation,
                             key,
-                            format!("connection to {endpoint} failed: {text}"),
+                            format!(
+                            "connection to {endpoint} failed: {text}: check the endpoint URL and that the server runs and is reachable from here"
+                        ),
                         )
                         .with_cause(FailureCause::Unreachable);
                 }
