@@ -144,6 +144,10 @@ pub mod condition_type {
     pub const FAILED: &str = "Failed";
     /// StoragePolicy: its selectors and limits are valid and in force.
     pub const ACCEPTED: &str = "Accepted";
+    /// BackupStorageLocation marked `default: true`: it is the only one so
+    /// marked (`False`, reason `DefaultConflict`, on every default location
+    /// while several are).
+    pub const UNIQUE_DEFAULT: &str = "UniqueDefault";
 
     /// Every type above, for tests and docs.
     pub const ALL: &[&str] = &[
@@ -156,6 +160,7 @@ pub mod condition_type {
         COMPLETE,
         FAILED,
         ACCEPTED,
+        UNIQUE_DEFAULT,
     ];
 }
 
@@ -163,12 +168,47 @@ pub mod condition_type {
 pub mod reason {
     /// The storage probe succeeded.
     pub const PROBE_SUCCEEDED: &str = "ProbeSucceeded";
-    /// The storage probe failed (message says how, without credentials).
+    /// The storage probe failed in a way no other reason names (the
+    /// message says how, without credentials).
     pub const PROBE_FAILED: &str = "ProbeFailed";
     /// Validation is disabled (`validationFrequency: 0`) and no probe ran.
     pub const VALIDATION_DISABLED: &str = "ValidationDisabled";
-    /// The credentials Secret or its key does not exist.
-    pub const CREDENTIALS_NOT_FOUND: &str = "CredentialsNotFound";
+    /// The probe passed and the controller initialised the repository
+    /// (`spec.initialize: true`).
+    pub const REPOSITORY_INITIALIZED: &str = "RepositoryInitialized";
+    /// The credentials Secret or its key does not exist, or holds no usable
+    /// credentials.
+    pub const CREDENTIALS_MISSING: &str = "CredentialsMissing";
+    /// The server refused the credentials or the request (unknown key,
+    /// bad signature, expired token, no permission).
+    pub const ACCESS_DENIED: &str = "AccessDenied";
+    /// The bucket does not exist at the endpoint.
+    pub const BUCKET_NOT_FOUND: &str = "BucketNotFound";
+    /// The endpoint could not be reached (refused, reset, no route, DNS,
+    /// connect timeout).
+    pub const ENDPOINT_UNREACHABLE: &str = "EndpointUnreachable";
+    /// The TLS handshake failed (untrusted or mismatched certificate).
+    pub const TLS_ERROR: &str = "TLSError";
+    /// The bucket lives in another region or behind another endpoint.
+    pub const REGION_MISMATCH: &str = "RegionMismatch";
+    /// The server refused requests because the clocks disagree.
+    pub const CLOCK_SKEW: &str = "ClockSkew";
+    /// The server answered with internal errors or throttling.
+    pub const SERVER_ERROR: &str = "ServerError";
+    /// The probe did not finish within its timeout.
+    pub const PROBE_TIMEOUT: &str = "ProbeTimeout";
+    /// The prefix holds no repository and `spec.initialize` is false.
+    pub const REPOSITORY_NOT_INITIALIZED: &str = "RepositoryNotInitialized";
+    /// The repository there has a newer format than this haulage reads,
+    /// or a config it cannot parse.
+    pub const REPOSITORY_INCOMPATIBLE: &str = "RepositoryIncompatible";
+    /// The spec holds a value the controller cannot use (a bad CA bundle,
+    /// endpoint or validation frequency).
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// Several BackupStorageLocations are marked `default: true`.
+    pub const DEFAULT_CONFLICT: &str = "DefaultConflict";
+    /// This BackupStorageLocation is the only one marked `default: true`.
+    pub const SINGLE_DEFAULT: &str = "SingleDefault";
     /// The named BackupStorageLocation does not exist.
     pub const STORAGE_LOCATION_NOT_FOUND: &str = "StorageLocationNotFound";
     /// The BackupStorageLocation exists but is Unavailable.
@@ -215,7 +255,21 @@ pub mod reason {
         PROBE_SUCCEEDED,
         PROBE_FAILED,
         VALIDATION_DISABLED,
-        CREDENTIALS_NOT_FOUND,
+        REPOSITORY_INITIALIZED,
+        CREDENTIALS_MISSING,
+        ACCESS_DENIED,
+        BUCKET_NOT_FOUND,
+        ENDPOINT_UNREACHABLE,
+        TLS_ERROR,
+        REGION_MISMATCH,
+        CLOCK_SKEW,
+        SERVER_ERROR,
+        PROBE_TIMEOUT,
+        REPOSITORY_NOT_INITIALIZED,
+        REPOSITORY_INCOMPATIBLE,
+        INVALID_SPEC,
+        DEFAULT_CONFLICT,
+        SINGLE_DEFAULT,
         STORAGE_LOCATION_NOT_FOUND,
         STORAGE_LOCATION_UNAVAILABLE,
         STORAGE_LOCATION_AVAILABLE,

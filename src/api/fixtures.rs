@@ -79,6 +79,22 @@ impl BackupStorageLocation {
         }
     }
 
+    /// Marked `default: true`.
+    pub(crate) fn marked_default(mut self) -> Self {
+        self.spec.is_default = true;
+        self
+    }
+
+    /// Created `seconds` after a fixed instant.
+    pub(crate) fn created_at(mut self, seconds: i64) -> Self {
+        self.metadata.creation_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds)
+                    .expect("timestamp in range"),
+            ));
+        self
+    }
+
     /// With `status.phase` set.
     pub(crate) fn with_phase(mut self, phase: BackupStorageLocationPhase) -> Self {
         self.status

@@ -1,7 +1,8 @@
 //! `BackupStorageLocation` (`bsl`): an S3 bucket and prefix that holds a
 //! haulage repository, the Secret with its credentials, and the limits the
-//! agents keep to when they write there. The controller probes it every
-//! `validationFrequency` and sets `status.phase`.
+//! agents keep to when they write there. The controller probes it when it
+//! is created or changed and every `validationFrequency`, and sets
+//! `status.phase` (docs/controller.md).
 
 use std::time::Duration;
 
@@ -99,8 +100,9 @@ pub struct BackupStorageLocationSpec {
     #[serde(default, rename = "default")]
     pub is_default: bool,
     /// How often the controller probes the location: a duration such as
-    /// `30s`, `5m` or `1h`; `0` disables probing (the location then stays
-    /// in the phase it last had).
+    /// `30s`, `5m` or `1h` (each location's period is shifted by a fixed
+    /// amount of up to ±10 % so locations do not probe together); `0`
+    /// probes only when the location is created or its spec changes.
     #[serde(default = "default_validation_frequency")]
     #[schemars(length(max = 32))]
     #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 30s, 5m, 1h30m, or 0 to disable validation"))]
@@ -168,7 +170,8 @@ pub struct BackupStorageLocationStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub message: Option<String>,
-    /// Conditions, keyed by type (`Available`).
+    /// Conditions, keyed by type (`Available`; `UniqueDefault` on a
+    /// location marked default).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

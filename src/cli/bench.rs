@@ -513,6 +513,7 @@ async fn storage_figures(store: DynStore, args: &BenchArgs) -> Result<StorageFig
                 operation: "put",
                 key: String::new(),
                 message: error.to_string(),
+                cause: crate::store::FailureCause::Other,
             },
         })?,
         None => store,

@@ -5,7 +5,8 @@
 //! 0 success; 1 failed (nothing or not everything was done, see the
 //! message); 2 invalid usage; 3 completed with warnings (some files could
 //! not be read and are listed); 4 damaged data found (verify, or a restore
-//! that could not restore some files); 130 cancelled (Ctrl-C / SIGTERM).
+//! that could not restore some files); 5 `haulage status`: no storage
+//! location is Available; 130 cancelled (Ctrl-C / SIGTERM).
 
 mod backup;
 mod bench;
@@ -18,6 +19,7 @@ mod progress;
 mod repo;
 mod restore;
 mod snapshots;
+mod status;
 mod verify;
 
 use std::process::ExitCode;
@@ -62,6 +64,9 @@ pub enum Command {
     /// Show a cluster object's plan and progress, from its status.
     #[command(subcommand)]
     Describe(describe::DescribeCommand),
+    /// Show the controller, its storage locations, backups and caps, from
+    /// status only (never probes).
+    Status(status::StatusArgs),
     /// Run the controller: reconcile VolumeBackups and BackupStorageLocations.
     Controller(crate::controller::ControllerArgs),
     /// Write the reproducible sample tree the demo and benchmarks use.
@@ -126,6 +131,8 @@ pub enum Outcome {
     DamagedData,
     /// The verb ran but what it checked does not work (a location probe).
     Failed,
+    /// `haulage status`: no BackupStorageLocation is Available.
+    NoLocationAvailable,
 }
 
 impl Outcome {
@@ -135,6 +142,7 @@ impl Outcome {
             Outcome::CompletedWithWarnings => ExitCode::from(3),
             Outcome::DamagedData => ExitCode::from(4),
             Outcome::Failed => ExitCode::FAILURE,
+            Outcome::NoLocationAvailable => ExitCode::from(5),
         }
     }
 }
@@ -172,6 +180,7 @@ pub fn main() -> ExitCode {
             Command::Verify(args) => verify::run(args).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Describe(command) => describe::run(command, cancel.clone()).await,
+            Command::Status(args) => status::run(args).await,
             Command::Controller(args) => controller::run(args, cancel.clone()).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
             Command::Plan(arguments) => return plan::run(&arguments),

@@ -30,7 +30,7 @@ use crate::api::{
 };
 use crate::controller::children::{Owner, StagePodObjects, desired_stage_pod, desired_transfer};
 use crate::controller::error::{Error, is_conflict, is_not_found, kube_error};
-use crate::controller::location::{now, read_credentials};
+use crate::controller::location::{choose_default, now, read_credentials};
 use crate::controller::replicas::{self, Liveness};
 use crate::controller::stage_pods::{self, Verdict};
 use crate::controller::status::{Observed, StorageState, TransferObservation, next_status};
@@ -246,13 +246,23 @@ fn resolve_location(
     context: &Context,
 ) -> (StorageState, Option<Arc<BackupStorageLocation>>) {
     let namespace = backup.namespace().unwrap_or_default();
-    let candidates = context.stores.locations.state();
-    let found = candidates.into_iter().find(|location| {
-        location.namespace().as_deref() == Some(namespace.as_str())
-            && match &backup.spec.storage_location {
-                Some(name) => location.metadata.name.as_deref() == Some(name.as_str()),
-                None => location.spec.is_default,
-            }
+    let candidates: Vec<_> = context
+        .stores
+        .locations
+        .state()
+        .into_iter()
+        .filter(|location| location.namespace().as_deref() == Some(namespace.as_str()))
+        .collect();
+    // Several `default: true` locations: the same rule as their conditions.
+    let wanted_name = match &backup.spec.storage_location {
+        Some(name) => Some(name.clone()),
+        None => choose_default(candidates.iter().map(|location| location.as_ref()))
+            .map(|choice| choice.winner),
+    };
+    let found = wanted_name.and_then(|wanted| {
+        candidates
+            .into_iter()
+            .find(|location| location.metadata.name.as_deref() == Some(wanted.as_str()))
     });
     let wanted = backup
         .spec

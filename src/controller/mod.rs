@@ -3,8 +3,8 @@
 //!
 //! - [`backup`]: the VolumeBackup reconciler (claim, storage, plan,
 //!   children, roll-up; the cancel finalizer).
-//! - [`location`]: the minimal BackupStorageLocation prober that sets its
-//!   phase.
+//! - [`location`]: the BackupStorageLocation validator (probe, repository
+//!   check, reasons, default conflicts, the periodic summary).
 //! - [`status`]: `next_status`, the pure VolumeBackup status function.
 //! - [`children`]: the pure desired objects of a plan (transfers, stage
 //!   pods, agent RBAC).
@@ -61,6 +61,9 @@ const TRANSIENT_RETRY_SECONDS: u64 = 5;
 const PERMANENT_RETRY_SECONDS: u64 = 120;
 /// Events buffered per shared cache subscriber.
 const SUBSCRIBER_BUFFER: usize = 256;
+/// Seconds between the storage-locations summary lines (one warning per
+/// interval while there is no location or some are bad, never a stream).
+pub const LOCATION_SUMMARY_INTERVAL_SECONDS: u64 = 60;
 
 /// How stage pods are pinned to their node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -131,6 +134,22 @@ pub struct Config {
     pub pinning: Pinning,
     /// Seconds this replica's liveness Lease lasts without renewal.
     pub replica_lease_seconds: u32,
+}
+
+impl Config {
+    /// The defaults of `haulage controller` for `namespace` and `identity`
+    /// (for embedding and tests: `Config { concurrency: 2, ..Config::new(..) }`).
+    pub fn new(namespace: impl Into<String>, identity: impl Into<String>) -> Self {
+        Config {
+            namespace: namespace.into(),
+            identity: identity.into(),
+            agent_image: DEFAULT_AGENT_IMAGE.to_string(),
+            health_address: SocketAddr::from(([0, 0, 0, 0], 8080)),
+            concurrency: DEFAULT_CONCURRENCY,
+            pinning: Pinning::RequiredNodeAffinity,
+            replica_lease_seconds: replicas::DEFAULT_LEASE_SECONDS,
+        }
+    }
 }
 
 /// Arguments that do not make a configuration.
@@ -259,23 +278,39 @@ fn spawn_reflector<K>(
     );
 }
 
-/// Run the controllers until `shutdown` is cancelled.
+/// Run the controllers until `shutdown` is cancelled, serving the health
+/// endpoints on `config.health_address`.
 pub async fn run(
     config: Config,
     client: Client,
     shutdown: CancellationToken,
 ) -> Result<(), RunError> {
-    // Every task of this replica lives in `tasks`: when `run` returns or is
-    // dropped (a test's simulated crash), they all stop with it.
-    let mut tasks = JoinSet::new();
-    let ready = Arc::new(AtomicBool::new(false));
     let listener = tokio::net::TcpListener::bind(config.health_address)
         .await
         .map_err(|source| RunError::Health {
             address: config.health_address,
             source,
         })?;
-    info!(address = %config.health_address, "health endpoints listening");
+    run_with_health_listener(config, client, listener, shutdown).await
+}
+
+/// [`run`] with the health endpoints on an already bound `listener`
+/// (`config.health_address` is not used): a caller that binds port 0
+/// knows the port before the controller starts, with no window in which
+/// another process could take it.
+pub async fn run_with_health_listener(
+    config: Config,
+    client: Client,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
+    // Every task of this replica lives in `tasks`: when `run` returns or is
+    // dropped (a test's simulated crash), they all stop with it.
+    let mut tasks = JoinSet::new();
+    let ready = Arc::new(AtomicBool::new(false));
+    if let Ok(address) = listener.local_addr() {
+        info!(%address, "health endpoints listening");
+    }
     tasks.spawn(health::serve(listener, ready.clone(), shutdown.clone()));
 
     let (claims, claims_writer) = reflector::store();
@@ -357,6 +392,7 @@ pub async fn run(
         reflector::store_shared::<BackupStorageLocation>(SUBSCRIBER_BUFFER);
     let location_events = locations_writer.subscribe();
     let location_events_for_backups = locations_writer.subscribe();
+    let location_events_for_defaults = locations_writer.subscribe();
     let (transfers, transfers_writer) =
         reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
     let transfer_events = transfers_writer.subscribe();
@@ -364,11 +400,13 @@ pub async fn run(
         Some(backup_events),
         Some(location_events),
         Some(location_events_for_backups),
+        Some(location_events_for_defaults),
         Some(transfer_events),
     ) = (
         backup_events,
         location_events,
         location_events_for_backups,
+        location_events_for_defaults,
         transfer_events,
     )
     else {
@@ -495,8 +533,30 @@ pub async fn run(
         .run(backup::reconcile, error_policy, context.clone())
         .for_each(|_| futures::future::ready(()));
 
+    tasks.spawn(summarize_locations_periodically(
+        config.namespace.clone(),
+        locations.clone(),
+        shutdown.clone(),
+    ));
+
+    // A change of one location can change the default conditions of the
+    // others marked default.
+    let locations_for_defaults = locations.clone();
     let location_controller = Controller::for_shared_stream(location_events, locations)
         .with_config(controller_config)
+        .watches_shared_stream(
+            location_events_for_defaults,
+            move |changed: Arc<BackupStorageLocation>| {
+                let namespace = changed.namespace();
+                locations_for_defaults
+                    .state()
+                    .into_iter()
+                    .filter(|other| other.namespace() == namespace && other.spec.is_default)
+                    .filter(|other| other.name_any() != changed.name_any())
+                    .map(|other| ObjectRef::from_obj(other.as_ref()))
+                    .collect::<Vec<_>>()
+            },
+        )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(location::reconcile, error_policy, context)
         .for_each(|_| futures::future::ready(()));
@@ -507,6 +567,34 @@ pub async fn run(
     let _ = lease_task.await;
     info!("controller stopped");
     Ok(())
+}
+
+/// Log the storage-locations summary once per
+/// [`LOCATION_SUMMARY_INTERVAL_SECONDS`], the first after one interval (so
+/// the first probes have run), until `shutdown`.
+async fn summarize_locations_periodically(
+    namespace: String,
+    locations: Store<BackupStorageLocation>,
+    shutdown: CancellationToken,
+) {
+    if locations.wait_until_ready().await.is_err() {
+        return;
+    }
+    let period = Duration::from_secs(LOCATION_SUMMARY_INTERVAL_SECONDS);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        let mine: Vec<_> = locations
+            .state()
+            .into_iter()
+            .filter(|location| location.namespace().as_deref() == Some(namespace.as_str()))
+            .collect();
+        location::log_locations_summary(&namespace, &mine);
+    }
 }
 
 #[cfg(test)]
@@ -535,6 +623,84 @@ mod tests {
             arguments.into_config(None),
             Err(ConfigError::NoIdentity)
         ));
+    }
+
+    /// Log lines written while the test runs, for counting.
+    #[derive(Clone, Default)]
+    struct CapturedLog(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for CapturedLog {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0
+                .lock()
+                .map_err(|_| std::io::Error::other("poisoned"))?
+                .extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl CapturedLog {
+        fn lines_containing(&self, text: &str) -> usize {
+            let bytes = self.0.lock().map(|bytes| bytes.clone()).unwrap_or_default();
+            String::from_utf8_lossy(&bytes)
+                .lines()
+                .filter(|line| line.contains(text))
+                .count()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_any_location_the_summary_warns_once_per_interval_not_in_a_stream() {
+        let log = CapturedLog::default();
+        let writer = log.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+
+        let (locations, mut writer) = reflector::store::<BackupStorageLocation>();
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        let shutdown = CancellationToken::new();
+        let summary = tokio::spawn(summarize_locations_periodically(
+            SYSTEM_NAMESPACE.to_string(),
+            locations,
+            shutdown.clone(),
+        ));
+        // Three and a half intervals of (paused, auto-advanced) time.
+        tokio::time::sleep(Duration::from_secs(
+            LOCATION_SUMMARY_INTERVAL_SECONDS * 7 / 2,
+        ))
+        .await;
+        assert_eq!(log.lines_containing("no BackupStorageLocation"), 3);
+        assert_eq!(log.lines_containing("WARN"), 3);
+
+        // One location that is Unavailable: an error per interval instead.
+        let mut location = BackupStorageLocation::test("offsite");
+        location.status = Some(location::next_location_status(
+            &Default::default(),
+            &location::ProbeOutcome::Failed {
+                problem: location::ProbeProblem::AccessDenied,
+                message: "refused".to_string(),
+            },
+            &[],
+            None,
+            location::now(),
+        ));
+        writer.apply_watcher_event(&watcher::Event::Apply(location));
+        tokio::time::sleep(Duration::from_secs(LOCATION_SUMMARY_INTERVAL_SECONDS * 2)).await;
+        assert_eq!(
+            log.lines_containing("no BackupStorageLocation is Available"),
+            2
+        );
+        assert_eq!(log.lines_containing("offsite (AccessDenied)"), 2);
+
+        shutdown.cancel();
+        summary.await.expect("the summary task ends on shutdown");
     }
 
     #[test]

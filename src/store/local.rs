@@ -16,7 +16,9 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-use super::{ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport, validate_key};
+use super::{
+    FailureCause, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport, validate_key,
+};
 
 /// Prefix of temporary files; listings skip them.
 const TEMP_PREFIX: &str = ".tmp-";
@@ -45,6 +47,7 @@ impl LocalStore {
                 operation,
                 key: key.to_string(),
                 message: "invalid object key".to_string(),
+                cause: FailureCause::Other,
             });
         }
         Ok(self.root.join(key))
@@ -62,6 +65,7 @@ impl LocalStore {
                     operation,
                     key,
                     message: err.to_string(),
+                    cause: FailureCause::Other,
                 }
             }
             _ => StoreError::Permanent {
@@ -69,6 +73,7 @@ impl LocalStore {
                 operation,
                 key,
                 message: err.to_string(),
+                cause: FailureCause::Other,
             },
         }
     }

@@ -87,6 +87,8 @@ pub enum StoreError {
         key: String,
         /// What went wrong and what to check; bounded, no credentials.
         message: String,
+        /// What the failure was about, as far as the backend could tell.
+        cause: FailureCause,
     },
     /// The operation will not succeed without a change by the user
     /// (permissions, missing bucket, full disk, bad configuration).
@@ -100,7 +102,38 @@ pub enum StoreError {
         key: String,
         /// What went wrong and what to check; bounded, no credentials.
         message: String,
+        /// What the failure was about, as far as the backend could tell.
+        cause: FailureCause,
     },
+}
+
+/// What a [`StoreError::Transient`] or [`StoreError::Permanent`] was about,
+/// as far as the backend could tell, so a caller can name the cause (the BSL
+/// controller's condition reasons) without reading messages or backend
+/// error codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailureCause {
+    /// Nothing more specific is known.
+    #[default]
+    Other,
+    /// The endpoint could not be reached: connection refused or reset, no
+    /// route, DNS failure, or no answer in time.
+    Unreachable,
+    /// The TLS handshake failed: an untrusted or mismatched certificate.
+    Tls,
+    /// No credentials were available to sign requests.
+    CredentialsMissing,
+    /// The server refused the credentials or the request: unknown access
+    /// key, bad signature, expired token, or no permission.
+    AccessDenied,
+    /// The bucket does not exist at the endpoint.
+    BucketNotFound,
+    /// The bucket is served in another region, or by another endpoint.
+    WrongRegion,
+    /// The server refused requests because the clocks disagree.
+    ClockSkew,
+    /// The server answered with an internal error or throttled the request.
+    ServerError,
 }
 
 impl StoreError {
@@ -112,6 +145,49 @@ impl StoreError {
     /// True when the error says the object is missing.
     pub fn is_not_found(&self) -> bool {
         matches!(self, StoreError::NotFound { .. })
+    }
+
+    /// The same error with `cause` recorded (a `NotFound` or
+    /// `AlreadyExists` is returned unchanged).
+    pub fn with_cause(self, cause: FailureCause) -> Self {
+        match self {
+            StoreError::Transient {
+                location,
+                operation,
+                key,
+                message,
+                ..
+            } => StoreError::Transient {
+                location,
+                operation,
+                key,
+                message,
+                cause,
+            },
+            StoreError::Permanent {
+                location,
+                operation,
+                key,
+                message,
+                ..
+            } => StoreError::Permanent {
+                location,
+                operation,
+                key,
+                message,
+                cause,
+            },
+            other => other,
+        }
+    }
+
+    /// What the failure was about ([`FailureCause::Other`] for `NotFound`
+    /// and `AlreadyExists`, which are answers rather than failures).
+    pub fn cause(&self) -> FailureCause {
+        match self {
+            StoreError::Transient { cause, .. } | StoreError::Permanent { cause, .. } => *cause,
+            StoreError::NotFound { .. } | StoreError::AlreadyExists { .. } => FailureCause::Other,
+        }
     }
 }
 
@@ -249,6 +325,9 @@ pub struct S3Options {
     pub credentials: Option<S3Credentials>,
     /// PEM file of extra CA certificates to trust besides the system roots.
     pub ca_bundle: Option<PathBuf>,
+    /// PEM certificates to trust, given inline (a BackupStorageLocation's
+    /// `caBundle`); trusted together with [`S3Options::ca_bundle`].
+    pub ca_bundle_pem: Option<Vec<u8>>,
     /// Objects of at least this many bytes go up as multipart uploads.
     /// Default [`s3::DEFAULT_MULTIPART_THRESHOLD_BYTES`].
     pub multipart_threshold_bytes: Option<u64>,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use serde::Serialize;
 
-use super::{ObjectStore, PutMode, StoreError};
+use super::{FailureCause, ObjectStore, PutMode, StoreError};
 
 /// Key prefix of probe objects, below the store's root.
 pub const PROBE_PREFIX: &str = ".haulage-probe/";
@@ -67,6 +67,10 @@ pub struct ProbeFailure {
     pub kind: ProbeFailureKind,
     /// A message without credentials, suitable for a status field.
     pub message: String,
+    /// What the store said the failure was about
+    /// ([`FailureCause::Other`] for a mismatch).
+    #[serde(skip)]
+    pub cause: FailureCause,
 }
 
 /// What [`check_location`] found.
@@ -109,6 +113,7 @@ fn failure_of(error: &StoreError) -> ProbeFailure {
             ProbeFailureKind::Permanent
         },
         message: error.to_string(),
+        cause: error.cause(),
     }
 }
 
@@ -116,6 +121,7 @@ fn mismatch(message: String) -> ProbeFailure {
     ProbeFailure {
         kind: ProbeFailureKind::Mismatch,
         message,
+        cause: FailureCause::Other,
     }
 }
 

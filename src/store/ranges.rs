@@ -78,6 +78,7 @@ pub async fn get_ranges_capped(
         operation: "get",
         key: key.to_string(),
         message,
+        cause: super::FailureCause::Other,
     };
     if let Some(reversed) = ranges.iter().find(|range| range.start > range.end) {
         return Err(refuse(format!(

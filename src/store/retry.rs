@@ -127,6 +127,7 @@ fn give_up(error: StoreError, attempts: u32, elapsed: Duration) -> StoreError {
             operation,
             key,
             message,
+            cause,
         } => StoreError::Transient {
             location,
             operation,
@@ -135,6 +136,7 @@ fn give_up(error: StoreError, attempts: u32, elapsed: Duration) -> StoreError {
                 "{message} (gave up after {attempts} attempts in {:.1}s)",
                 elapsed.as_secs_f64()
             ),
+            cause,
         },
         other => other,
     }
@@ -222,6 +224,7 @@ mod tests {
                     operation,
                     key,
                     message,
+                    cause: crate::store::FailureCause::Other,
                 }
             } else {
                 StoreError::Permanent {
@@ -229,6 +232,7 @@ mod tests {
                     operation,
                     key,
                     message,
+                    cause: crate::store::FailureCause::Other,
                 }
             })
         }

@@ -50,8 +50,8 @@ use futures::{StreamExt, TryStreamExt};
 use tokio_util::task::TaskTracker;
 
 use super::{
-    ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Credentials, S3Options, StoreError,
-    SweepReport, validate_key,
+    FailureCause, ObjectMeta, ObjectStore, OpenStoreError, PutMode, S3Credentials, S3Options,
+    StoreError, SweepReport, validate_key,
 };
 
 /// Default size from which objects go up as multipart uploads. Above a
@@ -375,6 +375,18 @@ impl S3Store {
             }
             trust_store = trust_store.with_pem_certificate(pem);
         }
+        if let Some(pem) = &options.ca_bundle_pem {
+            if !pem
+                .windows(27)
+                .any(|window| window == b"-----BEGIN CERTIFICATE-----")
+            {
+                return Err(OpenStoreError::Setup {
+                    url: url.clone(),
+                    message: "the inline CA bundle holds no PEM certificate".to_string(),
+                });
+            }
+            trust_store = trust_store.with_pem_certificate(pem.clone());
+        }
         let tls_context = TlsContext::builder()
             .with_trust_store(trust_store)
             .build()
@@ -468,6 +480,7 @@ impl S3Store {
             operation,
             key: key.to_string(),
             message,
+            cause: FailureCause::Other,
         }
     }
 
@@ -477,6 +490,7 @@ impl S3Store {
             operation,
             key: key.to_string(),
             message,
+            cause: FailureCause::Other,
         }
     }
 
@@ -495,7 +509,9 @@ impl S3Store {
         let detail = || error_chain(&error);
         match &error {
             SdkError::TimeoutError(_) => {
-                return self.transient(operation, key, "request timed out".to_string());
+                return self
+                    .transient(operation, key, format!("request to {endpoint} timed out"))
+                    .with_cause(FailureCause::Unreachable);
             }
             SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
                 let text = detail();
@@ -510,7 +526,8 @@ impl S3Store {
                         format!(
                             "the TLS certificate of {endpoint} is not trusted ({text}): check the CA bundle option and that the endpoint's host name matches the certificate"
                         ),
-                    );
+                    )
+                    .with_cause(FailureCause::Tls);
                 }
                 if lower.contains("credential") {
                     return self.permanent(
@@ -519,16 +536,21 @@ impl S3Store {
                         format!(
                             "no usable credentials for bucket {bucket} ({text}): set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a credentials file or the location's credentials Secret"
                         ),
-                    );
+                    )
+                    .with_cause(FailureCause::CredentialsMissing);
                 }
                 if let SdkError::DispatchFailure(failure) = &error
                     && !failure.is_user()
                 {
-                    return self.transient(
-                        operation,
-                        key,
-                        format!("connection to {endpoint} failed: {text}"),
-                    );
+                    return self
+                        .transient(
+                            operation,
+                            key,
+                            format!(
+                            "connection to {endpoint} failed: {text}: check the endpoint URL and that the server runs and is reachable from here"
+                        ),
+                        )
+                        .with_cause(FailureCause::Unreachable);
                 }
                 return self.permanent(
                     operation,
@@ -562,33 +584,33 @@ impl S3Store {
                 operation,
                 key,
                 format!("bucket {bucket} does not exist at {endpoint}: check the bucket name and the endpoint"),
-            ),
+            ).with_cause(FailureCause::BucketNotFound),
             (_, "InvalidAccessKeyId") => self.permanent(
                 operation,
                 key,
                 format!("{endpoint} does not know the access key id used for bucket {bucket}: check the credentials and that the endpoint is the intended server"),
-            ),
+            ).with_cause(FailureCause::AccessDenied),
             (_, "SignatureDoesNotMatch") => self.permanent(
                 operation,
                 key,
                 format!("{endpoint} rejected the request signature for bucket {bucket}: check the secret access key and the region ({})", self.region),
-            ),
+            ).with_cause(FailureCause::AccessDenied),
             (_, "RequestTimeTooSkewed") => self.permanent(
                 operation,
                 key,
                 format!("{endpoint} refused requests for bucket {bucket} because this machine's clock is too far from the server's: check the system clock"),
-            ),
+            ).with_cause(FailureCause::ClockSkew),
             (_, "ExpiredToken" | "InvalidToken" | "TokenRefreshRequired") => self.permanent(
                 operation,
                 key,
                 format!("{endpoint} rejected the session token for bucket {bucket} ({code}): refresh the credentials"),
-            ),
+            ).with_cause(FailureCause::AccessDenied),
             (_, "AuthorizationHeaderMalformed" | "PermanentRedirect" | "IllegalLocationConstraintException")
             | (Some(301), _) => self.permanent(
                 operation,
                 key,
                 format!("bucket {bucket} is not served by {endpoint} in region {} ({code}): check the region and the endpoint", self.region),
-            ),
+            ).with_cause(FailureCause::WrongRegion),
             (_, "NoSuchUpload") => self.transient(
                 operation,
                 key,
@@ -609,11 +631,13 @@ impl S3Store {
                 operation,
                 key,
                 format!("access to bucket {bucket} at {endpoint} was denied ({code}): check that the credentials may {operation} objects under {prefix}"),
-            ),
+            ).with_cause(FailureCause::AccessDenied),
             (_, "SlowDown" | "RequestTimeout" | "InternalError" | "ServiceUnavailable" | "RequestLimitExceeded" | "ConditionalRequestConflict" | "OperationAborted")
             | (Some(408 | 409 | 429), _)
             | (Some(500..=599), _)
-            | (None, _) => self.transient(operation, key, described()),
+            | (None, _) => self
+                .transient(operation, key, described())
+                .with_cause(FailureCause::ServerError),
             _ => self.permanent(operation, key, described()),
         }
     }

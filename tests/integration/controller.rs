@@ -176,6 +176,8 @@ struct Fixture {
     work: tempfile::TempDir,
     volumes: PathBuf,
     store: haulage::store::DynStore,
+    /// Port of the in-process controller's `/healthz` and `/readyz`.
+    health_port: u16,
     shutdown: CancellationToken,
     controller: tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
 }
@@ -206,6 +208,26 @@ impl Fixture {
         volume_bytes: u64,
         small_packs: bool,
         secret_key: &str,
+    ) -> anyhow::Result<Self> {
+        Self::start_with_objects(
+            upload_bytes_per_second,
+            volume_bytes,
+            small_packs,
+            secret_key,
+            &[],
+        )
+        .await
+    }
+
+    /// Like [`Fixture::start_with_secret`], with `extra_objects` (more
+    /// BSLs, Secrets) created in the controller's namespace before the
+    /// controller starts.
+    async fn start_with_objects(
+        upload_bytes_per_second: Option<u64>,
+        volume_bytes: u64,
+        small_packs: bool,
+        secret_key: &str,
+        extra_objects: &[serde_json::Value],
     ) -> anyhow::Result<Self> {
         let cluster = KubeCluster::start().await?;
         let minio = MinioServer::start().await?;
@@ -309,6 +331,15 @@ impl Fixture {
                 "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
         )
         .await?;
+        if !extra_objects.is_empty() {
+            let list = json!({"apiVersion": "v1", "kind": "List", "items": extra_objects});
+            cluster
+                .kubectl_ok(
+                    &["apply", "-n", SYSTEM_NAMESPACE, "-f", "-"],
+                    Some(&list.to_string()),
+                )
+                .await?;
+        }
 
         // The controller, in-process, with its own ServiceAccount's token.
         let controller_kubeconfig = kubelet
@@ -319,19 +350,20 @@ impl Fixture {
             )
             .await?;
         let controller_client = client_from(&controller_kubeconfig).await?;
+        let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let health_port = health.local_addr()?.port();
         let config = haulage::controller::Config {
-            namespace: SYSTEM_NAMESPACE.to_string(),
-            identity: "controller-0".to_string(),
             agent_image: "mover-agent:test".to_string(),
-            health_address: "127.0.0.1:0".parse()?,
+            health_address: format!("127.0.0.1:{health_port}").parse()?,
             concurrency: 4,
-            pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
             replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
+            ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-0")
         };
         let shutdown = CancellationToken::new();
-        let controller = tokio::spawn(haulage::controller::run(
+        let controller = tokio::spawn(haulage::controller::run_with_health_listener(
             config,
             controller_client,
+            health,
             shutdown.clone(),
         ));
 
@@ -357,6 +389,7 @@ impl Fixture {
             work,
             volumes,
             store,
+            health_port,
             shutdown,
             controller,
         })
@@ -895,6 +928,461 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
     Ok(())
 }
 
+/// A BSL in the controller's namespace, validated every 5 s.
+fn location_object(name: &str, endpoint: &str, bucket: &str, secret: &str) -> serde_json::Value {
+    json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+        "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+        "spec": {"bucket": bucket, "prefix": PREFIX, "endpoint": endpoint,
+            "region": REGION, "s3ForcePathStyle": true, "initialize": true,
+            "credential": {"name": secret, "key": "cloud"},
+            "validationFrequency": "5s"}})
+}
+
+/// The phase and `Available` reason of every BSL.
+async fn location_states(
+    client: &kube::Client,
+) -> anyhow::Result<std::collections::BTreeMap<String, (Option<BackupStorageLocationPhase>, String)>>
+{
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    Ok(locations
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .map(|location| {
+            let status = location.status.clone().unwrap_or_default();
+            let why = haulage::api::condition::find_condition(
+                &status.conditions,
+                haulage::api::condition::condition_type::AVAILABLE,
+            )
+            .map(|condition| condition.reason.clone())
+            .unwrap_or_default();
+            (
+                location.metadata.name.clone().unwrap_or_default(),
+                (status.phase, why),
+            )
+        })
+        .collect())
+}
+
+/// Create a VolumeBackup of the claim labelled `claim` into `location`.
+async fn create_backup_to(
+    client: &kube::Client,
+    name: &str,
+    claim: &str,
+    location: &str,
+) -> anyhow::Result<()> {
+    create::<VolumeBackup>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+            "spec": {"namespaces": ["shop", "web"], "storageLocation": location,
+                "selector": {"matchLabels": {"claim": claim}}}}),
+    )
+    .await?;
+    Ok(())
+}
+
+impl Fixture {
+    /// The controller is Ready and its task still runs.
+    async fn assert_controller_up(&self, when: &str) {
+        assert!(
+            !self.controller.is_finished(),
+            "{when}: the controller task exited"
+        );
+        assert_eq!(
+            http_status(self.health_port, "/readyz").await,
+            Some(200),
+            "{when}: /readyz"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_ready_and_a_stopped_server_recovers()
+-> anyhow::Result<()> {
+    // A second S3 server with a bucket, stopped before the controller
+    // starts; restarted later on the same port and data directory.
+    let mut stopped = MinioServer::start().await?;
+    stopped.create_bucket(BUCKET).await?;
+    stopped.stop();
+    let wrong_credentials = json!({"apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "wrong-credentials", "namespace": SYSTEM_NAMESPACE},
+        "stringData": {"cloud": format!(
+            "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = not-the-secret\n")}});
+    // The good server's endpoint is only known once the fixture started
+    // it, so the two BSLs on it are created right after; the stopped one
+    // exists before the controller starts.
+    let fixture = Fixture::start_with_objects(
+        None,
+        1 << 20,
+        false,
+        SECRET_KEY,
+        &[
+            wrong_credentials,
+            location_object("stopped", &stopped.endpoint(), BUCKET, "s3-credentials"),
+        ],
+    )
+    .await?;
+    let client = &fixture.client;
+    let endpoint = fixture.minio.endpoint();
+    // The wrong bucket is also marked default: two defaults, the older
+    // (the fixture's `minio`) wins.
+    let mut wrong_bucket = location_object(
+        "wrong-bucket",
+        &endpoint,
+        "no-such-bucket",
+        "s3-credentials",
+    );
+    wrong_bucket["spec"]["default"] = json!(true);
+    for object in [
+        wrong_bucket,
+        location_object("wrong-credentials", &endpoint, BUCKET, "wrong-credentials"),
+    ] {
+        create::<BackupStorageLocation>(client, Some(SYSTEM_NAMESPACE), object).await?;
+    }
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(fixture.health_port, "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("the controller never became ready")?;
+    fixture.assert_controller_up("at start").await;
+
+    let expected = [
+        ("stopped", "EndpointUnreachable"),
+        ("wrong-bucket", "BucketNotFound"),
+        ("wrong-credentials", "AccessDenied"),
+    ];
+    let reasons = eventually(Duration::from_secs(120), || async {
+        let states = location_states(client).await?;
+        let all = expected.iter().all(|(name, why)| {
+            states.get(*name).is_some_and(|(phase, reason)| {
+                *phase == Some(BackupStorageLocationPhase::Unavailable) && reason == why
+            })
+        });
+        Ok(all.then_some(()))
+    })
+    .await;
+    if let Err(error) = reasons {
+        bail!(
+            "the bad locations did not get their reasons ({error}): {:#?}",
+            location_states(client).await?
+        );
+    }
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    for (name, _) in expected {
+        let message = locations
+            .get(name)
+            .await?
+            .status
+            .and_then(|status| status.message)
+            .unwrap_or_default();
+        assert!(!message.contains(SECRET_KEY), "{name}: {message}");
+        assert!(!message.contains("not-the-secret"), "{name}: {message}");
+        assert!(message.len() <= 1024, "{name}: {} bytes", message.len());
+    }
+    fixture
+        .assert_controller_up("with three bad locations")
+        .await;
+
+    // Both defaults carry the conflict, each naming the other.
+    let default_condition = |name: &'static str| {
+        let locations = locations.clone();
+        async move {
+            let status = locations.get(name).await?.status.unwrap_or_default();
+            anyhow::Ok(
+                haulage::api::condition::find_condition(
+                    &status.conditions,
+                    haulage::api::condition::condition_type::UNIQUE_DEFAULT,
+                )
+                .cloned(),
+            )
+        }
+    };
+    let conflict = eventually(Duration::from_secs(60), || async {
+        let winner = default_condition("minio").await?;
+        let loser = default_condition("wrong-bucket").await?;
+        Ok(match (winner, loser) {
+            (Some(winner), Some(loser))
+                if winner.reason == haulage::api::condition::reason::DEFAULT_CONFLICT
+                    && loser.reason == haulage::api::condition::reason::DEFAULT_CONFLICT =>
+            {
+                Some((winner, loser))
+            }
+            _ => None,
+        })
+    })
+    .await;
+    let (winner, loser) = match conflict {
+        Ok(pair) => pair,
+        Err(error) => bail!(
+            "no DefaultConflict on both defaults ({error}): minio {:?}, wrong-bucket {:?}",
+            default_condition("minio").await?,
+            default_condition("wrong-bucket").await?
+        ),
+    };
+    assert_eq!(winner.status, haulage::api::ConditionStatus::False);
+    assert!(
+        winner
+            .message
+            .contains("wrong-bucket is also marked default"),
+        "{}",
+        winner.message
+    );
+    assert!(
+        loser.message.contains("minio is older"),
+        "{}",
+        loser.message
+    );
+
+    // A backup to the good location completes; one to the stopped server
+    // waits with a condition.
+    create_backup_to(client, "to-good", "logs", "minio").await?;
+    create_backup_to(client, "to-stopped", "content", "stopped").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let finished = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("to-good").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase.is_some_and(|phase| phase.is_final()).then_some(phase))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "to-good never finished:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert_eq!(finished, Some(VolumeBackupPhase::Completed));
+    let waiting = backups.get("to-stopped").await?.status.unwrap_or_default();
+    assert_eq!(waiting.phase, Some(VolumeBackupPhase::WaitingForStorage));
+    let storage = haulage::api::condition::find_condition(
+        &waiting.conditions,
+        haulage::api::condition::condition_type::STORAGE_AVAILABLE,
+    )
+    .context("StorageAvailable condition")?;
+    assert_eq!(storage.status, haulage::api::ConditionStatus::False);
+    assert_eq!(
+        storage.reason,
+        haulage::api::condition::reason::STORAGE_LOCATION_UNAVAILABLE
+    );
+    assert!(storage.message.contains("stopped"), "{}", storage.message);
+
+    // `haulage status -o json` shows the four locations from status.
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args([
+            "status",
+            "-o",
+            "json",
+            "--namespace",
+            SYSTEM_NAMESPACE,
+            "--kubeconfig",
+        ])
+        .arg(fixture.cluster.kubeconfig())
+        .output()
+        .await?;
+    assert!(
+        output.status.success(),
+        "haulage status exited with {}: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    let phases: std::collections::BTreeMap<String, (String, String)> = report["locations"]
+        .as_array()
+        .context("locations array")?
+        .iter()
+        .map(|location| {
+            (
+                location["name"].as_str().unwrap_or_default().to_string(),
+                (
+                    location["phase"].as_str().unwrap_or_default().to_string(),
+                    location["reason"].as_str().unwrap_or_default().to_string(),
+                ),
+            )
+        })
+        .collect();
+    assert_eq!(phases.len(), 4, "{report:#}");
+    assert_eq!(phases["minio"].0, "Available", "{report:#}");
+    for (name, why) in expected {
+        assert_eq!(
+            phases[name],
+            ("Unavailable".to_string(), why.to_string()),
+            "{report:#}"
+        );
+    }
+    assert_eq!(report["defaultLocation"], "minio");
+    assert!(
+        report["problems"]
+            .as_array()
+            .is_some_and(|problems| problems.iter().any(|problem| problem
+                .as_str()
+                .is_some_and(|text| text.contains("several locations are marked default")))),
+        "{report:#}"
+    );
+    assert!(
+        report["queuedBackups"]
+            .as_array()
+            .is_some_and(|queued| queued.iter().any(|backup| backup["name"] == "to-stopped")),
+        "{report:#}"
+    );
+
+    // The conflict is fixed: the remaining default says it is the only one.
+    locations
+        .patch(
+            "wrong-bucket",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"default": false}})),
+        )
+        .await?;
+    eventually(Duration::from_secs(60), || async {
+        let winner = default_condition("minio").await?;
+        let loser = default_condition("wrong-bucket").await?;
+        Ok((loser.is_none()
+            && winner.is_some_and(|condition| {
+                condition.status == haulage::api::ConditionStatus::True
+                    && condition.reason == haulage::api::condition::reason::SINGLE_DEFAULT
+            }))
+        .then_some(()))
+    })
+    .await
+    .context("the default conditions did not follow the fix")?;
+
+    // The server comes back: the next probe (every 5 s) initialises the
+    // repository there (spec.initialize) and the waiting backup runs.
+    stopped.restart().await?;
+    eventually(Duration::from_secs(60), || async {
+        let states = location_states(client).await?;
+        Ok(states
+            .get("stopped")
+            .is_some_and(|(phase, _)| *phase == Some(BackupStorageLocationPhase::Available))
+            .then_some(()))
+    })
+    .await
+    .context("the restarted server's location never became Available")?;
+    let finished = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("to-stopped").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase.is_some_and(|phase| phase.is_final()).then_some(phase))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "to-stopped never finished:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert_eq!(finished, Some(VolumeBackupPhase::Completed));
+    let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &stopped.store_options()).await?;
+    let repository = Repository::open(store).await?;
+    assert_eq!(repository.snapshot_ids().await?.len(), 1);
+    fixture.assert_controller_up("at the end").await;
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_any_storage_location_the_controller_is_ready_backups_wait_and_status_exits_5()
+-> anyhow::Result<()> {
+    let cluster = KubeCluster::start().await?;
+    cluster
+        .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
+        .await?;
+    cluster
+        .kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/volumebackups.haulage.dev",
+                "crd/backupstoragelocations.haulage.dev",
+            ],
+            None,
+        )
+        .await?;
+    let client = cluster.client().await?;
+    // The admin client: this test is about having no location, not about
+    // RBAC, which the fixture's tests cover with the controller's own token.
+    let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let health_port = health.local_addr()?.port();
+    let config = haulage::controller::Config {
+        agent_image: "mover-agent:test".to_string(),
+        health_address: format!("127.0.0.1:{health_port}").parse()?,
+        concurrency: 2,
+        replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
+        ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-0")
+    };
+    let shutdown = CancellationToken::new();
+    let controller = tokio::spawn(haulage::controller::run_with_health_listener(
+        config,
+        client.clone(),
+        health,
+        shutdown.clone(),
+    ));
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(health_port, "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("the controller never became ready without a location")?;
+
+    create_backup(&client, "orphan").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    eventually(Duration::from_secs(60), || async {
+        let status = backups.get("orphan").await?.status.unwrap_or_default();
+        let waiting = status.phase == Some(VolumeBackupPhase::WaitingForStorage)
+            && haulage::api::condition::find_condition(
+                &status.conditions,
+                haulage::api::condition::condition_type::STORAGE_AVAILABLE,
+            )
+            .is_some_and(|condition| {
+                condition.reason == haulage::api::condition::reason::STORAGE_LOCATION_NOT_FOUND
+            });
+        Ok(waiting.then_some(()))
+    })
+    .await
+    .context("the backup did not wait for a location with a condition")?;
+
+    let output = tokio::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args([
+            "status",
+            "-o",
+            "json",
+            "-n",
+            SYSTEM_NAMESPACE,
+            "--kubeconfig",
+        ])
+        .arg(cluster.kubeconfig())
+        .output()
+        .await?;
+    assert_eq!(
+        output.status.code(),
+        Some(5),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+    assert_eq!(report["locations"], json!([]), "{report:#}");
+    assert_eq!(report["queuedBackups"][0]["name"], "orphan", "{report:#}");
+    assert!(
+        report["problems"]
+            .as_array()
+            .is_some_and(|problems| problems.iter().any(|problem| problem
+                .as_str()
+                .is_some_and(|text| text.contains("no BackupStorageLocation")))),
+        "{report:#}"
+    );
+
+    assert!(!controller.is_finished(), "the controller task exited");
+    assert_eq!(http_status(health_port, "/readyz").await, Some(200));
+    shutdown.cancel();
+    let stopped = tokio::time::timeout(Duration::from_secs(30), controller).await;
+    assert!(
+        matches!(stopped, Ok(Ok(Ok(())))),
+        "the controller did not stop cleanly: {stopped:?}"
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyhow::Result<()> {
     // 12 MiB per claim at 1 MiB/s: the backup is still running when its
@@ -948,13 +1436,11 @@ async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyh
         )
         .await?;
     let config = haulage::controller::Config {
-        namespace: SYSTEM_NAMESPACE.to_string(),
-        identity: "controller-1".to_string(),
         agent_image: "mover-agent:test".to_string(),
         health_address: "127.0.0.1:0".parse()?,
         concurrency: 4,
-        pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
         replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
+        ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-1")
     };
     let shutdown = CancellationToken::new();
     let successor = tokio::spawn(haulage::controller::run(

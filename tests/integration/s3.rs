@@ -19,8 +19,8 @@ use haulage::store::ranges::{DEFAULT_COALESCE_GAP_BYTES, get_ranges};
 use haulage::store::retry::{RetryPolicy, RetryStore};
 use haulage::store::s3::S3Store;
 use haulage::store::{
-    DynStore, ObjectMeta, ObjectStore, PutMode, S3Credentials, S3Options, StoreError, StoreOptions,
-    SweepReport, open_store,
+    DynStore, FailureCause, ObjectMeta, ObjectStore, PutMode, S3Credentials, S3Options, StoreError,
+    StoreOptions, SweepReport, open_store,
 };
 
 use crate::store_conformance::{check_store, pattern};
@@ -506,6 +506,7 @@ async fn a_missing_bucket_fails_at_once_with_a_message_naming_it() {
         .await
         .expect_err("no bucket");
     assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+    assert_eq!(error.cause(), FailureCause::BucketNotFound, "{error}");
     assert_eq!(counted.calls(), 1, "a permanent error is not retried");
     assert!(started.elapsed() < Duration::from_secs(5));
     let message = error.to_string();
@@ -545,6 +546,7 @@ async fn wrong_credentials_fail_at_once_without_leaking_the_secret() {
         let store = RetryStore::new(counted.clone(), quick_retries());
         let error = store.list("").await.expect_err("refused");
         assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+        assert_eq!(error.cause(), FailureCause::AccessDenied, "{error}");
         assert_eq!(
             counted.calls(),
             1,
@@ -576,6 +578,7 @@ async fn a_stopped_server_gives_transient_errors_and_a_restart_recovers() {
     ] {
         let error = result.expect_err("server is down");
         assert!(error.is_transient(), "{error}");
+        assert_eq!(error.cause(), FailureCause::Unreachable, "{error}");
         assert!(error.to_string().contains(&server.endpoint()), "{error}");
     }
     server.restart().await.expect("restart");
@@ -714,7 +717,17 @@ async fn https_endpoints_work_with_a_ca_bundle_and_fail_clearly_without_one() {
     let untrusted = s3_store(&server.s3_options(), &format!("{BUCKET}/{PREFIX}")).await;
     let error = untrusted.list("").await.expect_err("unknown CA");
     assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
+    assert_eq!(error.cause(), FailureCause::Tls, "{error}");
     assert!(error.to_string().contains("CA bundle"), "{error}");
+
+    // The same CA given inline, as a BackupStorageLocation's caBundle.
+    let mut inline = server.s3_options();
+    inline.ca_bundle_pem = Some(std::fs::read(&ca_bundle).expect("read the CA"));
+    let store = s3_store(&inline, &format!("{BUCKET}/{PREFIX}")).await;
+    store
+        .list("")
+        .await
+        .expect("trusted through the inline CA bundle");
 
     let mut not_pem = server.s3_options();
     not_pem.ca_bundle = Some(

@@ -1,0 +1,783 @@
+//! `haulage status [-o table|json]`: the controller as a whole, read from
+//! the API server only (it never probes storage, so it is as fast as a few
+//! list calls): the CLI's and the replicas' versions, each controller
+//! replica with readiness, restarts and the backups it owns, each
+//! BackupStorageLocation with phase, reason, last validation age, latency
+//! and message, running and queued backups with progress, and the caps in
+//! force (StoragePolicies and the locations' upload caps).
+//!
+//! [`build_report`] turns the listed objects into a [`StatusReport`] and
+//! [`render_table`] draws it; both are pure. The JSON form is the report
+//! serialised, documented in docs/cli.md.
+
+use std::fmt::Write as _;
+
+use anyhow::Context as _;
+use bytesize::ByteSize;
+use clap::{Args, ValueEnum};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::ListParams;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, ResourceExt};
+use serde::Serialize;
+
+use crate::api::condition::{condition_type, find_condition};
+use crate::api::labels::SYSTEM_NAMESPACE;
+use crate::api::{
+    BackupStorageLocation, BackupStorageLocationPhase, Progress, StoragePolicy, VolumeBackup,
+    VolumeBackupPhase,
+};
+use crate::cli::Outcome;
+use crate::controller::location::choose_default;
+
+/// Label selector of the controller's pods (manifests/controller.yaml).
+pub const CONTROLLER_POD_SELECTOR: &str =
+    "app.kubernetes.io/name=haulage,app.kubernetes.io/component=controller";
+/// Version of the `haulage status` JSON document.
+pub const STATUS_FORMAT_VERSION: u32 = 1;
+
+/// Output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum StatusFormat {
+    /// Aligned text for people.
+    Table,
+    /// One JSON document for scripts (docs/cli.md).
+    Json,
+}
+
+/// `haulage status` arguments.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Namespace of the controller, its locations and backups.
+    #[arg(long, short = 'n', env = "POD_NAMESPACE", default_value = SYSTEM_NAMESPACE)]
+    pub namespace: String,
+    /// Output format.
+    #[arg(long, short = 'o', value_enum, default_value = "table")]
+    pub output: StatusFormat,
+    /// Kubeconfig file (default: `$KUBECONFIG`, then `~/.kube/config`, then
+    /// the in-cluster configuration).
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// Kubeconfig context (default: the current one).
+    #[arg(long, value_name = "NAME")]
+    pub context: Option<String>,
+}
+
+/// Everything `haulage status` reports.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusReport {
+    /// [`STATUS_FORMAT_VERSION`].
+    pub format_version: u32,
+    /// The CLI's version.
+    pub cli_version: String,
+    /// The namespace read.
+    pub namespace: String,
+    /// Controller pods, by name.
+    pub replicas: Vec<ReplicaReport>,
+    /// BackupStorageLocations, by name.
+    pub locations: Vec<LocationReport>,
+    /// The location backups that name none use (the oldest marked default).
+    pub default_location: Option<String>,
+    /// Backups being planned, transferring or canceling, by name.
+    pub running_backups: Vec<BackupReport>,
+    /// Backups not started yet (new, or waiting for their location).
+    pub queued_backups: Vec<BackupReport>,
+    /// The caps in force.
+    pub caps: CapsReport,
+    /// What needs attention, one sentence each (empty when all is well).
+    pub problems: Vec<String>,
+}
+
+/// One controller pod.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaReport {
+    /// Pod name (the replica's identity in ownership claims).
+    pub name: String,
+    /// Pod phase (`Running`, `Pending`, …).
+    pub phase: Option<String>,
+    /// Whether the pod's Ready condition is True.
+    pub ready: bool,
+    /// Restarts of its containers, summed.
+    pub restarts: i32,
+    /// The controller container's image.
+    pub image: Option<String>,
+    /// The image tag, taken as the replica's version.
+    pub version: Option<String>,
+    /// Node it runs on.
+    pub node: Option<String>,
+    /// Unfinished backups whose `status.owner` is this replica.
+    pub owns: Vec<String>,
+}
+
+/// One BackupStorageLocation.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LocationReport {
+    /// Name.
+    pub name: String,
+    /// `Available`, `Unavailable`, or `null` before the first validation.
+    pub phase: Option<BackupStorageLocationPhase>,
+    /// Reason of the `Available` condition.
+    pub reason: Option<String>,
+    /// `s3://bucket/prefix`.
+    pub url: String,
+    /// Marked `default: true`.
+    pub marked_default: bool,
+    /// When it was last validated (RFC 3339).
+    pub last_validation_time: Option<Time>,
+    /// Seconds since then.
+    pub last_validation_age_seconds: Option<i64>,
+    /// Latency of the last successful probe.
+    pub last_probe_latency_milliseconds: Option<i64>,
+    /// The status message.
+    pub message: Option<String>,
+}
+
+/// One backup.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BackupReport {
+    /// Name.
+    pub name: String,
+    /// Phase (`null` before a replica claimed it).
+    pub phase: Option<VolumeBackupPhase>,
+    /// The location it names, or `null` for the default.
+    pub location: Option<String>,
+    /// The replica that owns it.
+    pub owner: Option<String>,
+    /// Progress, once transfers report.
+    pub progress: Option<Progress>,
+    /// Why it waits or what it is doing (its status message or the
+    /// `StorageAvailable` condition's message).
+    pub message: Option<String>,
+}
+
+/// The caps in force.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CapsReport {
+    /// StoragePolicies (cluster-scoped), by name.
+    pub storage_policies: Vec<PolicyCapsReport>,
+    /// Locations with an upload cap, by name.
+    pub locations: Vec<LocationCapsReport>,
+}
+
+/// One StoragePolicy's limits and what its status says is in use.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PolicyCapsReport {
+    /// Name.
+    pub name: String,
+    /// Volumes moved at once.
+    pub max_concurrent_volumes: Option<i32>,
+    /// Bytes per second over its running transfers.
+    pub max_bytes_per_second: Option<i64>,
+    /// Running volumes (status).
+    pub running_volumes: Option<i32>,
+    /// Queued volumes (status).
+    pub queued_volumes: Option<i32>,
+    /// Bandwidth granted (status).
+    pub granted_bytes_per_second: Option<i64>,
+}
+
+/// A location's caps.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LocationCapsReport {
+    /// Name.
+    pub name: String,
+    /// Upload bytes per second, all agents together.
+    pub upload_bytes_per_second: Option<i64>,
+    /// Concurrent requests, all agents together.
+    pub max_concurrent_requests: Option<i32>,
+}
+
+fn replica_report(pod: &Pod, backups: &[VolumeBackup]) -> ReplicaReport {
+    let name = pod.name_any();
+    let status = pod.status.clone().unwrap_or_default();
+    let ready = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|condition| condition.type_ == "Ready" && condition.status == "True");
+    let restarts = status
+        .container_statuses
+        .iter()
+        .flatten()
+        .map(|container| container.restart_count)
+        .sum();
+    let image = pod.spec.as_ref().and_then(|spec| {
+        spec.containers
+            .iter()
+            .find(|container| container.name == "controller")
+            .or_else(|| spec.containers.first())
+            .and_then(|container| container.image.clone())
+    });
+    let version = image.as_deref().and_then(|image| {
+        let without_digest = image.split('@').next().unwrap_or(image);
+        let last = without_digest.rsplit('/').next().unwrap_or(without_digest);
+        last.split_once(':').map(|(_, tag)| tag.to_string())
+    });
+    let mut owns: Vec<String> = backups
+        .iter()
+        .filter(|backup| {
+            let status = backup.status.as_ref();
+            status
+                .and_then(|status| status.owner.as_ref())
+                .is_some_and(|owner| owner.replica == name)
+                && status
+                    .and_then(|status| status.phase)
+                    .is_none_or(|phase| !phase.is_final())
+        })
+        .map(|backup| backup.name_any())
+        .collect();
+    owns.sort();
+    ReplicaReport {
+        name,
+        phase: status.phase,
+        ready,
+        restarts,
+        image,
+        version,
+        node: pod.spec.as_ref().and_then(|spec| spec.node_name.clone()),
+        owns,
+    }
+}
+
+fn location_report(location: &BackupStorageLocation, now: &Time) -> LocationReport {
+    let status = location.status.clone().unwrap_or_default();
+    let reason = find_condition(&status.conditions, condition_type::AVAILABLE)
+        .map(|condition| condition.reason.clone());
+    let age = status
+        .last_validation_time
+        .as_ref()
+        .map(|time| (now.0.as_second() - time.0.as_second()).max(0));
+    LocationReport {
+        name: location.name_any(),
+        phase: status.phase,
+        reason,
+        url: crate::controller::children::repository_url(&location.spec),
+        marked_default: location.spec.is_default,
+        last_validation_time: status.last_validation_time,
+        last_validation_age_seconds: age,
+        last_probe_latency_milliseconds: status.last_probe_latency_milliseconds,
+        message: status.message,
+    }
+}
+
+fn backup_report(backup: &VolumeBackup) -> BackupReport {
+    let status = backup.status.clone().unwrap_or_default();
+    let storage = find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE)
+        .filter(|condition| condition.status == crate::api::ConditionStatus::False)
+        .map(|condition| condition.message.clone());
+    BackupReport {
+        name: backup.name_any(),
+        phase: status.phase,
+        location: backup.spec.storage_location.clone(),
+        owner: status.owner.map(|owner| owner.replica),
+        progress: status.progress,
+        message: storage.or(status.message),
+    }
+}
+
+/// The report from what was listed (pure; `now` for ages).
+pub fn build_report(
+    namespace: &str,
+    pods: &[Pod],
+    locations: &[BackupStorageLocation],
+    backups: &[VolumeBackup],
+    policies: &[StoragePolicy],
+    now: &Time,
+) -> StatusReport {
+    let mut replicas: Vec<ReplicaReport> = pods
+        .iter()
+        .map(|pod| replica_report(pod, backups))
+        .collect();
+    replicas.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut location_reports: Vec<LocationReport> = locations
+        .iter()
+        .map(|location| location_report(location, now))
+        .collect();
+    location_reports.sort_by(|a, b| a.name.cmp(&b.name));
+    let choice = choose_default(locations.iter());
+
+    let mut running = Vec::new();
+    let mut queued = Vec::new();
+    for backup in backups {
+        match backup.status.as_ref().and_then(|status| status.phase) {
+            Some(phase) if phase.is_final() => {}
+            Some(
+                VolumeBackupPhase::Planning
+                | VolumeBackupPhase::InProgress
+                | VolumeBackupPhase::Canceling,
+            ) => running.push(backup_report(backup)),
+            _ => queued.push(backup_report(backup)),
+        }
+    }
+    running.sort_by(|a, b| a.name.cmp(&b.name));
+    queued.sort_by(|a, b| a.name.cmp(&b.name));
+
+    let mut storage_policies: Vec<PolicyCapsReport> = policies
+        .iter()
+        .map(|policy| {
+            let status = policy.status.clone().unwrap_or_default();
+            PolicyCapsReport {
+                name: policy.name_any(),
+                max_concurrent_volumes: policy.spec.max_concurrent_volumes,
+                max_bytes_per_second: policy.spec.max_bytes_per_second,
+                running_volumes: status.running_volumes,
+                queued_volumes: status.queued_volumes,
+                granted_bytes_per_second: status.granted_bytes_per_second,
+            }
+        })
+        .collect();
+    storage_policies.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut location_caps: Vec<LocationCapsReport> = locations
+        .iter()
+        .filter(|location| {
+            location.spec.upload_bytes_per_second.is_some()
+                || location.spec.max_concurrent_requests.is_some()
+        })
+        .map(|location| LocationCapsReport {
+            name: location.name_any(),
+            upload_bytes_per_second: location.spec.upload_bytes_per_second,
+            max_concurrent_requests: location.spec.max_concurrent_requests,
+        })
+        .collect();
+    location_caps.sort_by(|a, b| a.name.cmp(&b.name));
+
+    let mut problems = Vec::new();
+    if replicas.is_empty() {
+        problems.push(format!(
+            "no controller pod ({CONTROLLER_POD_SELECTOR}) in namespace {namespace}: nothing processes backups; apply manifests/"
+        ));
+    } else if !replicas.iter().any(|replica| replica.ready) {
+        problems.push("no controller replica is Ready: see `kubectl logs` of its pods".to_string());
+    }
+    let available = location_reports
+        .iter()
+        .filter(|location| location.phase == Some(BackupStorageLocationPhase::Available))
+        .count();
+    if location_reports.is_empty() {
+        problems.push(format!(
+            "no BackupStorageLocation in namespace {namespace}: backups wait until one exists; create one (docs/api.md)"
+        ));
+    } else {
+        let bad: Vec<String> = location_reports
+            .iter()
+            .filter(|location| location.phase != Some(BackupStorageLocationPhase::Available))
+            .map(|location| {
+                format!(
+                    "{} ({})",
+                    location.name,
+                    location.reason.as_deref().unwrap_or("NotValidatedYet")
+                )
+            })
+            .collect();
+        if available == 0 {
+            problems.push(format!(
+                "no BackupStorageLocation is Available: {}; every backup waits",
+                bad.join(", ")
+            ));
+        } else if !bad.is_empty() {
+            problems.push(format!(
+                "not Available: {}; backups to them wait",
+                bad.join(", ")
+            ));
+        }
+    }
+    if let Some(choice) = &choice
+        && !choice.others.is_empty()
+    {
+        problems.push(format!(
+            "several locations are marked default: {} is used, {} ignored; set default: false on all but one",
+            choice.winner,
+            choice.others.join(", ")
+        ));
+    }
+
+    StatusReport {
+        format_version: STATUS_FORMAT_VERSION,
+        cli_version: env!("CARGO_PKG_VERSION").to_string(),
+        namespace: namespace.to_string(),
+        replicas,
+        locations: location_reports,
+        default_location: choice.map(|choice| choice.winner),
+        running_backups: running,
+        queued_backups: queued,
+        caps: CapsReport {
+            storage_policies,
+            locations: location_caps,
+        },
+        problems,
+    }
+}
+
+/// Whether any location is Available (the exit code depends on it).
+pub fn any_location_available(report: &StatusReport) -> bool {
+    report
+        .locations
+        .iter()
+        .any(|location| location.phase == Some(BackupStorageLocationPhase::Available))
+}
+
+fn age(seconds: i64) -> String {
+    match seconds {
+        ..60 => format!("{seconds}s"),
+        60..3600 => format!("{}m", seconds / 60),
+        3600..86_400 => format!("{}h", seconds / 3600),
+        _ => format!("{}d", seconds / 86_400),
+    }
+}
+
+fn optional<T: std::fmt::Display>(value: Option<T>) -> String {
+    value.map_or_else(|| "-".to_string(), |value| value.to_string())
+}
+
+fn rate(bytes_per_second: Option<i64>) -> String {
+    bytes_per_second.map_or_else(
+        || "-".to_string(),
+        |value| format!("{}/s", ByteSize::b(u64::try_from(value).unwrap_or(0))),
+    )
+}
+
+fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
+    let _ = writeln!(out, "\n{title}");
+    if backups.is_empty() {
+        let _ = writeln!(out, "  (none)");
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "{:<24} {:<18} {:<16} {:<16} {:>5}  MESSAGE",
+        "NAME", "PHASE", "LOCATION", "OWNER", "DONE"
+    );
+    for backup in backups {
+        let _ = writeln!(
+            out,
+            "{:<24} {:<18} {:<16} {:<16} {:>5}  {}",
+            backup.name,
+            optional(backup.phase.map(|phase| format!("{phase:?}"))),
+            backup.location.as_deref().unwrap_or("(default)"),
+            backup.owner.as_deref().unwrap_or("-"),
+            backup.progress.as_ref().map_or_else(
+                || "-".to_string(),
+                |progress| format!("{}%", progress.percent)
+            ),
+            backup.message.as_deref().unwrap_or("")
+        );
+    }
+}
+
+/// The report as aligned text (pure).
+pub fn render_table(report: &StatusReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "haulage {} — namespace {}",
+        report.cli_version, report.namespace
+    );
+    let _ = writeln!(out, "\nCONTROLLER REPLICAS");
+    if report.replicas.is_empty() {
+        let _ = writeln!(out, "  (none)");
+    } else {
+        let _ = writeln!(
+            out,
+            "{:<40} {:<6} {:>8}  {:<12} {:<16} OWNS",
+            "NAME", "READY", "RESTARTS", "VERSION", "NODE"
+        );
+        for replica in &report.replicas {
+            let _ = writeln!(
+                out,
+                "{:<40} {:<6} {:>8}  {:<12} {:<16} {}",
+                replica.name,
+                if replica.ready { "yes" } else { "no" },
+                replica.restarts,
+                replica.version.as_deref().unwrap_or("-"),
+                replica.node.as_deref().unwrap_or("-"),
+                if replica.owns.is_empty() {
+                    "-".to_string()
+                } else {
+                    replica.owns.join(",")
+                }
+            );
+        }
+    }
+    let _ = writeln!(out, "\nSTORAGE LOCATIONS");
+    if report.locations.is_empty() {
+        let _ = writeln!(out, "  (none: backups wait until one exists)");
+    } else {
+        let _ = writeln!(
+            out,
+            "{:<20} {:<12} {:<26} {:<8} {:>9} {:>8}  MESSAGE",
+            "NAME", "PHASE", "REASON", "DEFAULT", "VALIDATED", "LATENCY"
+        );
+        for location in &report.locations {
+            let default = match (&report.default_location, location.marked_default) {
+                (Some(winner), true) if *winner == location.name => "yes",
+                (_, true) => "ignored",
+                _ => "",
+            };
+            let _ = writeln!(
+                out,
+                "{:<20} {:<12} {:<26} {:<8} {:>9} {:>8}  {}",
+                location.name,
+                optional(location.phase.map(|phase| format!("{phase:?}"))),
+                location.reason.as_deref().unwrap_or("-"),
+                default,
+                location.last_validation_age_seconds.map_or_else(
+                    || "never".to_string(),
+                    |seconds| format!("{} ago", age(seconds))
+                ),
+                location
+                    .last_probe_latency_milliseconds
+                    .map_or_else(|| "-".to_string(), |millis| format!("{millis}ms")),
+                location.message.as_deref().unwrap_or("")
+            );
+        }
+    }
+    backup_lines(&mut out, "RUNNING BACKUPS", &report.running_backups);
+    backup_lines(&mut out, "QUEUED BACKUPS", &report.queued_backups);
+    let _ = writeln!(out, "\nCAPS");
+    if report.caps.storage_policies.is_empty() && report.caps.locations.is_empty() {
+        let _ = writeln!(out, "  (none)");
+    }
+    for policy in &report.caps.storage_policies {
+        let _ = writeln!(
+            out,
+            "StoragePolicy {:<20} volumes {} (running {}, queued {})  bandwidth {} (granted {})",
+            policy.name,
+            optional(policy.max_concurrent_volumes),
+            optional(policy.running_volumes),
+            optional(policy.queued_volumes),
+            rate(policy.max_bytes_per_second),
+            rate(policy.granted_bytes_per_second),
+        );
+    }
+    for location in &report.caps.locations {
+        let _ = writeln!(
+            out,
+            "Location      {:<20} upload {}  requests {}",
+            location.name,
+            rate(location.upload_bytes_per_second),
+            optional(location.max_concurrent_requests),
+        );
+    }
+    if !report.problems.is_empty() {
+        let _ = writeln!(out, "\nPROBLEMS");
+        for problem in &report.problems {
+            let _ = writeln!(out, "- {problem}");
+        }
+    }
+    out
+}
+
+async fn client(arguments: &StatusArgs) -> anyhow::Result<kube::Client> {
+    let options = KubeConfigOptions {
+        context: arguments.context.clone(),
+        ..KubeConfigOptions::default()
+    };
+    let config = match &arguments.kubeconfig {
+        Some(path) => {
+            let kubeconfig = Kubeconfig::read_from(path)
+                .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &options).await?
+        }
+        None if arguments.context.is_some() => kube::Config::from_kubeconfig(&options).await?,
+        None => kube::Config::infer().await?,
+    };
+    kube::Client::try_from(config).context("cannot build a Kubernetes client")
+}
+
+/// Run `haulage status`.
+pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
+    let client = client(&arguments)
+        .await
+        .context("cannot reach the Kubernetes API (check --kubeconfig/--context)")?;
+    let namespace = &arguments.namespace;
+    let everything = ListParams::default();
+    let (pods, locations, backups, policies) = tokio::try_join!(
+        async {
+            Api::<Pod>::namespaced(client.clone(), namespace)
+                .list(&ListParams::default().labels(CONTROLLER_POD_SELECTOR))
+                .await
+                .with_context(|| format!("cannot list the controller pods in {namespace}"))
+        },
+        async {
+            Api::<BackupStorageLocation>::namespaced(client.clone(), namespace)
+                .list(&everything)
+                .await
+                .with_context(|| format!("cannot list BackupStorageLocations in {namespace}"))
+        },
+        async {
+            Api::<VolumeBackup>::namespaced(client.clone(), namespace)
+                .list(&everything)
+                .await
+                .with_context(|| format!("cannot list VolumeBackups in {namespace}"))
+        },
+        async {
+            Api::<StoragePolicy>::all(client.clone())
+                .list(&everything)
+                .await
+                .context("cannot list StoragePolicies")
+        },
+    )?;
+    let report = build_report(
+        namespace,
+        &pods.items,
+        &locations.items,
+        &backups.items,
+        &policies.items,
+        &crate::controller::location::now(),
+    );
+    match arguments.output {
+        StatusFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
+        StatusFormat::Table => print!("{}", render_table(&report)),
+    }
+    Ok(if any_location_available(&report) {
+        Outcome::Success
+    } else {
+        Outcome::NoLocationAvailable
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::BackupStorageLocationStatus;
+    use crate::api::backup::OwnerClaim;
+
+    fn at(seconds: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
+    }
+
+    fn pod(name: &str, ready: bool, restarts: i32) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+            "spec": {"nodeName": "node-a", "containers": [
+                {"name": "controller", "image": "ghcr.io/haulage-dev/haulage:0.2.0"}]},
+            "status": {"phase": "Running",
+                "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
+                "containerStatuses": [{"name": "controller", "restartCount": restarts,
+                    "ready": ready, "image": "x", "imageID": "y"}]}
+        }))
+        .expect("valid pod")
+    }
+
+    fn backup(name: &str, phase: VolumeBackupPhase, owner: &str) -> VolumeBackup {
+        let mut backup = VolumeBackup::test(name).with_phase(phase);
+        if let Some(status) = backup.status.as_mut() {
+            status.owner = Some(OwnerClaim {
+                replica: owner.to_string(),
+                claimed_at: at(0),
+                adopted_from: None,
+            });
+            status.progress = Some(Progress {
+                percent: 40,
+                ..Progress::default()
+            });
+        }
+        backup
+    }
+
+    fn location(name: &str, phase: BackupStorageLocationPhase, why: &str) -> BackupStorageLocation {
+        let mut location = BackupStorageLocation::test(name);
+        location.status = Some(BackupStorageLocationStatus {
+            phase: Some(phase),
+            last_validation_time: Some(at(30)),
+            last_probe_latency_milliseconds: Some(7),
+            message: Some(format!("{name} message")),
+            conditions: vec![crate::api::Condition::new(
+                condition_type::AVAILABLE,
+                crate::api::ConditionStatus::False,
+                why,
+                "",
+                None,
+                at(30),
+            )],
+            observed_generation: None,
+        });
+        location
+    }
+
+    #[test]
+    fn the_report_shows_replicas_with_what_they_own_locations_backups_and_problems() {
+        let pods = [pod("haulage-b", true, 0), pod("haulage-a", false, 3)];
+        let mut good = location(
+            "good",
+            BackupStorageLocationPhase::Available,
+            "ProbeSucceeded",
+        );
+        good.spec.is_default = true;
+        good.spec.upload_bytes_per_second = Some(1 << 20);
+        let bad = location(
+            "bad",
+            BackupStorageLocationPhase::Unavailable,
+            "BucketNotFound",
+        );
+        let backups = [
+            backup("nightly", VolumeBackupPhase::InProgress, "haulage-b"),
+            backup("waiting", VolumeBackupPhase::WaitingForStorage, "haulage-a"),
+            backup("done", VolumeBackupPhase::Completed, "haulage-b"),
+        ];
+        let report = build_report(
+            SYSTEM_NAMESPACE,
+            &pods,
+            &[good, bad],
+            &backups,
+            &[],
+            &at(90),
+        );
+        assert_eq!(report.replicas[0].name, "haulage-a");
+        assert_eq!(report.replicas[0].restarts, 3);
+        assert!(!report.replicas[0].ready);
+        assert_eq!(report.replicas[1].version.as_deref(), Some("0.2.0"));
+        assert_eq!(
+            report.replicas[1].owns,
+            ["nightly"],
+            "finished backups are not owned work"
+        );
+        assert_eq!(report.locations[0].name, "bad");
+        assert_eq!(
+            report.locations[0].reason.as_deref(),
+            Some("BucketNotFound")
+        );
+        assert_eq!(report.locations[1].last_validation_age_seconds, Some(60));
+        assert_eq!(report.default_location.as_deref(), Some("good"));
+        assert_eq!(report.running_backups.len(), 1);
+        assert_eq!(report.queued_backups[0].name, "waiting");
+        assert_eq!(
+            report.caps.locations[0].upload_bytes_per_second,
+            Some(1 << 20)
+        );
+        assert_eq!(report.problems.len(), 1, "{:?}", report.problems);
+        assert!(report.problems[0].contains("bad (BucketNotFound)"));
+        assert!(any_location_available(&report));
+
+        let text = render_table(&report);
+        assert!(text.contains("1m ago"), "{text}");
+        assert!(text.contains("BucketNotFound"), "{text}");
+        assert!(text.contains("40%"), "{text}");
+        assert!(
+            text.contains("1.0 MiB/s") || text.contains("1.0 MB/s"),
+            "{text}"
+        );
+
+        let json = serde_json::to_value(&report).expect("serialisable");
+        assert_eq!(json["locations"][1]["phase"], "Available");
+        assert_eq!(json["replicas"][1]["owns"][0], "nightly");
+        assert_eq!(json["formatVersion"], STATUS_FORMAT_VERSION);
+    }
+
+    #[test]
+    fn no_location_is_a_problem_and_not_available() {
+        let report = build_report(SYSTEM_NAMESPACE, &[], &[], &[], &[], &at(0));
+        assert!(!any_location_available(&report));
+        assert_eq!(report.problems.len(), 2, "{:?}", report.problems);
+        assert!(report.problems[1].contains("no BackupStorageLocation"));
+        assert!(render_table(&report).contains("(none: backups wait"));
+    }
+}
