@@ -39,8 +39,14 @@ use crate::metrics::{NoLabels, Response, Series, encode_gauges};
 pub const BACKUP_CONTROLLER: &str = "volumebackup";
 /// The `controller` label of the BackupStorageLocation reconciler.
 pub const LOCATION_CONTROLLER: &str = "backupstoragelocation";
-/// Seconds between two prunings of the byte accounts of deleted transfers.
-const PRUNE_INTERVAL_SECONDS: u64 = 60;
+/// Ticks of [`WAKE_INTERVAL_MILLISECONDS`] between two prunings of the
+/// byte accounts of deleted transfers (a minute).
+const PRUNE_EVERY_TICKS: u32 = 60;
+/// The byte accounting wakes at least this often. kube-runtime's
+/// subscriber stream answers `Pending` without arranging a wake-up when the
+/// object of an event was deleted before it is read; a subscriber that
+/// then sleeps would hold up the shared cache once its buffer fills.
+const WAKE_INTERVAL_MILLISECONDS: u64 = 1000;
 /// Smallest reconcile duration bucket (5 ms), doubled 14 times (~41 s).
 const RECONCILE_BUCKET_START_SECONDS: f64 = 0.005;
 /// Number of reconcile duration buckets.
@@ -576,7 +582,7 @@ impl ControllerMetrics {
 /// Grow the byte counters from the VolumeTransfer events (a subscriber of
 /// the shared transfer cache, which must be drained promptly: a slow
 /// subscriber holds up the cache) until `shutdown` or the stream ends, and
-/// forget deleted transfers every [`PRUNE_INTERVAL_SECONDS`].
+/// forget deleted transfers every minute.
 pub async fn account_transfer_bytes(
     events: impl Stream<Item = Arc<VolumeTransfer>>,
     transfers: Store<VolumeTransfer>,
@@ -585,11 +591,18 @@ pub async fn account_transfer_bytes(
     shutdown: CancellationToken,
 ) {
     let mut events = std::pin::pin!(events);
-    let mut prune = tokio::time::interval(Duration::from_secs(PRUNE_INTERVAL_SECONDS));
+    let mut wake = tokio::time::interval(Duration::from_millis(WAKE_INTERVAL_MILLISECONDS));
+    wake.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut ticks = 0_u32;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = prune.tick() => metrics.prune_accounts(&transfers),
+            _ = wake.tick() => {
+                ticks = (ticks + 1) % PRUNE_EVERY_TICKS;
+                if ticks == 0 {
+                    metrics.prune_accounts(&transfers);
+                }
+            }
             event = events.next() => match event {
                 Some(transfer) => metrics.count_transfer(&transfer, &claims),
                 None => return,
