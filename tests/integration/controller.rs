@@ -774,6 +774,23 @@ async fn a_backup_waits_with_a_condition_while_its_location_is_unavailable_and_r
     Ok(())
 }
 
+/// `GET path` on 127.0.0.1:port; the status code and body, if it answered.
+async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_string();
+    Some((status, body))
+}
+
 /// `GET path` on 127.0.0.1:port; the status code, if it answered.
 async fn http_status(port: u16, path: &str) -> Option<u16> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -1094,6 +1111,55 @@ async fn the_controller_and_agent_metrics_exist_and_move_with_a_volume_backup() 
     assert_eq!(
         after.value("haulage_storage_location_available", &location)?,
         1.0
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readiness_follows_the_api_server_and_not_the_storage_location() -> anyhow::Result<()> {
+    let mut fixture = Fixture::start(None, 1 << 20, false).await?;
+    let address = fixture.health_address;
+    let location = [("namespace", SYSTEM_NAMESPACE), ("location", "minio")];
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(address.port(), "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("never ready")?;
+
+    // The storage goes away: the location turns Unavailable and its gauge
+    // 0, and the controller stays ready.
+    fixture.minio.stop();
+    eventually(Duration::from_secs(90), || async {
+        let exposition = scrape(address).await?;
+        Ok(
+            (exposition.value("haulage_storage_location_available", &location)? == 0.0)
+                .then_some(()),
+        )
+    })
+    .await
+    .context("the location's gauge never fell to 0")?;
+    assert_eq!(http_status(address.port(), "/readyz").await, Some(200));
+
+    // The API server goes away: not ready (within the 10 s check interval
+    // and its 5 s timeout), still alive, metrics still served from the
+    // caches.
+    fixture.cluster.stop_apiserver();
+    let body = eventually(Duration::from_secs(60), || async {
+        Ok(http_get(address.port(), "/readyz")
+            .await
+            .filter(|(status, _)| *status == 503)
+            .map(|(_, body)| body))
+    })
+    .await
+    .context("still ready without an API server")?;
+    assert_eq!(body, "API server not reachable\n");
+    assert_eq!(http_status(address.port(), "/healthz").await, Some(200));
+    assert_eq!(
+        scrape(address)
+            .await?
+            .value("haulage_storage_location_available", &location)?,
+        0.0
     );
     fixture.stop().await;
     Ok(())
