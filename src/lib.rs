@@ -18,7 +18,10 @@
 //!   upload; restore writer; throttling; progress.
 //! - [`sample`]: a reproducible sample tree for the demo and benchmarks.
 //! - [`controller`]: `haulage controller`, the reconcilers over shared
-//!   caches of the cluster (VolumeBackup, BackupStorageLocation).
+//!   caches of the cluster (VolumeBackup, BackupStorageLocation), its
+//!   health endpoints and metrics.
+//! - [`metrics`]: the HTTP listener and Prometheus text exposition the
+//!   controller and the mover agent share.
 //! - [`cli`]: the `haulage` command line.
 //!
 //! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
@@ -27,6 +30,7 @@ pub mod api;
 pub mod cli;
 pub mod controller;
 pub mod engine;
+pub mod metrics;
 pub mod plan;
 pub mod repo;
 pub mod sample;

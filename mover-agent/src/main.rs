@@ -11,6 +11,7 @@
 //! Both run the same engine as the `haulage` CLI and on SIGTERM stop
 //! cleanly: everything already stored is reused by the next run.
 
+mod metrics;
 mod report;
 mod transfers;
 
@@ -111,6 +112,16 @@ struct TransfersArguments {
     /// Least seconds between two progress writes of a transfer.
     #[arg(long, default_value_t = DEFAULT_PROGRESS_INTERVAL_SECONDS)]
     progress_interval: u64,
+    /// Address of `/metrics` and `/healthz` (port 0: any free port, logged),
+    /// or `off`.
+    #[arg(
+        long,
+        env = "HAULAGE_METRICS_ADDRESS",
+        default_value_t = metrics::MetricsAddress::At(std::net::SocketAddr::from(
+            ([0, 0, 0, 0], metrics::DEFAULT_METRICS_PORT)
+        ))
+    )]
+    metrics_address: metrics::MetricsAddress,
 }
 
 /// Move one volume's data.
@@ -186,9 +197,51 @@ fn cancel_on_sigterm() -> anyhow::Result<CancellationToken> {
     Ok(cancel)
 }
 
+/// Serve `/metrics` at `address` until `cancel`. A port that cannot be
+/// bound is logged and the agent goes on: moving the data matters more than
+/// watching it.
+async fn serve_metrics(
+    address: metrics::MetricsAddress,
+    agent_metrics: Arc<metrics::AgentMetrics>,
+    cancel: CancellationToken,
+) {
+    let metrics::MetricsAddress::At(address) = address else {
+        return;
+    };
+    let listener = match tokio::net::TcpListener::bind(address).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::warn!(%address, %error, "metrics endpoint not served");
+            return;
+        }
+    };
+    match listener.local_addr() {
+        Ok(bound) => tracing::info!("metrics endpoint listening on {bound}"),
+        Err(error) => tracing::warn!(%error, "metrics endpoint address unknown"),
+    }
+    tokio::spawn(haulage::metrics::serve(
+        listener,
+        move |path: &str| agent_metrics.respond(path),
+        cancel,
+    ));
+}
+
 async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode> {
     let cancel = cancel_on_sigterm()?;
-    let mut options = StoreOptions::default();
+    let upload_wait = haulage::store::limits::WaitTime::default();
+    let agent_metrics = Arc::new(metrics::AgentMetrics::new(upload_wait.clone()));
+    // Stops with the process, not with SIGTERM: a last scrape during the
+    // shutdown still sees the final counters.
+    serve_metrics(
+        arguments.metrics_address,
+        agent_metrics.clone(),
+        CancellationToken::new(),
+    )
+    .await;
+    let mut options = StoreOptions {
+        upload_wait: Some(upload_wait),
+        ..StoreOptions::default()
+    };
     options.s3.endpoint = arguments.endpoint.clone();
     options.s3.region = arguments.region.clone();
     options.s3.path_style = arguments.path_style.then_some(true);
@@ -211,7 +264,7 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         parallelism: arguments.parallel_volumes,
         progress_interval: Duration::from_secs(arguments.progress_interval.max(1)),
     };
-    transfers::run(assignment, repository, client, cancel).await?;
+    transfers::run(assignment, repository, client, agent_metrics, cancel).await?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -27,6 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::metrics::AgentMetrics;
 use crate::report::next_progress;
 
 /// Hostname recorded in every snapshot the agent writes: stable across
@@ -73,6 +74,7 @@ pub async fn run(
     assignment: Assignment,
     repository: Arc<Repository>,
     client: kube::Client,
+    metrics: Arc<AgentMetrics>,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     info!(
@@ -90,9 +92,10 @@ pub async fn run(
         let assignment = assignment.clone();
         let cancel = cancel.clone();
         let gate = gate.clone();
+        let metrics = metrics.clone();
         tasks.spawn(async move {
             let _permit = gate.acquire_owned().await;
-            let result = run_one(&api, &name, &assignment, &repository, &cancel).await;
+            let result = run_one(&api, &name, &assignment, &repository, &metrics, &cancel).await;
             (name, result)
         });
     }
@@ -178,6 +181,7 @@ async fn run_one(
     name: &str,
     assignment: &Assignment,
     repository: &Repository,
+    metrics: &AgentMetrics,
     cancel: &CancellationToken,
 ) -> anyhow::Result<()> {
     let Some(transfer) = claim(api, name, &assignment.identity, cancel).await? else {
@@ -187,6 +191,7 @@ async fn run_one(
     info!(transfer = name, pvc = %pvc, "claimed");
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
     let progress = Arc::new(Progress::default());
+    metrics.track(&assignment.namespace, &pvc, progress.clone());
     let volume_cancel = cancel.child_token();
     let reporter = {
         let api = api.clone();

@@ -9,7 +9,10 @@
 //! - [`children`]: the pure desired objects of a plan (transfers, stage
 //!   pods, agent RBAC).
 //! - [`error`]: one error variant per failed call, transient or permanent.
-//! - [`health`]: `/healthz` and `/readyz` (ready once the caches synced).
+//! - [`health`]: `/healthz`, `/readyz` (caches synced, API server
+//!   reachable) and `/metrics` on one listener.
+//! - [`metrics`]: the Prometheus series, from the caches at scrape time,
+//!   the transfer events and the reconcile wrappers.
 //! - [`stage_pods`]: the pure stage-pod verdict (healthy, recreate after a
 //!   backoff, or fail its volumes with the pod's reason).
 //! - [`replicas`]: each replica's liveness Lease; adoption of a dead
@@ -20,14 +23,14 @@ pub mod children;
 pub mod error;
 pub mod health;
 pub mod location;
+pub mod metrics;
 pub mod replicas;
 pub mod stage_pods;
 pub mod status;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -45,6 +48,7 @@ use crate::api::labels::{CONTROLLER_FIELD_MANAGER, SYSTEM_NAMESPACE};
 use crate::api::{BackupStorageLocation, VolumeBackup, VolumeTransfer};
 use crate::plan::spec::Pinning;
 pub use error::Error;
+use metrics::{BACKUP_CONTROLLER, ControllerMetrics, LOCATION_CONTROLLER, MetricCaches};
 
 /// Server-side apply field manager of every controller write.
 pub const FIELD_MANAGER: &str = CONTROLLER_FIELD_MANAGER;
@@ -89,7 +93,7 @@ pub struct ControllerArgs {
     /// Image of the mover agent in stage pods.
     #[arg(long, env = "HAULAGE_AGENT_IMAGE", default_value = DEFAULT_AGENT_IMAGE)]
     pub agent_image: String,
-    /// Address of `/healthz` and `/readyz`.
+    /// Address of `/healthz`, `/readyz` and `/metrics`.
     #[arg(long, env = "HAULAGE_HEALTH_ADDRESS", default_value = DEFAULT_HEALTH_ADDRESS)]
     pub health_address: SocketAddr,
     /// Objects reconciled at once per controller.
@@ -126,7 +130,7 @@ pub struct Config {
     pub identity: String,
     /// Agent image.
     pub agent_image: String,
-    /// Health endpoint address.
+    /// Address of the health and metrics endpoints.
     pub health_address: SocketAddr,
     /// Objects reconciled at once per controller (at least 1).
     pub concurrency: u16,
@@ -255,6 +259,43 @@ where
     }
 }
 
+/// `reconcile` with its duration recorded under `controller`.
+fn timed<K, F, Fut>(
+    controller: &'static str,
+    metrics: Arc<ControllerMetrics>,
+    reconcile: F,
+) -> impl FnMut(Arc<K>, Arc<Context>) -> futures::future::BoxFuture<'static, Result<Action, Error>>
+where
+    K: Send + Sync + 'static,
+    F: Fn(Arc<K>, Arc<Context>) -> Fut,
+    Fut: std::future::Future<Output = Result<Action, Error>> + Send + 'static,
+{
+    move |object, context| {
+        let metrics = metrics.clone();
+        let started = Instant::now();
+        let reconciled = reconcile(object, context);
+        Box::pin(async move {
+            let result = reconciled.await;
+            metrics.observe_reconcile(controller, started.elapsed());
+            result
+        })
+    }
+}
+
+/// [`error_policy`] with the error counted under `controller`.
+fn counted<K>(
+    controller: &'static str,
+    metrics: Arc<ControllerMetrics>,
+) -> impl Fn(Arc<K>, &Error, Arc<Context>) -> Action
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    move |object, error, context| {
+        metrics.count_reconcile_error(controller, error);
+        error_policy(object, error, context)
+    }
+}
+
 /// Run a watcher into a cache until `tasks` is dropped.
 fn spawn_reflector<K>(
     tasks: &mut JoinSet<()>,
@@ -278,8 +319,8 @@ fn spawn_reflector<K>(
     );
 }
 
-/// Run the controllers until `shutdown` is cancelled, serving the health
-/// endpoints on `config.health_address`.
+/// Run the controllers until `shutdown` is cancelled, with the health and
+/// metrics endpoints on `config.health_address`.
 pub async fn run(
     config: Config,
     client: Client,
@@ -291,14 +332,13 @@ pub async fn run(
             address: config.health_address,
             source,
         })?;
-    run_with_health_listener(config, client, listener, shutdown).await
+    run_with_listener(config, client, listener, shutdown).await
 }
 
-/// [`run`] with the health endpoints on an already bound `listener`
-/// (`config.health_address` is not used): a caller that binds port 0
-/// knows the port before the controller starts, with no window in which
-/// another process could take it.
-pub async fn run_with_health_listener(
+/// [`run`] with the health and metrics endpoints on `listener`, bound by
+/// the caller (who then knows its address, e.g. for port 0);
+/// `config.health_address` is not used.
+pub async fn run_with_listener(
     config: Config,
     client: Client,
     listener: tokio::net::TcpListener,
@@ -307,11 +347,15 @@ pub async fn run_with_health_listener(
     // Every task of this replica lives in `tasks`: when `run` returns or is
     // dropped (a test's simulated crash), they all stop with it.
     let mut tasks = JoinSet::new();
-    let ready = Arc::new(AtomicBool::new(false));
     if let Ok(address) = listener.local_addr() {
-        info!(%address, "health endpoints listening");
+        info!(%address, "health and metrics endpoints listening");
     }
-    tasks.spawn(health::serve(listener, ready.clone(), shutdown.clone()));
+    let readiness = Arc::new(health::Readiness::default());
+    tasks.spawn(health::watch_api_server(
+        client.clone(),
+        readiness.clone(),
+        shutdown.clone(),
+    ));
 
     let (claims, claims_writer) = reflector::store();
     spawn_reflector(
@@ -396,18 +440,21 @@ pub async fn run_with_health_listener(
     let (transfers, transfers_writer) =
         reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
     let transfer_events = transfers_writer.subscribe();
+    let transfer_events_for_metrics = transfers_writer.subscribe();
     let (
         Some(backup_events),
         Some(location_events),
         Some(location_events_for_backups),
         Some(location_events_for_defaults),
         Some(transfer_events),
+        Some(transfer_events_for_metrics),
     ) = (
         backup_events,
         location_events,
         location_events_for_backups,
         location_events_for_defaults,
         transfer_events,
+        transfer_events_for_metrics,
     )
     else {
         return Err(RunError::Subscribe);
@@ -454,10 +501,29 @@ pub async fn run_with_health_listener(
         classes,
         leases,
     };
+    let metrics = Arc::new(ControllerMetrics::new(Some(MetricCaches {
+        locations: stores.locations.clone(),
+        transfers: stores.transfers.clone(),
+        claims: stores.claims.clone(),
+        backups: backups.clone(),
+    })));
+    tasks.spawn(health::serve(
+        listener,
+        readiness.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
+    tasks.spawn(metrics::account_transfer_bytes(
+        transfer_events_for_metrics,
+        stores.transfers.clone(),
+        stores.claims.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    ));
     {
         let stores = stores.clone();
         let backups = backups.clone();
-        let ready = ready.clone();
+        let readiness = readiness.clone();
         tasks.spawn(async move {
             let synced = futures::future::join_all([
                 Box::pin(stores.locations.wait_until_ready())
@@ -484,8 +550,8 @@ pub async fn run_with_health_listener(
                 && rest.2.is_ok()
                 && rest.3.is_ok()
             {
-                info!("caches synced; ready");
-                ready.store(true, Ordering::SeqCst);
+                info!("caches synced");
+                readiness.set_caches_synced();
             }
         });
     }
@@ -530,7 +596,11 @@ pub async fn run_with_health_listener(
             },
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(backup::reconcile, error_policy, context.clone())
+        .run(
+            timed(BACKUP_CONTROLLER, metrics.clone(), backup::reconcile),
+            counted(BACKUP_CONTROLLER, metrics.clone()),
+            context.clone(),
+        )
         .for_each(|_| futures::future::ready(()));
 
     tasks.spawn(summarize_locations_periodically(
@@ -558,7 +628,11 @@ pub async fn run_with_health_listener(
             },
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(location::reconcile, error_policy, context)
+        .run(
+            timed(LOCATION_CONTROLLER, metrics.clone(), location::reconcile),
+            counted(LOCATION_CONTROLLER, metrics),
+            context,
+        )
         .for_each(|_| futures::future::ready(()));
 
     info!(identity = %config.identity, namespace = %config.namespace, "controller started");

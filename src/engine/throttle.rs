@@ -10,6 +10,8 @@ use std::sync::Arc;
 
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
+use crate::store::limits::WaitTime;
+
 /// Bytes per cell of the limiter.
 const CELL_BYTES: u64 = 1024;
 /// Largest single request a caller makes (bytes); the burst is at least this.
@@ -53,6 +55,7 @@ fn quota_for(bytes_per_second: u64) -> (Quota, u32) {
 pub struct Throttle {
     limiter: Option<Arc<DefaultDirectRateLimiter>>,
     burst_bytes: usize,
+    waited: WaitTime,
 }
 
 impl Throttle {
@@ -61,6 +64,7 @@ impl Throttle {
         Throttle {
             limiter: None,
             burst_bytes: MAX_REQUEST_BYTES,
+            waited: WaitTime::default(),
         }
     }
 
@@ -73,7 +77,15 @@ impl Throttle {
         Throttle {
             limiter: Some(Arc::new(RateLimiter::direct(quota))),
             burst_bytes: burst_cells as usize * CELL_BYTES as usize,
+            waited: WaitTime::default(),
         }
+    }
+
+    /// Record the time callers wait for this limit into `waited` (shared
+    /// by clones made afterwards).
+    pub fn recording_wait_into(mut self, waited: WaitTime) -> Self {
+        self.waited = waited;
+        self
     }
 
     /// True when a limit is set.
@@ -91,6 +103,7 @@ impl Throttle {
         let Some(limiter) = &self.limiter else { return };
         let cells = bytes.div_ceil(CELL_BYTES as usize).max(1) as u32;
         let cells = NonZeroU32::new(cells).expect("at least one cell");
+        let started = std::time::Instant::now();
         // A request above the burst is split by callers; if one slips through,
         // wait for the burst instead of failing the copy.
         if limiter.until_n_ready(cells).await.is_err() {
@@ -98,6 +111,7 @@ impl Throttle {
                 .expect("at least one cell");
             let _ = limiter.until_n_ready(burst).await;
         }
+        self.waited.add(started.elapsed());
     }
 
     /// [`Throttle::acquire`] from a blocking thread inside a Tokio runtime.
@@ -118,6 +132,24 @@ mod tests {
         assert_eq!("10MB/s".parse::<ByteRate>().unwrap(), ByteRate(10_000_000));
         assert!("fast".parse::<ByteRate>().is_err());
         assert!("10".parse::<ByteRate>().is_err());
+    }
+
+    #[tokio::test]
+    async fn waiting_for_the_limit_is_recorded() {
+        let waited = WaitTime::default();
+        // 64 KiB/s with a burst of one 256 KiB request: after the burst, 16
+        // KiB wait a quarter of a second (real time: governor sleeps on the
+        // real clock).
+        let throttle = Throttle::new(Some(ByteRate(64 * 1024))).recording_wait_into(waited.clone());
+        throttle.acquire(256 * 1024).await;
+        let started = std::time::Instant::now();
+        throttle.acquire(16 * 1024).await;
+        let elapsed = started.elapsed();
+        let total = waited.total();
+        assert!(
+            total >= elapsed / 2 && total > std::time::Duration::from_millis(100),
+            "{total:?} of {elapsed:?}"
+        );
     }
 
     #[test]

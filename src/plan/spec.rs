@@ -10,8 +10,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Affinity, Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, NodeAffinity,
-    NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
+    Affinity, Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
     PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ProjectedVolumeSource,
     ResourceRequirements, SeccompProfile, SecretProjection, SecurityContext, Toleration, Volume,
     VolumeMount, VolumeProjection,
@@ -39,6 +39,11 @@ pub const SCRATCH_PATH: &str = "/scratch";
 pub const CREDENTIALS_PATH: &str = "/credentials";
 /// Grace period for the agent to abort in-flight uploads and checkpoint.
 pub const TERMINATION_GRACE_PERIOD_SECONDS: i64 = 60;
+/// Port of the agent's `/metrics` (container port `metrics`; the agent's
+/// `--metrics-address` default).
+pub const AGENT_METRICS_PORT: u16 = 9090;
+/// Name of the agent's metrics container port (what a PodMonitor selects).
+pub const AGENT_METRICS_PORT_NAME: &str = "metrics";
 /// Longest name a stage pod gets (a DNS label, so it can be a hostname).
 pub const MAX_NAME_LENGTH: usize = 63;
 
@@ -499,6 +504,12 @@ pub fn build_stage_pod(
                 name: "agent".to_string(),
                 image: Some(template.image.clone()),
                 env: Some(environment),
+                ports: Some(vec![ContainerPort {
+                    name: Some(AGENT_METRICS_PORT_NAME.to_string()),
+                    container_port: i32::from(AGENT_METRICS_PORT),
+                    protocol: Some("TCP".to_string()),
+                    ..ContainerPort::default()
+                }]),
                 resources: Some(resources),
                 security_context: Some(security_context),
                 volume_mounts: Some(mounts),
@@ -612,6 +623,10 @@ mod tests {
             "fsGroup would re-own the user's files"
         );
         assert!(mounts.iter().any(|mount| mount.mount_path == SCRATCH_PATH));
+        let ports = container(&pod).ports.as_ref().expect("ports");
+        assert_eq!(ports.len(), 1);
+        assert_eq!(ports[0].name.as_deref(), Some(AGENT_METRICS_PORT_NAME));
+        assert_eq!(ports[0].container_port, 9090);
     }
 
     #[test]

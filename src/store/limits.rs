@@ -17,7 +17,8 @@
 use std::num::{NonZeroU32, NonZeroU64};
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -32,6 +33,26 @@ pub const MIN_UPLOAD_BURST_BYTES: u32 = 64 * 1024;
 
 /// Largest rate the upload limiter accepts (governor counts in `u32` cells).
 pub const MAX_UPLOAD_BYTES_PER_SECOND: u64 = u32::MAX as u64;
+
+/// Time spent waiting on a rate limiter, summed over every waiter. Clones
+/// share the sum, so a limiter records into it and whoever exports the
+/// figure (the agent's `/metrics`) reads it, without the limiter knowing
+/// about metrics.
+#[derive(Debug, Clone, Default)]
+pub struct WaitTime(Arc<AtomicU64>);
+
+impl WaitTime {
+    /// Add one wait.
+    pub fn add(&self, waited: Duration) {
+        let nanoseconds = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
+        self.0.fetch_add(nanoseconds, Ordering::Relaxed);
+    }
+
+    /// The sum so far.
+    pub fn total(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+}
 
 /// An [`ObjectStore`] that lets at most a fixed number of operations of
 /// another run at once; the rest wait in FIFO order.
@@ -131,6 +152,7 @@ pub struct UploadRateLimitStore {
     limiter: DefaultDirectRateLimiter,
     burst: NonZeroU32,
     bytes_per_second: NonZeroU64,
+    waited: WaitTime,
 }
 
 impl std::fmt::Debug for UploadRateLimitStore {
@@ -162,7 +184,14 @@ impl UploadRateLimitStore {
             limiter,
             burst,
             bytes_per_second,
+            waited: WaitTime::default(),
         })
+    }
+
+    /// Record the time uploads wait for the limiter into `waited`.
+    pub fn recording_wait_into(mut self, waited: WaitTime) -> Self {
+        self.waited = waited;
+        self
     }
 
     /// The rate this wrapper enforces.
@@ -178,10 +207,12 @@ impl UploadRateLimitStore {
                 .ok()
                 .and_then(NonZeroU32::new)
                 .unwrap_or(NonZeroU32::MIN);
+            let started = Instant::now();
             // `cells` is at most the burst, so capacity is always sufficient.
             if self.limiter.until_n_ready(cells).await.is_err() {
                 unreachable!("a slice never exceeds the limiter's burst");
             }
+            self.waited.add(started.elapsed());
         }
     }
 }
@@ -317,7 +348,10 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let inner: DynStore = Arc::new(LocalStore::new(dir.path()));
         let rate = NonZeroU64::new(512 * 1024).expect("non-zero");
-        let store = UploadRateLimitStore::new(inner, rate).expect("rate fits");
+        let waited = WaitTime::default();
+        let store = UploadRateLimitStore::new(inner, rate)
+            .expect("rate fits")
+            .recording_wait_into(waited.clone());
         let started = Instant::now();
         let object = Bytes::from(vec![7u8; 256 * 1024]);
         for index in 0..4 {
@@ -328,10 +362,13 @@ mod tests {
         }
         // 1 MiB at 512 KiB/s with a burst of 64 KiB: at least (1 MiB - 64 KiB) / rate.
         let floor = Duration::from_secs_f64((1024.0 - 64.0) / 512.0);
+        let elapsed = started.elapsed();
+        assert!(elapsed >= floor, "{elapsed:?} < {floor:?}");
+        // The waiting is recorded: some, and never more than the time spent.
+        let waited = waited.total();
         assert!(
-            started.elapsed() >= floor,
-            "{:?} < {floor:?}",
-            started.elapsed()
+            waited > Duration::ZERO && waited <= elapsed,
+            "waited {waited:?} of {elapsed:?}"
         );
     }
 }

@@ -354,6 +354,9 @@ pub struct StoreOptions {
     pub max_concurrent_requests: Option<usize>,
     /// Cap on uploaded bytes per second ([`limits::UploadRateLimitStore`]).
     pub upload_bytes_per_second: Option<NonZeroU64>,
+    /// Where the upload cap records the time uploads wait for it; not
+    /// recorded when `None`.
+    pub upload_wait: Option<limits::WaitTime>,
     /// Retry budget for transient errors ([`retry::RetryStore`]); `None` is
     /// [`retry::RetryPolicy::default`].
     pub retry: Option<retry::RetryPolicy>,
@@ -393,14 +396,16 @@ pub fn wrap_store(backend: DynStore, options: &StoreOptions) -> Result<DynStore,
         store = Arc::new(limits::ConcurrencyLimitStore::new(store, max));
     }
     if let Some(rate) = options.upload_bytes_per_second {
-        store = Arc::new(
-            limits::UploadRateLimitStore::new(store, rate).map_err(|err| {
-                OpenStoreError::InvalidOption {
-                    option: "upload_bytes_per_second",
-                    message: err.to_string(),
-                }
-            })?,
-        );
+        let mut limited = limits::UploadRateLimitStore::new(store, rate).map_err(|err| {
+            OpenStoreError::InvalidOption {
+                option: "upload_bytes_per_second",
+                message: err.to_string(),
+            }
+        })?;
+        if let Some(waited) = &options.upload_wait {
+            limited = limited.recording_wait_into(waited.clone());
+        }
+        store = Arc::new(limited);
     }
     let policy = options.retry.clone().unwrap_or_default();
     if policy.max_attempts > 1 {

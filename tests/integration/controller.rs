@@ -32,6 +32,7 @@ use crate::engine::support::{assert_same_tree, random_bytes};
 use crate::support::kube::KubeCluster;
 use crate::support::kubelet::Kubelet;
 use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::scrape::{Exposition, scrape};
 
 const BUCKET: &str = "haulage-e2e";
 const PREFIX: &str = "cluster-a";
@@ -180,6 +181,9 @@ struct Fixture {
     health_port: u16,
     shutdown: CancellationToken,
     controller: tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
+    /// Where the in-process controller serves `/healthz`, `/readyz` and
+    /// `/metrics`.
+    health_address: std::net::SocketAddr,
 }
 
 impl Fixture {
@@ -352,6 +356,7 @@ impl Fixture {
         let controller_client = client_from(&controller_kubeconfig).await?;
         let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let health_port = health.local_addr()?.port();
+        let health_address = health.local_addr()?;
         let config = haulage::controller::Config {
             agent_image: "mover-agent:test".to_string(),
             health_address: format!("127.0.0.1:{health_port}").parse()?,
@@ -360,7 +365,7 @@ impl Fixture {
             ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-0")
         };
         let shutdown = CancellationToken::new();
-        let controller = tokio::spawn(haulage::controller::run_with_health_listener(
+        let controller = tokio::spawn(haulage::controller::run_with_listener(
             config,
             controller_client,
             health,
@@ -392,6 +397,7 @@ impl Fixture {
             health_port,
             shutdown,
             controller,
+            health_address,
         })
     }
 
@@ -799,6 +805,23 @@ async fn a_backup_waits_with_a_condition_while_its_location_is_unavailable_and_r
     );
     fixture.stop().await;
     Ok(())
+}
+
+/// `GET path` on 127.0.0.1:port; the status code and body, if it answered.
+async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    stream
+        .write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let status = response.split_whitespace().nth(1)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_string();
+    Some((status, body))
 }
 
 /// `GET path` on 127.0.0.1:port; the status code, if it answered.
@@ -1313,7 +1336,7 @@ async fn without_any_storage_location_the_controller_is_ready_backups_wait_and_s
         ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-0")
     };
     let shutdown = CancellationToken::new();
-    let controller = tokio::spawn(haulage::controller::run_with_health_listener(
+    let controller = tokio::spawn(haulage::controller::run_with_listener(
         config,
         client.clone(),
         health,
@@ -1653,6 +1676,280 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
     })
     .await
     .context("stage pods or credential copies remain")?;
+    fixture.stop().await;
+    Ok(())
+}
+
+/// The stage pods (namespace, name) that exist now.
+async fn stage_pods(client: &kube::Client) -> anyhow::Result<Vec<(String, String)>> {
+    let pods: Api<Pod> = Api::all(client.clone());
+    Ok(pods
+        .list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
+        .await?
+        .items
+        .iter()
+        .map(|pod| {
+            (
+                pod.metadata.namespace.clone().unwrap_or_default(),
+                pod.metadata.name.clone().unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+/// One agent's scrape with every per-transfer series of its volume, bytes
+/// read and time waited on the upload cap.
+struct AgentScrape {
+    address: std::net::SocketAddr,
+    namespace: String,
+    pvc: String,
+    exposition: Exposition,
+}
+
+/// Scrape the running agents until one shows bytes read and time waited on
+/// the upload cap for one of its volumes.
+async fn scrape_a_busy_agent(fixture: &Fixture) -> anyhow::Result<AgentScrape> {
+    eventually(BACKUP_DEADLINE, || async {
+        for (namespace, pod) in stage_pods(&fixture.client).await? {
+            let Some(address) = fixture.kubelet.agent_metrics_address(&namespace, &pod) else {
+                continue;
+            };
+            // The agent may have finished and exited since.
+            let Ok(exposition) = scrape(address).await else {
+                continue;
+            };
+            let waited = exposition.sum(
+                "haulage_agent_throttle_wait_seconds_total",
+                &[("limiter", "upload")],
+            );
+            let busy = exposition
+                .find(
+                    "haulage_agent_bytes_read_total",
+                    &[("namespace", &namespace)],
+                )
+                .find(|sample| sample.value > 0.0)
+                .map(|sample| sample.labels["pvc"].clone());
+            if let Some(pvc) = busy
+                && waited > 0.0
+            {
+                return Ok(Some(AgentScrape {
+                    address,
+                    namespace,
+                    pvc,
+                    exposition,
+                }));
+            }
+        }
+        Ok(None)
+    })
+    .await
+    .with_context(|| format!("no busy agent seen:\n{}", fixture.kubelet.all_agent_logs()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_controller_and_agent_metrics_exist_and_move_with_a_volume_backup() -> anyhow::Result<()>
+{
+    // Incompressible data behind a 512 KiB/s upload cap per agent: uploads
+    // wait on the cap, and agents live long enough to be scraped.
+    let fixture = Fixture::start(Some(512 << 10), 3 << 20, true).await?;
+    let client = &fixture.client;
+    let location = [("namespace", SYSTEM_NAMESPACE), ("location", "minio")];
+
+    let before = scrape(fixture.health_address).await?;
+    assert_eq!(
+        before.value("haulage_storage_location_available", &location)?,
+        1.0
+    );
+    assert!(before.value("haulage_storage_location_probe_latency_seconds", &location)? > 0.0);
+    assert!(
+        before.value(
+            "haulage_storage_location_last_validation_timestamp_seconds",
+            &location
+        )? > 1.7e9
+    );
+    assert!(
+        before.sum(
+            "haulage_reconcile_duration_seconds_count",
+            &[("controller", "backupstoragelocation")]
+        ) > 0.0
+    );
+    // Families computed at scrape time are declared even while empty; the
+    // byte counters appear with their first series.
+    for (family, kind) in [
+        ("haulage_reconcile_duration_seconds", "histogram"),
+        ("haulage_volume_transfers", "gauge"),
+        ("haulage_transfer_queue_length", "gauge"),
+        ("haulage_transfer_throughput_bytes_per_second", "gauge"),
+        ("haulage_volume_backups", "gauge"),
+        ("haulage_waiting_volume_backups", "gauge"),
+    ] {
+        assert_eq!(
+            before.types.get(family).map(String::as_str),
+            Some(kind),
+            "{family}"
+        );
+    }
+    let read_before = before.sum("haulage_transfer_bytes_read_total", &[]);
+    let uploaded_before = before.sum("haulage_transfer_bytes_uploaded_total", &[]);
+
+    create_backup(client, "observed").await?;
+
+    // An agent mid-transfer: its per-volume series, and counters that only
+    // grow between two scrapes.
+    let first = scrape_a_busy_agent(&fixture).await?;
+    let volume = [
+        ("namespace", first.namespace.as_str()),
+        ("pvc", first.pvc.as_str()),
+    ];
+    for family in [
+        "haulage_agent_transfer_bytes_done",
+        "haulage_agent_transfer_size_bytes",
+        "haulage_agent_transfer_files_done",
+        "haulage_agent_transfer_files",
+        "haulage_agent_bytes_read_total",
+        "haulage_agent_bytes_uploaded_total",
+    ] {
+        first.exposition.value(family, &volume)?;
+    }
+    assert!(
+        first
+            .exposition
+            .value("haulage_agent_transfer_size_bytes", &volume)?
+            >= first
+                .exposition
+                .value("haulage_agent_transfer_bytes_done", &volume)?
+    );
+    if let Ok(second) = scrape(first.address).await {
+        for (family, labels) in [
+            ("haulage_agent_bytes_read_total", &volume[..]),
+            ("haulage_agent_bytes_uploaded_total", &volume[..]),
+            (
+                "haulage_agent_throttle_wait_seconds_total",
+                &[("limiter", "upload")][..],
+            ),
+        ] {
+            assert!(
+                second.value(family, labels)? >= first.exposition.value(family, labels)?,
+                "{family} went down"
+            );
+        }
+    }
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("observed").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    assert_eq!(
+        backup.status.and_then(|status| status.phase),
+        Some(VolumeBackupPhase::Completed)
+    );
+
+    // The controller saw the bytes move and the transfers complete.
+    let after = eventually(Duration::from_secs(30), || async {
+        let after = scrape(fixture.health_address).await?;
+        let completed = after.sum(
+            "haulage_volume_transfers",
+            &[("phase", "Completed"), ("direction", "Upload")],
+        );
+        Ok((completed == 5.0).then_some(after))
+    })
+    .await
+    .context("the transfers gauge never showed five completed uploads")?;
+    for family in [
+        "haulage_transfer_bytes_read_total",
+        "haulage_transfer_bytes_uploaded_total",
+    ] {
+        assert_eq!(
+            after.types.get(family).map(String::as_str),
+            Some("counter"),
+            "{family}"
+        );
+    }
+    let read_after = after.sum(
+        "haulage_transfer_bytes_read_total",
+        &[("location", "minio")],
+    );
+    assert!(
+        read_after >= read_before + 5.0 * f64::from(3 << 20),
+        "bytes read {read_before} -> {read_after}"
+    );
+    assert!(
+        after.sum(
+            "haulage_transfer_bytes_uploaded_total",
+            &[("location", "minio")]
+        ) > uploaded_before
+    );
+    assert!(
+        after.sum(
+            "haulage_reconcile_duration_seconds_count",
+            &[("controller", "volumebackup")]
+        ) > 0.0
+    );
+    assert_eq!(
+        after.value("haulage_volume_backups", &[("phase", "Completed")])?,
+        1.0
+    );
+    assert_eq!(after.value("haulage_transfer_queue_length", &[])?, 0.0);
+    assert_eq!(after.value("haulage_waiting_volume_backups", &[])?, 0.0);
+    assert_eq!(
+        after.value("haulage_storage_location_available", &location)?,
+        1.0
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readiness_follows_the_api_server_and_not_the_storage_location() -> anyhow::Result<()> {
+    let mut fixture = Fixture::start(None, 1 << 20, false).await?;
+    let address = fixture.health_address;
+    let location = [("namespace", SYSTEM_NAMESPACE), ("location", "minio")];
+    eventually(Duration::from_secs(60), || async {
+        Ok((http_status(address.port(), "/readyz").await == Some(200)).then_some(()))
+    })
+    .await
+    .context("never ready")?;
+
+    // The storage goes away: the location turns Unavailable and its gauge
+    // 0, and the controller stays ready.
+    fixture.minio.stop();
+    eventually(Duration::from_secs(90), || async {
+        let exposition = scrape(address).await?;
+        Ok(
+            (exposition.value("haulage_storage_location_available", &location)? == 0.0)
+                .then_some(()),
+        )
+    })
+    .await
+    .context("the location's gauge never fell to 0")?;
+    assert_eq!(http_status(address.port(), "/readyz").await, Some(200));
+
+    // The API server goes away: not ready (within the 10 s check interval
+    // and its 5 s timeout), still alive, metrics still served from the
+    // caches.
+    fixture.cluster.stop_apiserver();
+    let body = eventually(Duration::from_secs(60), || async {
+        Ok(http_get(address.port(), "/readyz")
+            .await
+            .filter(|(status, _)| *status == 503)
+            .map(|(_, body)| body))
+    })
+    .await
+    .context("still ready without an API server")?;
+    assert_eq!(body, "API server not reachable\n");
+    assert_eq!(http_status(address.port(), "/healthz").await, Some(200));
+    assert_eq!(
+        scrape(address)
+            .await?
+            .value("haulage_storage_location_available", &location)?,
+        0.0
+    );
     fixture.stop().await;
     Ok(())
 }

@@ -487,6 +487,15 @@ impl KubeCluster {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
+    /// Kill the kube-apiserver (etcd keeps running), as an outage a
+    /// client sees as refused connections.
+    pub fn stop_apiserver(&mut self) {
+        if let Some(mut apiserver) = self.apiserver.take() {
+            let _ = apiserver.kill();
+            let _ = apiserver.wait();
+        }
+    }
+
     /// The apiserver's log so far, for a failing test's message.
     pub fn apiserver_log_tail(&self) -> String {
         log_tail(&self.dir.path().join("kube-apiserver.log"))

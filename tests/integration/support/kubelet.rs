@@ -564,6 +564,13 @@ impl Kubelet {
             kubeconfig.to_string_lossy().into_owned(),
         );
         environment.insert("HAULAGE_LOG".to_string(), "info".to_string());
+        // Every agent on this one machine gets a free port of its own (in a
+        // cluster each pod has its own network namespace); the agent logs
+        // the port it bound, see `agent_metrics_address`.
+        environment.insert(
+            "HAULAGE_METRICS_ADDRESS".to_string(),
+            "127.0.0.1:0".to_string(),
+        );
         let arguments: Vec<String> = container
             .args
             .iter()
@@ -600,6 +607,28 @@ impl Kubelet {
             .values()
             .filter(|running| running.child.is_some())
             .count()
+    }
+
+    /// The `/metrics` address of the agent of a pod, from its log (the
+    /// agent binds a free port and logs it); the latest start's when the
+    /// agent was restarted.
+    pub fn agent_metrics_address(
+        &self,
+        namespace: &str,
+        pod: &str,
+    ) -> Option<std::net::SocketAddr> {
+        let log = std::fs::read_to_string(
+            self.root
+                .join("pods")
+                .join(namespace)
+                .join(pod)
+                .join("agent.log"),
+        )
+        .ok()?;
+        log.lines().rev().find_map(|line| {
+            let value = line.split("metrics endpoint listening on ").nth(1)?;
+            value.split_whitespace().next()?.parse().ok()
+        })
     }
 
     /// Every agent log, for failure messages.

@@ -1,8 +1,9 @@
 //! Test harness shared by the integration tests: a real kube-apiserver and
 //! etcd ([`kube`]), a real MinIO server ([`minio`]) and a fault-injecting
-//! TCP proxy ([`proxy`]).
+//! TCP proxy ([`proxy`]); scraping `/metrics` ([`scrape`]).
 
 pub mod kube;
 pub mod kubelet;
 pub mod minio;
 pub mod proxy;
+pub mod scrape;
