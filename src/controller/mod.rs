@@ -11,6 +11,7 @@
 //! - [`error`]: one error variant per failed call, transient or permanent.
 //! - [`health`]: `/healthz` and `/readyz` (ready once the caches synced).
 
+pub mod admission;
 pub mod backup;
 pub mod children;
 pub mod error;
