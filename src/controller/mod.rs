@@ -1,6 +1,10 @@
 //! `haulage controller`: kube-runtime controllers over shared reflector
 //! caches (the API server sees one watch per kind, never list polling).
 //!
+//! - [`admission`]: the pure admission function (caps, FIFO queue,
+//!   bandwidth split); [`admitter`]: the loop that feeds it from the caches
+//!   and writes its decisions; [`lease`]: the Lease that makes one replica
+//!   at a time the admitter.
 //! - [`backup`]: the VolumeBackup reconciler (claim, storage, plan,
 //!   children, roll-up; the cancel finalizer).
 //! - [`location`]: the minimal BackupStorageLocation prober that sets its
@@ -12,10 +16,12 @@
 //! - [`health`]: `/healthz` and `/readyz` (ready once the caches synced).
 
 pub mod admission;
+pub mod admitter;
 pub mod backup;
 pub mod children;
 pub mod error;
 pub mod health;
+pub mod lease;
 pub mod location;
 pub mod status;
 
@@ -35,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::api::labels::{CONTROLLER_FIELD_MANAGER, SYSTEM_NAMESPACE};
-use crate::api::{BackupStorageLocation, VolumeBackup, VolumeTransfer};
+use crate::api::{BackupStorageLocation, StoragePolicy, VolumeBackup, VolumeTransfer};
 use crate::plan::spec::Pinning;
 pub use error::Error;
 
@@ -47,6 +53,17 @@ pub const DEFAULT_AGENT_IMAGE: &str = "ghcr.io/haulage-dev/mover-agent:0.1.0";
 pub const DEFAULT_HEALTH_ADDRESS: &str = "0.0.0.0:8080";
 /// Default number of objects reconciled at once per controller.
 pub const DEFAULT_CONCURRENCY: u16 = 8;
+/// Default cap on volumes moved at once in the whole cluster: enough to
+/// keep a few storage systems and nodes busy (a stage pod moves about
+/// 100 MB/s, so 16 saturate a 10 Gb/s uplink twice over) while a migration
+/// of thousands of claims cannot start thousands of stage pods at once;
+/// StoragePolicies narrow it per storage.
+pub const DEFAULT_MAX_CONCURRENT_VOLUMES: u32 = 16;
+/// Default cap on volumes moved at once per node: a node's network and CPU
+/// are shared with its workloads, and a stage pod (128Mi) moves two volumes
+/// at once (the agent's `--parallel-volumes`); more would only queue inside
+/// the pod while holding slots other nodes could use.
+pub const DEFAULT_MAX_VOLUMES_PER_NODE: u32 = 2;
 /// Seconds between retries of a transient failure.
 const TRANSIENT_RETRY_SECONDS: u64 = 5;
 /// Seconds between retries of a permanent failure (a user must act; a
@@ -93,6 +110,13 @@ pub struct ControllerArgs {
         default_value = "node-affinity"
     )]
     pub pinning: PinningArg,
+    /// Volumes moved at once in the whole cluster, over all backups and
+    /// restores (0: no cap).
+    #[arg(long, env = "HAULAGE_MAX_CONCURRENT_VOLUMES", default_value_t = DEFAULT_MAX_CONCURRENT_VOLUMES)]
+    pub max_concurrent_volumes: u32,
+    /// Volumes moved at once per node (0: no cap).
+    #[arg(long, env = "HAULAGE_MAX_VOLUMES_PER_NODE", default_value_t = DEFAULT_MAX_VOLUMES_PER_NODE)]
+    pub max_volumes_per_node: u32,
 }
 
 /// The controller's validated configuration.
@@ -110,6 +134,10 @@ pub struct Config {
     pub concurrency: u16,
     /// Stage pod pinning.
     pub pinning: Pinning,
+    /// Volumes moved at once in the cluster (`None`: no cap).
+    pub max_concurrent_volumes: Option<u32>,
+    /// Volumes moved at once per node (`None`: no cap).
+    pub max_volumes_per_node: Option<u32>,
 }
 
 /// Arguments that do not make a configuration.
@@ -144,6 +172,10 @@ impl ControllerArgs {
                 PinningArg::NodeAffinity => Pinning::RequiredNodeAffinity,
                 PinningArg::NodeName => Pinning::NodeName,
             },
+            max_concurrent_volumes: (self.max_concurrent_volumes > 0)
+                .then_some(self.max_concurrent_volumes),
+            max_volumes_per_node: (self.max_volumes_per_node > 0)
+                .then_some(self.max_volumes_per_node),
         })
     }
 }
@@ -165,6 +197,8 @@ pub struct Stores {
     pub volumes: Store<PersistentVolume>,
     /// StorageClasses.
     pub classes: Store<StorageClass>,
+    /// StoragePolicies (cluster-scoped).
+    pub policies: Store<StoragePolicy>,
 }
 
 /// What every reconcile gets.
@@ -270,20 +304,39 @@ pub async fn run(
     let (transfers, transfers_writer) =
         reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
     let transfer_events = transfers_writer.subscribe();
+    let transfer_events_for_admission = transfers_writer.subscribe();
+    let location_events_for_admission = locations_writer.subscribe();
+    let (policies, policies_writer) = reflector::store_shared::<StoragePolicy>(SUBSCRIBER_BUFFER);
+    let policy_events = policies_writer.subscribe();
     let (
         Some(backup_events),
         Some(location_events),
         Some(location_events_for_backups),
         Some(transfer_events),
+        Some(transfer_events_for_admission),
+        Some(location_events_for_admission),
+        Some(policy_events),
     ) = (
         backup_events,
         location_events,
         location_events_for_backups,
         transfer_events,
+        transfer_events_for_admission,
+        location_events_for_admission,
+        policy_events,
     )
     else {
         return Err(RunError::Subscribe);
     };
+    tokio::spawn(
+        watcher(
+            Api::<StoragePolicy>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect_shared(policies_writer)
+        .for_each(|_| futures::future::ready(())),
+    );
     tokio::spawn(
         watcher(
             Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
@@ -324,6 +377,7 @@ pub async fn run(
         nodes,
         volumes,
         classes,
+        policies,
     };
     {
         let stores = stores.clone();
@@ -334,6 +388,7 @@ pub async fn run(
                 Box::pin(stores.locations.wait_until_ready())
                     as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>,
                 Box::pin(stores.transfers.wait_until_ready()),
+                Box::pin(stores.policies.wait_until_ready()),
                 Box::pin(backups.wait_until_ready()),
             ])
             .await;
@@ -364,6 +419,33 @@ pub async fn run(
         config: config.clone(),
         stores,
     });
+    // Admission: one replica at a time (the admission lease holder) runs
+    // the admission loop, woken by changes of transfers, locations and
+    // policies (each subscription drained at once, so a slow pass never
+    // holds the shared caches back).
+    let leadership = Arc::new(lease::Leadership::default());
+    let lease_loop = tokio::spawn(lease::run(
+        Api::namespaced(client.clone(), &config.namespace),
+        config.identity.clone(),
+        leadership.clone(),
+        shutdown.clone(),
+    ));
+    let wake = Arc::new(tokio::sync::Notify::new());
+    for events in [
+        transfer_events_for_admission.map(|_| ()).boxed(),
+        location_events_for_admission.map(|_| ()).boxed(),
+        policy_events.map(|_| ()).boxed(),
+    ] {
+        let wake = wake.clone();
+        tokio::spawn(events.for_each(move |()| {
+            wake.notify_one();
+            futures::future::ready(())
+        }));
+    }
+    let admission = tokio::spawn(
+        admitter::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
+    );
+
     let controller_config = ControllerConfig::default().concurrency(config.concurrency);
 
     let backups_for_mapping = backups.clone();
@@ -404,6 +486,9 @@ pub async fn run(
 
     info!(identity = %config.identity, namespace = %config.namespace, "controller started");
     futures::future::join(backup_controller, location_controller).await;
+    let _ = admission.await;
+    // The lease is released on shutdown, so another replica admits at once.
+    let _ = lease_loop.await;
     info!("controller stopped");
     Ok(())
 }

@@ -325,6 +325,8 @@ impl Fixture {
             health_address: "127.0.0.1:0".parse()?,
             concurrency: 4,
             pinning: haulage::plan::spec::Pinning::RequiredNodeAffinity,
+            max_concurrent_volumes: Some(haulage::controller::DEFAULT_MAX_CONCURRENT_VOLUMES),
+            max_volumes_per_node: Some(haulage::controller::DEFAULT_MAX_VOLUMES_PER_NODE),
         };
         let shutdown = CancellationToken::new();
         let controller = tokio::spawn(haulage::controller::run(
