@@ -33,6 +33,9 @@ use crate::support::kubelet::Kubelet;
 use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
 
 const BUCKET: &str = "haulage-e2e";
+/// The StorageClass of every fixture claim, and its provisioner.
+const STORAGE_CLASS: &str = "haulage-test";
+const PROVISIONER: &str = "test.csi.haulage.dev";
 const PREFIX: &str = "cluster-a";
 /// Generous: two cores shared with other builds, debug binaries.
 const BACKUP_DEADLINE: Duration = Duration::from_secs(240);
@@ -82,8 +85,8 @@ async fn bound_claim(
         json!({"apiVersion": "v1", "kind": "PersistentVolume",
             "metadata": {"name": volume},
             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "csi": {"driver": "test.csi.haulage.dev", "volumeHandle": volume},
+                "persistentVolumeReclaimPolicy": "Retain", "storageClassName": STORAGE_CLASS,
+                "csi": {"driver": PROVISIONER, "volumeHandle": volume},
                 "claimRef": {"namespace": namespace, "name": name}}}),
     )
     .await?;
@@ -94,6 +97,7 @@ async fn bound_claim(
             "metadata": {"name": name, "namespace": namespace,
                 "labels": {"backup": "yes", "claim": name}},
             "spec": {"accessModes": [mode], "volumeName": volume,
+                "storageClassName": STORAGE_CLASS,
                 "resources": {"requests": {"storage": "1Gi"}}}}),
     )
     .await?;
@@ -243,6 +247,14 @@ impl Fixture {
         } else {
             Repository::init(store.clone()).await?;
         }
+
+        create::<k8s_openapi::api::storage::v1::StorageClass>(
+            &client,
+            None,
+            json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+                "metadata": {"name": STORAGE_CLASS}, "provisioner": PROVISIONER}),
+        )
+        .await?;
 
         // Two namespaces, five claims with generated data, three nodes.
         let work = tempfile::tempdir()?;
@@ -764,6 +776,157 @@ async fn a_backup_waits_with_a_condition_while_its_location_is_unavailable_and_r
         backup.status.and_then(|status| status.phase),
         Some(VolumeBackupPhase::Completed)
     );
+    fixture.stop().await;
+    Ok(())
+}
+
+/// What a watch of every VolumeTransfer saw, event by event.
+#[derive(Debug, Default)]
+struct AdmissionRecord {
+    /// Latest phase of each transfer.
+    phases: std::collections::BTreeMap<(String, String), VolumeTransferPhase>,
+    /// Most transfers Admitted, InProgress or Finalizing after any event.
+    max_running: usize,
+    /// Queue positions seen.
+    positions: std::collections::BTreeSet<i32>,
+    /// Messages of `Admitted=False` conditions seen.
+    holds: std::collections::BTreeSet<String>,
+    /// Grants of transfers seen running.
+    grants: std::collections::BTreeSet<Option<i64>>,
+    /// Events seen.
+    events: usize,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_queues_the_rest()
+-> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    const POLICY_BYTES_PER_SECOND: i64 = 8 << 20;
+    let fixture = Fixture::start(None, 2 << 20, false).await?;
+    let client = &fixture.client;
+    // Selected by provisioner, so the StorageClass cache is what matches it.
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": "one-at-a-time"},
+            "spec": {"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
+                "maxBytesPerSecond": POLICY_BYTES_PER_SECOND}}),
+    )
+    .await?;
+
+    // Every change of every transfer, in the API server's order.
+    let record = Arc::new(std::sync::Mutex::new(AdmissionRecord::default()));
+    let recorder = {
+        let record = record.clone();
+        let events = watcher(
+            Api::<VolumeTransfer>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .applied_objects();
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            while let Some(Ok(transfer)) = events.next().await {
+                let mut record = record.lock().expect("record lock");
+                let status = transfer.status.clone().unwrap_or_default();
+                let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+                let key = (
+                    transfer.metadata.namespace.clone().unwrap_or_default(),
+                    transfer.metadata.name.clone().unwrap_or_default(),
+                );
+                record.phases.insert(key, phase);
+                let running = |phase: &VolumeTransferPhase| {
+                    matches!(
+                        phase,
+                        VolumeTransferPhase::Admitted
+                            | VolumeTransferPhase::InProgress
+                            | VolumeTransferPhase::Finalizing
+                    )
+                };
+                let now_running = record.phases.values().filter(|p| running(p)).count();
+                record.max_running = record.max_running.max(now_running);
+                record.events += 1;
+                if let Some(position) = status.queue_position {
+                    record.positions.insert(position);
+                }
+                if running(&phase) {
+                    record.grants.insert(transfer.spec.granted_bytes_per_second);
+                }
+                if let Some(condition) = haulage::api::condition::find_condition(
+                    &status.conditions,
+                    haulage::api::condition::condition_type::ADMITTED,
+                ) && condition.status == haulage::api::ConditionStatus::False
+                {
+                    record.holds.insert(condition.message.clone());
+                }
+            }
+        })
+    };
+
+    create_backup(client, "serial").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("serial").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "not finished: {:#?}\n{}",
+            record.lock().map(|r| format!("{r:?}")),
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{status:#?}"
+    );
+    let counts = status.volumes.context("volume counts")?;
+    assert_eq!((counts.total, counts.completed), (5, 5));
+
+    // The policy's status settles at nothing running, nothing queued.
+    let policies: Api<haulage::api::StoragePolicy> = Api::all(client.clone());
+    eventually(Duration::from_secs(30), || async {
+        let policy = policies.get("one-at-a-time").await?;
+        let status = policy.status.unwrap_or_default();
+        Ok((status.running_volumes == Some(0) && status.queued_volumes == Some(0)).then_some(()))
+    })
+    .await
+    .context("the StoragePolicy status did not settle")?;
+    recorder.abort();
+
+    {
+        let record = record.lock().expect("record lock");
+        assert_eq!(record.phases.len(), 5, "{record:?}");
+        assert_eq!(
+            record.max_running, 1,
+            "more than one transfer of the policy's storage ran at once: {record:?}"
+        );
+        // Four waited behind the first, numbered from 1.
+        assert!(record.positions.contains(&1), "{record:?}");
+        assert!(
+            record.positions.iter().all(|p| (1..=4).contains(p)),
+            "{record:?}"
+        );
+        assert!(
+            record.holds.iter().any(|message| message
+                .contains("held by StoragePolicy one-at-a-time: 1 of 1 volumes running")),
+            "{record:?}"
+        );
+        // Alone under the policy, each running transfer got its whole bandwidth.
+        assert_eq!(
+            record.grants,
+            std::collections::BTreeSet::from([Some(POLICY_BYTES_PER_SECOND)]),
+            "{record:?}"
+        );
+    }
     fixture.stop().await;
     Ok(())
 }
