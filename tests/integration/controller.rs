@@ -931,6 +931,86 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_never_both_hold_the_admission_lease_and_a_dead_holders_lease_is_taken_over()
+-> anyhow::Result<()> {
+    use haulage::controller::lease::{self, LEASE_DURATION_SECONDS, Leadership};
+    let cluster = KubeCluster::start().await?;
+    let client = cluster.client().await?;
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "default");
+    let replica = |identity: &str| {
+        let leadership = Arc::new(Leadership::default());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(lease::run(
+            leases.clone(),
+            identity.to_string(),
+            leadership.clone(),
+            shutdown.clone(),
+        ));
+        (leadership, shutdown, task)
+    };
+    let (a, a_shutdown, a_task) = replica("replica-a");
+    let (b, b_shutdown, b_task) = replica("replica-b");
+    // Sampled every 20 ms: never both leaders.
+    let sample = |a: &Leadership, b: &Leadership| {
+        let led = (a.is_leader(), b.is_leader());
+        assert!(!(led.0 && led.1), "both replicas admit at once");
+        led
+    };
+    let start = Instant::now();
+    let mut leader = None;
+    while start.elapsed() < Duration::from_secs(6) {
+        match sample(&a, &b) {
+            (true, _) => leader = leader.or(Some('a')),
+            (_, true) => leader = leader.or(Some('b')),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let leader = leader.context("no replica took the admission lease")?;
+    let (holder, holder_task, other, other_shutdown, other_task) = match leader {
+        'a' => (a, a_task, b, b_shutdown, b_task),
+        _ => (b, b_task, a, a_shutdown, a_task),
+    };
+    // The holder dies without releasing (its task is aborted): its own
+    // deadline passes before the other may take over, after the lease's
+    // duration of standing still.
+    holder_task.abort();
+    let died = Instant::now();
+    loop {
+        let (_, other_led) = sample(&holder, &other);
+        if other_led {
+            break;
+        }
+        if died.elapsed() > Duration::from_secs(LEASE_DURATION_SECONDS + 15) {
+            bail!("the other replica never took over the dead holder's lease");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = died.elapsed();
+    assert!(
+        took >= Duration::from_secs(LEASE_DURATION_SECONDS - 2),
+        "taken over after {took:?}, before the lease could expire"
+    );
+    let lease = leases.get(lease::ADMISSION_LEASE).await?;
+    let spec = lease.spec.context("lease spec")?;
+    assert_ne!(spec.holder_identity, None);
+    assert_eq!(spec.lease_transitions, Some(1));
+
+    // A replica that stops releases the lease (holder cleared).
+    other_shutdown.cancel();
+    other_task.await?;
+    let released = leases.get(lease::ADMISSION_LEASE).await?;
+    assert_eq!(
+        released.spec.and_then(|spec| spec.holder_identity),
+        None,
+        "the stopping holder did not release the lease"
+    );
+    drop(cluster);
+    Ok(())
+}
+
 /// `GET path` on 127.0.0.1:port; the status code, if it answered.
 async fn http_status(port: u16, path: &str) -> Option<u16> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
