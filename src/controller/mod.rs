@@ -522,6 +522,37 @@ mod tests {
     }
 
     #[test]
+    fn admission_caps_default_to_sixteen_and_two_and_zero_lifts_them() {
+        let defaults = Wrapper::parse_from(["test", "--identity", "a"])
+            .arguments
+            .into_config(None)
+            .expect("valid");
+        assert_eq!(
+            (
+                defaults.max_concurrent_volumes,
+                defaults.max_volumes_per_node
+            ),
+            (Some(16), Some(2))
+        );
+        let lifted = Wrapper::parse_from([
+            "test",
+            "--identity",
+            "a",
+            "--max-concurrent-volumes",
+            "0",
+            "--max-volumes-per-node",
+            "3",
+        ])
+        .arguments
+        .into_config(None)
+        .expect("valid");
+        assert_eq!(
+            (lifted.max_concurrent_volumes, lifted.max_volumes_per_node),
+            (None, Some(3))
+        );
+    }
+
+    #[test]
     fn zero_concurrency_is_refused() {
         let wrapper = Wrapper::parse_from(["test", "--identity", "a", "--concurrency", "0"]);
         assert!(matches!(
