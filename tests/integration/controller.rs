@@ -931,6 +931,121 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the_cap()
+-> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    const CAP: i64 = 4 << 20;
+    let fixture = Fixture::start(None, 4 << 20, false).await?;
+    let client = &fixture.client;
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": "four-mebibytes"},
+            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+    )
+    .await?;
+
+    // After every event: the sum of the grants of the running transfers,
+    // and each transfer's distinct grants while running.
+    #[derive(Debug, Default)]
+    struct Grants {
+        max_sum: i64,
+        unlimited_while_running: usize,
+        per_transfer: std::collections::BTreeMap<String, std::collections::BTreeSet<i64>>,
+    }
+    let grants = Arc::new(std::sync::Mutex::new(Grants::default()));
+    let recorder = {
+        let grants = grants.clone();
+        let events = watcher(
+            Api::<VolumeTransfer>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .applied_objects();
+        tokio::spawn(async move {
+            let mut latest: std::collections::BTreeMap<String, Option<i64>> =
+                std::collections::BTreeMap::new();
+            let mut events = std::pin::pin!(events);
+            while let Some(Ok(transfer)) = events.next().await {
+                let name = transfer.metadata.name.clone().unwrap_or_default();
+                let phase = transfer
+                    .status
+                    .as_ref()
+                    .and_then(|status| status.phase)
+                    .unwrap_or(VolumeTransferPhase::New);
+                let running = matches!(
+                    phase,
+                    VolumeTransferPhase::Admitted
+                        | VolumeTransferPhase::InProgress
+                        | VolumeTransferPhase::Finalizing
+                );
+                let grant = transfer.spec.granted_bytes_per_second;
+                let mut grants = grants.lock().expect("grants lock");
+                if running {
+                    latest.insert(name.clone(), grant);
+                    match grant {
+                        Some(bytes) => {
+                            grants.per_transfer.entry(name).or_default().insert(bytes);
+                        }
+                        None => grants.unlimited_while_running += 1,
+                    }
+                } else {
+                    latest.remove(&name);
+                }
+                let sum = latest
+                    .values()
+                    .map(|grant| grant.unwrap_or(i64::MAX))
+                    .fold(0i64, i64::saturating_add);
+                grants.max_sum = grants.max_sum.max(sum);
+            }
+        })
+    };
+
+    create_backup(client, "resplit").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("resplit").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    recorder.abort();
+    assert_eq!(
+        backup.status.and_then(|status| status.phase),
+        Some(VolumeBackupPhase::Completed)
+    );
+    let logs = fixture.kubelet.all_agent_logs();
+    {
+        let grants = grants.lock().expect("grants lock");
+        assert_eq!(grants.unlimited_while_running, 0, "{grants:?}");
+        assert!(
+            grants.max_sum <= CAP,
+            "the running transfers' grants added up to {} > {CAP}: {grants:?}",
+            grants.max_sum
+        );
+        // Re-split while running: some transfer saw its grant change, and
+        // its agent applied the change without restarting.
+        let resplit = grants
+            .per_transfer
+            .values()
+            .filter(|seen| seen.len() >= 2)
+            .count();
+        assert!(resplit > 0, "no grant changed while running: {grants:?}");
+    }
+    assert!(
+        logs.contains("bandwidth grant changed"),
+        "no agent followed a changed grant:\n{logs}"
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
 /// The bandwidth split measured, not asserted (figures in
 /// docs/benchmarks.md): five claims of 7 to 31 MiB of random data under a
 /// StoragePolicy of 6 MiB/s. After every progress report, the sum of the
