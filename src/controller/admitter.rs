@@ -673,6 +673,99 @@ mod tests {
         )
     }
 
+    /// A cache holding `objects`.
+    fn store_of<K>(objects: Vec<K>) -> Store<K>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + 'static,
+    {
+        let (store, mut writer) = kube::runtime::reflector::store();
+        for object in objects {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(object));
+        }
+        store
+    }
+
+    fn from_json<K: serde::de::DeserializeOwned>(value: serde_json::Value) -> K {
+        serde_json::from_value(value).expect("valid object")
+    }
+
+    #[test]
+    fn observed_transfers_get_their_node_location_and_the_policies_of_their_class() {
+        let mut with_pod = (*transfer("data", Some(VolumeTransferPhase::Queued), None)).clone();
+        with_pod.metadata.creation_timestamp = Some(at(100));
+        let mut without_pod = (*transfer("cache", None, None)).clone();
+        without_pod.spec.stage_pod = "stage-not-yet".to_string();
+        let finished = transfer("old", Some(VolumeTransferPhase::Completed), None);
+        let transfers = vec![Arc::new(with_pod), Arc::new(without_pod), finished];
+        let pods = store_of(vec![from_json::<Pod>(serde_json::json!({
+            "metadata": {"name": "stage-a", "namespace": "shop",
+                "annotations": {NODE_ANNOTATION: "node-a.example.internal"}}
+        }))]);
+        let claims = store_of(vec![from_json::<PersistentVolumeClaim>(
+            serde_json::json!({
+                "metadata": {"name": "data", "namespace": "shop"},
+                "spec": {"storageClassName": "fast"}
+            }),
+        )]);
+        let classes = store_of(vec![from_json::<StorageClass>(serde_json::json!({
+            "metadata": {"name": "fast"}, "provisioner": "rbd.csi.ceph.com"
+        }))]);
+        let policy = |name: &str, spec: serde_json::Value| {
+            Arc::new(from_json::<StoragePolicy>(serde_json::json!({
+                "apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+                "metadata": {"name": name}, "spec": spec
+            })))
+        };
+        let policies = vec![
+            policy(
+                "by-provisioner",
+                serde_json::json!({
+                "provisioners": ["rbd.csi.ceph.com"], "maxConcurrentVolumes": 4}),
+            ),
+            policy(
+                "by-name",
+                serde_json::json!({
+                "storageClassNames": ["fast"], "maxBytesPerSecond": 1048576}),
+            ),
+            policy("other", serde_json::json!({"storageClassNames": ["slow"]})),
+        ];
+        let locations = vec![Arc::new(from_json::<BackupStorageLocation>(
+            serde_json::json!({
+                "apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+                "metadata": {"name": "minio", "namespace": "ops"},
+                "spec": {"bucket": "b", "credential": {"name": "s3"}, "maxConcurrentVolumes": 3}
+            }),
+        ))];
+        let caches = Caches {
+            transfers: &transfers,
+            pods: &pods,
+            claims: &claims,
+            classes: &classes,
+            policies: &policies,
+            locations: &locations,
+        };
+        let (limits, facts) = observe(&caches, Some(16), None);
+        assert_eq!(
+            facts,
+            [TransferFacts {
+                key: key("data"),
+                created_seconds: 100,
+                state: TransferState::Waiting,
+                node: Some("node-a.example.internal".to_string()),
+                location: Some("ops/minio".to_string()),
+                policies: vec!["by-provisioner".to_string(), "by-name".to_string()],
+            }],
+            "the transfer without a stage pod and the final one are left out"
+        );
+        assert_eq!(limits.max_volumes, Some(16));
+        assert_eq!(limits.policies["by-provisioner"].max_volumes, Some(4));
+        assert_eq!(
+            limits.policies["by-name"].max_bytes_per_second,
+            Some(1048576)
+        );
+        assert_eq!(limits.locations["ops/minio"].max_volumes, Some(3));
+    }
+
     #[test]
     fn grants_are_lowered_before_admissions_and_raised_after_them() {
         let transfers = vec![
