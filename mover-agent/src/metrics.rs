@@ -52,7 +52,7 @@ pub const BYTES_UPLOADED: Series = Series {
 /// `haulage_agent_throttle_wait_seconds_total{limiter}`.
 pub const THROTTLE_WAIT: Series = Series {
     name: "haulage_agent_throttle_wait_seconds",
-    help: "Seconds spent waiting on a rate limiter, summed over concurrent waiters; limiter upload is the storage location's upload cap",
+    help: "Seconds spent waiting on a rate limiter, summed over concurrent waiters; limiter upload is the storage location's upload cap, read the bandwidth granted to the transfers",
 };
 /// `haulage_agent_transfers`.
 pub const TRANSFERS: Series = Series {
@@ -96,6 +96,7 @@ type Transfers = Arc<Mutex<BTreeMap<(String, String), Arc<Progress>>>>;
 struct AgentCollector {
     transfers: Transfers,
     upload_wait: WaitTime,
+    read_wait: WaitTime,
 }
 
 impl Collector for AgentCollector {
@@ -134,10 +135,13 @@ impl Collector for AgentCollector {
         encode_counters(
             &mut encoder,
             THROTTLE_WAIT,
-            [(
-                [("limiter", "upload")],
-                self.upload_wait.total().as_secs_f64(),
-            )],
+            [
+                (
+                    [("limiter", "upload")],
+                    self.upload_wait.total().as_secs_f64(),
+                ),
+                ([("limiter", "read")], self.read_wait.total().as_secs_f64()),
+            ],
         )?;
         Ok(())
     }
@@ -148,6 +152,7 @@ impl Collector for AgentCollector {
 pub struct AgentMetrics {
     registry: Registry,
     transfers: Transfers,
+    read_wait: WaitTime,
 }
 
 impl AgentMetrics {
@@ -155,15 +160,24 @@ impl AgentMetrics {
     /// `upload_wait`.
     pub fn new(upload_wait: WaitTime) -> Self {
         let transfers = Transfers::default();
+        let read_wait = WaitTime::default();
         let mut registry = Registry::default();
         registry.register_collector(Box::new(AgentCollector {
             transfers: transfers.clone(),
             upload_wait,
+            read_wait: read_wait.clone(),
         }));
         AgentMetrics {
             registry,
             transfers,
+            read_wait,
         }
+    }
+
+    /// Where the read throttles (the bandwidth grants) record their
+    /// waiting, exported as `limiter="read"`.
+    pub fn read_wait(&self) -> WaitTime {
+        self.read_wait.clone()
     }
 
     /// Export the engine counters of the transfer of `namespace/pvc` from

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
+use futures::StreamExt;
 use haulage::api::condition::{Condition, ConditionStatus, condition_type, reason};
 use haulage::api::labels::AGENT_FIELD_MANAGER;
 use haulage::api::transfer::AgentClaim;
@@ -19,8 +20,10 @@ use haulage::api::{Progress as ApiProgress, VolumeTransfer, VolumeTransferPhase}
 use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
 use haulage::engine::progress::Progress;
+use haulage::engine::throttle::{ByteRate, Throttle};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -94,8 +97,19 @@ pub async fn run(
         let gate = gate.clone();
         let metrics = metrics.clone();
         tasks.spawn(async move {
-            let _permit = gate.acquire_owned().await;
-            let result = run_one(&api, &name, &assignment, &repository, &metrics, &cancel).await;
+            // Admission first, then a place among the volumes this agent
+            // moves at once: a transfer waiting for admission must not
+            // hold a place an admitted one of the same pod needs (with a
+            // cap of one, that would wait forever).
+            let result = match wait_for_admission(&api, &name, &assignment.identity, &cancel).await
+            {
+                Ok(true) => {
+                    let _permit = gate.acquire_owned().await;
+                    run_one(&api, &name, &assignment, &repository, &metrics, &cancel).await
+                }
+                Ok(false) => Ok(()),
+                Err(error) => Err(error),
+            };
             (name, result)
         });
     }
@@ -116,8 +130,96 @@ pub async fn run(
     }
 }
 
-/// Wait until the transfer is admitted, then claim it. `None` when there is
-/// nothing to do (final already, or claimed by another live agent).
+/// Wait until the transfer is admitted (or further); false when there is
+/// nothing to do (final already, claimed by another agent, or SIGTERM).
+async fn wait_for_admission(
+    api: &Api<VolumeTransfer>,
+    name: &str,
+    identity: &str,
+    cancel: &CancellationToken,
+) -> anyhow::Result<bool> {
+    loop {
+        let transfer = api
+            .get(name)
+            .await
+            .with_context(|| format!("failed to get VolumeTransfer {name}"))?;
+        let status = transfer.status.clone().unwrap_or_default();
+        let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+        if phase.is_final() {
+            info!(transfer = name, ?phase, "already final");
+            return Ok(false);
+        }
+        if let Some(agent) = &status.agent
+            && agent.identity != identity
+        {
+            info!(transfer = name, owner = %agent.identity, "claimed by another agent");
+            return Ok(false);
+        }
+        if phase >= VolumeTransferPhase::Admitted {
+            return Ok(true);
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(false),
+            _ = tokio::time::sleep(Duration::from_secs(ADMISSION_POLL_SECONDS)) => {}
+        }
+    }
+}
+
+/// The bandwidth the controller grants a transfer (`None`: unlimited).
+fn granted_rate(transfer: &VolumeTransfer) -> Option<ByteRate> {
+    transfer
+        .spec
+        .granted_bytes_per_second
+        .and_then(|bytes| u64::try_from(bytes).ok())
+        .map(ByteRate)
+}
+
+/// Follow the transfer's `spec.grantedBytesPerSecond` into `throttle`
+/// until `stop`: a watch on this one object (the agent's Role allows
+/// watching it by name), so a re-split applies within the watch's latency
+/// and the copy never restarts.
+fn follow_grant(
+    api: Api<VolumeTransfer>,
+    name: String,
+    throttle: Throttle,
+    mut granted: Option<ByteRate>,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let events = watcher(
+            api,
+            watcher::Config::default().fields(&format!("metadata.name={name}")),
+        )
+        .default_backoff()
+        .applied_objects();
+        let mut events = std::pin::pin!(events);
+        loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => return,
+                next = events.next() => next,
+            };
+            match next {
+                Some(Ok(transfer)) => {
+                    let rate = granted_rate(&transfer);
+                    if rate != granted {
+                        info!(
+                            transfer = %name,
+                            bytes_per_second = rate.map(|ByteRate(bytes)| bytes),
+                            "bandwidth grant changed"
+                        );
+                        throttle.set_rate(rate);
+                        granted = rate;
+                    }
+                }
+                Some(Err(error)) => warn!(transfer = %name, "watch of the grant: {error}"),
+                None => return,
+            }
+        }
+    })
+}
+
+/// Claim an admitted transfer. `None` when there is nothing to do (final
+/// already, or claimed by another live agent).
 async fn claim(
     api: &Api<VolumeTransfer>,
     name: &str,
@@ -255,7 +357,24 @@ async fn run_one(
         })
     };
 
+    // The grant limits reads from the claim's storage (a StoragePolicy caps
+    // reads on backup), and follows the controller's re-splits live.
+    let granted = granted_rate(&transfer);
+    let throttle = Throttle::new(granted).recording_wait_into(metrics.read_wait());
+    let grant_follower = follow_grant(
+        api.clone(),
+        name.to_string(),
+        throttle.clone(),
+        granted,
+        volume_cancel.clone(),
+    );
+    info!(
+        transfer = name,
+        bytes_per_second = granted.map(|ByteRate(bytes)| bytes),
+        "bandwidth granted"
+    );
     let mut options = BackupOptions::new(assignment.data_root.join(&pvc));
+    options.read_throttle = throttle;
     options.source_label = Some(format!("{}/{pvc}", assignment.namespace));
     options.hostname = SNAPSHOT_HOSTNAME.to_string();
     if let Some(parent) = &transfer.spec.parent_snapshot {
@@ -270,6 +389,7 @@ async fn run_one(
     let stopped_by_controller = volume_cancel.is_cancelled() && !cancel.is_cancelled();
     volume_cancel.cancel();
     let _ = reporter.await;
+    let _ = grant_follower.await;
     if cancel.is_cancelled() {
         info!(
             transfer = name,

@@ -72,6 +72,7 @@ impl BackupStorageLocation {
                 is_default: false,
                 validation_frequency: "1m".to_string(),
                 upload_bytes_per_second: None,
+                max_concurrent_volumes: None,
                 max_concurrent_requests: None,
                 initialize: false,
             },

@@ -112,6 +112,12 @@ pub struct BackupStorageLocationSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub upload_bytes_per_second: Option<i64>,
+    /// Volumes moved to or from this location at the same time, over all
+    /// backups and restores (the controller admits no more); unlimited when
+    /// absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_concurrent_volumes: Option<i32>,
     /// Cap on concurrent requests to the endpoint, over all agents;
     /// unlimited when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -164,7 +164,6 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     {
         ensure_children(&owner, plan, location, context).await?;
     }
-    admit_new_transfers(&owner, context).await?;
     let backoff = supervise_stage_pods(&owner, context).await?;
 
     let observed = Observed {
@@ -698,31 +697,6 @@ async fn record_attempts(
             format!("{namespace}/{name}"),
         )(source)),
     }
-}
-
-/// Move transfers with an empty status to Admitted (no caps yet: every
-/// transfer is admitted at once).
-async fn admit_new_transfers(owner: &Owner, context: &Context) -> Result<(), Error> {
-    for transfer in owned_transfers(context, owner) {
-        let phase = transfer.status.as_ref().and_then(|status| status.phase);
-        if !matches!(phase, None | Some(VolumeTransferPhase::New)) {
-            continue;
-        }
-        let status = VolumeTransferStatus {
-            phase: Some(VolumeTransferPhase::Admitted),
-            conditions: vec![Condition::new(
-                condition_type::ADMITTED,
-                ConditionStatus::True,
-                reason::CAPACITY_GRANTED,
-                "admitted",
-                transfer.metadata.generation,
-                now(),
-            )],
-            ..VolumeTransferStatus::default()
-        };
-        write_transfer_status(&transfer, &status, context).await?;
-    }
-    Ok(())
 }
 
 async fn write_transfer_status(

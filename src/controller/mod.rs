@@ -1,6 +1,10 @@
 //! `haulage controller`: kube-runtime controllers over shared reflector
 //! caches (the API server sees one watch per kind, never list polling).
 //!
+//! - [`admission`]: the pure admission function (caps, FIFO queue,
+//!   bandwidth split); [`admitter`]: the loop that feeds it from the caches
+//!   and writes its decisions; [`lease`]: the Lease that makes one replica
+//!   at a time the admitter.
 //! - [`backup`]: the VolumeBackup reconciler (claim, storage, plan,
 //!   children, roll-up; the cancel finalizer).
 //! - [`location`]: the BackupStorageLocation validator (probe, repository
@@ -18,10 +22,13 @@
 //! - [`replicas`]: each replica's liveness Lease; adoption of a dead
 //!   replica's backups.
 
+pub mod admission;
+pub mod admitter;
 pub mod backup;
 pub mod children;
 pub mod error;
 pub mod health;
+pub mod lease;
 pub mod location;
 pub mod metrics;
 pub mod replicas;
@@ -45,7 +52,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::api::labels::{CONTROLLER_FIELD_MANAGER, SYSTEM_NAMESPACE};
-use crate::api::{BackupStorageLocation, VolumeBackup, VolumeTransfer};
+use crate::api::{BackupStorageLocation, StoragePolicy, VolumeBackup, VolumeTransfer};
 use crate::plan::spec::Pinning;
 pub use error::Error;
 use metrics::{BACKUP_CONTROLLER, ControllerMetrics, LOCATION_CONTROLLER, MetricCaches};
@@ -58,6 +65,17 @@ pub const DEFAULT_AGENT_IMAGE: &str = "ghcr.io/haulage-dev/mover-agent:0.1.0";
 pub const DEFAULT_HEALTH_ADDRESS: &str = "0.0.0.0:8080";
 /// Default number of objects reconciled at once per controller.
 pub const DEFAULT_CONCURRENCY: u16 = 8;
+/// Default cap on volumes moved at once in the whole cluster: enough to
+/// keep a few storage systems and nodes busy (a stage pod moves about
+/// 100 MB/s, so 16 saturate a 10 Gb/s uplink twice over) while a migration
+/// of thousands of claims cannot start thousands of stage pods at once;
+/// StoragePolicies narrow it per storage.
+pub const DEFAULT_MAX_CONCURRENT_VOLUMES: u32 = 16;
+/// Default cap on volumes moved at once per node: a node's network and CPU
+/// are shared with its workloads, and a stage pod (128Mi) moves two volumes
+/// at once (the agent's `--parallel-volumes`); more would only queue inside
+/// the pod while holding slots other nodes could use.
+pub const DEFAULT_MAX_VOLUMES_PER_NODE: u32 = 2;
 /// Seconds between retries of a transient failure.
 const TRANSIENT_RETRY_SECONDS: u64 = 5;
 /// Seconds between retries of a permanent failure (a user must act; a
@@ -116,6 +134,13 @@ pub struct ControllerArgs {
         value_parser = clap::value_parser!(u32).range(i64::from(MIN_LEASE_SECONDS)..=3600)
     )]
     pub replica_lease_seconds: u32,
+    /// Volumes moved at once in the whole cluster, over all backups and
+    /// restores (0: no cap).
+    #[arg(long, env = "HAULAGE_MAX_CONCURRENT_VOLUMES", default_value_t = DEFAULT_MAX_CONCURRENT_VOLUMES)]
+    pub max_concurrent_volumes: u32,
+    /// Volumes moved at once per node (0: no cap).
+    #[arg(long, env = "HAULAGE_MAX_VOLUMES_PER_NODE", default_value_t = DEFAULT_MAX_VOLUMES_PER_NODE)]
+    pub max_volumes_per_node: u32,
 }
 
 /// Shortest replica lease: one and a half renewal periods.
@@ -138,6 +163,10 @@ pub struct Config {
     pub pinning: Pinning,
     /// Seconds this replica's liveness Lease lasts without renewal.
     pub replica_lease_seconds: u32,
+    /// Volumes moved at once in the cluster (`None`: no cap).
+    pub max_concurrent_volumes: Option<u32>,
+    /// Volumes moved at once per node (`None`: no cap).
+    pub max_volumes_per_node: Option<u32>,
 }
 
 impl Config {
@@ -152,6 +181,8 @@ impl Config {
             concurrency: DEFAULT_CONCURRENCY,
             pinning: Pinning::RequiredNodeAffinity,
             replica_lease_seconds: replicas::DEFAULT_LEASE_SECONDS,
+            max_concurrent_volumes: Some(DEFAULT_MAX_CONCURRENT_VOLUMES),
+            max_volumes_per_node: Some(DEFAULT_MAX_VOLUMES_PER_NODE),
         }
     }
 }
@@ -189,6 +220,10 @@ impl ControllerArgs {
                 PinningArg::NodeName => Pinning::NodeName,
             },
             replica_lease_seconds: self.replica_lease_seconds.max(MIN_LEASE_SECONDS),
+            max_concurrent_volumes: (self.max_concurrent_volumes > 0)
+                .then_some(self.max_concurrent_volumes),
+            max_volumes_per_node: (self.max_volumes_per_node > 0)
+                .then_some(self.max_volumes_per_node),
         })
     }
 }
@@ -212,6 +247,8 @@ pub struct Stores {
     pub classes: Store<StorageClass>,
     /// The replicas' liveness Leases in the controller's namespace.
     pub leases: Store<Lease>,
+    /// StoragePolicies (cluster-scoped).
+    pub policies: Store<StoragePolicy>,
 }
 
 /// What every reconcile gets.
@@ -441,6 +478,10 @@ pub async fn run_with_listener(
         reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
     let transfer_events = transfers_writer.subscribe();
     let transfer_events_for_metrics = transfers_writer.subscribe();
+    let transfer_events_for_admission = transfers_writer.subscribe();
+    let location_events_for_admission = locations_writer.subscribe();
+    let (policies, policies_writer) = reflector::store_shared::<StoragePolicy>(SUBSCRIBER_BUFFER);
+    let policy_events = policies_writer.subscribe();
     let (
         Some(backup_events),
         Some(location_events),
@@ -448,6 +489,9 @@ pub async fn run_with_listener(
         Some(location_events_for_defaults),
         Some(transfer_events),
         Some(transfer_events_for_metrics),
+        Some(transfer_events_for_admission),
+        Some(location_events_for_admission),
+        Some(policy_events),
     ) = (
         backup_events,
         location_events,
@@ -455,10 +499,22 @@ pub async fn run_with_listener(
         location_events_for_defaults,
         transfer_events,
         transfer_events_for_metrics,
+        transfer_events_for_admission,
+        location_events_for_admission,
+        policy_events,
     )
     else {
         return Err(RunError::Subscribe);
     };
+    tasks.spawn(
+        watcher(
+            Api::<StoragePolicy>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .reflect_shared(policies_writer)
+        .for_each(|_| futures::future::ready(())),
+    );
     tasks.spawn(
         watcher(
             Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
@@ -500,6 +556,7 @@ pub async fn run_with_listener(
         volumes,
         classes,
         leases,
+        policies,
     };
     let metrics = Arc::new(ControllerMetrics::new(Some(MetricCaches {
         locations: stores.locations.clone(),
@@ -529,6 +586,7 @@ pub async fn run_with_listener(
                 Box::pin(stores.locations.wait_until_ready())
                     as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>,
                 Box::pin(stores.transfers.wait_until_ready()),
+                Box::pin(stores.policies.wait_until_ready()),
                 Box::pin(backups.wait_until_ready()),
             ])
             .await;
@@ -561,6 +619,33 @@ pub async fn run_with_listener(
         config: config.clone(),
         stores,
     });
+    // Admission: one replica at a time (the admission lease holder) runs
+    // the admission loop, woken by changes of transfers, locations and
+    // policies (each subscription drained at once, so a slow pass never
+    // holds the shared caches back).
+    let leadership = Arc::new(lease::Leadership::default());
+    let lease_loop = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(lease::run(
+        Api::namespaced(client.clone(), &config.namespace),
+        config.identity.clone(),
+        leadership.clone(),
+        shutdown.clone(),
+    )));
+    let wake = Arc::new(tokio::sync::Notify::new());
+    for events in [
+        transfer_events_for_admission.map(|_| ()).boxed(),
+        location_events_for_admission.map(|_| ()).boxed(),
+        policy_events.map(|_| ()).boxed(),
+    ] {
+        let wake = wake.clone();
+        tasks.spawn(events.for_each(move |()| {
+            wake.notify_one();
+            futures::future::ready(())
+        }));
+    }
+    let admission = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+        admitter::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
+    ));
+
     let controller_config = ControllerConfig::default().concurrency(config.concurrency);
 
     let backups_for_mapping = backups.clone();
@@ -639,6 +724,9 @@ pub async fn run_with_listener(
     futures::future::join(backup_controller, location_controller).await;
     // Releases the lease, so other replicas adopt this one's backups now.
     let _ = lease_task.await;
+    let _ = admission.await;
+    // The lease is released on shutdown, so another replica admits at once.
+    let _ = lease_loop.await;
     info!("controller stopped");
     Ok(())
 }
@@ -775,6 +863,37 @@ mod tests {
 
         shutdown.cancel();
         summary.await.expect("the summary task ends on shutdown");
+    }
+
+    #[test]
+    fn admission_caps_default_to_sixteen_and_two_and_zero_lifts_them() {
+        let defaults = Wrapper::parse_from(["test", "--identity", "a"])
+            .arguments
+            .into_config(None)
+            .expect("valid");
+        assert_eq!(
+            (
+                defaults.max_concurrent_volumes,
+                defaults.max_volumes_per_node
+            ),
+            (Some(16), Some(2))
+        );
+        let lifted = Wrapper::parse_from([
+            "test",
+            "--identity",
+            "a",
+            "--max-concurrent-volumes",
+            "0",
+            "--max-volumes-per-node",
+            "3",
+        ])
+        .arguments
+        .into_config(None)
+        .expect("valid");
+        assert_eq!(
+            (lifted.max_concurrent_volumes, lifted.max_volumes_per_node),
+            (None, Some(3))
+        );
     }
 
     #[test]

@@ -2,13 +2,17 @@
 //!
 //! The limiter counts in KiB cells and allows a burst of only a tenth of a
 //! second's worth (at least one read block), so a limited copy runs at a
-//! steady rate instead of racing at full speed and then sleeping.
+//! steady rate instead of racing at full speed and then sleeping. The rate
+//! can change while a copy runs ([`Throttle::set_rate`]).
 
 use std::num::NonZeroU32;
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use governor::clock::{Clock, DefaultClock};
+use governor::middleware::NoOpMiddleware;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
 
 use crate::store::limits::WaitTime;
 
@@ -50,33 +54,108 @@ fn quota_for(bytes_per_second: u64) -> (Quota, u32) {
     (quota, burst_cells)
 }
 
-/// A shared limit; cloning shares the budget.
+/// A direct (unkeyed) governor limiter on clock `C`.
+type Limiter<C> = RateLimiter<NotKeyed, InMemoryState, C, NoOpMiddleware<<C as Clock>::Instant>>;
+
+/// The limiter in force and its burst; replaced whole when the rate changes.
+#[derive(Debug)]
+struct Current<C: Clock> {
+    limiter: Option<Arc<Limiter<C>>>,
+    burst_bytes: usize,
+}
+
+impl<C: Clock> Clone for Current<C> {
+    fn clone(&self) -> Self {
+        Current {
+            limiter: self.limiter.clone(),
+            burst_bytes: self.burst_bytes,
+        }
+    }
+}
+
+/// A limiter whose rate can change while callers wait on it: the one place
+/// that swaps governor limiters. A caller takes the current limiter and
+/// waits on it; a new rate installs a fresh limiter with its burst already
+/// spent, so a request already waiting finishes at the old rate and every
+/// later one passes at the new rate, with no extra burst.
+#[derive(Debug)]
+struct AdjustableLimiter<C: Clock> {
+    current: RwLock<Current<C>>,
+    clock: C,
+}
+
+impl<C: Clock + Clone> AdjustableLimiter<C> {
+    fn new(rate: Option<ByteRate>, clock: C) -> Self {
+        AdjustableLimiter {
+            current: RwLock::new(Self::build(rate, &clock)),
+            clock,
+        }
+    }
+
+    fn build(rate: Option<ByteRate>, clock: &C) -> Current<C> {
+        match rate {
+            None => Current {
+                limiter: None,
+                burst_bytes: MAX_REQUEST_BYTES,
+            },
+            Some(ByteRate(bytes_per_second)) => {
+                let (quota, burst_cells) = quota_for(bytes_per_second);
+                Current {
+                    limiter: Some(Arc::new(RateLimiter::direct_with_clock(
+                        quota,
+                        clock.clone(),
+                    ))),
+                    burst_bytes: burst_cells as usize * CELL_BYTES as usize,
+                }
+            }
+        }
+    }
+
+    /// The limiter and burst in force now.
+    fn current(&self) -> Current<C> {
+        // A poisoned lock only means a writer panicked between two plain
+        // assignments; the value is still whole.
+        self.current
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    fn set_rate(&self, rate: Option<ByteRate>) {
+        let next = Self::build(rate, &self.clock);
+        // A fresh limiter starts with a full burst. The copy was running
+        // under the old one, so that burst would be extra: every re-split
+        // would let each transfer exceed its share by a burst. Drain it.
+        if let Some(limiter) = &next.limiter {
+            let burst_cells = (next.burst_bytes / CELL_BYTES as usize).max(1) as u32;
+            let _ = limiter.check_n(NonZeroU32::new(burst_cells).expect("at least one cell"));
+        }
+        *self
+            .current
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = next;
+    }
+}
+
+/// A shared limit; cloning shares the budget, and [`Throttle::set_rate`]
+/// changes it for every clone, live (the agent follows the bandwidth the
+/// controller grants without restarting its copy).
 #[derive(Debug, Clone)]
 pub struct Throttle {
-    limiter: Option<Arc<DefaultDirectRateLimiter>>,
-    burst_bytes: usize,
+    shared: Arc<AdjustableLimiter<DefaultClock>>,
     waited: WaitTime,
 }
 
 impl Throttle {
-    /// No limit.
+    /// No limit (until [`Throttle::set_rate`] sets one).
     pub fn unlimited() -> Self {
-        Throttle {
-            limiter: None,
-            burst_bytes: MAX_REQUEST_BYTES,
-            waited: WaitTime::default(),
-        }
+        Self::new(None)
     }
 
     /// A limit of `rate` bytes per second, or none.
     pub fn new(rate: Option<ByteRate>) -> Self {
-        let Some(ByteRate(bytes_per_second)) = rate else {
-            return Self::unlimited();
-        };
-        let (quota, burst_cells) = quota_for(bytes_per_second);
         Throttle {
-            limiter: Some(Arc::new(RateLimiter::direct(quota))),
-            burst_bytes: burst_cells as usize * CELL_BYTES as usize,
+            shared: Arc::new(AdjustableLimiter::new(rate, DefaultClock::default())),
             waited: WaitTime::default(),
         }
     }
@@ -88,26 +167,38 @@ impl Throttle {
         self
     }
 
-    /// True when a limit is set.
-    pub fn is_limited(&self) -> bool {
-        self.limiter.is_some()
+    /// Change the limit of this throttle and all its clones: requests
+    /// after the call pass at `rate` (or unlimited when `None`); one
+    /// already waiting completes at the old rate.
+    pub fn set_rate(&self, rate: Option<ByteRate>) {
+        self.shared.set_rate(rate);
     }
 
-    /// The largest request [`Throttle::acquire`] accepts at once.
+    /// True when a limit is set.
+    pub fn is_limited(&self) -> bool {
+        self.shared.current().limiter.is_some()
+    }
+
+    /// The largest request [`Throttle::acquire`] accepts at once (at most
+    /// [`MAX_REQUEST_BYTES`] whatever the rate, so callers may read it once).
     pub fn max_request_bytes(&self) -> usize {
-        self.burst_bytes.min(MAX_REQUEST_BYTES)
+        self.shared.current().burst_bytes.min(MAX_REQUEST_BYTES)
     }
 
     /// Wait until `bytes` (at most [`Throttle::max_request_bytes`]) may pass.
     pub async fn acquire(&self, bytes: usize) {
-        let Some(limiter) = &self.limiter else { return };
+        let Current {
+            limiter,
+            burst_bytes,
+        } = self.shared.current();
+        let Some(limiter) = limiter else { return };
         let cells = bytes.div_ceil(CELL_BYTES as usize).max(1) as u32;
         let cells = NonZeroU32::new(cells).expect("at least one cell");
         let started = std::time::Instant::now();
         // A request above the burst is split by callers; if one slips through,
         // wait for the burst instead of failing the copy.
         if limiter.until_n_ready(cells).await.is_err() {
-            let burst = NonZeroU32::new((self.burst_bytes / CELL_BYTES as usize).max(1) as u32)
+            let burst = NonZeroU32::new((burst_bytes / CELL_BYTES as usize).max(1) as u32)
                 .expect("at least one cell");
             let _ = limiter.until_n_ready(burst).await;
         }
@@ -116,7 +207,7 @@ impl Throttle {
 
     /// [`Throttle::acquire`] from a blocking thread inside a Tokio runtime.
     pub fn acquire_blocking(&self, handle: &tokio::runtime::Handle, bytes: usize) {
-        if self.limiter.is_some() {
+        if self.is_limited() {
             handle.block_on(self.acquire(bytes));
         }
     }
@@ -125,14 +216,6 @@ impl Throttle {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rates_parse_with_units() {
-        assert_eq!("1MiB".parse::<ByteRate>().unwrap(), ByteRate(1024 * 1024));
-        assert_eq!("10MB/s".parse::<ByteRate>().unwrap(), ByteRate(10_000_000));
-        assert!("fast".parse::<ByteRate>().is_err());
-        assert!("10".parse::<ByteRate>().is_err());
-    }
 
     #[tokio::test]
     async fn waiting_for_the_limit_is_recorded() {
@@ -150,6 +233,14 @@ mod tests {
             total >= elapsed / 2 && total > std::time::Duration::from_millis(100),
             "{total:?} of {elapsed:?}"
         );
+    }
+
+    #[test]
+    fn rates_parse_with_units() {
+        assert_eq!("1MiB".parse::<ByteRate>().unwrap(), ByteRate(1024 * 1024));
+        assert_eq!("10MB/s".parse::<ByteRate>().unwrap(), ByteRate(10_000_000));
+        assert!("fast".parse::<ByteRate>().is_err());
+        assert!("10".parse::<ByteRate>().is_err());
     }
 
     #[test]
@@ -180,5 +271,45 @@ mod tests {
             deviation < 0.01,
             "passed {passed_cells} cells, expected about {expected}"
         );
+    }
+
+    #[test]
+    fn after_a_rate_change_the_new_rate_holds() {
+        use governor::clock::FakeRelativeClock;
+        use std::time::Duration;
+        let clock = FakeRelativeClock::default();
+        let limiter = AdjustableLimiter::new(Some(ByteRate(8 << 20)), clock.clone());
+        let request = NonZeroU32::new(64).unwrap(); // 64 KiB reads
+        // Count the cells that pass over `millis` simulated milliseconds,
+        // taking the limiter in force before each step as a caller would.
+        let run = |millis: u64| {
+            let mut passed = 0u64;
+            for _ in 0..millis {
+                let current = limiter.current().limiter.expect("limited");
+                while current.check_n(request).expect("fits the burst").is_ok() {
+                    passed += 64;
+                }
+                clock.advance(Duration::from_millis(1));
+            }
+            passed
+        };
+        let before = run(1000);
+        let expected_before = 8 * 1024 + 8 * 1024 / 10;
+        assert!(
+            before.abs_diff(expected_before) * 100 < expected_before,
+            "before: {before} cells, expected about {expected_before}"
+        );
+        // Down to 2 MiB/s: the next two seconds carry 2 MiB/s, neither the
+        // old rate nor a fresh burst on top.
+        limiter.set_rate(Some(ByteRate(2 << 20)));
+        let after = run(2000);
+        let expected_after = 2 * 2048;
+        assert!(
+            after <= expected_after && after + 64 >= expected_after,
+            "after: {after} cells, expected {expected_after} at most and within one request"
+        );
+        // Lifted: no limiter at all.
+        limiter.set_rate(None);
+        assert!(limiter.current().limiter.is_none());
     }
 }

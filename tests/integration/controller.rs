@@ -35,6 +35,9 @@ use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
 use crate::support::scrape::{Exposition, scrape};
 
 const BUCKET: &str = "haulage-e2e";
+/// The StorageClass of every fixture claim, and its provisioner.
+const STORAGE_CLASS: &str = "haulage-test";
+const PROVISIONER: &str = "test.csi.haulage.dev";
 const PREFIX: &str = "cluster-a";
 /// Generous: two cores shared with other builds, debug binaries.
 const BACKUP_DEADLINE: Duration = Duration::from_secs(240);
@@ -84,8 +87,8 @@ async fn bound_claim(
         json!({"apiVersion": "v1", "kind": "PersistentVolume",
             "metadata": {"name": volume},
             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode],
-                "persistentVolumeReclaimPolicy": "Retain",
-                "csi": {"driver": "test.csi.haulage.dev", "volumeHandle": volume},
+                "persistentVolumeReclaimPolicy": "Retain", "storageClassName": STORAGE_CLASS,
+                "csi": {"driver": PROVISIONER, "volumeHandle": volume},
                 "claimRef": {"namespace": namespace, "name": name}}}),
     )
     .await?;
@@ -96,6 +99,7 @@ async fn bound_claim(
             "metadata": {"name": name, "namespace": namespace,
                 "labels": {"backup": "yes", "claim": name}},
             "spec": {"accessModes": [mode], "volumeName": volume,
+                "storageClassName": STORAGE_CLASS,
                 "resources": {"requests": {"storage": "1Gi"}}}}),
     )
     .await?;
@@ -270,6 +274,14 @@ impl Fixture {
         } else {
             Repository::init(store.clone()).await?;
         }
+
+        create::<k8s_openapi::api::storage::v1::StorageClass>(
+            &client,
+            None,
+            json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+                "metadata": {"name": STORAGE_CLASS}, "provisioner": PROVISIONER}),
+        )
+        .await?;
 
         // Two namespaces, five claims with generated data, three nodes.
         let work = tempfile::tempdir()?;
@@ -1951,5 +1963,519 @@ async fn readiness_follows_the_api_server_and_not_the_storage_location() -> anyh
         0.0
     );
     fixture.stop().await;
+    Ok(())
+}
+
+/// What a watch of every VolumeTransfer saw, event by event.
+#[derive(Debug, Default)]
+struct AdmissionRecord {
+    /// Latest phase of each transfer.
+    phases: std::collections::BTreeMap<(String, String), VolumeTransferPhase>,
+    /// Most transfers Admitted, InProgress or Finalizing after any event.
+    max_running: usize,
+    /// Queue positions seen.
+    positions: std::collections::BTreeSet<i32>,
+    /// Messages of `Admitted=False` conditions seen.
+    holds: std::collections::BTreeSet<String>,
+    /// Grants of transfers seen running.
+    grants: std::collections::BTreeSet<Option<i64>>,
+    /// Events seen.
+    events: usize,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_queues_the_rest()
+-> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    const POLICY_BYTES_PER_SECOND: i64 = 8 << 20;
+    let fixture = Fixture::start(None, 2 << 20, false).await?;
+    let client = &fixture.client;
+    // Selected by provisioner, so the StorageClass cache is what matches it.
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": "one-at-a-time"},
+            "spec": {"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
+                "maxBytesPerSecond": POLICY_BYTES_PER_SECOND}}),
+    )
+    .await?;
+
+    // Every change of every transfer, in the API server's order.
+    let record = Arc::new(std::sync::Mutex::new(AdmissionRecord::default()));
+    let recorder = {
+        let record = record.clone();
+        let events = watcher(
+            Api::<VolumeTransfer>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .applied_objects();
+        tokio::spawn(async move {
+            let mut events = std::pin::pin!(events);
+            while let Some(Ok(transfer)) = events.next().await {
+                let mut record = record.lock().expect("record lock");
+                let status = transfer.status.clone().unwrap_or_default();
+                let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+                let key = (
+                    transfer.metadata.namespace.clone().unwrap_or_default(),
+                    transfer.metadata.name.clone().unwrap_or_default(),
+                );
+                record.phases.insert(key, phase);
+                let running = |phase: &VolumeTransferPhase| {
+                    matches!(
+                        phase,
+                        VolumeTransferPhase::Admitted
+                            | VolumeTransferPhase::InProgress
+                            | VolumeTransferPhase::Finalizing
+                    )
+                };
+                let now_running = record.phases.values().filter(|p| running(p)).count();
+                record.max_running = record.max_running.max(now_running);
+                record.events += 1;
+                if let Some(position) = status.queue_position {
+                    record.positions.insert(position);
+                }
+                if running(&phase) {
+                    record.grants.insert(transfer.spec.granted_bytes_per_second);
+                }
+                if let Some(condition) = haulage::api::condition::find_condition(
+                    &status.conditions,
+                    haulage::api::condition::condition_type::ADMITTED,
+                ) && condition.status == haulage::api::ConditionStatus::False
+                {
+                    record.holds.insert(condition.message.clone());
+                }
+            }
+        })
+    };
+
+    create_backup(client, "serial").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("serial").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "not finished: {:#?}\n{}",
+            record.lock().map(|r| format!("{r:?}")),
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{status:#?}"
+    );
+    let counts = status.volumes.context("volume counts")?;
+    assert_eq!((counts.total, counts.completed), (5, 5));
+
+    // The policy's status settles at nothing running, nothing queued.
+    let policies: Api<haulage::api::StoragePolicy> = Api::all(client.clone());
+    eventually(Duration::from_secs(30), || async {
+        let policy = policies.get("one-at-a-time").await?;
+        let status = policy.status.unwrap_or_default();
+        Ok((status.running_volumes == Some(0) && status.queued_volumes == Some(0)).then_some(()))
+    })
+    .await
+    .context("the StoragePolicy status did not settle")?;
+    recorder.abort();
+
+    {
+        let record = record.lock().expect("record lock");
+        assert_eq!(record.phases.len(), 5, "{record:?}");
+        assert_eq!(
+            record.max_running, 1,
+            "more than one transfer of the policy's storage ran at once: {record:?}"
+        );
+        // Four waited behind the first, numbered from 1.
+        assert!(record.positions.contains(&1), "{record:?}");
+        assert!(
+            record.positions.iter().all(|p| (1..=4).contains(p)),
+            "{record:?}"
+        );
+        assert!(
+            record.holds.iter().any(|message| message
+                .contains("held by StoragePolicy one-at-a-time: 1 of 1 volumes running")),
+            "{record:?}"
+        );
+        // Alone under the policy, each running transfer got its whole bandwidth.
+        assert_eq!(
+            record.grants,
+            std::collections::BTreeSet::from([Some(POLICY_BYTES_PER_SECOND)]),
+            "{record:?}"
+        );
+    }
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the_cap()
+-> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    const CAP: i64 = 4 << 20;
+    let fixture = Fixture::start(None, 4 << 20, false).await?;
+    let client = &fixture.client;
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": "four-mebibytes"},
+            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+    )
+    .await?;
+
+    // After every event: the sum of the grants of the running transfers,
+    // and each transfer's distinct grants while running.
+    #[derive(Debug, Default)]
+    struct Grants {
+        max_sum: i64,
+        unlimited_while_running: usize,
+        per_transfer: std::collections::BTreeMap<String, std::collections::BTreeSet<i64>>,
+    }
+    let grants = Arc::new(std::sync::Mutex::new(Grants::default()));
+    let recorder = {
+        let grants = grants.clone();
+        let events = watcher(
+            Api::<VolumeTransfer>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .applied_objects();
+        tokio::spawn(async move {
+            let mut latest: std::collections::BTreeMap<String, Option<i64>> =
+                std::collections::BTreeMap::new();
+            let mut events = std::pin::pin!(events);
+            while let Some(Ok(transfer)) = events.next().await {
+                let name = transfer.metadata.name.clone().unwrap_or_default();
+                let phase = transfer
+                    .status
+                    .as_ref()
+                    .and_then(|status| status.phase)
+                    .unwrap_or(VolumeTransferPhase::New);
+                let running = matches!(
+                    phase,
+                    VolumeTransferPhase::Admitted
+                        | VolumeTransferPhase::InProgress
+                        | VolumeTransferPhase::Finalizing
+                );
+                let grant = transfer.spec.granted_bytes_per_second;
+                let mut grants = grants.lock().expect("grants lock");
+                if running {
+                    latest.insert(name.clone(), grant);
+                    match grant {
+                        Some(bytes) => {
+                            grants.per_transfer.entry(name).or_default().insert(bytes);
+                        }
+                        None => grants.unlimited_while_running += 1,
+                    }
+                } else {
+                    latest.remove(&name);
+                }
+                let sum = latest
+                    .values()
+                    .map(|grant| grant.unwrap_or(i64::MAX))
+                    .fold(0i64, i64::saturating_add);
+                grants.max_sum = grants.max_sum.max(sum);
+            }
+        })
+    };
+
+    create_backup(client, "resplit").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("resplit").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    recorder.abort();
+    assert_eq!(
+        backup.status.and_then(|status| status.phase),
+        Some(VolumeBackupPhase::Completed)
+    );
+    let logs = fixture.kubelet.all_agent_logs();
+    {
+        let grants = grants.lock().expect("grants lock");
+        assert_eq!(grants.unlimited_while_running, 0, "{grants:?}");
+        assert!(
+            grants.max_sum <= CAP,
+            "the running transfers' grants added up to {} > {CAP}: {grants:?}",
+            grants.max_sum
+        );
+        // Re-split while running: some transfer saw its grant change, and
+        // its agent applied the change without restarting.
+        let resplit = grants
+            .per_transfer
+            .values()
+            .filter(|seen| seen.len() >= 2)
+            .count();
+        assert!(resplit > 0, "no grant changed while running: {grants:?}");
+    }
+    assert!(
+        logs.contains("bandwidth grant changed"),
+        "no agent followed a changed grant:\n{logs}"
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+/// The bandwidth split measured, not asserted (figures in
+/// docs/benchmarks.md): five claims of 7 to 31 MiB of random data under a
+/// StoragePolicy of 6 MiB/s. After every progress report, the sum of the
+/// running agents' measured read rates (each over its last 2 s interval) is
+/// a sample; a sample is steady when the running set and every grant have
+/// not changed for 3 s, so each summed rate was measured under the grants
+/// in force. Also the average over the whole backup. Run with
+/// `cargo test --test integration measure_the_bandwidth_split -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a measurement for docs/benchmarks.md (~30 s), not a check"]
+async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    const CAP: i64 = 6 << 20;
+    /// How long grants and the running set must stand still for a sample
+    /// to count as steady (agents report every 2 s).
+    const STEADY: Duration = Duration::from_secs(3);
+    let fixture = Fixture::start(None, 1 << 20, true).await?;
+    let client = &fixture.client;
+    let claims = [
+        ("shop", "db"),
+        ("shop", "uploads"),
+        ("shop", "archive"),
+        ("web", "content"),
+        ("web", "logs"),
+    ];
+    for (index, (namespace, pvc)) in claims.iter().enumerate() {
+        let size = (index + 1) * (6 << 20);
+        std::fs::write(
+            fixture.volumes.join(namespace).join(pvc).join("extra.bin"),
+            random_bytes(100 + index as u64, size),
+        )?;
+    }
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": "six-mebibytes"},
+            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+    )
+    .await?;
+
+    #[derive(Default)]
+    struct Measured {
+        /// Steady sums of the running transfers' reported rates.
+        steady: Vec<i64>,
+        /// Every sum with at least two running.
+        all: Vec<i64>,
+        first_start: Option<Instant>,
+        last_end: Option<Instant>,
+    }
+    let measured = Arc::new(std::sync::Mutex::new(Measured::default()));
+    let recorder = {
+        let measured = measured.clone();
+        let events = watcher(
+            Api::<VolumeTransfer>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .applied_objects();
+        tokio::spawn(async move {
+            // name → (running, grant, last reported rate)
+            let mut latest: std::collections::BTreeMap<String, (bool, Option<i64>, i64)> =
+                std::collections::BTreeMap::new();
+            let mut last_change = Instant::now();
+            let mut events = std::pin::pin!(events);
+            while let Some(Ok(transfer)) = events.next().await {
+                let now = Instant::now();
+                let status = transfer.status.clone().unwrap_or_default();
+                let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+                let running = phase == VolumeTransferPhase::InProgress;
+                let grant = transfer.spec.granted_bytes_per_second;
+                let rate = status.progress.as_ref().map_or(0, |p| p.bytes_per_second);
+                let name = transfer.metadata.name.clone().unwrap_or_default();
+                let before = latest.insert(name, (running, grant, rate));
+                if before.is_none_or(|(was_running, old_grant, _)| {
+                    was_running != running || old_grant != grant
+                }) {
+                    last_change = now;
+                }
+                let mut measured = measured.lock().expect("measured lock");
+                if running {
+                    measured.first_start.get_or_insert(now);
+                }
+                if phase == VolumeTransferPhase::Completed {
+                    measured.last_end = Some(now);
+                }
+                let rates: Vec<i64> = latest
+                    .values()
+                    .filter(|(running, _, _)| *running)
+                    .map(|(_, _, rate)| *rate)
+                    .collect();
+                if rates.len() >= 2 && rates.iter().all(|rate| *rate > 0) {
+                    let sum = rates.iter().sum();
+                    measured.all.push(sum);
+                    if now.duration_since(last_change) >= STEADY {
+                        measured.steady.push(sum);
+                    }
+                }
+            }
+        })
+    };
+
+    create_backup(client, "measured").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("measured").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    recorder.abort();
+    let status = backup.status.context("status")?;
+    assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let bytes_read: i64 = transfers
+        .list(&ListParams::default())
+        .await?
+        .items
+        .iter()
+        .filter_map(|transfer| transfer.status.as_ref()?.bytes_read)
+        .sum();
+
+    let (mut steady, mut all, first, last) = {
+        let measured = measured.lock().expect("measured lock");
+        (
+            measured.steady.clone(),
+            measured.all.clone(),
+            measured.first_start,
+            measured.last_end,
+        )
+    };
+    let (first, last) = (
+        first.context("no start seen")?,
+        last.context("no end seen")?,
+    );
+    let span = last.duration_since(first).as_secs_f64();
+    assert!(
+        !steady.is_empty() && bytes_read > 0,
+        "nothing measured in steady state"
+    );
+    steady.sort_unstable();
+    all.sort_unstable();
+    let percent = |bytes: i64| 100.0 * bytes as f64 / CAP as f64;
+    println!(
+        "cap {} B/s; steady sums of reported rates: {} samples, min {:.1}%, median {:.1}%, \
+         max {:.1}% of the cap; all sums with >= 2 running: {} samples, median {:.1}%, \
+         max {:.1}%; whole backup: {} B read in {:.1} s from first start to last \
+         completion = {:.1}% of the cap",
+        CAP,
+        steady.len(),
+        percent(steady[0]),
+        percent(steady[steady.len() / 2]),
+        percent(steady[steady.len() - 1]),
+        all.len(),
+        percent(all[all.len() / 2]),
+        percent(all[all.len() - 1]),
+        bytes_read,
+        span,
+        100.0 * bytes_read as f64 / span / CAP as f64,
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_replicas_never_both_hold_the_admission_lease_and_a_dead_holders_lease_is_taken_over()
+-> anyhow::Result<()> {
+    use haulage::controller::lease::{self, LEASE_DURATION_SECONDS, Leadership};
+    let cluster = KubeCluster::start().await?;
+    let client = cluster.client().await?;
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(client.clone(), "default");
+    let replica = |identity: &str| {
+        let leadership = Arc::new(Leadership::default());
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(lease::run(
+            leases.clone(),
+            identity.to_string(),
+            leadership.clone(),
+            shutdown.clone(),
+        ));
+        (leadership, shutdown, task)
+    };
+    let (a, a_shutdown, a_task) = replica("replica-a");
+    let (b, b_shutdown, b_task) = replica("replica-b");
+    // Sampled every 20 ms: never both leaders.
+    let sample = |a: &Leadership, b: &Leadership| {
+        let led = (a.is_leader(), b.is_leader());
+        assert!(!(led.0 && led.1), "both replicas admit at once");
+        led
+    };
+    let start = Instant::now();
+    let mut leader = None;
+    while start.elapsed() < Duration::from_secs(6) {
+        match sample(&a, &b) {
+            (true, _) => leader = leader.or(Some('a')),
+            (_, true) => leader = leader.or(Some('b')),
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let leader = leader.context("no replica took the admission lease")?;
+    let (holder, holder_task, other, other_shutdown, other_task) = match leader {
+        'a' => (a, a_task, b, b_shutdown, b_task),
+        _ => (b, b_task, a, a_shutdown, a_task),
+    };
+    // The holder dies without releasing (its task is aborted): its own
+    // deadline passes before the other may take over, after the lease's
+    // duration of standing still.
+    holder_task.abort();
+    let died = Instant::now();
+    loop {
+        let (_, other_led) = sample(&holder, &other);
+        if other_led {
+            break;
+        }
+        if died.elapsed() > Duration::from_secs(LEASE_DURATION_SECONDS + 15) {
+            bail!("the other replica never took over the dead holder's lease");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let took = died.elapsed();
+    assert!(
+        took >= Duration::from_secs(LEASE_DURATION_SECONDS - 2),
+        "taken over after {took:?}, before the lease could expire"
+    );
+    let lease = leases.get(lease::ADMISSION_LEASE).await?;
+    let spec = lease.spec.context("lease spec")?;
+    assert_ne!(spec.holder_identity, None);
+    assert_eq!(spec.lease_transitions, Some(1));
+
+    // A replica that stops releases the lease (holder cleared).
+    other_shutdown.cancel();
+    other_task.await?;
+    let released = leases.get(lease::ADMISSION_LEASE).await?;
+    assert_eq!(
+        released.spec.and_then(|spec| spec.holder_identity),
+        None,
+        "the stopping holder did not release the lease"
+    );
+    drop(cluster);
     Ok(())
 }
