@@ -615,13 +615,28 @@ fn plan_command_parses_its_arguments() {
         Command::Plan(arguments) => arguments,
         other => panic!("parsed as {other:?}"),
     };
-    assert_eq!(arguments.from_file, std::path::PathBuf::from("dump.yaml"));
+    assert_eq!(
+        arguments.from_file,
+        Some(std::path::PathBuf::from("dump.yaml"))
+    );
     assert_eq!(arguments.selector.as_deref(), Some("app=db"));
     assert_eq!(arguments.namespaces, ["shop", "web"]);
     assert_eq!(format!("{:?}", arguments.output), "Yaml");
     assert!(
-        Cli::try_parse_from(["haulage", "plan"]).is_err(),
-        "--from-file is required"
+        Cli::try_parse_from(["haulage", "plan"]).is_ok(),
+        "without --from-file the current kubeconfig context is read"
+    );
+    assert!(
+        Cli::try_parse_from([
+            "haulage",
+            "plan",
+            "--from-file",
+            "d.yaml",
+            "--context",
+            "prod"
+        ])
+        .is_err(),
+        "a dump and a cluster are not both taken"
     );
 }
 

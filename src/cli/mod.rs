@@ -10,6 +10,7 @@
 
 mod backup;
 mod bench;
+mod cluster;
 mod controller;
 mod crds;
 mod demo;
@@ -183,7 +184,7 @@ pub fn main() -> ExitCode {
             Command::Status(args) => status::run(args).await,
             Command::Controller(args) => controller::run(args, cancel.clone()).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
-            Command::Plan(arguments) => return plan::run(&arguments),
+            Command::Plan(arguments) => return plan::run(&arguments).await,
             Command::Crds(arguments) => crds::run(&arguments),
         };
         match result {

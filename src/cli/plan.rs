@@ -1,6 +1,6 @@
-//! `haulage plan`: show where a backup's stage pods would run, from a
-//! `kubectl get nodes,pods,pvc,pv,storageclasses,csinodes -A -o yaml` dump,
-//! without touching a cluster.
+//! `haulage plan`: show where a backup's stage pods would run, from the
+//! current kubeconfig context (read-only: lists, never writes) or from a
+//! `kubectl get nodes,pods,pvc,pv,storageclasses,csinodes -A -o yaml` dump.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,8 +15,12 @@ use crate::plan::{LabelSelector, Selection, dump, plan_stage_pods};
 pub struct PlanArgs {
     /// Cluster dump to plan from: the output of
     /// `kubectl get nodes,pods,pvc,pv,storageclasses,csinodes -A -o yaml` (or `-o json`).
-    #[arg(long, value_name = "DUMP")]
-    pub from_file: PathBuf,
+    /// Without it, the cluster of the current kubeconfig context is read.
+    #[arg(long, value_name = "DUMP", conflicts_with_all = ["kubeconfig", "context"])]
+    pub from_file: Option<PathBuf>,
+    /// The cluster to read when no `--from-file` is given.
+    #[command(flatten)]
+    pub cluster: crate::cli::cluster::ClusterArgs,
     /// Label selector for the claims to back up (kubectl syntax, e.g. `app=db,tier!=cache`).
     #[arg(short = 'l', long)]
     pub selector: Option<String>,
@@ -40,8 +44,8 @@ pub enum OutputFormat {
 }
 
 /// Run `haulage plan`; errors go to stderr with their causes.
-pub fn run(arguments: &PlanArgs) -> ExitCode {
-    match render(arguments) {
+pub async fn run(arguments: &PlanArgs) -> ExitCode {
+    match render(arguments).await {
         Ok(text) => {
             print!("{text}");
             ExitCode::SUCCESS
@@ -53,21 +57,28 @@ pub fn run(arguments: &PlanArgs) -> ExitCode {
     }
 }
 
-fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
+async fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
     let labels = LabelSelector::parse(arguments.selector.as_deref().unwrap_or(""))
         .context("failed to parse --selector")?;
     let selection = Selection {
         namespaces: arguments.namespaces.iter().cloned().collect(),
         labels,
     };
-    let text = std::fs::read_to_string(&arguments.from_file)
-        .with_context(|| format!("failed to read {}", arguments.from_file.display()))?;
-    let facts = dump::parse_dump(&text).with_context(|| {
-        format!(
-            "failed to read cluster facts from {}",
-            arguments.from_file.display()
-        )
-    })?;
+    let facts = match &arguments.from_file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("failed to read {}", path.display()))?;
+            dump::parse_dump(&text)
+                .with_context(|| format!("failed to read cluster facts from {}", path.display()))?
+        }
+        None => {
+            let client = crate::cli::cluster::client(&arguments.cluster)
+                .await
+                .context("cannot reach the Kubernetes API (check --kubeconfig/--context, or plan from a dump with --from-file)")?;
+            let objects = read_cluster(&client, &arguments.namespaces).await?;
+            dump::facts_from_objects(&objects).context("failed to read cluster facts")?
+        }
+    };
     let plan = plan_stage_pods(&facts, &selection).context("failed to plan stage pods")?;
     match arguments.output {
         OutputFormat::Table => Ok(plan.to_table()),
@@ -81,4 +92,89 @@ fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
             serde_yaml::to_string(&plan).context("failed to encode the plan as YAML")
         }
     }
+}
+
+/// What the planner needs from a live cluster: nodes, CSINodes, PVs and
+/// StorageClasses, and pods and claims of the selected namespaces (all when
+/// none is selected). One list per kind; nothing is written.
+async fn read_cluster(
+    client: &kube::Client,
+    namespaces: &[String],
+) -> anyhow::Result<dump::ClusterObjects> {
+    use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+    use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
+    use kube::Api;
+    use kube::api::ListParams;
+
+    async fn list_all<K>(api: Api<K>, what: &str) -> anyhow::Result<Vec<K>>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
+        Ok(api
+            .list(&ListParams::default())
+            .await
+            .with_context(|| {
+                format!("cannot list {what} (check your RBAC: haulage plan needs list on it)")
+            })?
+            .items)
+    }
+    async fn in_namespaces<K>(
+        client: &kube::Client,
+        namespaces: &[String],
+        what: &str,
+    ) -> anyhow::Result<Vec<K>>
+    where
+        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+            + Clone
+            + serde::de::DeserializeOwned
+            + std::fmt::Debug,
+    {
+        if namespaces.is_empty() {
+            return list_all(Api::<K>::all(client.clone()), what).await;
+        }
+        let mut objects = Vec::new();
+        for namespace in namespaces {
+            objects.extend(
+                list_all(
+                    Api::<K>::namespaced(client.clone(), namespace),
+                    &format!("{what} in {namespace}"),
+                )
+                .await?,
+            );
+        }
+        Ok(objects)
+    }
+    // A cluster without CSI drivers may not serve CSINodes to this user;
+    // attach limits are then unknown rather than an error.
+    let csi_nodes = match Api::<CSINode>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+    {
+        Ok(list) => list.items,
+        Err(error) => {
+            eprintln!(
+                "haulage plan: warning: cannot list CSINodes ({error}); CSI attach limits are not checked"
+            );
+            Vec::new()
+        }
+    };
+    Ok(dump::ClusterObjects {
+        nodes: list_all(Api::<Node>::all(client.clone()), "Nodes").await?,
+        csi_nodes,
+        pods: in_namespaces::<Pod>(client, namespaces, "Pods").await?,
+        claims: in_namespaces::<PersistentVolumeClaim>(
+            client,
+            namespaces,
+            "PersistentVolumeClaims",
+        )
+        .await?,
+        volumes: list_all(
+            Api::<PersistentVolume>::all(client.clone()),
+            "PersistentVolumes",
+        )
+        .await?,
+        storage_classes: list_all(Api::<StorageClass>::all(client.clone()), "StorageClasses")
+            .await?,
+        limit_ranges: Vec::new(),
+    })
 }

@@ -18,7 +18,6 @@ use clap::{Args, ValueEnum};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::ListParams;
-use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, ResourceExt};
 use serde::Serialize;
 
@@ -55,13 +54,9 @@ pub struct StatusArgs {
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value = "table")]
     pub output: StatusFormat,
-    /// Kubeconfig file (default: `$KUBECONFIG`, then `~/.kube/config`, then
-    /// the in-cluster configuration).
-    #[arg(long, value_name = "FILE")]
-    pub kubeconfig: Option<std::path::PathBuf>,
-    /// Kubeconfig context (default: the current one).
-    #[arg(long, value_name = "NAME")]
-    pub context: Option<String>,
+    /// The cluster to read.
+    #[command(flatten)]
+    pub cluster: crate::cli::cluster::ClusterArgs,
 }
 
 /// Everything `haulage status` reports.
@@ -575,26 +570,9 @@ pub fn render_table(report: &StatusReport) -> String {
     out
 }
 
-async fn client(arguments: &StatusArgs) -> anyhow::Result<kube::Client> {
-    let options = KubeConfigOptions {
-        context: arguments.context.clone(),
-        ..KubeConfigOptions::default()
-    };
-    let config = match &arguments.kubeconfig {
-        Some(path) => {
-            let kubeconfig = Kubeconfig::read_from(path)
-                .with_context(|| format!("cannot read kubeconfig {}", path.display()))?;
-            kube::Config::from_custom_kubeconfig(kubeconfig, &options).await?
-        }
-        None if arguments.context.is_some() => kube::Config::from_kubeconfig(&options).await?,
-        None => kube::Config::infer().await?,
-    };
-    kube::Client::try_from(config).context("cannot build a Kubernetes client")
-}
-
 /// Run `haulage status`.
 pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
-    let client = client(&arguments)
+    let client = crate::cli::cluster::client(&arguments.cluster)
         .await
         .context("cannot reach the Kubernetes API (check --kubeconfig/--context)")?;
     let namespace = &arguments.namespace;

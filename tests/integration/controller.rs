@@ -469,6 +469,18 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
         work,
         ..
     } = &fixture;
+    // `haulage plan` against the live cluster (the current kubeconfig
+    // context), before the backup: read-only lists, the same planner.
+    let planned = std::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args(["plan", "-n", "shop", "-n", "web", "-o", "json"])
+        .env("KUBECONFIG", fixture.cluster.kubeconfig())
+        .output()?;
+    assert!(
+        planned.status.success(),
+        "haulage plan: {}",
+        String::from_utf8_lossy(&planned.stderr)
+    );
+    let live_plan: serde_json::Value = serde_json::from_slice(&planned.stdout)?;
     create_backup(client, "nightly").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let finished = eventually(BACKUP_DEADLINE, || async {
@@ -512,6 +524,41 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     assert_eq!(pod_of("shop", "db")[0].node, "node-a");
     assert_eq!(pod_of("shop", "uploads").len(), 1);
     assert!(["node-b", "node-c"].contains(&pod_of("shop", "uploads")[0].node.as_str()));
+    // The CLI's plan of the live cluster is the controller's plan.
+    let placements = |pods: Vec<(String, String, Vec<String>)>| {
+        pods.into_iter()
+            .map(|(namespace, node, mut volumes)| {
+                volumes.sort();
+                (namespace, node, volumes)
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let from_cli = placements(
+        live_plan["stagePods"]
+            .as_array()
+            .context("stagePods")?
+            .iter()
+            .map(|pod| {
+                (
+                    pod["namespace"].as_str().unwrap_or_default().to_string(),
+                    pod["node"].as_str().unwrap_or_default().to_string(),
+                    pod["volumes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|volume| volume.as_str().map(str::to_string))
+                        .collect(),
+                )
+            })
+            .collect(),
+    );
+    let from_controller = placements(
+        plan.stage_pods
+            .iter()
+            .map(|pod| (pod.namespace.clone(), pod.node.clone(), pod.volumes.clone()))
+            .collect(),
+    );
+    assert_eq!(from_cli, from_controller, "{live_plan:#}");
 
     let counts = status.volumes.clone().context("volume counts")?;
     assert_eq!((counts.total, counts.completed, counts.failed), (5, 5, 0));
