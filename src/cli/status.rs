@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use anyhow::Context as _;
 use bytesize::ByteSize;
 use clap::{Args, ValueEnum};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::ListParams;
@@ -28,7 +29,9 @@ use crate::api::{
     VolumeBackupPhase,
 };
 use crate::cli::Outcome;
+use crate::controller::lease::ADMISSION_LEASE;
 use crate::controller::location::choose_default;
+use crate::controller::replicas;
 
 /// Label selector of the controller's pods (manifests/controller.yaml).
 pub const CONTROLLER_POD_SELECTOR: &str =
@@ -67,6 +70,9 @@ pub struct StatusReport {
     pub format_version: u32,
     /// The CLI's version.
     pub cli_version: String,
+    /// The replica holding a current admission Lease (`null`: none, so
+    /// no transfer is admitted until one takes it).
+    pub admission_leader: Option<String>,
     /// The namespace read.
     pub namespace: String,
     /// Controller pods, by name.
@@ -105,6 +111,13 @@ pub struct ReplicaReport {
     pub node: Option<String>,
     /// Unfinished backups whose `status.owner` is this replica.
     pub owns: Vec<String>,
+    /// Whether its liveness Lease is current (`null`: it has none, e.g. an
+    /// older version or not started yet); other replicas adopt the backups
+    /// of one whose lease expired.
+    pub lease_alive: Option<bool>,
+    /// Whether it holds the admission Lease (it alone admits transfers
+    /// under the caps).
+    pub admission_leader: bool,
 }
 
 /// One BackupStorageLocation.
@@ -216,6 +229,22 @@ fn replica_report(pod: &Pod, backups: &[VolumeBackup]) -> ReplicaReport {
         let last = without_digest.rsplit('/').next().unwrap_or(without_digest);
         last.split_once(':').map(|(_, tag)| tag.to_string())
     });
+    ReplicaReport {
+        node: pod.spec.as_ref().and_then(|spec| spec.node_name.clone()),
+        owns: owned_by(&name, backups),
+        name,
+        phase: status.phase,
+        ready,
+        restarts,
+        image,
+        version,
+        lease_alive: None,
+        admission_leader: false,
+    }
+}
+
+/// Unfinished backups whose `status.owner` is `name`, sorted.
+fn owned_by(name: &str, backups: &[VolumeBackup]) -> Vec<String> {
     let mut owns: Vec<String> = backups
         .iter()
         .filter(|backup| {
@@ -230,16 +259,82 @@ fn replica_report(pod: &Pod, backups: &[VolumeBackup]) -> ReplicaReport {
         .map(|backup| backup.name_any())
         .collect();
     owns.sort();
-    ReplicaReport {
-        name,
-        phase: status.phase,
-        ready,
-        restarts,
-        image,
-        version,
-        node: pod.spec.as_ref().and_then(|spec| spec.node_name.clone()),
-        owns,
+    owns
+}
+
+/// Add what the Leases say (pure; `now` in seconds): each replica's
+/// liveness, replicas known only by their lease (one running outside the
+/// cluster, or whose pod is gone), and the admission leader.
+pub fn apply_leases(
+    report: &mut StatusReport,
+    leases: &[Lease],
+    backups: &[VolumeBackup],
+    now: i64,
+) {
+    let current = |lease: &Lease| {
+        lease.spec.as_ref().is_some_and(|spec| {
+            let renewed = spec
+                .renew_time
+                .as_ref()
+                .or(spec.acquire_time.as_ref())
+                .map_or(i64::MIN / 2, |time| time.0.as_second());
+            renewed + i64::from(spec.lease_duration_seconds.unwrap_or(0)) >= now
+        })
+    };
+    let holder = |lease: &Lease| {
+        lease
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.holder_identity.clone())
+    };
+    report.admission_leader = leases
+        .iter()
+        .find(|lease| lease.metadata.name.as_deref() == Some(ADMISSION_LEASE))
+        .filter(|lease| current(lease))
+        .and_then(holder);
+    for lease in leases.iter().filter(|lease| {
+        lease
+            .metadata
+            .name
+            .as_deref()
+            .is_some_and(|name| name.starts_with(replicas::LEASE_PREFIX))
+    }) {
+        let Some(identity) = holder(lease) else {
+            continue;
+        };
+        let alive = current(lease);
+        match report
+            .replicas
+            .iter_mut()
+            .find(|replica| replica.name == identity)
+        {
+            Some(replica) => replica.lease_alive = Some(alive),
+            None => report.replicas.push(ReplicaReport {
+                owns: owned_by(&identity, backups),
+                name: identity,
+                phase: None,
+                ready: alive,
+                restarts: 0,
+                image: None,
+                version: None,
+                node: None,
+                lease_alive: Some(alive),
+                admission_leader: false,
+            }),
+        }
     }
+    for replica in &mut report.replicas {
+        replica.admission_leader =
+            report.admission_leader.as_deref() == Some(replica.name.as_str());
+        if replica.lease_alive == Some(false) && !replica.owns.is_empty() {
+            report.problems.push(format!(
+                "replica {} stopped renewing its lease; another replica adopts its backups ({})",
+                replica.name,
+                replica.owns.join(", ")
+            ));
+        }
+    }
+    report.replicas.sort_by(|a, b| a.name.cmp(&b.name));
 }
 
 fn location_report(location: &BackupStorageLocation, now: &Time) -> LocationReport {
@@ -397,6 +492,7 @@ pub fn build_report(
     StatusReport {
         format_version: STATUS_FORMAT_VERSION,
         cli_version: env!("CARGO_PKG_VERSION").to_string(),
+        admission_leader: None,
         namespace: namespace.to_string(),
         replicas,
         locations: location_reports,
@@ -481,18 +577,28 @@ pub fn render_table(report: &StatusReport) -> String {
     } else {
         let _ = writeln!(
             out,
-            "{:<40} {:<6} {:>8}  {:<12} {:<16} OWNS",
-            "NAME", "READY", "RESTARTS", "VERSION", "NODE"
+            "{:<40} {:<6} {:>8}  {:<12} {:<16} {:<8} {:<10} OWNS",
+            "NAME", "READY", "RESTARTS", "VERSION", "NODE", "LEASE", "LEADS"
         );
         for replica in &report.replicas {
             let _ = writeln!(
                 out,
-                "{:<40} {:<6} {:>8}  {:<12} {:<16} {}",
+                "{:<40} {:<6} {:>8}  {:<12} {:<16} {:<8} {:<10} {}",
                 replica.name,
                 if replica.ready { "yes" } else { "no" },
                 replica.restarts,
                 replica.version.as_deref().unwrap_or("-"),
                 replica.node.as_deref().unwrap_or("-"),
+                match replica.lease_alive {
+                    Some(true) => "current",
+                    Some(false) => "expired",
+                    None => "-",
+                },
+                if replica.admission_leader {
+                    "admission"
+                } else {
+                    "-"
+                },
                 if replica.owns.is_empty() {
                     "-".to_string()
                 } else {
@@ -603,14 +709,30 @@ pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
                 .context("cannot list StoragePolicies")
         },
     )?;
-    let report = build_report(
+    // Leases say which replicas are alive and which one admits; a user
+    // without `list leases` still gets the rest.
+    let leases = match Api::<Lease>::namespaced(client.clone(), namespace)
+        .list(&everything)
+        .await
+    {
+        Ok(list) => list.items,
+        Err(error) => {
+            eprintln!(
+                "haulage status: warning: cannot list Leases in {namespace} ({error}); replica liveness and the admission leader are not shown"
+            );
+            Vec::new()
+        }
+    };
+    let now = crate::controller::location::now();
+    let mut report = build_report(
         namespace,
         &pods.items,
         &locations.items,
         &backups.items,
         &policies.items,
-        &crate::controller::location::now(),
+        &now,
     );
+    apply_leases(&mut report, &leases, &backups.items, now.0.as_second());
     match arguments.output {
         StatusFormat::Json => println!("{}", serde_json::to_string_pretty(&report)?),
         StatusFormat::Table => print!("{}", render_table(&report)),
@@ -679,6 +801,63 @@ mod tests {
             observed_generation: None,
         });
         location
+    }
+
+    #[test]
+    fn leases_show_the_admission_leader_and_each_replicas_liveness() {
+        let t = 1_800_000_000;
+        let mut report = build_report(
+            SYSTEM_NAMESPACE,
+            &[pod("controller-a", true, 0)],
+            &[],
+            &[backup(
+                "nightly",
+                VolumeBackupPhase::InProgress,
+                "controller-b",
+            )],
+            &[],
+            &at(0),
+        );
+        let micro = |seconds: i64| {
+            k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+                k8s_openapi::jiff::Timestamp::from_second(seconds).expect("valid"),
+            )
+        };
+        let mut admission = replicas::replica_lease("controller-a", SYSTEM_NAMESPACE, 15, micro(t));
+        admission.metadata.name = Some(ADMISSION_LEASE.to_string());
+        let leases = [
+            admission,
+            replicas::replica_lease("controller-a", SYSTEM_NAMESPACE, 30, micro(t)),
+            replicas::replica_lease("controller-b", SYSTEM_NAMESPACE, 30, micro(t - 300)),
+        ];
+        apply_leases(
+            &mut report,
+            &leases,
+            &[backup(
+                "nightly",
+                VolumeBackupPhase::InProgress,
+                "controller-b",
+            )],
+            t + 5,
+        );
+        assert_eq!(report.admission_leader.as_deref(), Some("controller-a"));
+        let names: Vec<_> = report.replicas.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["controller-a", "controller-b"]);
+        assert!(report.replicas[0].admission_leader);
+        assert_eq!(report.replicas[0].lease_alive, Some(true));
+        assert_eq!(report.replicas[1].lease_alive, Some(false));
+        assert_eq!(report.replicas[1].owns, ["nightly"]);
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| p.contains("controller-b stopped renewing")),
+            "{:?}",
+            report.problems
+        );
+        let table = render_table(&report);
+        assert!(table.contains("admission"), "{table}");
+        assert!(table.contains("expired"), "{table}");
     }
 
     #[test]
