@@ -80,6 +80,10 @@ struct TransfersArguments {
     /// Path-style S3 addressing.
     #[arg(long)]
     path_style: bool,
+    /// PEM certificates to trust for the endpoint besides the system roots
+    /// (the BSL's `caBundle`, mounted with the credentials copy).
+    #[arg(long, env = "HAULAGE_CA_BUNDLE")]
+    ca_bundle: Option<PathBuf>,
     /// Upload cap of this agent, bytes per second (the BSL's).
     #[arg(long)]
     upload_bytes_per_second: Option<std::num::NonZeroU64>,
@@ -245,6 +249,7 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
     options.s3.endpoint = arguments.endpoint.clone();
     options.s3.region = arguments.region.clone();
     options.s3.path_style = arguments.path_style.then_some(true);
+    options.s3.ca_bundle = arguments.ca_bundle.clone();
     options.upload_bytes_per_second = arguments.upload_bytes_per_second;
     options.max_concurrent_requests = arguments.max_concurrent_requests;
     if let Some(path) = &arguments.credentials_file {

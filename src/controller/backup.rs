@@ -503,7 +503,14 @@ async fn credentials_data(
                 .data
                 .and_then(|mut data| data.remove(key))
                 .unwrap_or_default();
-            Ok(BTreeMap::from([(key.clone(), value)]))
+            let mut data = BTreeMap::from([(key.clone(), value)]);
+            if let Some(pem) = &location.spec.ca_bundle {
+                data.insert(
+                    crate::controller::children::CA_BUNDLE_KEY.to_string(),
+                    ByteString(pem.clone().into_bytes()),
+                );
+            }
+            Ok(data)
         }
         Err(message) => Err(Error::Credentials {
             location: location.name_any(),

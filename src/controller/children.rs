@@ -116,6 +116,10 @@ pub fn repository_url(location: &BackupStorageLocationSpec) -> String {
     }
 }
 
+/// Key of the location's `caBundle` in the credentials copy (a name no AWS
+/// credentials key uses).
+pub const CA_BUNDLE_KEY: &str = "haulage-ca-bundle.pem";
+
 /// The agent's command-line arguments for a stage pod of this location:
 /// the agent needs no read access to the BSL, its settings arrive here.
 pub fn agent_arguments(location: &BackupStorageLocationSpec) -> Vec<String> {
@@ -134,6 +138,13 @@ pub fn agent_arguments(location: &BackupStorageLocationSpec) -> Vec<String> {
     }
     if location.s3_force_path_style == Some(true) {
         arguments.push("--path-style".to_string());
+    }
+    // A private CA travels with the credentials copy, as a file.
+    if location.ca_bundle.is_some() {
+        arguments.extend([
+            "--ca-bundle".to_string(),
+            format!("{CREDENTIALS_PATH}/{CA_BUNDLE_KEY}"),
+        ]);
     }
     // The location's caps, applied by each agent to its own uploads.
     if let Some(rate) = location.upload_bytes_per_second {
@@ -326,6 +337,19 @@ mod tests {
             long.chars()
                 .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
         );
+    }
+
+    #[test]
+    fn a_location_with_a_private_ca_gives_the_agent_its_bundle_as_a_file() {
+        let mut spec = location();
+        spec.ca_bundle = Some("-----BEGIN CERTIFICATE-----\n...".to_string());
+        let arguments = agent_arguments(&spec);
+        let at = arguments
+            .iter()
+            .position(|argument| argument == "--ca-bundle")
+            .expect("--ca-bundle passed");
+        assert_eq!(arguments[at + 1], format!("/credentials/{CA_BUNDLE_KEY}"));
+        assert!(!agent_arguments(&location()).contains(&"--ca-bundle".to_string()));
     }
 
     #[test]

@@ -223,22 +223,38 @@ impl Fixture {
             small_packs,
             secret_key,
             &[],
+            false,
         )
         .await
     }
 
+    /// Like [`Fixture::start`] with MinIO serving HTTPS under a throwaway
+    /// CA that the BSL's `caBundle` carries.
+    async fn start_tls(volume_bytes: u64) -> anyhow::Result<Self> {
+        Self::start_with_objects(None, volume_bytes, false, SECRET_KEY, &[], true).await
+    }
+
     /// Like [`Fixture::start_with_secret`], with `extra_objects` (more
     /// BSLs, Secrets) created in the controller's namespace before the
-    /// controller starts.
+    /// controller starts, and MinIO on HTTPS when `tls`.
     async fn start_with_objects(
         upload_bytes_per_second: Option<u64>,
         volume_bytes: u64,
         small_packs: bool,
         secret_key: &str,
         extra_objects: &[serde_json::Value],
+        tls: bool,
     ) -> anyhow::Result<Self> {
         let cluster = KubeCluster::start().await?;
-        let minio = MinioServer::start().await?;
+        let minio = if tls {
+            MinioServer::start_tls().await?
+        } else {
+            MinioServer::start().await?
+        };
+        let ca_bundle = match minio.ca_bundle() {
+            Some(path) => Some(std::fs::read_to_string(path)?),
+            None => None,
+        };
         minio.create_bucket(BUCKET).await?;
         let client = cluster.client().await?;
         cluster
@@ -260,7 +276,9 @@ impl Fixture {
 
         // The repository, initialised as a user would with `haulage repo init`.
         let repository_url = format!("s3://{BUCKET}/{PREFIX}");
-        let store = open_store(&repository_url, &minio.store_options()).await?;
+        let mut store_options = minio.store_options();
+        store_options.s3.ca_bundle = minio.ca_bundle().map(Path::to_path_buf);
+        let store = open_store(&repository_url, &store_options).await?;
         if small_packs {
             let mut config = haulage::repo::config::RepoConfig::generate();
             config.pack_target_bytes = 1 << 20;
@@ -343,7 +361,7 @@ impl Fixture {
             "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
             "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
                 "region": REGION, "s3ForcePathStyle": true, "default": true,
-                "credential": {"name": "s3-credentials", "key": "cloud"},
+                "credential": {"name": "s3-credentials", "key": "cloud"}, "caBundle": ca_bundle,
                 "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
         )
         .await?;
@@ -1105,6 +1123,7 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
             wrong_credentials,
             location_object("stopped", &stopped.endpoint(), BUCKET, "s3-credentials"),
         ],
+        false,
     )
     .await?;
     let client = &fixture.client;
@@ -2524,5 +2543,41 @@ async fn two_replicas_never_both_hold_the_admission_lease_and_a_dead_holders_lea
         "the stopping holder did not release the lease"
     );
     drop(cluster);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backup_to_a_location_behind_a_private_ca_completes() -> anyhow::Result<()> {
+    // MinIO serves HTTPS with a certificate from a throwaway CA that only
+    // the BSL's caBundle carries: the probe and every agent must trust it.
+    let fixture = Fixture::start_tls(1 << 20).await?;
+    let client = &fixture.client;
+    assert!(fixture.minio.endpoint().starts_with("https://"));
+    create_backup_of(
+        client,
+        "private-ca",
+        json!({"matchLabels": {"claim": "db"}}),
+    )
+    .await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("private-ca").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{:?}\n{}",
+        status.results,
+        fixture.kubelet.all_agent_logs()
+    );
+    assert!(status.results[0].snapshot_id.is_some());
+    fixture.stop().await;
     Ok(())
 }
