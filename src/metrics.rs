@@ -168,10 +168,15 @@ where
                 response.content_type,
                 response.body.len()
             );
-            if stream.write_all(head.as_bytes()).await.is_ok() {
-                let _ = stream.write_all(response.body.as_bytes()).await;
-            }
-            let _ = stream.shutdown().await;
+            // A client that stops reading does not hold the task (and the
+            // caches it references) forever.
+            let _ = tokio::time::timeout(Duration::from_secs(READ_TIMEOUT_SECONDS), async {
+                if stream.write_all(head.as_bytes()).await.is_ok() {
+                    let _ = stream.write_all(response.body.as_bytes()).await;
+                }
+                let _ = stream.shutdown().await;
+            })
+            .await;
         });
     }
 }

@@ -339,19 +339,15 @@ async fn run_one(
                         volume_cancel.cancel();
                         return;
                     }
-                    // The CRD refuses moving a final phase; the controller
-                    // canceled it.
+                    // The CRD refuses any write out of a final phase: the
+                    // controller canceled or failed the transfer (its
+                    // backup was deleted, or its stage pod gave up).
+                    Err(kube::Error::Api(status)) if status.code == 422 => {
+                        warn!(transfer = %name, "the controller ended this transfer ({}); stopping", status.message);
+                        volume_cancel.cancel();
+                        return;
+                    }
                     Err(error) => warn!(transfer = %name, "progress not written: {error}"),
-                }
-                if let Ok(current) = api.get(&name).await
-                    && current
-                        .status
-                        .and_then(|status| status.phase)
-                        .is_some_and(|phase| phase == VolumeTransferPhase::Canceled)
-                {
-                    warn!(transfer = %name, "canceled by the controller; stopping");
-                    volume_cancel.cancel();
-                    return;
                 }
             }
         })
@@ -360,7 +356,9 @@ async fn run_one(
     // The grant limits reads from the claim's storage (a StoragePolicy caps
     // reads on backup), and follows the controller's re-splits live.
     let granted = granted_rate(&transfer);
-    let throttle = Throttle::new(granted).recording_wait_into(metrics.read_wait());
+    let throttle = Throttle::new(granted)
+        .recording_wait_into(metrics.read_wait())
+        .cancelled_by(volume_cancel.clone());
     let grant_follower = follow_grant(
         api.clone(),
         name.to_string(),
@@ -464,8 +462,20 @@ async fn run_one(
             }))
         }
     };
-    api.patch_status(name, &apply, &Patch::Apply(&patch))
-        .await
-        .with_context(|| format!("failed to write the final status of VolumeTransfer {name}"))?;
-    Ok(())
+    match api.patch_status(name, &apply, &Patch::Apply(&patch)).await {
+        Ok(_) => Ok(()),
+        // Ended by the controller meanwhile (final phases are final): what
+        // was stored stays in the repository for the next backup.
+        Err(kube::Error::Api(status)) if status.code == 422 || status.code == 404 => {
+            warn!(
+                transfer = name,
+                "not recording the outcome: the controller already ended this transfer ({})",
+                status.message
+            );
+            Ok(())
+        }
+        Err(error) => Err(anyhow::Error::new(error).context(format!(
+            "failed to write the final status of VolumeTransfer {name}"
+        ))),
+    }
 }

@@ -141,8 +141,14 @@ pub struct StorageLocationReference {
 }
 
 /// What the agent (and, for admission, the controller) reports.
-#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+///
+/// A final phase (Completed, Failed, Canceled) is final on the server: the
+/// API server refuses any status write that leaves it (422), so no writer
+/// with a stale view (an agent's progress report, an admission pass) can
+/// bring a finished transfer back to life.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, KubeSchema)]
 #[serde(rename_all = "camelCase")]
+#[x_kube(validation = Rule::new("!has(oldSelf.phase) || !(oldSelf.phase in ['Completed', 'Failed', 'Canceled']) || (has(self.phase) && self.phase == oldSelf.phase)").message("a Completed, Failed or Canceled transfer keeps its phase: create a new backup to move the volume again"))]
 pub struct VolumeTransferStatus {
     /// Where the transfer is in its life.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -206,8 +212,10 @@ pub struct VolumeTransferStatus {
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentClaim {
-    /// The agent's identity: its pod name and UID (`name/uid`), from the
-    /// downward API, so a restarted pod with a new UID is a new agent.
+    /// The agent's identity: its stage pod's name, from the downward API.
+    /// A restarted container, or a stage pod recreated under the same
+    /// name, is the same agent and claims its transfers again (resuming
+    /// from the packs already stored).
     #[schemars(length(min = 1, max = 512))]
     pub identity: String,
     /// When it claimed the transfer.

@@ -418,7 +418,7 @@ impl Admitter {
                 continue;
             }
             if let Err(error) = self.pass().await {
-                warn!(error = %error, kind = error.label(), "admission pass failed; retrying");
+                warn!(error = %error.chain(), kind = error.label(), "admission pass failed; retrying");
             }
         }
     }
@@ -535,37 +535,30 @@ impl Admitter {
         }
     }
 
-    /// Server-side apply of the transfer's spec with the new grant, with
-    /// the controller's field manager. The whole spec and the owner labels
-    /// are applied again as cached (the controller owns them; leaving a
-    /// field out of an apply would remove it).
+    /// Write the transfer's new grant as a merge patch of that one field
+    /// (with the controller's field manager). A merge patch never creates:
+    /// a transfer deleted meanwhile (its backup was canceled) stays deleted
+    /// (404), and re-applying the transfer's desired spec when a stage pod
+    /// is recreated does not remove the grant (it is owned by this update,
+    /// not by that apply).
     async fn apply_grant(
         &self,
         transfer: &VolumeTransfer,
         grant: Option<u64>,
     ) -> Result<Option<String>, Error> {
         let key = key_of(transfer);
-        let mut spec = transfer.spec.clone();
-        spec.granted_bytes_per_second = grant.map(|bytes| i64::try_from(bytes).unwrap_or(i64::MAX));
-        let patch = serde_json::json!({
-            "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-            "kind": "VolumeTransfer",
-            "metadata": {"name": key.name, "namespace": key.namespace, "labels": transfer.labels()},
-            "spec": spec,
-        });
+        let granted = grant.map(|bytes| i64::try_from(bytes).unwrap_or(i64::MAX));
+        let patch = serde_json::json!({"spec": {"grantedBytesPerSecond": granted}});
         let api: Api<VolumeTransfer> = Api::namespaced(self.context.client.clone(), &key.namespace);
-        match api
-            .patch(
-                &key.name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await
-        {
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        match api.patch(&key.name, &params, &Patch::Merge(&patch)).await {
             Ok(written) => Ok(written.resource_version()),
             Err(error) if crate::controller::error::is_not_found(&error) => Ok(None),
             Err(source) => Err(kube_error(
-                "apply the bandwidth grant of",
+                "write the bandwidth grant of",
                 "VolumeTransfer",
                 key.to_string(),
             )(source)),

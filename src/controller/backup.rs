@@ -85,12 +85,17 @@ fn owner_of(backup: &VolumeBackup) -> Result<Owner, Error> {
     })
 }
 
-fn status_patch(status: &VolumeBackupStatus) -> serde_json::Value {
-    serde_json::json!({
+/// The status apply, conditional on `resource_version` when given.
+fn status_patch(status: &VolumeBackupStatus, resource_version: Option<&str>) -> serde_json::Value {
+    let mut patch = serde_json::json!({
         "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
         "kind": "VolumeBackup",
         "status": status,
-    })
+    });
+    if let Some(version) = resource_version {
+        patch["metadata"] = serde_json::json!({"resourceVersion": version});
+    }
+    patch
 }
 
 async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error> {
@@ -106,8 +111,24 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         return Ok(Action::await_change());
     }
 
+    // Status writes carry the resourceVersion this replica last saw: a
+    // replica acting on a stale cache (back from a network partition after
+    // another adopted its backups) gets a conflict instead of taking the
+    // backup back.
+    let mut resource_version = backup.resource_version();
     let claim = match &old.owner {
-        Some(claim) if &claim.replica == identity => claim.clone(),
+        Some(claim) if &claim.replica == identity => {
+            if !context
+                .heartbeat
+                .is_fresh(context.config.replica_lease_seconds)
+            {
+                warn!(
+                    "this replica's lease has not been renewed recently (API server unreachable?); not acting on its backups until it is, since another replica may adopt them"
+                );
+                return Ok(Action::requeue(Duration::from_secs(5)));
+            }
+            claim.clone()
+        }
         Some(claim) => {
             // Another replica owns it and keeps working on it, unless it
             // stopped renewing its lease: then this one adopts it.
@@ -132,9 +153,10 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
                 claimed_at: now(),
                 adopted_from: Some(claim.replica.clone()),
             };
-            if !take_ownership(backup, &api, &owner, &adopted).await? {
+            let Some(version) = take_ownership(backup, &api, &owner, &adopted).await? else {
                 return Ok(Action::await_change());
-            }
+            };
+            resource_version = version;
             warn!(replica = %identity, previous = %claim.replica, "adopted: {why}");
             adopted
         }
@@ -144,9 +166,10 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
                 claimed_at: now(),
                 adopted_from: None,
             };
-            if !take_ownership(backup, &api, &owner, &claimed).await? {
+            let Some(version) = take_ownership(backup, &api, &owner, &claimed).await? else {
                 return Ok(Action::await_change());
-            }
+            };
+            resource_version = version;
             info!(replica = %identity, "claimed");
             claimed
         }
@@ -184,7 +207,7 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         api.patch_status(
             &owner.name,
             &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(status_patch(&status)),
+            &Patch::Apply(status_patch(&status, resource_version.as_deref())),
         )
         .await
         .map_err(kube_error("apply status of", "VolumeBackup", &owner.name))?;
@@ -203,13 +226,13 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
 /// Write `claim` as the backup's owner, on the condition that the backup
 /// did not change since it was read (a resourceVersion precondition): of
 /// two replicas racing to claim or adopt it, exactly one wins. `false` when
-/// this one lost.
+/// this one lost, else the backup's new resourceVersion.
 async fn take_ownership(
     backup: &VolumeBackup,
     api: &Api<VolumeBackup>,
     owner: &Owner,
     claim: &OwnerClaim,
-) -> Result<bool, Error> {
+) -> Result<Option<Option<String>>, Error> {
     let patch = serde_json::json!({
         "metadata": {"resourceVersion": backup.resource_version()},
         "status": {"owner": claim},
@@ -218,10 +241,10 @@ async fn take_ownership(
         .patch_status(&owner.name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
     {
-        Ok(_) => Ok(true),
+        Ok(written) => Ok(Some(written.resource_version())),
         Err(error) if is_conflict(&error) => {
             info!("another replica claimed it first, or it changed; moving on");
-            Ok(false)
+            Ok(None)
         }
         Err(source) => Err(kube_error("claim", "VolumeBackup", &owner.name)(source)),
     }

@@ -69,6 +69,23 @@ pub enum Error {
 }
 
 impl Error {
+    /// The error with every cause, `a: b: c`, for logs: "failed to apply
+    /// Pod shop/x: ApiError: pods is forbidden: ..." rather than the first
+    /// line only.
+    pub fn chain(&self) -> String {
+        let mut text = self.to_string();
+        let mut source = std::error::Error::source(self);
+        while let Some(cause) = source {
+            let line = cause.to_string();
+            if !text.contains(&line) {
+                text.push_str(": ");
+                text.push_str(&line);
+            }
+            source = cause.source();
+        }
+        text
+    }
+
     /// Whether the same call may succeed later without a user changing
     /// anything: API server hiccups, conflicts and throttling are; a
     /// refused object (validation, forbidden) or bad input is not.
@@ -130,4 +147,31 @@ pub(crate) fn is_not_found(error: &kube::Error) -> bool {
 /// Whether a kube error is a 409 (a failed precondition or an existing name).
 pub(crate) fn is_conflict(error: &kube::Error) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == 409)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_log_line_carries_every_cause() {
+        let error = Error::Kube {
+            action: "apply",
+            kind: "Pod",
+            name: "shop/stage-a".to_string(),
+            source: kube::Error::Api(
+                kube::core::Status::failure(
+                    "pods \"stage-a\" is forbidden: exceeded quota",
+                    "Forbidden",
+                )
+                .boxed(),
+            ),
+        };
+        let line = error.chain();
+        assert!(
+            line.starts_with("failed to apply Pod shop/stage-a: "),
+            "{line}"
+        );
+        assert!(line.contains("exceeded quota"), "{line}");
+    }
 }

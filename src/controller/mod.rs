@@ -259,6 +259,8 @@ pub struct Context {
     pub config: Config,
     /// Shared caches.
     pub stores: Stores,
+    /// When this replica last renewed its liveness lease.
+    pub heartbeat: replicas::Heartbeat,
 }
 
 /// The controller could not run.
@@ -284,7 +286,7 @@ where
 {
     warn!(
         object = %object.name_any(),
-        error = %error,
+        error = %error.chain(),
         kind = error.label(),
         transient = error.is_transient(),
         "reconcile failed"
@@ -445,13 +447,19 @@ pub async fn run_with_listener(
 
     // This replica's liveness lease, written before it claims anything.
     // An API server that is not reachable yet is waited for, not a crash.
+    // The leases are released only once every reconcile in flight has
+    // finished (their own token, cancelled after the controllers stop):
+    // another replica must not adopt or admit while this one still writes.
+    let release_leases = CancellationToken::new();
+    let heartbeat = replicas::Heartbeat::default();
     let lease_task = loop {
         match replicas::keep_alive(
             client.clone(),
             config.namespace.clone(),
             config.identity.clone(),
             config.replica_lease_seconds,
-            shutdown.clone(),
+            heartbeat.clone(),
+            release_leases.clone(),
         )
         .await
         {
@@ -618,6 +626,7 @@ pub async fn run_with_listener(
         client: client.clone(),
         config: config.clone(),
         stores,
+        heartbeat,
     });
     // Admission: one replica at a time (the admission lease holder) runs
     // the admission loop, woken by changes of transfers, locations and
@@ -628,7 +637,7 @@ pub async fn run_with_listener(
         Api::namespaced(client.clone(), &config.namespace),
         config.identity.clone(),
         leadership.clone(),
-        shutdown.clone(),
+        release_leases.clone(),
     )));
     let wake = Arc::new(tokio::sync::Notify::new());
     for events in [
@@ -722,10 +731,13 @@ pub async fn run_with_listener(
 
     info!(identity = %config.identity, namespace = %config.namespace, "controller started");
     futures::future::join(backup_controller, location_controller).await;
-    // Releases the lease, so other replicas adopt this one's backups now.
-    let _ = lease_task.await;
+    // Every reconcile and admission pass has ended (the admission loop
+    // stops at `shutdown`): release the replica lease, so other replicas
+    // adopt this one's backups now, and the admission lease, so another
+    // admits at once.
     let _ = admission.await;
-    // The lease is released on shutdown, so another replica admits at once.
+    release_leases.cancel();
+    let _ = lease_task.await;
     let _ = lease_loop.await;
     info!("controller stopped");
     Ok(())

@@ -145,6 +145,7 @@ pub async fn keep_alive(
     namespace: String,
     identity: String,
     duration_seconds: u32,
+    heartbeat: Heartbeat,
     shutdown: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, kube::Error> {
     let api: Api<Lease> = Api::namespaced(client, &namespace);
@@ -164,6 +165,7 @@ pub async fn keep_alive(
         }
     };
     renew().await?;
+    heartbeat.renewed();
     Ok(tokio::spawn(async move {
         let mut ticker = tokio::time::interval(Duration::from_secs(RENEW_SECONDS));
         ticker.tick().await;
@@ -173,7 +175,10 @@ pub async fn keep_alive(
                 _ = ticker.tick() => {}
             }
             match renew().await {
-                Ok(_) => debug!("replica lease renewed"),
+                Ok(_) => {
+                    heartbeat.renewed();
+                    debug!("replica lease renewed");
+                }
                 Err(error) => warn!(
                     %error,
                     "cannot renew this replica's lease; other replicas adopt its backups if this lasts {duration_seconds}s"
@@ -190,6 +195,36 @@ pub async fn keep_alive(
             }
         }
     }))
+}
+
+/// When this replica last renewed its lease (monotonic clock), shared
+/// with the reconcilers: a replica that could not renew for most of a
+/// lease duration stops writing to the backups it owns, since another
+/// replica may be adopting them.
+#[derive(Debug, Clone, Default)]
+pub struct Heartbeat(std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>);
+
+impl Heartbeat {
+    /// Record a successful renewal now.
+    pub fn renewed(&self) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(std::time::Instant::now());
+    }
+
+    /// Whether the last renewal is recent enough to act as owner: within
+    /// the lease duration less the clock-skew allowance others grant.
+    pub fn is_fresh(&self, lease_seconds: u32) -> bool {
+        let last = *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let window = Duration::from_secs(
+            u64::from(lease_seconds).saturating_sub(SKEW_SECONDS.unsigned_abs()),
+        );
+        last.is_some_and(|last| last.elapsed() < window)
+    }
 }
 
 /// The cached replica leases.
@@ -220,6 +255,18 @@ mod tests {
             spec.lease_duration_seconds = Some(duration);
         }
         lease
+    }
+
+    #[test]
+    fn a_heartbeat_is_fresh_only_after_a_recent_renewal() {
+        let heartbeat = Heartbeat::default();
+        assert!(!heartbeat.is_fresh(30), "never renewed");
+        heartbeat.renewed();
+        assert!(heartbeat.is_fresh(30));
+        assert!(
+            !heartbeat.is_fresh(5),
+            "a window shorter than the skew is never fresh"
+        );
     }
 
     #[test]

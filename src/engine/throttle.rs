@@ -144,6 +144,9 @@ impl<C: Clock + Clone> AdjustableLimiter<C> {
 pub struct Throttle {
     shared: Arc<AdjustableLimiter<DefaultClock>>,
     waited: WaitTime,
+    /// Once cancelled, waits end at once (a copy being stopped must not sit
+    /// out a slow grant first).
+    cancel: Option<tokio_util::sync::CancellationToken>,
 }
 
 impl Throttle {
@@ -157,7 +160,15 @@ impl Throttle {
         Throttle {
             shared: Arc::new(AdjustableLimiter::new(rate, DefaultClock::default())),
             waited: WaitTime::default(),
+            cancel: None,
         }
+    }
+
+    /// End every wait as soon as `cancel` is cancelled (shared by clones
+    /// made afterwards): a stopping copy does not wait for its budget.
+    pub fn cancelled_by(mut self, cancel: tokio_util::sync::CancellationToken) -> Self {
+        self.cancel = Some(cancel);
+        self
     }
 
     /// Record the time callers wait for this limit into `waited` (shared
@@ -195,12 +206,23 @@ impl Throttle {
         let cells = bytes.div_ceil(CELL_BYTES as usize).max(1) as u32;
         let cells = NonZeroU32::new(cells).expect("at least one cell");
         let started = std::time::Instant::now();
-        // A request above the burst is split by callers; if one slips through,
-        // wait for the burst instead of failing the copy.
-        if limiter.until_n_ready(cells).await.is_err() {
-            let burst = NonZeroU32::new((burst_bytes / CELL_BYTES as usize).max(1) as u32)
-                .expect("at least one cell");
-            let _ = limiter.until_n_ready(burst).await;
+        let wait = async {
+            // A request above the burst is split by callers; if one slips
+            // through, wait for the burst instead of failing the copy.
+            if limiter.until_n_ready(cells).await.is_err() {
+                let burst = NonZeroU32::new((burst_bytes / CELL_BYTES as usize).max(1) as u32)
+                    .expect("at least one cell");
+                let _ = limiter.until_n_ready(burst).await;
+            }
+        };
+        match &self.cancel {
+            Some(cancel) => {
+                tokio::select! {
+                    _ = cancel.cancelled() => {}
+                    _ = wait => {}
+                }
+            }
+            None => wait.await,
         }
         self.waited.add(started.elapsed());
     }
@@ -233,6 +255,19 @@ mod tests {
             total >= elapsed / 2 && total > std::time::Duration::from_millis(100),
             "{total:?} of {elapsed:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_copy_does_not_wait_for_its_budget() {
+        let cancel = tokio_util::sync::CancellationToken::new();
+        // 1 KiB/s: after the first request, the next would wait ~256 s.
+        let throttle = Throttle::new(Some(ByteRate(1024))).cancelled_by(cancel.clone());
+        let request = throttle.max_request_bytes();
+        throttle.acquire(request).await;
+        cancel.cancel();
+        tokio::time::timeout(std::time::Duration::from_secs(5), throttle.acquire(request))
+            .await
+            .expect("the wait ends when the copy is cancelled");
     }
 
     #[test]

@@ -47,18 +47,12 @@ async fn install(cluster: &KubeCluster) -> anyhow::Result<()> {
             )
         })?;
     cluster
-        .kubectl_ok(
-            &[
-                "wait",
-                "--for=condition=Established",
-                "--timeout=60s",
-                "crd/backupstoragelocations.haulage.dev",
-                "crd/storagepolicies.haulage.dev",
-                "crd/volumebackups.haulage.dev",
-                "crd/volumetransfers.haulage.dev",
-            ],
-            None,
-        )
+        .wait_for_crds(&[
+            "crd/backupstoragelocations.haulage.dev",
+            "crd/storagepolicies.haulage.dev",
+            "crd/volumebackups.haulage.dev",
+            "crd/volumetransfers.haulage.dev",
+        ])
         .await?;
     Ok(())
 }

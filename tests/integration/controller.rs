@@ -261,17 +261,11 @@ impl Fixture {
             .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
             .await?;
         cluster
-            .kubectl_ok(
-                &[
-                    "wait",
-                    "--for=condition=Established",
-                    "--timeout=60s",
-                    "crd/volumebackups.haulage.dev",
-                    "crd/volumetransfers.haulage.dev",
-                    "crd/backupstoragelocations.haulage.dev",
-                ],
-                None,
-            )
+            .wait_for_crds(&[
+                "crd/volumebackups.haulage.dev",
+                "crd/volumetransfers.haulage.dev",
+                "crd/backupstoragelocations.haulage.dev",
+            ])
             .await?;
 
         // The repository, initialised as a user would with `haulage repo init`.
@@ -1390,16 +1384,10 @@ async fn without_any_storage_location_the_controller_is_ready_backups_wait_and_s
         .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
         .await?;
     cluster
-        .kubectl_ok(
-            &[
-                "wait",
-                "--for=condition=Established",
-                "--timeout=60s",
-                "crd/volumebackups.haulage.dev",
-                "crd/backupstoragelocations.haulage.dev",
-            ],
-            None,
-        )
+        .wait_for_crds(&[
+            "crd/volumebackups.haulage.dev",
+            "crd/backupstoragelocations.haulage.dev",
+        ])
         .await?;
     let client = cluster.client().await?;
     // The admin client: this test is about having no location, not about

@@ -442,6 +442,25 @@ impl KubeCluster {
         command
     }
 
+    /// Wait until `crds` are Established. `kubectl wait` right after the
+    /// CRDs were created can fail with ".status.conditions accessor error"
+    /// before the API server wrote any condition; that is retried.
+    pub async fn wait_for_crds(&self, crds: &[&str]) -> anyhow::Result<()> {
+        let mut arguments = vec!["wait", "--for=condition=Established", "--timeout=60s"];
+        arguments.extend(crds.iter().copied());
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match self.kubectl_ok(&arguments, None).await {
+                Ok(_) => return Ok(()),
+                Err(error) if attempt < 5 && format!("{error:#}").contains("accessor error") => {
+                    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
     /// Run kubectl with `args` (and `stdin`, if given) and return its output,
     /// whatever the exit status.
     pub async fn kubectl_output(

@@ -256,6 +256,7 @@ impl Kubelet {
             .list(&ListParams::default().labels(STAGE_POD_SELECTOR))
             .await?;
         let mut seen = Vec::new();
+        let mut terminating = Vec::new();
         for pod in list.items {
             let Some(node) = pinned_node(&pod) else {
                 continue;
@@ -270,10 +271,9 @@ impl Kubelet {
             seen.push(key.clone());
             let api: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
             if pod.metadata.deletion_timestamp.is_some() {
-                self.terminate(&key).await;
-                let _ = api
-                    .delete(&name, &DeleteParams::default().grace_period(0))
-                    .await;
+                // Stopped together after this pass, as a kubelet stops
+                // pods in parallel (each within its grace period).
+                terminating.push((key, api, name));
                 continue;
             }
             let replaced = self
@@ -395,8 +395,20 @@ impl Kubelet {
             .filter(|key| !seen.contains(key))
             .cloned()
             .collect();
+        futures::future::join_all(
+            terminating
+                .iter()
+                .map(|(key, _, _)| key)
+                .chain(gone.iter())
+                .map(|key| self.terminate(key)),
+        )
+        .await;
+        for (_, api, name) in &terminating {
+            let _ = api
+                .delete(name, &DeleteParams::default().grace_period(0))
+                .await;
+        }
         for key in gone {
-            self.terminate(&key).await;
             self.processes.lock().expect("lock").remove(&key);
         }
         Ok(())
