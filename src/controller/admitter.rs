@@ -187,7 +187,12 @@ pub fn observe(
                 .as_ref()
                 .map_or(0, |time| time.0.as_second()),
             state,
-            node: pod.as_deref().and_then(node_of),
+            // The pod's node, or while it is being recreated (not in the
+            // cache) the node its transfer was planned on.
+            node: pod
+                .as_deref()
+                .and_then(node_of)
+                .or_else(|| transfer.annotations().get(NODE_ANNOTATION).cloned()),
             location: Some(format!("{}/{}", location.namespace, location.name)),
             policies: policies_of(&key.namespace, &transfer.spec.pvc, caches),
             key,
@@ -757,6 +762,30 @@ mod tests {
             Some(1048576)
         );
         assert_eq!(limits.locations["ops/minio"].max_volumes, Some(3));
+    }
+
+    #[test]
+    fn a_running_transfer_whose_pod_is_being_recreated_still_counts_on_its_planned_node() {
+        let mut running = (*transfer("data", Some(VolumeTransferPhase::InProgress), None)).clone();
+        running.spec.stage_pod = "stage-recreated".to_string();
+        running.metadata.annotations =
+            Some([(NODE_ANNOTATION.to_string(), "node-b".to_string())].into());
+        let transfers = vec![Arc::new(running)];
+        let empty_pods = store_of(Vec::<Pod>::new());
+        let claims = store_of(Vec::<PersistentVolumeClaim>::new());
+        let classes = store_of(Vec::<StorageClass>::new());
+        let caches = Caches {
+            transfers: &transfers,
+            pods: &empty_pods,
+            claims: &claims,
+            classes: &classes,
+            policies: &[],
+            locations: &[],
+        };
+        let (_, facts) = observe(&caches, None, Some(2));
+        assert_eq!(facts.len(), 1);
+        assert_eq!(facts[0].state, TransferState::Running);
+        assert_eq!(facts[0].node.as_deref(), Some("node-b"));
     }
 
     #[test]

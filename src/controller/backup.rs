@@ -596,7 +596,7 @@ async fn create_stage_pod(
 
     let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), namespace);
     for pvc in &planned.volumes {
-        let transfer = desired_transfer(owner, location, &pod_name, namespace, pvc);
+        let transfer = desired_transfer(owner, location, &pod_name, &planned.node, namespace, pvc);
         server_side_apply(&transfers, &transfer, "VolumeTransfer").await?;
     }
     let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);

@@ -160,10 +160,14 @@ pub fn agent_arguments(location: &BackupStorageLocationSpec) -> Vec<String> {
 }
 
 /// The VolumeTransfer of one claim in a planned stage pod.
+/// The transfer carries its stage pod's node (annotation
+/// `haulage.dev/node`), so admission counts it against that node's cap
+/// even while the pod is being recreated.
 pub fn desired_transfer(
     owner: &Owner,
     location: &StorageLocationReference,
     pod_name: &str,
+    node: &str,
     namespace: &str,
     pvc: &str,
 ) -> VolumeTransfer {
@@ -186,6 +190,13 @@ pub fn desired_transfer(
     );
     transfer.metadata.namespace = Some(namespace.to_string());
     transfer.metadata.labels = Some(owner.labels());
+    transfer.metadata.annotations = Some(
+        [(
+            crate::plan::spec::NODE_ANNOTATION.to_string(),
+            node.to_string(),
+        )]
+        .into(),
+    );
     transfer
 }
 
