@@ -138,31 +138,52 @@ async fn wait_for_admission(
     identity: &str,
     cancel: &CancellationToken,
 ) -> anyhow::Result<bool> {
+    // A watch of this one object (the agent's Role allows watching it by
+    // name): no polling, however many transfers wait in the queue.
+    let events = watcher(
+        api.clone(),
+        watcher::Config::default().fields(&format!("metadata.name={name}")),
+    )
+    .default_backoff()
+    .applied_objects();
+    let mut events = std::pin::pin!(events);
     loop {
-        let transfer = api
-            .get(name)
-            .await
-            .with_context(|| format!("failed to get VolumeTransfer {name}"))?;
-        let status = transfer.status.clone().unwrap_or_default();
-        let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
-        if phase.is_final() {
-            info!(transfer = name, ?phase, "already final");
-            return Ok(false);
-        }
-        if let Some(agent) = &status.agent
-            && agent.identity != identity
-        {
-            info!(transfer = name, owner = %agent.identity, "claimed by another agent");
-            return Ok(false);
-        }
-        if phase >= VolumeTransferPhase::Admitted {
-            return Ok(true);
-        }
-        tokio::select! {
+        let next = tokio::select! {
             _ = cancel.cancelled() => return Ok(false),
-            _ = tokio::time::sleep(Duration::from_secs(ADMISSION_POLL_SECONDS)) => {}
+            next = events.next() => next,
+        };
+        match next {
+            Some(Ok(transfer)) => {
+                if let Some(admitted) = admission_decision(&transfer, name, identity) {
+                    return Ok(admitted);
+                }
+            }
+            Some(Err(error)) => warn!(
+                transfer = name,
+                "watch while waiting for admission: {error}"
+            ),
+            None => anyhow::bail!("the watch of VolumeTransfer {name} ended"),
         }
     }
+}
+
+/// What a waiting agent does on seeing `transfer`: `Some(true)` start (it
+/// is admitted), `Some(false)` leave it (final, or another agent's),
+/// `None` keep waiting.
+fn admission_decision(transfer: &VolumeTransfer, name: &str, identity: &str) -> Option<bool> {
+    let status = transfer.status.clone().unwrap_or_default();
+    let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+    if phase.is_final() {
+        info!(transfer = name, ?phase, "already final");
+        return Some(false);
+    }
+    if let Some(agent) = &status.agent
+        && agent.identity != identity
+    {
+        info!(transfer = name, owner = %agent.identity, "claimed by another agent");
+        return Some(false);
+    }
+    (phase >= VolumeTransferPhase::Admitted).then_some(true)
 }
 
 /// The bandwidth the controller grants a transfer (`None`: unlimited).
