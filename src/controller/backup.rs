@@ -158,6 +158,15 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
             };
             resource_version = version;
             warn!(replica = %identity, previous = %claim.replica, "adopted: {why}");
+            context
+                .events
+                .warning(
+                    backup,
+                    reason::ADOPTED_FROM_REPLICA,
+                    "Adopt",
+                    &format!("replica {identity} adopted this backup: {why}"),
+                )
+                .await;
             adopted
         }
         None => {
@@ -171,6 +180,15 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
             };
             resource_version = version;
             info!(replica = %identity, "claimed");
+            context
+                .events
+                .normal(
+                    backup,
+                    reason::CLAIMED_BY_REPLICA,
+                    "Claim",
+                    &format!("claimed by replica {identity}"),
+                )
+                .await;
             claimed
         }
     };
@@ -187,7 +205,7 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     {
         ensure_children(&owner, plan, location, context).await?;
     }
-    let backoff = supervise_stage_pods(&owner, context).await?;
+    let backoff = supervise_stage_pods(backup, &owner, context).await?;
 
     let observed = Observed {
         generation: backup.metadata.generation,
@@ -211,6 +229,30 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         )
         .await
         .map_err(kube_error("apply status of", "VolumeBackup", &owner.name))?;
+    }
+    if let Some(phase) = status.phase.filter(|phase| phase.is_final())
+        && old.phase != Some(phase)
+    {
+        let note = status
+            .message
+            .clone()
+            .unwrap_or_else(|| format!("{phase:?}"));
+        let counts = status.volumes.clone().unwrap_or_default();
+        let note = format!(
+            "{note} ({} of {} volumes completed, {} failed)",
+            counts.completed, counts.total, counts.failed
+        );
+        if phase == crate::api::VolumeBackupPhase::Completed {
+            context
+                .events
+                .normal(backup, "Completed", "Finish", &note)
+                .await;
+        } else {
+            context
+                .events
+                .warning(backup, &format!("{phase:?}"), "Finish", &note)
+                .await;
+        }
     }
     if status.phase.is_some_and(|phase| phase.is_final()) {
         info!(phase = ?status.phase, "backup finished");
@@ -610,7 +652,11 @@ async fn create_stage_pod(
 /// work, and delete a pod whose volumes are all final but which did not
 /// finish (so a crash-looping agent stops). Returns when to look again,
 /// if a backoff is running.
-async fn supervise_stage_pods(owner: &Owner, context: &Context) -> Result<Option<Duration>, Error> {
+async fn supervise_stage_pods(
+    backup: &VolumeBackup,
+    owner: &Owner,
+    context: &Context,
+) -> Result<Option<Duration>, Error> {
     let transfers = owned_transfers(context, owner);
     let mut next_look: Option<Duration> = None;
     for pod in owned_pods(context, owner) {
@@ -650,6 +696,15 @@ async fn supervise_stage_pods(owner: &Owner, context: &Context) -> Result<Option
             Verdict::Healthy => {}
             Verdict::Fail { message } => {
                 warn!(pod = %pod_name, namespace, "{message}");
+                context
+                    .events
+                    .warning(
+                        backup,
+                        reason::STAGE_POD_FAILED,
+                        "SuperviseStagePod",
+                        &message,
+                    )
+                    .await;
                 for transfer in open {
                     fail_transfer(transfer, &message, context).await?;
                 }
@@ -665,6 +720,18 @@ async fn supervise_stage_pods(owner: &Owner, context: &Context) -> Result<Option
                     continue;
                 }
                 warn!(pod = %pod_name, namespace, attempt, "{message}; creating it again");
+                context
+                    .events
+                    .warning(
+                        backup,
+                        "StagePodRecreated",
+                        "SuperviseStagePod",
+                        &format!(
+                            "{message}; creating it again (attempt {attempt} of {})",
+                            stage_pods::MAX_POD_ATTEMPTS
+                        ),
+                    )
+                    .await;
                 for transfer in &of_pod {
                     record_attempts(transfer, attempt - 1, context).await?;
                 }

@@ -737,6 +737,19 @@ pub async fn reconcile(
                             reason = find_reason(&status).unwrap_or_default(),
                             "storage location validated"
                         );
+                        let reason = find_reason(&status).unwrap_or_default();
+                        let note = status.message.clone().unwrap_or_default();
+                        if status.phase == Some(BackupStorageLocationPhase::Available) {
+                            context
+                                .events
+                                .normal(location.as_ref(), "Available", "Validate", &note)
+                                .await;
+                        } else {
+                            context
+                                .events
+                                .warning(location.as_ref(), &reason, "Validate", &note)
+                                .await;
+                        }
                     }
                     let action = period.map_or_else(Action::await_change, requeue_after);
                     (status, action)

@@ -13,6 +13,7 @@
 //! - [`children`]: the pure desired objects of a plan (transfers, stage
 //!   pods, agent RBAC).
 //! - [`error`]: one error variant per failed call, transient or permanent.
+//! - [`events`]: Kubernetes Events on transitions, for `kubectl describe`.
 //! - [`health`]: `/healthz`, `/readyz` (caches synced, API server
 //!   reachable) and `/metrics` on one listener.
 //! - [`metrics`]: the Prometheus series, from the caches at scrape time,
@@ -27,6 +28,7 @@ pub mod admitter;
 pub mod backup;
 pub mod children;
 pub mod error;
+pub mod events;
 pub mod health;
 pub mod lease;
 pub mod location;
@@ -261,6 +263,8 @@ pub struct Context {
     pub stores: Stores,
     /// When this replica last renewed its liveness lease.
     pub heartbeat: replicas::Heartbeat,
+    /// Kubernetes Events publisher.
+    pub events: events::Events,
 }
 
 /// The controller could not run.
@@ -627,6 +631,7 @@ pub async fn run_with_listener(
         config: config.clone(),
         stores,
         heartbeat,
+        events: events::Events::new(client.clone(), &config.identity),
     });
     // Admission: one replica at a time (the admission lease holder) runs
     // the admission loop, woken by changes of transfers, locations and

@@ -1737,6 +1737,33 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
         Some(1),
         "one earlier stage pod for archive"
     );
+    // `kubectl describe vbk supervised` tells the story as Events.
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let reasons = eventually(Duration::from_secs(30), || async {
+        let reasons: std::collections::BTreeSet<String> = events
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|event| {
+                event.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("supervised")
+            })
+            .filter_map(|event| event.reason)
+            .collect();
+        Ok([
+            "ClaimedByReplica",
+            "StagePodRecreated",
+            "StagePodFailed",
+            "PartiallyFailed",
+        ]
+        .iter()
+        .all(|reason| reasons.contains(*reason))
+        .then_some(reasons))
+    })
+    .await
+    .context("the backup's events are missing")?;
+    assert!(reasons.contains("StagePodFailed"), "{reasons:?}");
     eventually(Duration::from_secs(60), || async {
         Ok((leftovers(&client).await? == (0, 0)).then_some(()))
     })
