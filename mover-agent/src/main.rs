@@ -32,9 +32,13 @@ use tokio_util::sync::CancellationToken;
 
 /// Default seconds between progress reports.
 const DEFAULT_PROGRESS_INTERVAL_SECONDS: u64 = 2;
-/// Default number of volumes a stage pod backs up at once: two keep the
-/// upload busy while one volume walks small files, within 128Mi.
-const DEFAULT_PARALLEL_VOLUMES: usize = 2;
+/// Default number of volumes a stage pod backs up at once: one. Each
+/// volume runs its own engine, whose buffers peak at 110–128 MiB on large
+/// claims (docs/benchmarks.md, "Agent memory with large claims"); two at
+/// once took 200–247 MiB, more than the stage pod's 128Mi request. The
+/// engine already uses the pod's CPU for one volume; raise this together
+/// with the StoragePolicy's stage-pod memory.
+const DEFAULT_PARALLEL_VOLUMES: usize = 1;
 
 /// Which way the data moves.
 #[derive(Debug, Clone, Copy, ValueEnum)]

@@ -29,6 +29,8 @@ pub const DEFAULT_CPU_REQUEST_MILLIS: u64 = 100;
 /// Memory a stage pod requests (and is limited to) unless a LimitRange or
 /// StoragePolicy says otherwise; the agent is built to fit it.
 pub const DEFAULT_MEMORY_REQUEST_BYTES: u64 = 128 << 20;
+/// The stage pod's memory limit, as a multiple of its request.
+pub const MEMORY_LIMIT_FACTOR: u64 = 2;
 /// Where each claim is mounted: `/data/<claim name>`.
 pub const DATA_ROOT: &str = "/data";
 /// Where the agent's scratch space (an emptyDir) is mounted; the root
@@ -377,12 +379,19 @@ pub fn build_stage_pod(
     let resources = ResourceRequirements {
         requests: Some(BTreeMap::from([
             ("cpu".to_string(), Quantity(format_millis(cpu_millis))),
-            ("memory".to_string(), memory.clone()),
+            ("memory".to_string(), memory),
         ])),
         // A memory limit keeps a misbehaving agent from squeezing the user's
-        // workloads on the same node; no CPU limit, throttling only slows
-        // the copy.
-        limits: Some(BTreeMap::from([("memory".to_string(), memory)])),
+        // workloads on the same node; it is twice the request, since one
+        // volume's engine peaks at 110–128 MiB on large claims (measured,
+        // docs/benchmarks.md) and an OOM kill at the request would restart
+        // the copy. No CPU limit: throttling only slows the copy.
+        limits: Some(BTreeMap::from([(
+            "memory".to_string(),
+            Quantity(format_bytes(
+                memory_bytes.saturating_mul(MEMORY_LIMIT_FACTOR),
+            )),
+        )])),
         ..ResourceRequirements::default()
     };
 
