@@ -2562,10 +2562,18 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
     })
     .await
     .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
-    let finished = k8s_openapi::jiff::Timestamp::now();
+    let completed = k8s_openapi::jiff::Timestamp::now();
     let status = backup.status.context("status")?;
     assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
-    let backup_seconds = finished.duration_since(created).as_secs_f64();
+    let backup_seconds = completed.duration_since(created).as_secs_f64();
+    // The release (stage pods, Roles, bindings, credentials copies) comes
+    // after the final status: it is part of the backup's requests.
+    eventually(Duration::from_secs(120), || async {
+        Ok((leftovers(client).await? == (0, 0)).then_some(()))
+    })
+    .await
+    .context("stage pods or credentials copies left behind")?;
+    let finished = k8s_openapi::jiff::Timestamp::now();
 
     let transfers: Vec<VolumeTransfer> = Api::<VolumeTransfer>::all(client.clone())
         .list(&ListParams::default())
@@ -2622,8 +2630,9 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
         )
     );
     println!(
-        "controller during the backup ({:.1} s, {} requests):\n{}",
-        backup_seconds,
+        "controller from the backup's creation until its stage pods and copies were gone \
+         ({:.1} s, {} requests):\n{}",
+        finished.duration_since(created).as_secs_f64(),
         during.len(),
         table(
             &count_by_verb_and_resource(during.iter().copied()),
@@ -2638,6 +2647,25 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
             .filter(|r| r.verb == "watch")
             .count()
     );
+    let controller_start = controller_requests
+        .first()
+        .map(|r| r.received)
+        .context("no controller request")?;
+    for request in controller_requests
+        .iter()
+        .filter(|r| r.verb == "list" || r.verb == "watch")
+    {
+        println!(
+            "  {:>6.1} s after the controller's first request: {} {} ({:?})",
+            request
+                .received
+                .duration_since(controller_start)
+                .as_secs_f64(),
+            request.verb,
+            request.resource,
+            request.code
+        );
+    }
     println!(
         "\nagents ({} service accounts, {} requests):\n{}",
         agent_requests
@@ -2658,6 +2686,49 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
         status_writes as f64 / CLAIMS as f64,
         transfer_minutes,
         status_writes as f64 / transfer_minutes,
+    );
+    // Who writes a transfer's status how often: the agent (claim,
+    // progress, completion) and the controller (admission, queue position).
+    for (who, filter) in [
+        (
+            "controller",
+            &(|user: &str| user == controller) as &dyn Fn(&str) -> bool,
+        ),
+        ("agents", &is_agent),
+    ] {
+        let mut per_transfer: std::collections::BTreeMap<&str, f64> = transfers
+            .iter()
+            .filter_map(|transfer| transfer.metadata.name.as_deref())
+            .map(|name| (name, 0.0))
+            .collect();
+        for request in &requests {
+            if filter(&request.user)
+                && request.verb == "patch"
+                && request.resource == "volumetransfers/status"
+                && let Some(count) = request
+                    .name
+                    .as_deref()
+                    .and_then(|name| per_transfer.get_mut(name))
+            {
+                *count += 1.0;
+            }
+        }
+        let mut counts: Vec<f64> = per_transfer.into_values().collect();
+        println!(
+            "volumetransfers/status patches by the {who} per transfer: {}",
+            spread(&mut counts)
+        );
+    }
+    let backup_writes = during
+        .iter()
+        .filter(|r| {
+            r.verb == "patch" && r.resource == "volumebackups/status" && r.received <= completed
+        })
+        .count();
+    println!(
+        "volumebackups/status patches by the controller: {backup_writes} in {backup_seconds:.1} s \
+         = {:.2} per second",
+        backup_writes as f64 / backup_seconds
     );
     let peaks = fixture.kubelet.agent_peak_memory();
     let mut mebibytes: Vec<f64> = peaks
