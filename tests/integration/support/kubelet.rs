@@ -44,11 +44,20 @@ const MEMORY_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 /// holds (the kubelet's limit).
 const TERMINATION_MESSAGE_BYTES: usize = 2048;
 
-/// The `mover-agent` binary next to the test binary. `cargo test
-/// --workspace` builds it first (mover-agent has an integration test, so
-/// its binary is built); `cargo test --test integration` alone does not
-/// rebuild it: run `cargo build -p mover-agent` after changing the agent.
+/// The `mover-agent` binary: `$HAULAGE_AGENT_BIN` if set (a release
+/// build, for a measurement), else the one next to the test binary.
+/// `cargo test --workspace` builds it first (mover-agent has an
+/// integration test, so its binary is built); `cargo test --test
+/// integration` alone does not rebuild it: run `cargo build -p
+/// mover-agent` after changing the agent.
 pub fn agent_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("HAULAGE_AGENT_BIN") {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("HAULAGE_AGENT_BIN={} is not a file", path.display());
+        }
+        return Ok(path);
+    }
     let test_binary = std::env::current_exe()?;
     let directory = test_binary
         .parent()
