@@ -2522,7 +2522,7 @@ fn spread(values: &mut [f64]) -> String {
 /// `cargo build -p mover-agent && cargo test --test integration
 /// measure_api_requests_and_status_writes -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "a measurement for docs/benchmarks.md (~3 min), not a check"]
+#[ignore = "a measurement for docs/benchmarks.md (~1.5 min), not a check"]
 async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyhow::Result<()> {
     use crate::support::audit::{self, count_by_verb_and_resource, table};
     const CLAIMS: usize = 100;
@@ -2851,7 +2851,7 @@ fn resident_memory(pid: u32) -> anyhow::Result<(u64, u64)> {
 /// `$HAULAGE_CONTROLLER_BIN` names another (a release build). Run with
 /// `cargo test --test integration measure_controller_memory -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "a measurement for docs/benchmarks.md (~3 min), not a check"]
+#[ignore = "a measurement for docs/benchmarks.md (~1 min), not a check"]
 async fn measure_controller_memory_with_ten_thousand_claims_in_its_caches() -> anyhow::Result<()> {
     use futures::{StreamExt, TryStreamExt};
     const NAMESPACES: usize = 10;
