@@ -339,7 +339,19 @@ where
     }
 }
 
-/// Run a watcher into a cache until `tasks` is dropped.
+/// Drop an object's `managedFields` before it is cached. The controller
+/// never reads them (its writes are server-side applies built from
+/// scratch, and no cached object is written back), and they are often the
+/// largest part of a small object: with 10,000 PVCs and PVs in the caches,
+/// pruning them took the controller's resident memory from 242 to
+/// 138 MiB (debug build; docs/benchmarks.md, "Controller and agent
+/// budgets").
+fn without_managed_fields<K: kube::Resource>(object: &mut K) {
+    object.meta_mut().managed_fields = None;
+}
+
+/// Run a watcher into a cache until `tasks` is dropped; the cached objects
+/// carry no `managedFields` ([`without_managed_fields`]).
 fn spawn_reflector<K>(
     tasks: &mut JoinSet<()>,
     api: Api<K>,
@@ -357,6 +369,7 @@ fn spawn_reflector<K>(
     tasks.spawn(
         watcher(api, config)
             .default_backoff()
+            .modify(without_managed_fields)
             .reflect(writer)
             .for_each(|_| futures::future::ready(())),
     );
@@ -416,6 +429,7 @@ pub async fn run_with_listener(
     tasks.spawn(
         watcher(Api::<Pod>::all(client.clone()), watcher::Config::default())
             .default_backoff()
+            .modify(without_managed_fields)
             .reflect_shared(pods_writer)
             .for_each(|_| futures::future::ready(())),
     );

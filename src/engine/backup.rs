@@ -20,7 +20,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::fs::{self, File, Metadata};
-use std::io::{self, Read};
+use std::io::{self, Read, Seek};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -856,6 +856,19 @@ impl WalkContext {
         };
         let mut pending: Vec<u8> = take(&self.shared);
         let mut remaining = limit.unwrap_or(u64::MAX);
+        // What the region is expected to hold. A read is charged to the
+        // throttle for what it should find, not for the block it asks for
+        // (a read block asked of a 4 KiB file would spend a 256 KiB share
+        // on 4 KiB: many small files then read at a fraction of their
+        // grant); bytes beyond that (the file grew) are charged after.
+        let expected = match limit {
+            Some(limit) => limit,
+            None if self.throttle.is_limited() => {
+                let position = file.stream_position().map_err(ReadFailure::Io)?;
+                self.file_size_hint.saturating_sub(position)
+            }
+            None => u64::MAX,
+        };
         let mut total = 0u64;
         let mut at_end = false;
         loop {
@@ -867,12 +880,17 @@ impl WalkContext {
                     at_end = true;
                     break;
                 }
-                self.throttle.acquire_blocking(&self.handle, want);
+                let charged =
+                    want.min(expected.saturating_sub(total).clamp(1, usize::MAX as u64) as usize);
+                self.throttle.acquire_blocking(&self.handle, charged);
                 // read_to_end fills spare capacity without zeroing it first.
                 let read = match (&mut *file).take(want as u64).read_to_end(&mut pending) {
                     Ok(read) => read,
                     Err(error) => return Err(ReadFailure::Io(error)),
                 };
+                if read > charged {
+                    self.throttle.acquire_blocking(&self.handle, read - charged);
+                }
                 if read < want {
                     at_end = true;
                 }

@@ -170,9 +170,84 @@ where
     }
 }
 
+/// The namespaces, claims, nodes and application pods of a [`Fixture`].
+struct Layout {
+    namespaces: Vec<String>,
+    /// (namespace, name, access mode, seed of its data).
+    claims: Vec<(String, String, &'static str, u64)>,
+    nodes: Vec<String>,
+    /// Running pods mounting claims: (namespace, pod, node, claim).
+    app_pods: Vec<(String, String, String, String)>,
+    /// MinIO on HTTPS under a throwaway CA that the BSL's `caBundle` carries.
+    tls: bool,
+}
+
+impl Layout {
+    /// Two namespaces, five claims, three nodes, three application pods
+    /// (one claim mounted on node-a, an RWX one on node-b and node-c).
+    fn five_claims() -> Self {
+        let owned = |values: &[&str]| values.iter().map(|v| v.to_string()).collect();
+        Layout {
+            namespaces: owned(&["shop", "web"]),
+            claims: [
+                ("shop", "db", "ReadWriteOnce", 3_u64),
+                ("shop", "uploads", "ReadWriteMany", 4),
+                ("shop", "archive", "ReadWriteOnce", 5),
+                ("web", "content", "ReadWriteOnce", 6),
+                ("web", "logs", "ReadWriteOnce", 7),
+            ]
+            .into_iter()
+            .map(|(namespace, name, mode, seed)| {
+                (namespace.to_string(), name.to_string(), mode, seed)
+            })
+            .collect(),
+            nodes: owned(&["node-a", "node-b", "node-c"]),
+            app_pods: [
+                ("shop", "db-0", "node-a", "db"),
+                ("shop", "uploader-b", "node-b", "uploads"),
+                ("shop", "uploader-c", "node-c", "uploads"),
+            ]
+            .into_iter()
+            .map(|(namespace, pod, node, claim)| {
+                (
+                    namespace.to_string(),
+                    pod.to_string(),
+                    node.to_string(),
+                    claim.to_string(),
+                )
+            })
+            .collect(),
+            tls: false,
+        }
+    }
+
+    /// `claims` unmounted RWO claims `data-NNN`, dealt round-robin over
+    /// `namespaces` namespaces `team-N`, and `nodes` nodes `node-N` for
+    /// the planner to spread them over.
+    fn many(claims: usize, namespaces: usize, nodes: usize) -> Self {
+        Layout {
+            namespaces: (0..namespaces).map(|n| format!("team-{n}")).collect(),
+            claims: (0..claims)
+                .map(|index| {
+                    (
+                        format!("team-{}", index % namespaces),
+                        format!("data-{index:03}"),
+                        "ReadWriteOnce",
+                        1000 + index as u64,
+                    )
+                })
+                .collect(),
+            nodes: (0..nodes).map(|n| format!("node-{n}")).collect(),
+            app_pods: Vec::new(),
+            tls: false,
+        }
+    }
+}
+
 /// A cluster with the manifests applied, MinIO with an initialised
-/// repository, five claims with data on three nodes run by the kubelet
-/// stand-in, an Available BSL and the controller running.
+/// repository, claims with data on nodes run by the kubelet stand-in (the
+/// [`Layout`]: five claims on three nodes unless said otherwise), an
+/// Available BSL and the controller running.
 struct Fixture {
     cluster: KubeCluster,
     minio: MinioServer,
@@ -245,8 +320,43 @@ impl Fixture {
         extra_objects: &[serde_json::Value],
         tls: bool,
     ) -> anyhow::Result<Self> {
-        let cluster = KubeCluster::start().await?;
-        let minio = if tls {
+        let layout = Layout {
+            tls,
+            ..Layout::five_claims()
+        };
+        Self::start_with_layout(
+            layout,
+            false,
+            upload_bytes_per_second,
+            volume_bytes,
+            small_packs,
+            secret_key,
+            extra_objects,
+        )
+        .await
+    }
+
+    /// `claims` of `volume_bytes` of sample data each (no cap, no app
+    /// pods), with the apiserver's audit log on when `audited`.
+    async fn start_many(layout: Layout, audited: bool, volume_bytes: u64) -> anyhow::Result<Self> {
+        Self::start_with_layout(layout, audited, None, volume_bytes, false, SECRET_KEY, &[]).await
+    }
+
+    async fn start_with_layout(
+        layout: Layout,
+        audited: bool,
+        upload_bytes_per_second: Option<u64>,
+        volume_bytes: u64,
+        small_packs: bool,
+        secret_key: &str,
+        extra_objects: &[serde_json::Value],
+    ) -> anyhow::Result<Self> {
+        let cluster = if audited {
+            KubeCluster::start_audited().await?
+        } else {
+            KubeCluster::start().await?
+        };
+        let minio = if layout.tls {
             MinioServer::start_tls().await?
         } else {
             MinioServer::start().await?
@@ -295,17 +405,9 @@ impl Fixture {
         )
         .await?;
 
-        // Two namespaces, five claims with generated data, three nodes.
         let work = tempfile::tempdir()?;
         let volumes = work.path().join("volumes");
-        let claims = [
-            ("shop", "db", "ReadWriteOnce", 3_u64),
-            ("shop", "uploads", "ReadWriteMany", 4),
-            ("shop", "archive", "ReadWriteOnce", 5),
-            ("web", "content", "ReadWriteOnce", 6),
-            ("web", "logs", "ReadWriteOnce", 7),
-        ];
-        for namespace in ["shop", "web"] {
+        for namespace in &layout.namespaces {
             create::<Namespace>(
                 &client,
                 None,
@@ -313,7 +415,7 @@ impl Fixture {
             )
             .await?;
         }
-        for (namespace, name, mode, seed) in claims {
+        for (namespace, name, mode, seed) in &layout.claims {
             bound_claim(&client, namespace, name, mode).await?;
             let directory = volumes.join(namespace).join(name);
             if small_packs {
@@ -323,20 +425,21 @@ impl Fixture {
                     std::fs::write(directory.join(format!("part{part}.bin")), bytes)?;
                 }
             } else {
-                haulage::sample::generate(&directory, volume_bytes, seed)?;
+                haulage::sample::generate(&directory, volume_bytes, *seed)?;
             }
         }
+        let nodes: Vec<&str> = layout.nodes.iter().map(String::as_str).collect();
         let kubelet = Kubelet::start(
             client.clone(),
             cluster.kubeconfig(),
-            &["node-a", "node-b", "node-c"],
+            &nodes,
             &volumes,
             &work.path().join("kubelet"),
         )
         .await?;
-        app_pod(&client, "shop", "db-0", "node-a", "db").await?;
-        app_pod(&client, "shop", "uploader-b", "node-b", "uploads").await?;
-        app_pod(&client, "shop", "uploader-c", "node-c", "uploads").await?;
+        for (namespace, pod, node, claim) in &layout.app_pods {
+            app_pod(&client, namespace, pod, node, claim).await?;
+        }
 
         // The BSL, pointing at MinIO, with its credentials Secret.
         create::<Secret>(
@@ -2478,6 +2581,551 @@ async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<
         100.0 * bytes_read as f64 / span / CAP as f64,
     );
     fixture.stop().await;
+    Ok(())
+}
+
+/// The medians and maximum of `values` (sorted in place), for a printout.
+fn spread(values: &mut [f64]) -> String {
+    if values.is_empty() {
+        return "none".to_string();
+    }
+    values.sort_by(f64::total_cmp);
+    format!(
+        "min {:.1} / median {:.1} / max {:.1}",
+        values[0],
+        values[values.len() / 2],
+        values[values.len() - 1]
+    )
+}
+
+/// The API requests of a VolumeBackup of 100 claims, counted from the
+/// apiserver's audit log (level Metadata, every request): the controller's
+/// by verb and resource (before the backup: its start; during the backup:
+/// per claim), its lists and watches, the agents' requests and status
+/// writes per transfer and per minute of transfer time, and the agents'
+/// peak resident memory sampled by the kubelet stand-in. 100 claims of
+/// 1 MiB of sample data in 4 namespaces on 5 nodes (20 stage pods), under a
+/// StoragePolicy of 2 MiB/s so that transfers last long enough for the
+/// progress writes to show their rate. Prints the figures; asserts only
+/// that the backup completed. Run with
+/// `cargo build -p mover-agent && cargo test --test integration
+/// measure_api_requests_and_status_writes -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a measurement for docs/benchmarks.md (~1.5 min), not a check"]
+async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyhow::Result<()> {
+    use crate::support::audit::{self, count_by_verb_and_resource, table};
+    const CLAIMS: usize = 100;
+    const NAMESPACES: usize = 4;
+    const NODES: usize = 5;
+    const VOLUME_BYTES: u64 = 1 << 20;
+    const CAP: i64 = 2 << 20;
+    let fixture =
+        Fixture::start_many(Layout::many(CLAIMS, NAMESPACES, NODES), true, VOLUME_BYTES).await?;
+    let client = &fixture.client;
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": "two-mebibytes"},
+            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+    )
+    .await?;
+    let namespaces: Vec<String> = (0..NAMESPACES).map(|n| format!("team-{n}")).collect();
+    let created = k8s_openapi::jiff::Timestamp::now();
+    create::<VolumeBackup>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+            "metadata": {"name": "hundred", "namespace": SYSTEM_NAMESPACE},
+            "spec": {"namespaces": namespaces,
+                "selector": {"matchLabels": {"backup": "yes"}}}}),
+    )
+    .await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(Duration::from_secs(900), || async {
+        let backup = backups.get("hundred").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let completed = k8s_openapi::jiff::Timestamp::now();
+    let status = backup.status.context("status")?;
+    assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
+    let backup_seconds = completed.duration_since(created).as_secs_f64();
+    // The release (stage pods, Roles, bindings, credentials copies) comes
+    // after the final status: it is part of the backup's requests.
+    eventually(Duration::from_secs(120), || async {
+        Ok((leftovers(client).await? == (0, 0)).then_some(()))
+    })
+    .await
+    .context("stage pods or credentials copies left behind")?;
+    let finished = k8s_openapi::jiff::Timestamp::now();
+
+    let transfers: Vec<VolumeTransfer> = Api::<VolumeTransfer>::all(client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    assert_eq!(transfers.len(), CLAIMS);
+    let mut transfer_seconds = Vec::new();
+    for transfer in &transfers {
+        let status = transfer.status.as_ref().context("transfer status")?;
+        let start = status.start_time.as_ref().context("startTime")?.0;
+        let end = status.completion_time.as_ref().context("completionTime")?.0;
+        transfer_seconds.push(end.duration_since(start).as_secs_f64());
+    }
+    let transfer_minutes: f64 = transfer_seconds.iter().sum::<f64>() / 60.0;
+
+    let requests = fixture.cluster.audit_requests()?;
+    let controller = audit::service_account(SYSTEM_NAMESPACE, "haulage-controller");
+    let is_agent =
+        |user: &str| user.starts_with("system:serviceaccount:") && user.ends_with(":haulage-agent");
+    let controller_requests: Vec<&audit::Request> =
+        requests.iter().filter(|r| r.user == controller).collect();
+    let (before, during): (Vec<&audit::Request>, Vec<&audit::Request>) = controller_requests
+        .iter()
+        .filter(|r| r.received <= finished)
+        .partition(|r| r.received < created);
+    let agent_requests: Vec<&audit::Request> =
+        requests.iter().filter(|r| is_agent(&r.user)).collect();
+    let status_writes = agent_requests
+        .iter()
+        .filter(|r| {
+            (r.verb == "patch" || r.verb == "update") && r.resource == "volumetransfers/status"
+        })
+        .count();
+    let controller_relists = controller_requests
+        .iter()
+        .filter(|r| r.verb == "list")
+        .count();
+
+    println!(
+        "\n{CLAIMS} claims of {VOLUME_BYTES} B in {NAMESPACES} namespaces on {NODES} nodes, \
+         StoragePolicy {CAP} B/s; backup Completed {backup_seconds:.1} s after it was created; \
+         {} stage pods; transfer time {}  s",
+        status.plan.as_ref().map_or(0, |plan| plan.stage_pods.len()),
+        spread(&mut transfer_seconds.clone()),
+    );
+    println!(
+        "\ncontroller ({controller}), from its start to the backup's creation \
+         ({} requests):\n{}",
+        before.len(),
+        table(
+            &count_by_verb_and_resource(before.iter().copied()),
+            1,
+            "start"
+        )
+    );
+    println!(
+        "controller from the backup's creation until its stage pods and copies were gone \
+         ({:.1} s, {} requests):\n{}",
+        finished.duration_since(created).as_secs_f64(),
+        during.len(),
+        table(
+            &count_by_verb_and_resource(during.iter().copied()),
+            CLAIMS,
+            "claim"
+        )
+    );
+    println!(
+        "controller list calls over the whole run: {controller_relists}; watches: {}",
+        controller_requests
+            .iter()
+            .filter(|r| r.verb == "watch")
+            .count()
+    );
+    let controller_start = controller_requests
+        .first()
+        .map(|r| r.received)
+        .context("no controller request")?;
+    for request in controller_requests
+        .iter()
+        .filter(|r| r.verb == "list" || r.verb == "watch")
+    {
+        println!(
+            "  {:>6.1} s after the controller's first request: {} {} ({:?})",
+            request
+                .received
+                .duration_since(controller_start)
+                .as_secs_f64(),
+            request.verb,
+            request.resource,
+            request.code
+        );
+    }
+    println!(
+        "\nagents ({} service accounts, {} requests):\n{}",
+        agent_requests
+            .iter()
+            .map(|r| r.user.as_str())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len(),
+        agent_requests.len(),
+        table(
+            &count_by_verb_and_resource(agent_requests.iter().copied()),
+            CLAIMS,
+            "transfer"
+        )
+    );
+    println!(
+        "agent status writes: {status_writes} = {:.2} per transfer; transfer time {:.1} min \
+         in all = {:.1} status writes per transfer per minute of transfer time",
+        status_writes as f64 / CLAIMS as f64,
+        transfer_minutes,
+        status_writes as f64 / transfer_minutes,
+    );
+    // Who writes a transfer's status how often: the agent (claim,
+    // progress, completion) and the controller (admission, queue position).
+    for (who, filter) in [
+        (
+            "controller",
+            &(|user: &str| user == controller) as &dyn Fn(&str) -> bool,
+        ),
+        ("agents", &is_agent),
+    ] {
+        let mut per_transfer: std::collections::BTreeMap<&str, f64> = transfers
+            .iter()
+            .filter_map(|transfer| transfer.metadata.name.as_deref())
+            .map(|name| (name, 0.0))
+            .collect();
+        for request in &requests {
+            if filter(&request.user)
+                && request.verb == "patch"
+                && request.resource == "volumetransfers/status"
+                && let Some(count) = request
+                    .name
+                    .as_deref()
+                    .and_then(|name| per_transfer.get_mut(name))
+            {
+                *count += 1.0;
+            }
+        }
+        let mut counts: Vec<f64> = per_transfer.into_values().collect();
+        println!(
+            "volumetransfers/status patches by the {who} per transfer: {}",
+            spread(&mut counts)
+        );
+    }
+    let backup_writes = during
+        .iter()
+        .filter(|r| {
+            r.verb == "patch" && r.resource == "volumebackups/status" && r.received <= completed
+        })
+        .count();
+    println!(
+        "volumebackups/status patches by the controller: {backup_writes} in {backup_seconds:.1} s \
+         = {:.2} per second",
+        backup_writes as f64 / backup_seconds
+    );
+    let peaks = fixture.kubelet.agent_peak_memory();
+    let mut mebibytes: Vec<f64> = peaks
+        .values()
+        .map(|bytes| *bytes as f64 / f64::from(1 << 20))
+        .collect();
+    println!(
+        "agent peak RSS (VmHWM sampled every 100 ms) over {} agents: {} MiB",
+        mebibytes.len(),
+        spread(&mut mebibytes)
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+/// An agent's peak resident memory backing up large claims: first a stage
+/// pod with one claim (one engine), then one with four claims, which its
+/// agent moves two at once (`--parallel-volumes` 2, the default; two
+/// engines side by side for most of the backup). 256 MiB of sample data per
+/// claim (a quarter small files, the rest random, log-like and duplicated),
+/// one node, one VolumeBackup after the other so the caps do not mix them.
+/// The kubelet stand-in samples `VmHWM` every 100 ms. Uses the debug
+/// `mover-agent` next to the test unless `$HAULAGE_AGENT_BIN` names
+/// another. Run with
+/// `cargo test --test integration measure_agent_memory -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a measurement for docs/benchmarks.md (~1 min, 2.5 GiB of temporary disk), not a check"]
+async fn measure_agent_memory_moving_one_and_two_large_claims_at_once() -> anyhow::Result<()> {
+    const VOLUME_BYTES: u64 = 256 << 20;
+    let layout = Layout {
+        namespaces: vec!["solo".to_string(), "pair".to_string()],
+        claims: (0..5)
+            .map(|index| {
+                let namespace = if index == 0 { "solo" } else { "pair" };
+                (
+                    namespace.to_string(),
+                    format!("data-{index}"),
+                    "ReadWriteOnce",
+                    2000 + index,
+                )
+            })
+            .collect(),
+        nodes: vec!["node-0".to_string()],
+        app_pods: Vec::new(),
+        tls: false,
+    };
+    let fixture = Fixture::start_many(layout, false, VOLUME_BYTES).await?;
+    let client = &fixture.client;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    for (name, namespace, claims) in [("one", "solo", 1), ("two-at-once", "pair", 4)] {
+        let started = Instant::now();
+        create::<VolumeBackup>(
+            client,
+            Some(SYSTEM_NAMESPACE),
+            json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+                "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+                "spec": {"namespaces": [namespace],
+                    "selector": {"matchLabels": {"backup": "yes"}}}}),
+        )
+        .await?;
+        let backup = eventually(Duration::from_secs(900), || async {
+            let backup = backups.get(name).await?;
+            let phase = backup.status.as_ref().and_then(|status| status.phase);
+            Ok(phase
+                .is_some_and(|phase| phase.is_final())
+                .then_some(backup))
+        })
+        .await
+        .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+        let status = backup.status.context("status")?;
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
+        let peak = fixture
+            .kubelet
+            .agent_peak_memory()
+            .into_iter()
+            .filter(|((pod_namespace, _), _)| pod_namespace == namespace)
+            .map(|(_, bytes)| bytes)
+            .max()
+            .context("no agent memory sampled")?;
+        println!(
+            "{claims} claim(s) of {VOLUME_BYTES} B in one stage pod: backup Completed in \
+             {:.1} s, agent peak RSS {:.1} MiB",
+            started.elapsed().as_secs_f64(),
+            peak as f64 / f64::from(1 << 20)
+        );
+    }
+    println!(
+        "agent {}",
+        crate::support::kubelet::agent_binary()?.display()
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+/// `VmRSS` and `VmHWM` of a process, in bytes.
+fn resident_memory(pid: u32) -> anyhow::Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        let line = status
+            .lines()
+            .find(|line| line.starts_with(name))
+            .with_context(|| format!("no {name} in /proc/{pid}/status"))?;
+        let kib: u64 = line
+            .split_whitespace()
+            .nth(1)
+            .context("no value")?
+            .parse()?;
+        Ok(kib * 1024)
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// The `haulage controller` binary's resident memory with its caches
+/// filled: 0, then 1,000, then 10,000 bound PVCs (each with its PV) in 10
+/// namespaces, 100 Nodes and one Pod mounting a claim per 20 claims (50,
+/// then 500), created with the admin client 32 at a time. At each step a
+/// fresh controller process (the ServiceAccount's token, as the Deployment
+/// runs it) is started, and 5 s after `/readyz` first answers 200 (every
+/// cache has finished its first list) its `VmRSS` and `VmHWM` are read from
+/// `/proc`. The binary is the debug build next to the test unless
+/// `$HAULAGE_CONTROLLER_BIN` names another (a release build). Run with
+/// `cargo test --test integration measure_controller_memory -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a measurement for docs/benchmarks.md (~1 min), not a check"]
+async fn measure_controller_memory_with_ten_thousand_claims_in_its_caches() -> anyhow::Result<()> {
+    use futures::{StreamExt, TryStreamExt};
+    const NAMESPACES: usize = 10;
+    const NODES: usize = 100;
+    const CLAIMS_PER_POD: usize = 20;
+    const AT_ONCE: usize = 32;
+    let binary = std::env::var_os("HAULAGE_CONTROLLER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_haulage")));
+    let cluster = KubeCluster::start().await?;
+    let client = cluster.client().await?;
+    cluster
+        .kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
+        .await?;
+    cluster
+        .kubectl_ok(
+            &[
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/volumebackups.haulage.dev",
+                "crd/volumetransfers.haulage.dev",
+                "crd/backupstoragelocations.haulage.dev",
+            ],
+            None,
+        )
+        .await?;
+    let work = tempfile::tempdir()?;
+    let kubeconfig = cluster
+        .service_account_kubeconfig(
+            SYSTEM_NAMESPACE,
+            "haulage-controller",
+            &work.path().join("controller.kubeconfig"),
+        )
+        .await?;
+    for namespace in 0..NAMESPACES {
+        create::<Namespace>(
+            &client,
+            None,
+            json!({"apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": format!("bulk-{namespace}")}}),
+        )
+        .await?;
+    }
+    futures::stream::iter(0..NODES)
+        .map(|node| {
+            let client = client.clone();
+            async move {
+                create::<k8s_openapi::api::core::v1::Node>(
+                    &client,
+                    None,
+                    json!({"apiVersion": "v1", "kind": "Node",
+                        "metadata": {"name": format!("bulk-node-{node:03}"),
+                            "labels": {"kubernetes.io/hostname": format!("bulk-node-{node:03}")}}}),
+                )
+                .await
+                .map(drop)
+            }
+        })
+        .buffer_unordered(AT_ONCE)
+        .try_collect::<Vec<()>>()
+        .await?;
+
+    let mut claims = 0;
+    let mut rows = Vec::new();
+    for target in [0_usize, 1_000, 10_000] {
+        let creating = Instant::now();
+        futures::stream::iter(claims..target)
+            .map(|index| {
+                let client = client.clone();
+                async move {
+                    let namespace = format!("bulk-{}", index % NAMESPACES);
+                    let name = format!("claim-{index:05}");
+                    let volume = format!("pv-{namespace}-{name}");
+                    create::<PersistentVolume>(
+                        &client,
+                        None,
+                        json!({"apiVersion": "v1", "kind": "PersistentVolume",
+                            "metadata": {"name": volume},
+                            "spec": {"capacity": {"storage": "1Gi"},
+                                "accessModes": ["ReadWriteOnce"],
+                                "persistentVolumeReclaimPolicy": "Retain",
+                                "storageClassName": STORAGE_CLASS,
+                                "csi": {"driver": PROVISIONER, "volumeHandle": volume},
+                                "claimRef": {"namespace": namespace, "name": name}}}),
+                    )
+                    .await?;
+                    create::<PersistentVolumeClaim>(
+                        &client,
+                        Some(&namespace),
+                        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                            "metadata": {"name": name, "namespace": namespace,
+                                "labels": {"backup": "yes"}},
+                            "spec": {"accessModes": ["ReadWriteOnce"], "volumeName": volume,
+                                "storageClassName": STORAGE_CLASS,
+                                "resources": {"requests": {"storage": "1Gi"}}}}),
+                    )
+                    .await?;
+                    let claims: Api<PersistentVolumeClaim> =
+                        Api::namespaced(client.clone(), &namespace);
+                    claims
+                        .patch_status(
+                            &name,
+                            &PatchParams::default(),
+                            &Patch::Merge(json!({"status": {"phase": "Bound",
+                                "accessModes": ["ReadWriteOnce"],
+                                "capacity": {"storage": "1Gi"}}})),
+                        )
+                        .await?;
+                    if index % CLAIMS_PER_POD == 0 {
+                        create::<Pod>(
+                            &client,
+                            Some(&namespace),
+                            json!({"apiVersion": "v1", "kind": "Pod",
+                                "metadata": {"name": format!("app-{index:05}"),
+                                    "namespace": namespace},
+                                "spec": {"nodeName": format!("bulk-node-{:03}", index % NODES),
+                                    "containers": [{"name": "app", "image": "app:1",
+                                        "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                                    "volumes": [{"name": "data",
+                                        "persistentVolumeClaim": {"claimName": name}}]}}),
+                        )
+                        .await?;
+                    }
+                    Ok::<(), anyhow::Error>(())
+                }
+            })
+            .buffer_unordered(AT_ONCE)
+            .try_collect::<Vec<()>>()
+            .await?;
+        let created_in = creating.elapsed().as_secs_f64();
+        claims = target;
+
+        let port = crate::support::minio::free_port()?;
+        let log_path = work.path().join(format!("controller-{target}.log"));
+        let started = Instant::now();
+        let mut controller = tokio::process::Command::new(&binary)
+            .args([
+                "controller",
+                "--health-address",
+                &format!("127.0.0.1:{port}"),
+            ])
+            .env("KUBECONFIG", &kubeconfig)
+            .env("POD_NAME", "controller-memory")
+            .env("POD_NAMESPACE", SYSTEM_NAMESPACE)
+            .env("HAULAGE_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log_path)?)
+            .kill_on_drop(true)
+            .spawn()?;
+        let pid = controller.id().context("controller pid")?;
+        eventually(Duration::from_secs(300), || async {
+            Ok((http_status(port, "/readyz").await == Some(200)).then_some(()))
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "the controller never became ready:\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            )
+        })?;
+        let ready_in = started.elapsed().as_secs_f64();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let (rss, hwm) = resident_memory(pid)?;
+        let _ = controller.kill().await;
+        let mebibytes = |bytes: u64| bytes as f64 / f64::from(1 << 20);
+        let row = format!(
+            "| {target} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            target / CLAIMS_PER_POD,
+            created_in,
+            ready_in,
+            mebibytes(rss),
+            mebibytes(hwm)
+        );
+        println!("{row}");
+        rows.push(row);
+    }
+    println!(
+        "\n{}\n{NODES} nodes, {NAMESPACES} namespaces\n\
+         | PVCs (and PVs) | pods | created in s | ready in s | VmRSS MiB | VmHWM MiB |\n\
+         | --- | --- | --- | --- | --- | --- |\n{}",
+        binary.display(),
+        rows.join("\n")
+    );
     Ok(())
 }
 

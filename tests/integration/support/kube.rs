@@ -29,6 +29,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::audit;
 use super::minio::free_port;
 
 /// User name of the admin token (group `system:masters`, bypasses RBAC).
@@ -123,6 +124,10 @@ pub struct KubeCluster {
     apiserver: Option<Child>,
     server: String,
     kubeconfig: PathBuf,
+    /// The CA certificate the apiserver's certificate is signed with.
+    ca_pem: String,
+    /// Where the audit log goes, when the cluster was started audited.
+    audit_log: Option<PathBuf>,
 }
 
 /// Files of the throwaway PKI.
@@ -245,6 +250,19 @@ impl KubeCluster {
     /// Start etcd and kube-apiserver and wait until `/readyz` says `ok`
     /// (by then the RBAC bootstrap roles exist).
     pub async fn start() -> anyhow::Result<Self> {
+        Self::start_with_audit(false).await
+    }
+
+    /// Like [`KubeCluster::start`], with the apiserver writing an audit log
+    /// of every request (policy [`audit::POLICY`], blocking mode, so a
+    /// request is in the log before its response is sent); read it with
+    /// [`KubeCluster::audit_requests`]. Only for measurements: the log
+    /// costs the apiserver a write per request.
+    pub async fn start_audited() -> anyhow::Result<Self> {
+        Self::start_with_audit(true).await
+    }
+
+    async fn start_with_audit(audit: bool) -> anyhow::Result<Self> {
         let binaries = KubeBinaries::find()?;
         let dir = tempfile::Builder::new().prefix("haulage-kube").tempdir()?;
         let pki = write_pki(&dir.path().join("pki"))?;
@@ -283,8 +301,15 @@ impl KubeCluster {
             apiserver: None,
             server,
             kubeconfig,
+            ca_pem: pki.ca_pem.clone(),
+            audit_log: None,
             dir,
         };
+        if audit {
+            let policy = cluster.dir.path().join("audit-policy.yaml");
+            std::fs::write(&policy, audit::POLICY)?;
+            cluster.audit_log = Some(cluster.dir.path().join("audit.log"));
+        }
         let started = Instant::now();
         cluster.start_etcd(etcd_port, peer_port).await?;
         cluster
@@ -373,6 +398,17 @@ impl KubeCluster {
             .arg("--allow-privileged=true")
             // No controller-manager creates `default` ServiceAccounts.
             .arg("--disable-admission-plugins=ServiceAccount")
+            .args(self.audit_log.iter().flat_map(|log| {
+                [
+                    format!(
+                        "--audit-policy-file={}",
+                        self.dir.path().join("audit-policy.yaml").display()
+                    ),
+                    format!("--audit-log-path={}", log.display()),
+                    "--audit-log-format=json".to_string(),
+                    "--audit-log-mode=blocking".to_string(),
+                ]
+            }))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -515,10 +551,89 @@ impl KubeCluster {
         }
     }
 
+    /// Every request the apiserver has answered so far, from its audit log
+    /// (fails unless started with [`KubeCluster::start_audited`]).
+    pub fn audit_requests(&self) -> anyhow::Result<Vec<audit::Request>> {
+        let log = self
+            .audit_log
+            .as_ref()
+            .context("the cluster was not started with an audit log (start_audited)")?;
+        audit::read(log)
+    }
+
+    /// Write a kubeconfig at `path` holding a TokenRequest token (one
+    /// hour) of the service account `namespace/account`, for a process
+    /// that should run with that account's RBAC.
+    pub async fn service_account_kubeconfig(
+        &self,
+        namespace: &str,
+        account: &str,
+        path: &Path,
+    ) -> anyhow::Result<PathBuf> {
+        service_account_kubeconfig(
+            &self.client().await?,
+            &self.server,
+            &self.ca_pem,
+            namespace,
+            account,
+            path,
+        )
+        .await
+    }
+
     /// The apiserver's log so far, for a failing test's message.
     pub fn apiserver_log_tail(&self) -> String {
         log_tail(&self.dir.path().join("kube-apiserver.log"))
     }
+}
+
+/// Write a kubeconfig at `path` for `server` (whose certificate `ca_pem`
+/// signs) holding a TokenRequest token of the service account
+/// `namespace/account`, requested with `client`.
+pub async fn service_account_kubeconfig(
+    client: &kube::Client,
+    server: &str,
+    ca_pem: &str,
+    namespace: &str,
+    account: &str,
+    path: &Path,
+) -> anyhow::Result<PathBuf> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    let accounts: kube::Api<ServiceAccount> = kube::Api::namespaced(client.clone(), namespace);
+    let request = TokenRequest {
+        spec: TokenRequestSpec {
+            audiences: vec![SERVICE_ACCOUNT_ISSUER.to_string()],
+            expiration_seconds: Some(3600),
+            ..TokenRequestSpec::default()
+        },
+        ..TokenRequest::default()
+    };
+    let response: TokenRequest = accounts
+        .create_subresource(
+            "token",
+            account,
+            &kube::api::PostParams::default(),
+            &request,
+        )
+        .await
+        .map_err(|error| anyhow::anyhow!("TokenRequest for {namespace}/{account}: {error:?}"))?;
+    let token = response
+        .status
+        .context("TokenRequest without status")?
+        .token;
+    use base64::Engine;
+    let ca = base64::engine::general_purpose::STANDARD.encode(ca_pem);
+    std::fs::write(
+        path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {server}\n    certificate-authority-data: {ca}\n\
+             users:\n- name: account\n  user:\n    token: {token}\n\
+             contexts:\n- name: account\n  context:\n    cluster: c\n    user: account\n    namespace: {namespace}\n\
+             current-context: account\n"
+        ),
+    )?;
+    Ok(path.to_path_buf())
 }
 
 impl Drop for KubeCluster {

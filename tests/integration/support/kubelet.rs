@@ -7,7 +7,8 @@
 //! kubeconfig, so the agent's RBAC is the real one. It reports phase, exit
 //! code and restarts in the pod status, restarts failed containers
 //! (`restartPolicy: OnFailure`), stops a deleted pod's process with SIGTERM
-//! and confirms the deletion, and can kill a pod's process on demand.
+//! and confirms the deletion, and can kill a pod's process on demand. It
+//! samples each agent's peak resident memory (`VmHWM`) while it runs.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -16,8 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{Node, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
@@ -35,15 +35,29 @@ const SYNC_INTERVAL: Duration = Duration::from_millis(300);
 const RESTART_DELAY: Duration = Duration::from_millis(200);
 /// Longest delay between restarts.
 const MAX_RESTART_DELAY: Duration = Duration::from_secs(3);
+/// How often the agents' peak resident memory is sampled. `VmHWM` is the
+/// kernel's high-water mark since the process started, so a sample is the
+/// true peak so far; what a sample can miss is a new peak in an agent's
+/// last interval before it exits.
+const MEMORY_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
 /// Bytes of the log tail a `FallbackToLogsOnError` termination message
 /// holds (the kubelet's limit).
 const TERMINATION_MESSAGE_BYTES: usize = 2048;
 
-/// The `mover-agent` binary next to the test binary. `cargo test
-/// --workspace` builds it first (mover-agent has an integration test, so
-/// its binary is built); `cargo test --test integration` alone does not
-/// rebuild it: run `cargo build -p mover-agent` after changing the agent.
+/// The `mover-agent` binary: `$HAULAGE_AGENT_BIN` if set (a release
+/// build, for a measurement), else the one next to the test binary.
+/// `cargo test --workspace` builds it first (mover-agent has an
+/// integration test, so its binary is built); `cargo test --test
+/// integration` alone does not rebuild it: run `cargo build -p
+/// mover-agent` after changing the agent.
 pub fn agent_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("HAULAGE_AGENT_BIN") {
+        let path = PathBuf::from(path);
+        if !path.is_file() {
+            bail!("HAULAGE_AGENT_BIN={} is not a file", path.display());
+        }
+        return Ok(path);
+    }
     let test_binary = std::env::current_exe()?;
     let directory = test_binary
         .parent()
@@ -84,6 +98,18 @@ pub struct Kubelet {
     stop: CancellationToken,
     /// Agents started so far (restarts included).
     pub starts: Arc<std::sync::atomic::AtomicUsize>,
+    /// The highest `VmHWM` sampled per pod (namespace, name), in bytes,
+    /// over all its agent's starts.
+    peak_memory: Arc<Mutex<BTreeMap<(String, String), u64>>>,
+}
+
+/// `VmHWM` of a process, in bytes; `None` once it has exited (a zombie's
+/// status has no memory lines).
+fn peak_resident_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|line| line.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 fn running_state() -> serde_json::Value {
@@ -169,8 +195,10 @@ impl Kubelet {
             processes: Arc::new(Mutex::new(HashMap::new())),
             stop: CancellationToken::new(),
             starts: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            peak_memory: Arc::new(Mutex::new(BTreeMap::new())),
         };
         kubelet.spawn_loop();
+        kubelet.spawn_memory_sampler();
         Ok(kubelet)
     }
 
@@ -189,6 +217,39 @@ impl Kubelet {
         });
     }
 
+    fn spawn_memory_sampler(&self) {
+        let processes = self.processes.clone();
+        let peak_memory = self.peak_memory.clone();
+        let stop = self.stop.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tokio::time::sleep(MEMORY_SAMPLE_INTERVAL) => {}
+                }
+                let pids: Vec<((String, String), u32)> = processes
+                    .lock()
+                    .expect("lock")
+                    .iter()
+                    .filter_map(|(key, running)| Some((key.clone(), running.child.as_ref()?.id()?)))
+                    .collect();
+                for (key, pid) in pids {
+                    if let Some(bytes) = peak_resident_bytes(pid) {
+                        let mut peaks = peak_memory.lock().expect("lock");
+                        let peak = peaks.entry(key).or_insert(0);
+                        *peak = (*peak).max(bytes);
+                    }
+                }
+            }
+        });
+    }
+
+    /// The highest peak resident memory (`VmHWM`, bytes) sampled of each
+    /// pod's agent so far, by (namespace, pod name).
+    pub fn agent_peak_memory(&self) -> BTreeMap<(String, String), u64> {
+        self.peak_memory.lock().expect("lock").clone()
+    }
+
     fn handle(&self) -> Kubelet {
         Kubelet {
             client: self.client.clone(),
@@ -200,6 +261,7 @@ impl Kubelet {
             processes: self.processes.clone(),
             stop: self.stop.clone(),
             starts: self.starts.clone(),
+            peak_memory: self.peak_memory.clone(),
         }
     }
 
@@ -484,39 +546,15 @@ impl Kubelet {
         account: &str,
         path: &Path,
     ) -> anyhow::Result<PathBuf> {
-        let accounts: Api<ServiceAccount> = Api::namespaced(self.client.clone(), namespace);
-        let request = TokenRequest {
-            spec: TokenRequestSpec {
-                audiences: vec!["https://kubernetes.default.svc.cluster.local".to_string()],
-                expiration_seconds: Some(3600),
-                ..TokenRequestSpec::default()
-            },
-            ..TokenRequest::default()
-        };
-        let response: TokenRequest = accounts
-            .create_subresource("token", account, &PostParams::default(), &request)
-            .await
-            .map_err(|error| {
-                anyhow::anyhow!("TokenRequest for {namespace}/{account}: {error:?}")
-            })?;
-        let token = response
-            .status
-            .context("TokenRequest without status")?
-            .token;
-        use base64::Engine;
-        let ca = base64::engine::general_purpose::STANDARD.encode(&self.ca_pem);
-        let path = path.to_path_buf();
-        std::fs::write(
-            &path,
-            format!(
-                "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: {}\n    certificate-authority-data: {ca}\n\
-                 users:\n- name: agent\n  user:\n    token: {token}\n\
-                 contexts:\n- name: agent\n  context:\n    cluster: c\n    user: agent\n    namespace: {namespace}\n\
-                 current-context: agent\n",
-                self.server
-            ),
-        )?;
-        Ok(path)
+        super::kube::service_account_kubeconfig(
+            &self.client,
+            &self.server,
+            &self.ca_pem,
+            namespace,
+            account,
+            path,
+        )
+        .await
     }
 
     async fn launch(&self, pod: &Pod, node: &str) -> anyhow::Result<Child> {

@@ -1,7 +1,9 @@
 //! Test harness shared by the integration tests: a real kube-apiserver and
 //! etcd ([`kube`]), a real MinIO server ([`minio`]) and a fault-injecting
-//! TCP proxy ([`proxy`]); scraping `/metrics` ([`scrape`]).
+//! TCP proxy ([`proxy`]); scraping `/metrics` ([`scrape`]); the
+//! apiserver's audit log, to count requests ([`audit`]).
 
+pub mod audit;
 pub mod kube;
 pub mod kubelet;
 pub mod minio;
