@@ -201,6 +201,27 @@ pub fn observe(
     (limits, facts)
 }
 
+/// Queue positions shown exactly; deeper ones are rounded up.
+pub const EXACT_QUEUE_POSITIONS: usize = 10;
+
+/// The queue position written to a transfer's status, and whether it is
+/// exact: the first [`EXACT_QUEUE_POSITIONS`] exactly, deeper ones rounded
+/// up to one significant digit (57 → 60, 123 → 200). Exact positions for a
+/// queue of n would rewrite every queued transfer whenever one starts,
+/// n²/2 status writes in all (measured, docs/benchmarks.md); rounded ones
+/// change about 9 times per digit, so a transfer that waits behind 1,000
+/// others is written some 30 times, not 1,000.
+pub fn shown_position(position: usize) -> (usize, bool) {
+    if position <= EXACT_QUEUE_POSITIONS {
+        return (position, true);
+    }
+    let mut step = 1;
+    while position / step >= 10 {
+        step *= 10;
+    }
+    (position.div_ceil(step) * step, false)
+}
+
 /// One write the pass makes.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Write {
@@ -315,19 +336,25 @@ pub fn plan_writes(
             }
             Decision::Queue { position, hold } => {
                 let mut conditions = old_status.conditions.clone();
+                let (position, exact) = shown_position(*position as usize);
+                let place = if exact {
+                    format!("queued at position {position}")
+                } else {
+                    format!("queued within the first {position}")
+                };
                 let changed = set_condition(
                     &mut conditions,
                     Condition::new(
                         condition_type::ADMITTED,
                         ConditionStatus::False,
                         reason::WAITING_FOR_CAPACITY,
-                        &format!("queued at position {position}: held by {hold}"),
+                        &format!("{place}: held by {hold}"),
                         transfer.metadata.generation,
                         now.clone(),
                     ),
                     now.clone(),
                 );
-                let position = i32::try_from(*position).unwrap_or(i32::MAX);
+                let position = i32::try_from(position).unwrap_or(i32::MAX);
                 if changed
                     || old_status.phase != Some(VolumeTransferPhase::Queued)
                     || old_status.queue_position != Some(position)
@@ -821,6 +848,26 @@ mod tests {
                 ("raised".to_string(), "grant"),
             ]
         );
+    }
+
+    #[test]
+    fn deep_queue_positions_are_rounded_up_so_they_rarely_change() {
+        assert_eq!(shown_position(1), (1, true));
+        assert_eq!(shown_position(10), (10, true));
+        assert_eq!(shown_position(11), (20, false));
+        assert_eq!(shown_position(57), (60, false));
+        assert_eq!(shown_position(100), (100, false));
+        assert_eq!(shown_position(123), (200, false));
+        assert_eq!(shown_position(1000), (1000, false));
+        assert_eq!(shown_position(1001), (2000, false));
+        // Walking a transfer from position 1,000 to 1 changes what is shown
+        // a few dozen times, not a thousand.
+        let shown: std::collections::BTreeSet<usize> = (1..=1000)
+            .map(|position| shown_position(position).0)
+            .collect();
+        assert!(shown.len() <= 30, "{}", shown.len());
+        // Never shown ahead of where it is.
+        assert!((1..5000).all(|position| shown_position(position).0 >= position));
     }
 
     #[test]

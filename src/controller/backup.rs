@@ -41,6 +41,38 @@ use crate::plan::{LabelSelector, Selection, StagePlan, plan_stage_pods};
 
 /// How often a waiting or running backup is looked at even without events.
 const RECHECK_SECONDS: u64 = 15;
+/// Least time between two status writes of a backup that change only its
+/// progress.
+const PROGRESS_WRITE_INTERVAL: Duration = Duration::from_secs(5);
+
+/// When each running backup's status was last written, by UID (this
+/// replica's memory; a restart writes at once, which is fine).
+#[derive(Debug, Default)]
+pub struct ProgressWrites(std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+
+impl ProgressWrites {
+    fn map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, std::time::Instant>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn since_last(&self, uid: &str) -> Option<Duration> {
+        self.map().get(uid).map(std::time::Instant::elapsed)
+    }
+
+    fn written(&self, uid: &str) {
+        self.map()
+            .insert(uid.to_string(), std::time::Instant::now());
+    }
+
+    fn forget(&self, uid: &str) {
+        self.map().remove(uid);
+    }
+}
+
 /// How often a backup owned by another replica is checked for adoption
 /// (from the cache: no API request unless that replica's lease expired).
 const ADOPTION_CHECK_SECONDS: u64 = 20;
@@ -221,14 +253,37 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     };
     let mut status = next_status(&old, &observed, now());
     status.owner = Some(claim);
+    // Progress alone is written at most every PROGRESS_WRITE_SECONDS (each
+    // agent reports every 2 s, so a backup of many volumes would otherwise
+    // be rewritten several times a second); a phase, a count or a result
+    // that changed is written at once.
+    let progress_only = {
+        let mut without_progress = status.clone();
+        without_progress.progress = old.progress.clone();
+        without_progress == old
+    };
+    let mut progress_wait = None;
     if status != old {
-        api.patch_status(
-            &owner.name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(status_patch(&status, resource_version.as_deref())),
-        )
-        .await
-        .map_err(kube_error("apply status of", "VolumeBackup", &owner.name))?;
+        let since_last = context.progress_writes.since_last(&owner.uid);
+        match since_last {
+            Some(elapsed) if progress_only && elapsed < PROGRESS_WRITE_INTERVAL => {
+                progress_wait = Some(PROGRESS_WRITE_INTERVAL - elapsed);
+            }
+            _ => {
+                api.patch_status(
+                    &owner.name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(status_patch(&status, resource_version.as_deref())),
+                )
+                .await
+                .map_err(kube_error(
+                    "apply status of",
+                    "VolumeBackup",
+                    &owner.name,
+                ))?;
+                context.progress_writes.written(&owner.uid);
+            }
+        }
     }
     if let Some(phase) = status.phase.filter(|phase| phase.is_final())
         && old.phase != Some(phase)
@@ -255,12 +310,14 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         }
     }
     if status.phase.is_some_and(|phase| phase.is_final()) {
+        context.progress_writes.forget(&owner.uid);
         info!(phase = ?status.phase, "backup finished");
         release_stage_pods(backup, &owner, context).await?;
         return Ok(Action::await_change());
     }
     let recheck = Duration::from_secs(RECHECK_SECONDS);
-    Ok(Action::requeue(backoff.map_or(recheck, |wait| {
+    let soonest = [backoff, progress_wait].into_iter().flatten().min();
+    Ok(Action::requeue(soonest.map_or(recheck, |wait| {
         wait.min(recheck).max(Duration::from_secs(1))
     })))
 }
@@ -904,6 +961,7 @@ async fn release_stage_pods(
 /// released anyway, with a warning naming what may be left.
 async fn cleanup(backup: &VolumeBackup, context: &Context) -> Result<Action, Error> {
     let owner = owner_of(backup)?;
+    context.progress_writes.forget(&owner.uid);
     let work = async {
         for transfer in owned_transfers(context, &owner) {
             let phase = transfer.status.as_ref().and_then(|status| status.phase);

@@ -265,6 +265,8 @@ pub struct Context {
     pub heartbeat: replicas::Heartbeat,
     /// Kubernetes Events publisher.
     pub events: events::Events,
+    /// When each running backup's status was last written.
+    pub progress_writes: backup::ProgressWrites,
 }
 
 /// The controller could not run.
@@ -646,6 +648,7 @@ pub async fn run_with_listener(
         stores,
         heartbeat,
         events: events::Events::new(client.clone(), &config.identity),
+        progress_writes: backup::ProgressWrites::default(),
     });
     // Admission: one replica at a time (the admission lease holder) runs
     // the admission loop, woken by changes of transfers, locations and
