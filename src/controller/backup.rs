@@ -253,13 +253,32 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     };
     let mut status = next_status(&old, &observed, now());
     status.owner = Some(claim);
-    // Progress alone is written at most every PROGRESS_WRITE_SECONDS (each
-    // agent reports every 2 s, so a backup of many volumes would otherwise
-    // be rewritten several times a second); a phase, a count or a result
-    // that changed is written at once.
+    // Progress, volume counts and per-volume results are written at most
+    // every PROGRESS_WRITE_INTERVAL (each agent reports every 2 s and each
+    // volume moves through several phases, so a backup of many volumes
+    // would otherwise be rewritten several times a second); a change of
+    // phase, condition or plan, and the final status, are written at once.
     let progress_only = {
         let mut without_progress = status.clone();
         without_progress.progress = old.progress.clone();
+        without_progress.volumes = old.volumes.clone();
+        without_progress.results = old.results.clone();
+        // The Progressing condition's message counts volumes; only its
+        // status or reason changing matters here.
+        let progressing = |status: &VolumeBackupStatus| {
+            crate::api::condition::find_condition(&status.conditions, condition_type::PROGRESSING)
+                .cloned()
+        };
+        if let (Some(new), Some(previous)) = (progressing(&without_progress), progressing(&old))
+            && new.status == previous.status
+            && new.reason == previous.reason
+        {
+            for condition in &mut without_progress.conditions {
+                if condition.type_ == condition_type::PROGRESSING {
+                    *condition = previous.clone();
+                }
+            }
+        }
         without_progress == old
     };
     let mut progress_wait = None;
