@@ -73,6 +73,36 @@ impl ProgressWrites {
     }
 }
 
+/// UIDs of stage pods this replica deleted to replace them: a lagging
+/// cache may still show such a pod as running, and it must not be judged
+/// (and replaced, and counted) twice. Entries go after an hour.
+#[derive(Debug, Default)]
+pub struct ReplacedPods(std::sync::Mutex<std::collections::HashMap<String, std::time::Instant>>);
+
+impl ReplacedPods {
+    const KEEP: Duration = Duration::from_secs(3600);
+
+    fn map(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, std::time::Instant>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn contains(&self, uid: &str) -> bool {
+        !uid.is_empty() && self.map().contains_key(uid)
+    }
+
+    fn insert(&self, uid: &str) {
+        let mut map = self.map();
+        map.retain(|_, at| at.elapsed() < Self::KEEP);
+        if !uid.is_empty() {
+            map.insert(uid.to_string(), std::time::Instant::now());
+        }
+    }
+}
+
 /// How often a backup owned by another replica is checked for adoption
 /// (from the cache: no API request unless that replica's lease expired).
 const ADOPTION_CHECK_SECONDS: u64 = 20;
@@ -763,12 +793,39 @@ async fn supervise_stage_pods(
             }
             continue;
         }
+        // A pod on its way out was judged already (by this replica, even if
+        // the cache does not show its deletion yet); its replacement is
+        // judged once it exists.
+        let pod_uid = pod.uid().unwrap_or_default();
+        if pod.metadata.deletion_timestamp.is_some() || context.replaced_pods.contains(&pod_uid) {
+            continue;
+        }
         let attempts = of_pod
             .iter()
             .filter_map(|transfer| transfer.status.as_ref().and_then(|status| status.attempts))
             .max()
             .unwrap_or(0);
-        match stage_pods::verdict(&pod, attempts, now().0.as_second()) {
+        let heartbeats: Vec<i64> = open
+            .iter()
+            .filter(|transfer| transfer_phase(transfer) == Some(VolumeTransferPhase::InProgress))
+            .filter_map(|transfer| {
+                let agent = transfer.status.as_ref()?.agent.as_ref()?;
+                Some(agent.heartbeat_time.0.as_second())
+            })
+            .collect();
+        let time = now().0.as_second();
+        let verdict = match stage_pods::verdict(&pod, attempts, time) {
+            Verdict::Healthy => stage_pods::lost_agent(
+                &pod,
+                &heartbeats,
+                attempts,
+                time,
+                context.config.agent_lost_seconds,
+            )
+            .unwrap_or(Verdict::Healthy),
+            other => other,
+        };
+        match verdict {
             Verdict::Healthy => {}
             Verdict::Fail { message } => {
                 warn!(pod = %pod_name, namespace, "{message}");
@@ -811,9 +868,8 @@ async fn supervise_stage_pods(
                 for transfer in &of_pod {
                     record_attempts(transfer, attempt - 1, context).await?;
                 }
-                if pod.metadata.deletion_timestamp.is_none() {
-                    delete_named(&pods, &pod_name, "Pod").await?;
-                }
+                context.replaced_pods.insert(&pod_uid);
+                delete_named(&pods, &pod_name, "Pod").await?;
             }
         }
     }

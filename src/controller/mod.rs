@@ -143,7 +143,19 @@ pub struct ControllerArgs {
     /// Volumes moved at once per node (0: no cap).
     #[arg(long, env = "HAULAGE_MAX_VOLUMES_PER_NODE", default_value_t = DEFAULT_MAX_VOLUMES_PER_NODE)]
     pub max_volumes_per_node: u32,
+    /// Seconds a running agent may go without reporting before its stage
+    /// pod is recreated (after 3 stage pods, its volumes fail).
+    #[arg(
+        long,
+        env = "HAULAGE_AGENT_LOST_SECONDS",
+        default_value_t = stage_pods::DEFAULT_AGENT_LOST_SECONDS,
+        value_parser = clap::value_parser!(u32).range(i64::from(MIN_AGENT_LOST_SECONDS)..)
+    )]
+    pub agent_lost_seconds: u32,
 }
+
+/// Shortest time without a heartbeat before an agent counts as lost.
+pub const MIN_AGENT_LOST_SECONDS: u32 = 10;
 
 /// Shortest replica lease: one and a half renewal periods.
 pub const MIN_LEASE_SECONDS: u32 = 15;
@@ -165,6 +177,8 @@ pub struct Config {
     pub pinning: Pinning,
     /// Seconds this replica's liveness Lease lasts without renewal.
     pub replica_lease_seconds: u32,
+    /// Seconds a running agent may go without reporting.
+    pub agent_lost_seconds: u32,
     /// Volumes moved at once in the cluster (`None`: no cap).
     pub max_concurrent_volumes: Option<u32>,
     /// Volumes moved at once per node (`None`: no cap).
@@ -183,6 +197,7 @@ impl Config {
             concurrency: DEFAULT_CONCURRENCY,
             pinning: Pinning::RequiredNodeAffinity,
             replica_lease_seconds: replicas::DEFAULT_LEASE_SECONDS,
+            agent_lost_seconds: stage_pods::DEFAULT_AGENT_LOST_SECONDS,
             max_concurrent_volumes: Some(DEFAULT_MAX_CONCURRENT_VOLUMES),
             max_volumes_per_node: Some(DEFAULT_MAX_VOLUMES_PER_NODE),
         }
@@ -222,6 +237,7 @@ impl ControllerArgs {
                 PinningArg::NodeName => Pinning::NodeName,
             },
             replica_lease_seconds: self.replica_lease_seconds.max(MIN_LEASE_SECONDS),
+            agent_lost_seconds: self.agent_lost_seconds.max(MIN_AGENT_LOST_SECONDS),
             max_concurrent_volumes: (self.max_concurrent_volumes > 0)
                 .then_some(self.max_concurrent_volumes),
             max_volumes_per_node: (self.max_volumes_per_node > 0)
@@ -267,6 +283,8 @@ pub struct Context {
     pub events: events::Events,
     /// When each running backup's status was last written.
     pub progress_writes: backup::ProgressWrites,
+    /// Stage pods this replica deleted to replace them.
+    pub replaced_pods: backup::ReplacedPods,
 }
 
 /// The controller could not run.
@@ -649,6 +667,7 @@ pub async fn run_with_listener(
         heartbeat,
         events: events::Events::new(client.clone(), &config.identity),
         progress_writes: backup::ProgressWrites::default(),
+        replaced_pods: backup::ReplacedPods::default(),
     });
     // Admission: one replica at a time (the admission lease holder) runs
     // the admission loop, woken by changes of transfers, locations and

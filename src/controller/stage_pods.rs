@@ -172,6 +172,61 @@ pub fn verdict(pod: &Pod, attempts: i32, now: i64) -> Verdict {
     Verdict::Healthy
 }
 
+/// Default seconds without a heartbeat after which a running agent counts
+/// as lost (it reports every 2 s, throttled or not).
+pub const DEFAULT_AGENT_LOST_SECONDS: u32 = 300;
+
+/// A running pod whose agent stopped reporting (a hung process, a stuck
+/// mount, a pod that lost the API server) is treated like a failed pod:
+/// recreated while attempts remain, then its volumes fail. `heartbeats`
+/// are the `agent.heartbeatTime` (seconds) of the pod's InProgress
+/// transfers; `None` when the agent is fine (or nothing runs).
+pub fn lost_agent(
+    pod: &Pod,
+    heartbeats: &[i64],
+    attempts: i32,
+    now: i64,
+    lost_after_seconds: u32,
+) -> Option<Verdict> {
+    let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
+    let running = pod
+        .status
+        .as_ref()
+        .and_then(|status| status.phase.as_deref())
+        == Some("Running");
+    // A pod being deleted is already handled; a new pod (recreated, or a
+    // restarted container) is given the whole interval from its start.
+    if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let started = pod
+        .status
+        .as_ref()
+        .and_then(|status| status.start_time.as_ref())
+        .or(pod.metadata.creation_timestamp.as_ref())
+        .map_or(i64::MIN, |time| time.0.as_second());
+    let latest = heartbeats.iter().copied().max()?.max(started);
+    let silent = now - latest;
+    if !running || silent <= i64::from(lost_after_seconds) {
+        return None;
+    }
+    let message = format!(
+        "the agent in stage pod {name} has not reported for {silent}s (a hung process or a stuck volume mount?)"
+    );
+    let this_attempt = attempts + 1;
+    Some(if this_attempt >= MAX_POD_ATTEMPTS {
+        Verdict::Fail {
+            message: format!("{message}; gave up after {this_attempt} stage pods"),
+        }
+    } else {
+        Verdict::Recreate {
+            attempt: this_attempt + 1,
+            after_seconds: 0,
+            message,
+        }
+    })
+}
+
 /// "exit code 137 (OOMKilled): last log line".
 fn describe_termination(state: &ContainerStateTerminated) -> String {
     let mut detail = format!("exit code {}", state.exit_code);
@@ -216,6 +271,45 @@ mod tests {
             "name": "agent", "image": "ghcr.io/haulage-dev/mover-agent:0.1.0", "imageID": "",
             "ready": false, "restartCount": restarts, "state": state, "lastState": last,
         })
+    }
+
+    #[test]
+    fn a_silent_agent_is_recreated_then_given_up_on() {
+        let running = pod(serde_json::json!({"phase": "Running"}));
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 300, 300), None);
+        assert_eq!(
+            lost_agent(&running, &[], 0, T0 + 3000, 300),
+            None,
+            "nothing runs"
+        );
+        let Some(Verdict::Recreate {
+            attempt: 2,
+            after_seconds: 0,
+            message,
+        }) = lost_agent(&running, &[T0 - 50, T0], 0, T0 + 301, 300)
+        else {
+            panic!("recreated");
+        };
+        assert!(message.contains("has not reported for 301s"), "{message}");
+        assert!(matches!(
+            lost_agent(&running, &[T0], 2, T0 + 301, 300),
+            Some(Verdict::Fail { .. })
+        ));
+        let pending = pod(serde_json::json!({"phase": "Pending"}));
+        assert_eq!(lost_agent(&pending, &[T0], 0, T0 + 3000, 300), None);
+        // A pod created after the last heartbeat gets the whole interval.
+        let recreated = pod(serde_json::json!({"phase": "Running", "startTime": at(1000)}));
+        assert_eq!(lost_agent(&recreated, &[T0], 1, T0 + 1200, 300), None);
+        let mut deleting = running.clone();
+        deleting.metadata.deletion_timestamp =
+            Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::from_second(T0 + 10).expect("valid"),
+            ));
+        assert_eq!(
+            lost_agent(&deleting, &[T0], 0, T0 + 3000, 300),
+            None,
+            "being deleted"
+        );
     }
 
     #[test]

@@ -3246,3 +3246,137 @@ async fn a_backup_to_a_location_behind_a_private_ca_completes() -> anyhow::Resul
     fixture.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
+-> anyhow::Result<()> {
+    // 12 MiB at 1 MiB/s, so the transfer is running when its agent hangs.
+    let fixture = Fixture::start(Some(1 << 20), 12 << 20, true).await?;
+    let client = fixture.client.clone();
+    // The fixture's controller stops cleanly (releasing its leases); this
+    // one counts an agent silent for 10 s as lost (the default is 300 s).
+    fixture.shutdown.cancel();
+    eventually(Duration::from_secs(30), || async {
+        Ok(fixture.controller.is_finished().then_some(()))
+    })
+    .await
+    .context("the fixture's controller did not stop")?;
+    let kubeconfig = fixture
+        .kubelet
+        .service_account_kubeconfig(
+            SYSTEM_NAMESPACE,
+            "haulage-controller",
+            &fixture.work.path().join("watchful.kubeconfig"),
+        )
+        .await?;
+    let config = haulage::controller::Config {
+        agent_image: "mover-agent:test".to_string(),
+        health_address: "127.0.0.1:0".parse()?,
+        concurrency: 4,
+        replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
+        agent_lost_seconds: haulage::controller::MIN_AGENT_LOST_SECONDS,
+        ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-watchful")
+    };
+    let shutdown = CancellationToken::new();
+    let controller = tokio::spawn(haulage::controller::run(
+        config,
+        client_from(&kubeconfig).await?,
+        shutdown.clone(),
+    ));
+
+    create_backup_of(
+        &client,
+        "hung",
+        json!({"matchLabels": {"claim": "archive"}}),
+    )
+    .await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let (namespace, pod) = eventually(Duration::from_secs(120), || async {
+        let running = transfers
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|transfer| {
+                transfer.spec.pvc == "archive"
+                    && transfer.status.as_ref().and_then(|status| status.phase)
+                        == Some(VolumeTransferPhase::InProgress)
+            });
+        Ok(running.map(|transfer| {
+            (
+                transfer.metadata.namespace.clone().unwrap_or_default(),
+                transfer.spec.stage_pod.clone(),
+            )
+        }))
+    })
+    .await
+    .context("the transfer never started")?;
+    assert!(
+        fixture.kubelet.freeze(&namespace, &pod).await,
+        "no agent process to freeze"
+    );
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = eventually(BACKUP_DEADLINE, || async {
+        let backup = backups.get("hung").await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await
+    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{:?}",
+        status.results
+    );
+    let transfer = transfers
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|transfer| transfer.spec.pvc == "archive")
+        .context("transfer")?;
+    let events: Api<k8s_openapi::api::events::v1::Event> =
+        Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let notes: Vec<String> = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|event| Some(format!("{:?} {:?}", event.reason?, event.note)))
+        .collect();
+    // At least one replacement, and the transfer was not given up on (the
+    // hung pod is sometimes counted twice while the kubelet takes its grace
+    // period to kill it: see docs/controller.md, "Open").
+    let attempts = transfer.status.and_then(|status| status.attempts);
+    assert!(
+        attempts.is_some_and(|attempts| (1..=2).contains(&attempts)),
+        "attempts {attempts:?}: {notes:#?}\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+    let recreated = events
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|event| {
+            event.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("hung")
+                && event.reason.as_deref() == Some("StagePodRecreated")
+        })
+        .filter_map(|event| event.note)
+        .collect::<Vec<_>>();
+    assert!(
+        recreated
+            .iter()
+            .any(|note| note.contains("has not reported")),
+        "{recreated:?}"
+    );
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(30), controller).await;
+    fixture.stop().await;
+    Ok(())
+}

@@ -278,6 +278,26 @@ impl Kubelet {
         }
     }
 
+    /// Freeze a pod's agent (SIGSTOP), as a process hung on a stuck volume
+    /// mount would be: it stays "running" but reports nothing. Returns
+    /// whether a process was running.
+    pub async fn freeze(&self, namespace: &str, pod: &str) -> bool {
+        let pid = self
+            .processes
+            .lock()
+            .expect("lock")
+            .get(&(namespace.to_string(), pod.to_string()))
+            .and_then(|running| running.child.as_ref().and_then(Child::id));
+        let Some(pid) = pid else {
+            return false;
+        };
+        Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .await
+            .is_ok_and(|status| status.success())
+    }
+
     /// Evict a pod as a kubelet under memory pressure does: kill its agent
     /// and leave the pod `Failed` with reason `Evicted` (never restarted).
     pub async fn evict(&self, namespace: &str, pod: &str) -> anyhow::Result<()> {
