@@ -64,11 +64,7 @@ fn now() -> Time {
 }
 
 fn status_patch(status: serde_json::Value) -> serde_json::Value {
-    serde_json::json!({
-        "apiVersion": format!("{}/{}", haulage::api::GROUP, haulage::api::VERSION),
-        "kind": "VolumeTransfer",
-        "status": status,
-    })
+    haulage::api::status_apply::<VolumeTransfer>(&status)
 }
 
 /// Run every assigned transfer; Ok when each reached a final phase (its
@@ -252,24 +248,17 @@ async fn claim(
             .get(name)
             .await
             .with_context(|| format!("failed to get VolumeTransfer {name}"))?;
-        let status = transfer.status.clone().unwrap_or_default();
-        let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
-        if phase.is_final() {
-            info!(transfer = name, ?phase, "already final");
-            return Ok(None);
-        }
-        if let Some(agent) = &status.agent
-            && agent.identity != identity
-        {
-            info!(transfer = name, owner = %agent.identity, "claimed by another agent");
-            return Ok(None);
-        }
-        if phase < VolumeTransferPhase::Admitted {
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(None),
-                _ = tokio::time::sleep(Duration::from_secs(ADMISSION_POLL_SECONDS)) => continue,
+        match admission_decision(&transfer, name, identity) {
+            Some(true) => {}
+            Some(false) => return Ok(None),
+            None => {
+                tokio::select! {
+                    _ = cancel.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(Duration::from_secs(ADMISSION_POLL_SECONDS)) => continue,
+                }
             }
         }
+        let status = transfer.status.clone().unwrap_or_default();
         let time = now();
         let claim = serde_json::json!({
             "metadata": {"resourceVersion": transfer.resource_version()},

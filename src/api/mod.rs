@@ -47,6 +47,21 @@ pub const GROUP: &str = "haulage.dev";
 /// API version of every haulage resource.
 pub const VERSION: &str = "v1alpha1";
 
+/// The body of a server-side apply of `status` to an object of kind `K`:
+/// `apiVersion`, `kind` and `status`, nothing else (so the writer's field
+/// manager owns only the status fields it sets). One place for every
+/// status writer: controller, BSL prober, admission and the agent.
+pub fn status_apply<K>(status: &impl serde::Serialize) -> serde_json::Value
+where
+    K: kube::Resource<DynamicType = ()>,
+{
+    serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    })
+}
+
 /// The command that rewrites `manifests/crds/` from these types.
 pub const REGENERATE_COMMAND: &str = "cargo run -- crds --output-dir manifests/crds";
 
@@ -103,6 +118,16 @@ pub fn crd_manifests() -> Result<Vec<(String, String)>, RenderError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_status_apply_names_the_kind_and_version_of_the_crd() {
+        let body = status_apply::<VolumeTransfer>(&serde_json::json!({"phase": "Queued"}));
+        assert_eq!(
+            body,
+            serde_json::json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeTransfer",
+                "status": {"phase": "Queued"}})
+        );
+    }
     use serde::Deserialize;
 
     #[test]

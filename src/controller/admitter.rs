@@ -602,22 +602,17 @@ impl Admitter {
         key: &TransferKey,
         status: &VolumeTransferStatus,
     ) -> Result<Option<String>, Error> {
-        let api: Api<VolumeTransfer> = Api::namespaced(self.context.client.clone(), &key.namespace);
-        let patch = serde_json::json!({
-            "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-            "kind": "VolumeTransfer",
-            "status": status,
-        });
-        match api
-            .patch_status(
-                &key.name,
-                &PatchParams::apply(FIELD_MANAGER).force(),
-                &Patch::Apply(&patch),
-            )
-            .await
+        let patch = crate::api::status_apply::<VolumeTransfer>(status);
+        match crate::controller::backup::patch_transfer_status(
+            &self.context.client,
+            &key.namespace,
+            &key.name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
         {
-            Ok(written) => Ok(written.resource_version()),
-            Err(error) if crate::controller::error::is_not_found(&error) => Ok(None),
+            Ok(written) => Ok(written.and_then(|written| written.resource_version())),
             // Refused by the CRD's phase rules: it moved on (canceled,
             // failed) since the cache saw it; the next pass sees that.
             Err(kube::Error::Api(status)) if status.code == 422 => {
@@ -638,11 +633,7 @@ impl Admitter {
         status: &StoragePolicyStatus,
     ) -> Result<Option<String>, Error> {
         let api: Api<StoragePolicy> = Api::all(self.context.client.clone());
-        let patch = serde_json::json!({
-            "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-            "kind": "StoragePolicy",
-            "status": status,
-        });
+        let patch = crate::api::status_apply::<StoragePolicy>(status);
         match api
             .patch_status(
                 name,

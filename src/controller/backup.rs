@@ -149,11 +149,7 @@ fn owner_of(backup: &VolumeBackup) -> Result<Owner, Error> {
 
 /// The status apply, conditional on `resource_version` when given.
 fn status_patch(status: &VolumeBackupStatus, resource_version: Option<&str>) -> serde_json::Value {
-    let mut patch = serde_json::json!({
-        "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-        "kind": "VolumeBackup",
-        "status": status,
-    });
+    let mut patch = crate::api::status_apply::<VolumeBackup>(status);
     if let Some(version) = resource_version {
         patch["metadata"] = serde_json::json!({"resourceVersion": version});
     }
@@ -256,6 +252,10 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     };
 
     let (storage, location) = resolve_location(backup, context);
+    // One look at the caches per reconcile: every step below reads the
+    // same snapshot of this backup's transfers and stage pods (each lookup
+    // scans the cluster-wide cache).
+    let children = OwnedChildren::of(context, &owner);
     let plan = match (&old.plan, &storage) {
         (Some(plan), _) => Some(plan.clone()),
         (None, StorageState::Available { .. }) => Some(make_plan(backup, &owner, context)?),
@@ -265,9 +265,9 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
     if let (Some(plan), Some(location)) = (&plan, &location)
         && !matches!(storage, StorageState::Missing { .. })
     {
-        ensure_children(&owner, plan, location, context).await?;
+        ensure_children(&owner, plan, location, &children, context).await?;
     }
-    let backoff = supervise_stage_pods(backup, &owner, context).await?;
+    let backoff = supervise_stage_pods(backup, &children, context).await?;
 
     let observed = Observed {
         generation: backup.metadata.generation,
@@ -276,7 +276,8 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         storage,
         fail_after_unavailable_seconds: backup.spec.fail_after_unavailable_seconds,
         plan,
-        transfers: owned_transfers(context, &owner)
+        transfers: children
+            .transfers
             .iter()
             .map(|transfer| observe(transfer))
             .collect(),
@@ -576,6 +577,21 @@ fn backup_plan(plan: &StagePlan, template: &StagePodTemplate) -> BackupPlan {
     }
 }
 
+/// A backup's transfers and stage pods, as the caches show them now.
+struct OwnedChildren {
+    transfers: Vec<Arc<VolumeTransfer>>,
+    pods: Vec<Arc<Pod>>,
+}
+
+impl OwnedChildren {
+    fn of(context: &Context, owner: &Owner) -> Self {
+        OwnedChildren {
+            transfers: owned_transfers(context, owner),
+            pods: owned_pods(context, owner),
+        }
+    }
+}
+
 fn owned_transfers(context: &Context, owner: &Owner) -> Vec<Arc<VolumeTransfer>> {
     context.stores.transfers.state_filter(|transfer| {
         transfer.labels().get(OWNER_UID_LABEL) == Some(&owner.uid)
@@ -611,6 +627,7 @@ async fn ensure_children(
     owner: &Owner,
     plan: &BackupPlan,
     location: &BackupStorageLocation,
+    children: &OwnedChildren,
     context: &Context,
 ) -> Result<(), Error> {
     let template = template_of(owner, context);
@@ -618,11 +635,12 @@ async fn ensure_children(
         namespace: location.namespace().unwrap_or_default(),
         name: location.name_any(),
     };
-    let existing_pods: BTreeSet<(String, String)> = owned_pods(context, owner)
+    let existing_pods: BTreeSet<(String, String)> = children
+        .pods
         .iter()
         .map(|pod| (pod.namespace().unwrap_or_default(), pod.name_any()))
         .collect();
-    let transfers = owned_transfers(context, owner);
+    let transfers = &children.transfers;
     let nodes = context.stores.nodes.state();
     let mut credentials: Option<BTreeMap<String, ByteString>> = None;
     for planned in &plan.stage_pods {
@@ -760,12 +778,12 @@ async fn create_stage_pod(
 /// if a backoff is running.
 async fn supervise_stage_pods(
     backup: &VolumeBackup,
-    owner: &Owner,
+    children: &OwnedChildren,
     context: &Context,
 ) -> Result<Option<Duration>, Error> {
-    let transfers = owned_transfers(context, owner);
+    let transfers = &children.transfers;
     let mut next_look: Option<Duration> = None;
-    for pod in owned_pods(context, owner) {
+    for pod in children.pods.iter().cloned() {
         let namespace = pod.namespace().unwrap_or_default();
         let pod_name = pod.name_any();
         let of_pod: Vec<&Arc<VolumeTransfer>> = transfers
@@ -910,21 +928,47 @@ async fn record_attempts(
     attempts: i32,
     context: &Context,
 ) -> Result<(), Error> {
-    let namespace = transfer.namespace().unwrap_or_default();
-    let name = transfer.name_any();
-    let api: Api<VolumeTransfer> = Api::namespaced(context.client.clone(), &namespace);
     let patch = serde_json::json!({"status": {"attempts": attempts}});
-    match api
-        .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(error) if is_not_found(&error) => Ok(()),
-        Err(source) => Err(kube_error(
-            "record attempts on",
-            "VolumeTransfer",
-            format!("{namespace}/{name}"),
-        )(source)),
+    patch_transfer_status(
+        &context.client,
+        &transfer.namespace().unwrap_or_default(),
+        &transfer.name_any(),
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+    )
+    .await
+    .map(|_| ())
+    .map_err(kube_error(
+        "record attempts on",
+        "VolumeTransfer",
+        transfer_reference(transfer),
+    ))
+}
+
+/// `namespace/name` of a transfer, for errors.
+fn transfer_reference(transfer: &VolumeTransfer) -> String {
+    format!(
+        "{}/{}",
+        transfer.namespace().unwrap_or_default(),
+        transfer.name_any()
+    )
+}
+
+/// Patch a transfer's status; `Ok(None)` when the transfer is gone (its
+/// backup was deleted meanwhile), which every status writer treats as
+/// nothing left to do.
+pub(crate) async fn patch_transfer_status<P: Serialize + std::fmt::Debug>(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    params: &PatchParams,
+    patch: &Patch<P>,
+) -> Result<Option<VolumeTransfer>, kube::Error> {
+    let api: Api<VolumeTransfer> = Api::namespaced(client.clone(), namespace);
+    match api.patch_status(name, params, patch).await {
+        Ok(written) => Ok(Some(written)),
+        Err(error) if is_not_found(&error) => Ok(None),
+        Err(error) => Err(error),
     }
 }
 
@@ -933,30 +977,21 @@ async fn write_transfer_status(
     status: &VolumeTransferStatus,
     context: &Context,
 ) -> Result<(), Error> {
-    let namespace = transfer.namespace().unwrap_or_default();
-    let name = transfer.name_any();
-    let api: Api<VolumeTransfer> = Api::namespaced(context.client.clone(), &namespace);
-    let patch = serde_json::json!({
-        "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-        "kind": "VolumeTransfer",
-        "status": status,
-    });
-    match api
-        .patch_status(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-    {
-        Ok(_) => Ok(()),
-        Err(error) if is_not_found(&error) => Ok(()),
-        Err(source) => Err(kube_error(
-            "apply status of",
-            "VolumeTransfer",
-            format!("{namespace}/{name}"),
-        )(source)),
-    }
+    let patch = crate::api::status_apply::<VolumeTransfer>(status);
+    patch_transfer_status(
+        &context.client,
+        &transfer.namespace().unwrap_or_default(),
+        &transfer.name_any(),
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await
+    .map(|_| ())
+    .map_err(kube_error(
+        "apply status of",
+        "VolumeTransfer",
+        transfer_reference(transfer),
+    ))
 }
 
 /// Delete one object by name; a missing one is already gone.

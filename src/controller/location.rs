@@ -773,11 +773,7 @@ pub async fn reconcile(
 
     if status != old {
         let api: Api<BackupStorageLocation> = Api::namespaced(context.client.clone(), &namespace);
-        let patch = serde_json::json!({
-            "apiVersion": format!("{}/{}", crate::api::GROUP, crate::api::VERSION),
-            "kind": "BackupStorageLocation",
-            "status": status,
-        });
+        let patch = crate::api::status_apply::<BackupStorageLocation>(&status);
         api.patch_status(
             &name,
             &PatchParams::apply(FIELD_MANAGER).force(),

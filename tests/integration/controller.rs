@@ -528,6 +528,47 @@ impl Fixture {
         })
     }
 
+    /// The test configuration of an in-process controller replica named
+    /// `identity` (health on an ephemeral port, short replica lease).
+    fn controller_config(identity: &str) -> anyhow::Result<haulage::controller::Config> {
+        Ok(haulage::controller::Config {
+            agent_image: "mover-agent:test".to_string(),
+            health_address: "127.0.0.1:0".parse()?,
+            concurrency: 4,
+            replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
+            ..haulage::controller::Config::new(SYSTEM_NAMESPACE, identity)
+        })
+    }
+
+    /// Start another in-process controller replica with `config`, on the
+    /// controller ServiceAccount's token; cancel the token to stop it.
+    async fn spawn_controller(
+        &self,
+        config: haulage::controller::Config,
+    ) -> anyhow::Result<(
+        CancellationToken,
+        tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
+    )> {
+        let kubeconfig = self
+            .kubelet
+            .service_account_kubeconfig(
+                SYSTEM_NAMESPACE,
+                "haulage-controller",
+                &self
+                    .work
+                    .path()
+                    .join(format!("{}.kubeconfig", config.identity)),
+            )
+            .await?;
+        let shutdown = CancellationToken::new();
+        let controller = tokio::spawn(haulage::controller::run(
+            config,
+            client_from(&kubeconfig).await?,
+            shutdown.clone(),
+        ));
+        Ok((shutdown, controller))
+    }
+
     async fn stop(self) {
         self.shutdown.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(10), self.controller).await;
@@ -1619,27 +1660,9 @@ async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyh
         "a crashed replica's lease stays until it expires"
     );
 
-    let kubeconfig = fixture
-        .kubelet
-        .service_account_kubeconfig(
-            SYSTEM_NAMESPACE,
-            "haulage-controller",
-            &fixture.work.path().join("controller-1.kubeconfig"),
-        )
+    let (shutdown, successor) = fixture
+        .spawn_controller(Fixture::controller_config("controller-1")?)
         .await?;
-    let config = haulage::controller::Config {
-        agent_image: "mover-agent:test".to_string(),
-        health_address: "127.0.0.1:0".parse()?,
-        concurrency: 4,
-        replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
-        ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-1")
-    };
-    let shutdown = CancellationToken::new();
-    let successor = tokio::spawn(haulage::controller::run(
-        config,
-        client_from(&kubeconfig).await?,
-        shutdown.clone(),
-    ));
 
     let backup = eventually(BACKUP_DEADLINE, || async {
         let backup = backups.get("adopted").await?;
@@ -3261,28 +3284,12 @@ async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
     })
     .await
     .context("the fixture's controller did not stop")?;
-    let kubeconfig = fixture
-        .kubelet
-        .service_account_kubeconfig(
-            SYSTEM_NAMESPACE,
-            "haulage-controller",
-            &fixture.work.path().join("watchful.kubeconfig"),
-        )
+    let (shutdown, controller) = fixture
+        .spawn_controller(haulage::controller::Config {
+            agent_lost_seconds: haulage::controller::MIN_AGENT_LOST_SECONDS,
+            ..Fixture::controller_config("controller-watchful")?
+        })
         .await?;
-    let config = haulage::controller::Config {
-        agent_image: "mover-agent:test".to_string(),
-        health_address: "127.0.0.1:0".parse()?,
-        concurrency: 4,
-        replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
-        agent_lost_seconds: haulage::controller::MIN_AGENT_LOST_SECONDS,
-        ..haulage::controller::Config::new(SYSTEM_NAMESPACE, "controller-watchful")
-    };
-    let shutdown = CancellationToken::new();
-    let controller = tokio::spawn(haulage::controller::run(
-        config,
-        client_from(&kubeconfig).await?,
-        shutdown.clone(),
-    ));
 
     create_backup_of(
         &client,
