@@ -191,9 +191,10 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
             // Another replica owns it and keeps working on it, unless it
             // stopped renewing its lease: then this one adopts it.
             // An unsynced cache would make every replica look gone.
-            if context.stores.leases.wait_until_ready().await.is_err() {
-                return Ok(Action::requeue(Duration::from_secs(ADOPTION_CHECK_SECONDS)));
-            }
+            context
+                .readiness
+                .wait_for_cache(crate::controller::cache::LEASES)
+                .await;
             let leases = replicas::cached(&context.stores.leases);
             let why = match replicas::liveness(
                 &claim.replica,

@@ -3,11 +3,12 @@
 //! API server answered recently; never a storage location) and `/metrics`
 //! (the Prometheus series of [`super::metrics`]).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -19,35 +20,80 @@ pub const API_CHECK_INTERVAL_SECONDS: u64 = 10;
 /// Seconds a look at `/version` may take before it counts as failed.
 pub const API_CHECK_TIMEOUT_SECONDS: u64 = 5;
 
-/// What `/readyz` reports on.
-#[derive(Debug, Default)]
+/// What `/readyz` reports on, and which caches have synced.
+///
+/// Code that needs a synced cache waits here ([`Readiness::wait_for_cache`]),
+/// never on kube-runtime's `Store::wait_until_ready`: that one wakes only
+/// the last of several tasks waiting at once (its `DelayedInit` keeps one
+/// waker), and each kube-runtime `Controller` already waits on its own
+/// store, so a second waiter could leave that controller, or this one,
+/// asleep for good. Seen here as a replica that never became ready and
+/// never reconciled (CI, 2026-11-29).
+#[derive(Debug)]
 pub struct Readiness {
-    caches_synced: AtomicBool,
-    api_reachable: AtomicBool,
+    /// The caches whose first list has not finished yet, by kind.
+    unsynced_caches: watch::Sender<BTreeSet<&'static str>>,
+    /// `None` while the API server answers, else what the last look got.
+    api_problem: Mutex<Option<String>>,
 }
 
 impl Readiness {
-    /// Every shared cache has finished its first list.
-    pub fn set_caches_synced(&self) {
-        self.caches_synced.store(true, Ordering::SeqCst);
-    }
-
-    /// Whether the last look at the API server got an answer.
-    pub fn set_api_reachable(&self, reachable: bool) {
-        self.api_reachable.store(reachable, Ordering::SeqCst);
-    }
-
-    /// `None` when ready, else why not.
-    pub fn problem(&self) -> Option<&'static str> {
-        match (
-            self.caches_synced.load(Ordering::SeqCst),
-            self.api_reachable.load(Ordering::SeqCst),
-        ) {
-            (true, true) => None,
-            (false, _) => Some("caches not synced\n"),
-            (true, false) => Some("API server not reachable\n"),
+    /// Not ready until each of `caches` has synced and the API server has
+    /// answered once.
+    pub fn new(caches: impl IntoIterator<Item = &'static str>) -> Self {
+        Readiness {
+            unsynced_caches: watch::Sender::new(caches.into_iter().collect()),
+            api_problem: Mutex::new(Some("not asked yet".to_string())),
         }
     }
+
+    /// Not ready until the cache of `kind` has synced too.
+    pub fn expect_cache(&self, kind: &'static str) {
+        self.unsynced_caches.send_modify(|unsynced| {
+            unsynced.insert(kind);
+        });
+    }
+
+    /// The cache of `kind` has finished its first list.
+    pub fn set_cache_synced(&self, kind: &'static str) {
+        self.unsynced_caches
+            .send_if_modified(|unsynced| unsynced.remove(kind));
+    }
+
+    /// Wait until the cache of `kind` has finished its first list (at once
+    /// when it has); any number of tasks may wait.
+    pub async fn wait_for_cache(&self, kind: &'static str) {
+        let mut synced = self.unsynced_caches.subscribe();
+        // The sender lives as long as `self`: this only ends when synced.
+        let _ = synced.wait_for(|unsynced| !unsynced.contains(kind)).await;
+    }
+
+    /// The last look at the API server: `None` when it answered, else why
+    /// not.
+    pub fn set_api_problem(&self, problem: Option<String>) {
+        *lock(&self.api_problem) = problem;
+    }
+
+    /// `None` when ready, else why not, naming the caches still listing
+    /// (a cache that never syncs is a watch that keeps failing: the
+    /// controller's warnings name its error).
+    pub fn problem(&self) -> Option<String> {
+        let unsynced: Vec<&str> = self.unsynced_caches.borrow().iter().copied().collect();
+        if !unsynced.is_empty() {
+            return Some(format!("caches not synced: {}\n", unsynced.join(", ")));
+        }
+        lock(&self.api_problem)
+            .as_ref()
+            .map(|problem| format!("API server not reachable: {problem}\n"))
+    }
+}
+
+/// The guarded value, also after a panic elsewhere (it is only read and
+/// replaced whole).
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The answer for `path`.
@@ -100,19 +146,22 @@ pub async fn watch_api_server(
             client.apiserver_version(),
         )
         .await;
-        let reachable = matches!(answer, Ok(Ok(_)));
+        let problem = match answer {
+            Ok(Ok(_)) => None,
+            Ok(Err(error)) => Some(error.to_string()),
+            Err(_) => Some(format!(
+                "no answer to /version within {API_CHECK_TIMEOUT_SECONDS}s"
+            )),
+        };
+        let reachable = problem.is_none();
         if was_reachable != Some(reachable) {
-            match answer {
-                Ok(Ok(_)) => info!("API server reachable"),
-                Ok(Err(error)) => warn!(%error, "API server not reachable; not ready"),
-                Err(_) => warn!(
-                    timeout_seconds = API_CHECK_TIMEOUT_SECONDS,
-                    "API server did not answer; not ready"
-                ),
+            match &problem {
+                None => info!("API server reachable"),
+                Some(problem) => warn!(%problem, "API server not reachable; not ready"),
             }
         }
         was_reachable = Some(reachable);
-        readiness.set_api_reachable(reachable);
+        readiness.set_api_problem(problem);
     }
 }
 
@@ -120,25 +169,56 @@ pub async fn watch_api_server(
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn every_task_waiting_for_a_cache_wakes_when_it_syncs() {
+        let readiness = Arc::new(Readiness::new(["leases", "pods"]));
+        let waiters: Vec<_> = (0..4)
+            .map(|_| {
+                let readiness = readiness.clone();
+                tokio::spawn(async move { readiness.wait_for_cache("leases").await })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        readiness.set_cache_synced("leases");
+        for waiter in waiters {
+            tokio::time::timeout(Duration::from_secs(5), waiter)
+                .await
+                .expect("every waiter wakes")
+                .expect("the waiter did not panic");
+        }
+        // A cache that synced before anyone waited: no wait at all.
+        tokio::time::timeout(Duration::from_secs(5), readiness.wait_for_cache("leases"))
+            .await
+            .expect("already synced");
+        assert_eq!(
+            readiness.problem().as_deref(),
+            Some("caches not synced: pods\n")
+        );
+    }
+
     #[test]
     fn readiness_needs_synced_caches_and_a_reachable_api_server() {
-        let readiness = Readiness::default();
+        let readiness = Readiness::new(["pods", "volumebackups"]);
         let metrics = ControllerMetrics::new(None);
         assert_eq!(
             respond("/readyz", &readiness, &metrics).status,
             "503 Service Unavailable"
         );
-        readiness.set_api_reachable(true);
+        readiness.set_api_problem(None);
+        readiness.set_cache_synced("pods");
         assert_eq!(
             respond("/readyz", &readiness, &metrics).body,
-            "caches not synced\n"
+            "caches not synced: volumebackups\n"
         );
-        readiness.set_caches_synced();
+        readiness.set_cache_synced("volumebackups");
         assert_eq!(respond("/readyz", &readiness, &metrics).status, "200 OK");
-        readiness.set_api_reachable(false);
+        readiness.set_api_problem(Some("connection refused".to_string()));
         let answer = respond("/readyz", &readiness, &metrics);
         assert_eq!(answer.status, "503 Service Unavailable");
-        assert_eq!(answer.body, "API server not reachable\n");
+        assert_eq!(
+            answer.body,
+            "API server not reachable: connection refused\n"
+        );
         assert_eq!(respond("/healthz", &readiness, &metrics).status, "200 OK");
         assert_eq!(
             respond("/metrics", &readiness, &metrics).content_type,

@@ -285,6 +285,8 @@ pub struct Context {
     pub progress_writes: backup::ProgressWrites,
     /// Stage pods this replica deleted to replace them.
     pub replaced_pods: backup::ReplacedPods,
+    /// Which caches have synced (wait here, never on a store).
+    pub readiness: Arc<health::Readiness>,
 }
 
 /// The controller could not run.
@@ -370,10 +372,26 @@ fn without_managed_fields<K: kube::Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
 }
 
-/// Run a watcher into a cache until `tasks` is dropped; the cached objects
-/// carry no `managedFields` ([`without_managed_fields`]).
-fn spawn_reflector<K>(
+/// Kind names of the caches that code waits for
+/// ([`health::Readiness::wait_for_cache`]).
+pub(crate) mod cache {
+    /// The replica liveness Leases.
+    pub const LEASES: &str = "leases";
+    /// The BackupStorageLocations.
+    pub const LOCATIONS: &str = "backupstoragelocations";
+}
+
+/// Run a watcher of `kind` into the cache of `writer` until `tasks` is
+/// dropped. The cached objects carry no `managedFields`
+/// ([`without_managed_fields`]); the subscribers of a shared writer see
+/// every change; a failing watch is logged (kube-runtime logs only a 403
+/// above debug; the watch backs off, so this is never a stream); and
+/// `readiness` learns when the first list is in the cache, from the
+/// stream itself (see [`health::Readiness`] for why not from the store).
+fn spawn_cache<K>(
     tasks: &mut JoinSet<()>,
+    readiness: &Arc<health::Readiness>,
+    kind: &'static str,
     api: Api<K>,
     config: watcher::Config,
     writer: reflector::store::Writer<K>,
@@ -386,12 +404,26 @@ fn spawn_reflector<K>(
         + Sync
         + 'static,
 {
+    readiness.expect_cache(kind);
+    let readiness = readiness.clone();
+    let mut synced = false;
+    let changes = watcher(api, config)
+        .default_backoff()
+        .modify(without_managed_fields);
     tasks.spawn(
-        watcher(api, config)
-            .default_backoff()
-            .modify(without_managed_fields)
-            .reflect(writer)
-            .for_each(|_| futures::future::ready(())),
+        // The reflector applies each change to the cache before passing it on.
+        reflector::reflector(writer, changes).for_each(move |change| {
+            match change {
+                Ok(watcher::Event::InitDone) if !synced => {
+                    synced = true;
+                    info!(kind, "cache synced");
+                    readiness.set_cache_synced(kind);
+                }
+                Err(error) => warn!(kind, %error, "watching {kind} failed; retrying with backoff (check that the API server is reachable, the haulage CRDs are installed and the controller's RBAC allows list and watch)"),
+                Ok(_) => {}
+            }
+            futures::future::ready(())
+        }),
     );
 }
 
@@ -426,7 +458,9 @@ pub async fn run_with_listener(
     if let Ok(address) = listener.local_addr() {
         info!(%address, "health and metrics endpoints listening");
     }
-    let readiness = Arc::new(health::Readiness::default());
+    // Every cache is spawned before the endpoints start serving, so
+    // `/readyz` never answers before it knows them all.
+    let readiness = Arc::new(health::Readiness::new([]));
     tasks.spawn(health::watch_api_server(
         client.clone(),
         readiness.clone(),
@@ -434,8 +468,10 @@ pub async fn run_with_listener(
     ));
 
     let (claims, claims_writer) = reflector::store();
-    spawn_reflector(
+    spawn_cache(
         &mut tasks,
+        &readiness,
+        "persistentvolumeclaims",
         Api::<PersistentVolumeClaim>::all(client.clone()),
         watcher::Config::default(),
         claims_writer,
@@ -446,38 +482,47 @@ pub async fn run_with_listener(
     let Some(pod_events) = pods_writer.subscribe() else {
         return Err(RunError::Subscribe);
     };
-    tasks.spawn(
-        watcher(Api::<Pod>::all(client.clone()), watcher::Config::default())
-            .default_backoff()
-            .modify(without_managed_fields)
-            .reflect_shared(pods_writer)
-            .for_each(|_| futures::future::ready(())),
+    spawn_cache(
+        &mut tasks,
+        &readiness,
+        "pods",
+        Api::<Pod>::all(client.clone()),
+        watcher::Config::default(),
+        pods_writer,
     );
     let (nodes, nodes_writer) = reflector::store();
-    spawn_reflector(
+    spawn_cache(
         &mut tasks,
+        &readiness,
+        "nodes",
         Api::<Node>::all(client.clone()),
         watcher::Config::default(),
         nodes_writer,
     );
     let (volumes, volumes_writer) = reflector::store();
-    spawn_reflector(
+    spawn_cache(
         &mut tasks,
+        &readiness,
+        "persistentvolumes",
         Api::<PersistentVolume>::all(client.clone()),
         watcher::Config::default(),
         volumes_writer,
     );
     let (classes, classes_writer) = reflector::store();
-    spawn_reflector(
+    spawn_cache(
         &mut tasks,
+        &readiness,
+        "storageclasses",
         Api::<StorageClass>::all(client.clone()),
         watcher::Config::default(),
         classes_writer,
     );
 
     let (leases, leases_writer) = reflector::store();
-    spawn_reflector(
+    spawn_cache(
         &mut tasks,
+        &readiness,
+        cache::LEASES,
         Api::<Lease>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default().labels(&format!("{}=true", replicas::REPLICA_LEASE_LABEL)),
         leases_writer,
@@ -552,45 +597,41 @@ pub async fn run_with_listener(
     else {
         return Err(RunError::Subscribe);
     };
-    tasks.spawn(
-        watcher(
-            Api::<StoragePolicy>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .reflect_shared(policies_writer)
-        .for_each(|_| futures::future::ready(())),
+    spawn_cache(
+        &mut tasks,
+        &readiness,
+        "storagepolicies",
+        Api::<StoragePolicy>::all(client.clone()),
+        watcher::Config::default(),
+        policies_writer,
     );
-    tasks.spawn(
-        watcher(
-            Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .reflect_shared(backups_writer)
-        .for_each(|_| futures::future::ready(())),
+    spawn_cache(
+        &mut tasks,
+        &readiness,
+        "volumebackups",
+        Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default(),
+        backups_writer,
     );
-    tasks.spawn(
-        watcher(
-            Api::<BackupStorageLocation>::namespaced(client.clone(), &config.namespace),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .reflect_shared(locations_writer)
-        .for_each(|_| futures::future::ready(())),
+    spawn_cache(
+        &mut tasks,
+        &readiness,
+        cache::LOCATIONS,
+        Api::<BackupStorageLocation>::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default(),
+        locations_writer,
     );
-    tasks.spawn(
-        watcher(
-            Api::<VolumeTransfer>::all(client.clone()),
-            watcher::Config::default().labels(&format!(
-                "{}={}",
-                crate::api::labels::MANAGED_BY_LABEL,
-                crate::api::labels::MANAGED_BY
-            )),
-        )
-        .default_backoff()
-        .reflect_shared(transfers_writer)
-        .for_each(|_| futures::future::ready(())),
+    spawn_cache(
+        &mut tasks,
+        &readiness,
+        "volumetransfers",
+        Api::<VolumeTransfer>::all(client.clone()),
+        watcher::Config::default().labels(&format!(
+            "{}={}",
+            crate::api::labels::MANAGED_BY_LABEL,
+            crate::api::labels::MANAGED_BY
+        )),
+        transfers_writer,
     );
 
     let stores = Stores {
@@ -623,43 +664,6 @@ pub async fn run_with_listener(
         metrics.clone(),
         shutdown.clone(),
     ));
-    {
-        let stores = stores.clone();
-        let backups = backups.clone();
-        let readiness = readiness.clone();
-        tasks.spawn(async move {
-            let synced = futures::future::join_all([
-                Box::pin(stores.locations.wait_until_ready())
-                    as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>,
-                Box::pin(stores.transfers.wait_until_ready()),
-                Box::pin(stores.policies.wait_until_ready()),
-                Box::pin(backups.wait_until_ready()),
-            ])
-            .await;
-            let others = futures::future::join_all([
-                Box::pin(stores.claims.wait_until_ready())
-                    as std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>>,
-                Box::pin(stores.pods.wait_until_ready()),
-            ])
-            .await;
-            let rest = (
-                stores.nodes.wait_until_ready().await,
-                stores.volumes.wait_until_ready().await,
-                stores.classes.wait_until_ready().await,
-                stores.leases.wait_until_ready().await,
-            );
-            if synced.iter().chain(others.iter()).all(Result::is_ok)
-                && rest.0.is_ok()
-                && rest.1.is_ok()
-                && rest.2.is_ok()
-                && rest.3.is_ok()
-            {
-                info!("caches synced");
-                readiness.set_caches_synced();
-            }
-        });
-    }
-
     let context = Arc::new(Context {
         client: client.clone(),
         config: config.clone(),
@@ -668,6 +672,7 @@ pub async fn run_with_listener(
         events: events::Events::new(client.clone(), &config.identity),
         progress_writes: backup::ProgressWrites::default(),
         replaced_pods: backup::ReplacedPods::default(),
+        readiness: readiness.clone(),
     });
     // Admission: one replica at a time (the admission lease holder) runs
     // the admission loop, woken by changes of transfers, locations and
@@ -741,6 +746,7 @@ pub async fn run_with_listener(
     tasks.spawn(summarize_locations_periodically(
         config.namespace.clone(),
         locations.clone(),
+        readiness.clone(),
         shutdown.clone(),
     ));
 
@@ -790,10 +796,12 @@ pub async fn run_with_listener(
 async fn summarize_locations_periodically(
     namespace: String,
     locations: Store<BackupStorageLocation>,
+    readiness: Arc<health::Readiness>,
     shutdown: CancellationToken,
 ) {
-    if locations.wait_until_ready().await.is_err() {
-        return;
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = readiness.wait_for_cache(cache::LOCATIONS) => {}
     }
     let period = Duration::from_secs(LOCATION_SUMMARY_INTERVAL_SECONDS);
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
@@ -884,6 +892,7 @@ mod tests {
         let summary = tokio::spawn(summarize_locations_periodically(
             SYSTEM_NAMESPACE.to_string(),
             locations,
+            Arc::new(health::Readiness::new([])),
             shutdown.clone(),
         ));
         // Three and a half intervals of (paused, auto-advanced) time.
