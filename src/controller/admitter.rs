@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
-use kube::api::{Patch, PatchParams};
+use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, ResourceExt};
 use tokio::sync::Notify;
@@ -414,6 +414,17 @@ fn is_older(cached: &str, written: &str) -> bool {
     }
 }
 
+/// Each policy's name and resourceVersion, sorted: equal when two views
+/// hold the same versions of the same policies.
+fn versions(policies: &[Arc<StoragePolicy>]) -> Vec<(String, Option<String>)> {
+    let mut versions: Vec<_> = policies
+        .iter()
+        .map(|policy| (policy.name_any(), policy.resource_version()))
+        .collect();
+    versions.sort();
+    versions
+}
+
 /// What a pass needs besides the caches.
 pub struct Admitter {
     context: Arc<Context>,
@@ -501,22 +512,47 @@ impl Admitter {
         let stores = &self.context.stores;
         let config = &self.context.config;
         let transfers = stores.transfers.state();
-        let policies = stores.policies.state();
+        let mut policies = stores.policies.state();
         let locations = stores.locations.state();
-        let caches = Caches {
-            transfers: &transfers,
-            pods: &stores.pods,
-            claims: &stores.claims,
-            classes: &stores.classes,
-            policies: &policies,
-            locations: &locations,
+        let decide = |policies: &[Arc<StoragePolicy>]| {
+            let caches = Caches {
+                transfers: &transfers,
+                pods: &stores.pods,
+                claims: &stores.claims,
+                classes: &stores.classes,
+                policies,
+                locations: &locations,
+            };
+            let (limits, facts) = observe(
+                &caches,
+                config.max_concurrent_volumes,
+                config.max_volumes_per_node,
+            );
+            admit(&limits, &facts)
         };
-        let (limits, facts) = observe(
-            &caches,
-            config.max_concurrent_volumes,
-            config.max_volumes_per_node,
-        );
-        let admission = admit(&limits, &facts);
+        let mut admission = decide(&policies);
+        // The policy cache is a separate watch: a StoragePolicy created
+        // just before a backup can still be on its way when that backup's
+        // transfers are. Before admitting anything, the policies are read
+        // from the API server (a quorum read, a handful of objects), so a
+        // cap that exists is never passed over; a pass that only queues or
+        // re-splits needs no read.
+        let admits = admission
+            .decisions
+            .values()
+            .any(|decision| matches!(decision, Decision::Admit { .. }));
+        if admits {
+            let listed = self.list_policies().await?;
+            if versions(&listed) != versions(&policies) {
+                info!(
+                    cached = policies.len(),
+                    listed = listed.len(),
+                    "the StoragePolicy cache lags the API server; admitting by the listed policies"
+                );
+                policies = listed;
+                admission = decide(&policies);
+            }
+        }
         let writes = plan_writes(&admission, &transfers, &policies, now());
         let by_key: BTreeMap<TransferKey, &Arc<VolumeTransfer>> = transfers
             .iter()
@@ -557,6 +593,17 @@ impl Admitter {
             }
         }
         Ok(())
+    }
+
+    /// Every StoragePolicy, read from the API server (not the cache).
+    async fn list_policies(&self) -> Result<Vec<Arc<StoragePolicy>>, Error> {
+        let api: Api<StoragePolicy> = Api::all(self.context.client.clone());
+        let listed = api.list(&ListParams::default()).await.map_err(kube_error(
+            "list",
+            "StoragePolicy",
+            "(all)",
+        ))?;
+        Ok(listed.items.into_iter().map(Arc::new).collect())
     }
 
     fn remember(&mut self, kind: &'static str, key: &TransferKey, version: Option<String>) {
