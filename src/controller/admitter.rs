@@ -505,6 +505,12 @@ impl Admitter {
 
     /// One admission pass.
     async fn pass(&mut self) -> Result<(), Error> {
+        // A cache still listing would hide transfers, their claims (so
+        // their policies) or their nodes: admit nothing until all are in.
+        if !self.context.readiness.caches_synced() {
+            debug!("waiting for the caches to sync before admitting");
+            return Ok(());
+        }
         if !self.caught_up() {
             debug!("waiting for the cache to show the last admission writes");
             return Ok(());

@@ -109,6 +109,10 @@ const ADOPTION_CHECK_SECONDS: u64 = 20;
 /// Upper bound on the cancel cleanup; the finalizer is released after it.
 const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
 
+/// Seconds before a backup reconciled while the caches are still listing
+/// is looked at again.
+const CACHE_SYNC_RETRY_SECONDS: u64 = 1;
+
 /// Reconcile one VolumeBackup through the cancel finalizer.
 #[instrument(skip_all, fields(backup = %backup.name_any()))]
 pub async fn reconcile(backup: Arc<VolumeBackup>, context: Arc<Context>) -> Result<Action, Error> {
@@ -116,6 +120,14 @@ pub async fn reconcile(backup: Arc<VolumeBackup>, context: Arc<Context>) -> Resu
         kind: "VolumeBackup",
         field: "metadata.namespace",
     })?;
+    // Every decision below reads the caches: claims and pods for the plan,
+    // transfers and stage pods for the children, leases for adoption (an
+    // unsynced lease cache makes every replica look gone).
+    if !context.readiness.caches_synced() {
+        return Ok(Action::requeue(Duration::from_secs(
+            CACHE_SYNC_RETRY_SECONDS,
+        )));
+    }
     let name = format!("{namespace}/{}", backup.name_any());
     let api: Api<VolumeBackup> = Api::namespaced(context.client.clone(), &namespace);
     finalizer(&api, CANCEL_FINALIZER, backup, |event| async {
@@ -190,11 +202,6 @@ async fn apply(backup: &VolumeBackup, context: &Context) -> Result<Action, Error
         Some(claim) => {
             // Another replica owns it and keeps working on it, unless it
             // stopped renewing its lease: then this one adopts it.
-            // An unsynced cache would make every replica look gone.
-            context
-                .readiness
-                .wait_for_cache(crate::controller::cache::LEASES)
-                .await;
             let leases = replicas::cached(&context.stores.leases);
             let why = match replicas::liveness(
                 &claim.replica,

@@ -60,6 +60,14 @@ impl Readiness {
             .send_if_modified(|unsynced| unsynced.remove(kind));
     }
 
+    /// Whether every cache has finished its first list (without waiting:
+    /// a reconcile that waited would hold a slot of its controller, which
+    /// then stops taking the shared caches' events, which holds up the
+    /// caches it waits for).
+    pub fn caches_synced(&self) -> bool {
+        self.unsynced_caches.borrow().is_empty()
+    }
+
     /// Wait until the cache of `kind` has finished its first list (at once
     /// when it has); any number of tasks may wait.
     pub async fn wait_for_cache(&self, kind: &'static str) {
@@ -194,6 +202,9 @@ mod tests {
             readiness.problem().as_deref(),
             Some("caches not synced: pods\n")
         );
+        assert!(!readiness.caches_synced());
+        readiness.set_cache_synced("pods");
+        assert!(readiness.caches_synced());
     }
 
     #[test]

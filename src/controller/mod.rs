@@ -372,11 +372,9 @@ fn without_managed_fields<K: kube::Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
 }
 
-/// Kind names of the caches that code waits for
+/// Kind names of the caches that code waits for by name
 /// ([`health::Readiness::wait_for_cache`]).
 pub(crate) mod cache {
-    /// The replica liveness Leases.
-    pub const LEASES: &str = "leases";
     /// The BackupStorageLocations.
     pub const LOCATIONS: &str = "backupstoragelocations";
 }
@@ -522,7 +520,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        cache::LEASES,
+        "leases",
         Api::<Lease>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default().labels(&format!("{}=true", replicas::REPLICA_LEASE_LABEL)),
         leases_writer,
