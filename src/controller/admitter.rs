@@ -425,6 +425,35 @@ fn versions(policies: &[Arc<StoragePolicy>]) -> Vec<(String, Option<String>)> {
     versions
 }
 
+/// When a pass reads the StoragePolicies from the API server rather than
+/// trusting the cache. Pure.
+///
+/// The policy cache is its own watch: a StoragePolicy created just before
+/// a backup can still be on its way when that backup's transfers arrive.
+/// So a pass that admits anything reads the policies first (a quorum read
+/// of a handful of objects), and a cap that exists is never passed over;
+/// and while the cache lags what was read, every pass reads again, so a
+/// re-split after the admission does not undo the caps by the older
+/// cache (CI saw exactly that: admitted under the listed policy, then
+/// re-split to no grant by the cache). Other passes read nothing.
+#[derive(Debug, Default)]
+pub struct PolicyReads {
+    cache_lags: bool,
+}
+
+impl PolicyReads {
+    /// Whether this pass reads the policies (`admits`: it would admit).
+    pub fn needed(&self, admits: bool) -> bool {
+        admits || self.cache_lags
+    }
+
+    /// Record a read; whether to decide by `listed` instead of `cached`.
+    pub fn read(&mut self, cached: &[Arc<StoragePolicy>], listed: &[Arc<StoragePolicy>]) -> bool {
+        self.cache_lags = versions(listed) != versions(cached);
+        self.cache_lags
+    }
+}
+
 /// What a pass needs besides the caches.
 pub struct Admitter {
     context: Arc<Context>,
@@ -433,6 +462,8 @@ pub struct Admitter {
     /// resourceVersion the write returned, until the cache shows it.
     pending: BTreeMap<(&'static str, String, String), String>,
     pending_since: Option<Instant>,
+    /// When admission reads the StoragePolicies from the API server.
+    policy_reads: PolicyReads,
 }
 
 impl Admitter {
@@ -443,6 +474,7 @@ impl Admitter {
             leadership,
             pending: BTreeMap::new(),
             pending_since: None,
+            policy_reads: PolicyReads::default(),
         }
     }
 
@@ -537,23 +569,19 @@ impl Admitter {
             admit(&limits, &facts)
         };
         let mut admission = decide(&policies);
-        // The policy cache is a separate watch: a StoragePolicy created
-        // just before a backup can still be on its way when that backup's
-        // transfers are. Before admitting anything, the policies are read
-        // from the API server (a quorum read, a handful of objects), so a
-        // cap that exists is never passed over; a pass that only queues or
-        // re-splits needs no read.
+        // Policies from the API server when the cache may lag
+        // ([`PolicyReads`]).
         let admits = admission
             .decisions
             .values()
             .any(|decision| matches!(decision, Decision::Admit { .. }));
-        if admits {
+        if self.policy_reads.needed(admits) {
             let listed = self.list_policies().await?;
-            if versions(&listed) != versions(&policies) {
+            if self.policy_reads.read(&policies, &listed) {
                 info!(
                     cached = policies.len(),
                     listed = listed.len(),
-                    "the StoragePolicy cache lags the API server; admitting by the listed policies"
+                    "the StoragePolicy cache lags the API server; deciding by the listed policies"
                 );
                 policies = listed;
                 admission = decide(&policies);
@@ -706,6 +734,34 @@ impl Admitter {
 mod tests {
     use super::*;
     use crate::controller::admission::{Cap, Hold};
+
+    fn policy_at(name: &str, version: &str) -> Arc<StoragePolicy> {
+        let mut policy = StoragePolicy::test(name);
+        policy.metadata.resource_version = Some(version.to_string());
+        Arc::new(policy)
+    }
+
+    #[test]
+    fn policies_are_read_before_admitting_and_on_every_pass_while_the_cache_lags() {
+        let mut reads = PolicyReads::default();
+        // Nothing to admit, cache trusted: no read.
+        assert!(!reads.needed(false));
+        // Admitting: read. The cache has not seen the new policy yet.
+        assert!(reads.needed(true));
+        let listed = vec![policy_at("ceph", "12")];
+        assert!(reads.read(&[], &listed), "decide by the list");
+        // A re-split pass that admits nothing still reads while the cache
+        // lags, so it does not undo the caps by the older cache.
+        assert!(reads.needed(false));
+        assert!(reads.read(&[], &listed));
+        // The cache caught up: trusted again, and no read without an admission.
+        assert!(!reads.read(&listed, &listed));
+        assert!(!reads.needed(false));
+        // A newer version of a policy (a changed cap) counts as a lag too.
+        assert!(reads.read(&listed, &[policy_at("ceph", "13")]));
+        // So does a deleted one still in the cache.
+        assert!(reads.read(&listed, &[]));
+    }
 
     fn transfer(
         name: &str,
