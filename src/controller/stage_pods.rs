@@ -195,16 +195,41 @@ pub fn lost_agent(
         .and_then(|status| status.phase.as_deref())
         == Some("Running");
     // A pod being deleted is already handled; a new pod (recreated, or a
-    // restarted container) is given the whole interval from its start.
+    // restarted container) is given the whole interval from the moment its
+    // agent container started running. Not from the pod's creation or
+    // `startTime`: pulling the image, or waiting for the node to stop the
+    // replaced pod's process, would count as the agent's silence (the
+    // end-to-end test saw a recreated pod judged lost again the moment it
+    // ran, its old process having taken 20 s to stop).
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
-    let started = pod
+    let container_started = pod
         .status
         .as_ref()
-        .and_then(|status| status.start_time.as_ref())
-        .or(pod.metadata.creation_timestamp.as_ref())
-        .map_or(i64::MIN, |time| time.0.as_second());
+        .and_then(|status| status.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|container| {
+            container
+                .state
+                .as_ref()?
+                .running
+                .as_ref()?
+                .started_at
+                .as_ref()
+        })
+        .map(|time| time.0.as_second())
+        .max();
+    let started = container_started
+        .or_else(|| {
+            pod.status
+                .as_ref()
+                .and_then(|status| status.start_time.as_ref())
+                .or(pod.metadata.creation_timestamp.as_ref())
+                .map(|time| time.0.as_second())
+        })
+        .unwrap_or(i64::MIN);
     let latest = heartbeats.iter().copied().max()?.max(started);
     let silent = now - latest;
     if !running || silent <= i64::from(lost_after_seconds) {
@@ -300,6 +325,20 @@ mod tests {
         // A pod created after the last heartbeat gets the whole interval.
         let recreated = pod(serde_json::json!({"phase": "Running", "startTime": at(1000)}));
         assert_eq!(lost_agent(&recreated, &[T0], 1, T0 + 1200, 300), None);
+        // Counted from when its agent container started running, not from
+        // the pod's start: an image pull (or the old process taking long to
+        // stop) is not the agent's silence. A restarted container likewise.
+        let pulled_long = pod(
+            serde_json::json!({"phase": "Running", "startTime": at(1000),
+            "containerStatuses": [container(
+                serde_json::json!({"running": {"startedAt": at(1500)}}), serde_json::json!({}), 0)]}),
+        );
+        assert_eq!(lost_agent(&pulled_long, &[T0], 1, T0 + 1700, 300), None);
+        assert!(lost_agent(&pulled_long, &[T0], 1, T0 + 1801, 300).is_some());
+        let restarted = pod(serde_json::json!({"phase": "Running", "startTime": at(0),
+            "containerStatuses": [container(
+                serde_json::json!({"running": {"startedAt": at(2000)}}), serde_json::json!({}), 1)]}));
+        assert_eq!(lost_agent(&restarted, &[T0 + 100], 0, T0 + 2200, 300), None);
         let mut deleting = running.clone();
         deleting.metadata.deletion_timestamp =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
