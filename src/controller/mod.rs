@@ -417,6 +417,11 @@ fn spawn_cache<K>(
                     info!(kind, "cache synced");
                     readiness.set_cache_synced(kind);
                 }
+                // The API server ended a watch whose resourceVersion it no
+                // longer keeps: routine, the watcher lists again.
+                Err(watcher::Error::WatchError(status)) if status.code == 410 => {
+                    info!(kind, "watch of {kind} expired; listing again");
+                }
                 Err(error) => warn!(kind, %error, "watching {kind} failed; retrying with backoff (check that the API server is reachable, the haulage CRDs are installed and the controller's RBAC allows list and watch)"),
                 Ok(_) => {}
             }
