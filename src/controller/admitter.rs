@@ -436,9 +436,16 @@ fn versions(policies: &[Arc<StoragePolicy>]) -> Vec<(String, Option<String>)> {
 /// re-split after the admission does not undo the caps by the older
 /// cache (CI saw exactly that: admitted under the listed policy, then
 /// re-split to no grant by the cache). Other passes read nothing.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct PolicyReads {
     cache_lags: bool,
+}
+
+impl Default for PolicyReads {
+    /// Not yet compared: the first pass reads.
+    fn default() -> Self {
+        PolicyReads { cache_lags: true }
+    }
 }
 
 impl PolicyReads {
@@ -451,6 +458,13 @@ impl PolicyReads {
     pub fn read(&mut self, cached: &[Arc<StoragePolicy>], listed: &[Arc<StoragePolicy>]) -> bool {
         self.cache_lags = versions(listed) != versions(cached);
         self.cache_lags
+    }
+
+    /// This replica just became (or stopped being) the admitter: a
+    /// previous admitter may have admitted by policies this cache has not
+    /// seen, so the next pass reads, even if it admits nothing.
+    pub fn forget(&mut self) {
+        self.cache_lags = true;
     }
 }
 
@@ -490,6 +504,7 @@ impl Admitter {
             tokio::time::sleep(Duration::from_millis(SETTLE_MILLISECONDS)).await;
             if !self.leadership.is_leader() {
                 self.pending.clear();
+                self.policy_reads.forget();
                 continue;
             }
             if let Err(error) = self.pass().await {
@@ -578,7 +593,7 @@ impl Admitter {
         if self.policy_reads.needed(admits) {
             let listed = self.list_policies().await?;
             if self.policy_reads.read(&policies, &listed) {
-                info!(
+                debug!(
                     cached = policies.len(),
                     listed = listed.len(),
                     "the StoragePolicy cache lags the API server; deciding by the listed policies"
@@ -744,6 +759,9 @@ mod tests {
     #[test]
     fn policies_are_read_before_admitting_and_on_every_pass_while_the_cache_lags() {
         let mut reads = PolicyReads::default();
+        // Not compared yet (a new admitter): the first pass reads.
+        assert!(reads.needed(false));
+        assert!(!reads.read(&[], &[]));
         // Nothing to admit, cache trusted: no read.
         assert!(!reads.needed(false));
         // Admitting: read. The cache has not seen the new policy yet.
@@ -761,6 +779,10 @@ mod tests {
         assert!(reads.read(&listed, &[policy_at("ceph", "13")]));
         // So does a deleted one still in the cache.
         assert!(reads.read(&listed, &[]));
+        // A change of admitter: read again on the next pass.
+        assert!(!reads.read(&listed, &listed));
+        reads.forget();
+        assert!(reads.needed(false));
     }
 
     fn transfer(

@@ -18,7 +18,7 @@ use kube::runtime::finalizer::{Event, finalizer};
 use kube::{Api, Resource, ResourceExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use tracing::{info, instrument, warn};
+use tracing::{debug, info, instrument, warn};
 
 use crate::api::backup::{BackupPlan, OwnerClaim, PlannedStagePod, UnplaceableVolume};
 use crate::api::condition::{Condition, ConditionStatus, condition_type, reason};
@@ -124,6 +124,10 @@ pub async fn reconcile(backup: Arc<VolumeBackup>, context: Arc<Context>) -> Resu
     // transfers and stage pods for the children, leases for adoption (an
     // unsynced lease cache makes every replica look gone).
     if !context.readiness.caches_synced() {
+        debug!(
+            waiting_for = ?context.readiness.problem(),
+            "caches still listing; looking again in {CACHE_SYNC_RETRY_SECONDS}s"
+        );
         return Ok(Action::requeue(Duration::from_secs(
             CACHE_SYNC_RETRY_SECONDS,
         )));

@@ -39,19 +39,12 @@ pub struct Readiness {
 
 impl Readiness {
     /// Not ready until each of `caches` has synced and the API server has
-    /// answered once.
+    /// answered once. A kind not listed here counts as synced.
     pub fn new(caches: impl IntoIterator<Item = &'static str>) -> Self {
         Readiness {
             unsynced_caches: watch::Sender::new(caches.into_iter().collect()),
-            api_problem: Mutex::new(Some("not asked yet".to_string())),
+            api_problem: Mutex::new(Some("no answer yet (first check pending)".to_string())),
         }
-    }
-
-    /// Not ready until the cache of `kind` has synced too.
-    pub fn expect_cache(&self, kind: &'static str) {
-        self.unsynced_caches.send_modify(|unsynced| {
-            unsynced.insert(kind);
-        });
     }
 
     /// The cache of `kind` has finished its first list.
@@ -82,17 +75,20 @@ impl Readiness {
         *lock(&self.api_problem) = problem;
     }
 
-    /// `None` when ready, else why not, naming the caches still listing
-    /// (a cache that never syncs is a watch that keeps failing: the
-    /// controller's warnings name its error).
+    /// `None` when ready, else why not: the API server's problem first
+    /// (when it is down, every cache waits on it), then the caches still
+    /// listing (a cache that never syncs is a watch that keeps failing:
+    /// the controller's warnings name its error).
     pub fn problem(&self) -> Option<String> {
+        let mut problems = String::new();
+        if let Some(problem) = lock(&self.api_problem).as_ref() {
+            problems.push_str(&format!("API server not reachable: {problem}\n"));
+        }
         let unsynced: Vec<&str> = self.unsynced_caches.borrow().iter().copied().collect();
         if !unsynced.is_empty() {
-            return Some(format!("caches not synced: {}\n", unsynced.join(", ")));
+            problems.push_str(&format!("caches not synced: {}\n", unsynced.join(", ")));
         }
-        lock(&self.api_problem)
-            .as_ref()
-            .map(|problem| format!("API server not reachable: {problem}\n"))
+        (!problems.is_empty()).then_some(problems)
     }
 }
 
@@ -180,6 +176,7 @@ mod tests {
     #[tokio::test]
     async fn every_task_waiting_for_a_cache_wakes_when_it_syncs() {
         let readiness = Arc::new(Readiness::new(["leases", "pods"]));
+        readiness.set_api_problem(None);
         let waiters: Vec<_> = (0..4)
             .map(|_| {
                 let readiness = readiness.clone();
@@ -211,9 +208,11 @@ mod tests {
     fn readiness_needs_synced_caches_and_a_reachable_api_server() {
         let readiness = Readiness::new(["pods", "volumebackups"]);
         let metrics = ControllerMetrics::new(None);
+        let answer = respond("/readyz", &readiness, &metrics);
+        assert_eq!(answer.status, "503 Service Unavailable");
         assert_eq!(
-            respond("/readyz", &readiness, &metrics).status,
-            "503 Service Unavailable"
+            answer.body,
+            "API server not reachable: no answer yet (first check pending)\ncaches not synced: pods, volumebackups\n"
         );
         readiness.set_api_problem(None);
         readiness.set_cache_synced("pods");

@@ -372,11 +372,60 @@ fn without_managed_fields<K: kube::Resource>(object: &mut K) {
     object.meta_mut().managed_fields = None;
 }
 
-/// Kind names of the caches that code waits for by name
-/// ([`health::Readiness::wait_for_cache`]).
+/// The controller's caches by kind name, as `/readyz` and the logs name
+/// them ([`health::Readiness`]).
 pub(crate) mod cache {
-    /// The BackupStorageLocations.
+    /// PersistentVolumeClaims, everywhere.
+    pub const CLAIMS: &str = "persistentvolumeclaims";
+    /// Pods, everywhere.
+    pub const PODS: &str = "pods";
+    /// Nodes.
+    pub const NODES: &str = "nodes";
+    /// PersistentVolumes.
+    pub const VOLUMES: &str = "persistentvolumes";
+    /// StorageClasses.
+    pub const CLASSES: &str = "storageclasses";
+    /// The replicas' liveness Leases.
+    pub const LEASES: &str = "leases";
+    /// StoragePolicies.
+    pub const POLICIES: &str = "storagepolicies";
+    /// VolumeBackups in the controller's namespace.
+    pub const BACKUPS: &str = "volumebackups";
+    /// BackupStorageLocations in the controller's namespace.
     pub const LOCATIONS: &str = "backupstoragelocations";
+    /// haulage's VolumeTransfers, everywhere.
+    pub const TRANSFERS: &str = "volumetransfers";
+    /// Every cache: the controller is not ready until each has listed.
+    pub const ALL: [&str; 10] = [
+        CLAIMS, PODS, NODES, VOLUMES, CLASSES, LEASES, POLICIES, BACKUPS, LOCATIONS, TRANSFERS,
+    ];
+}
+
+/// The API server's status code in a watch error, when it answered.
+fn watch_error_code(error: &watcher::Error) -> Option<u16> {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
+        watcher::Error::WatchError(status) => Some(status.code),
+        _ => None,
+    }
+}
+
+/// Log a failed watch of `kind` with what to do about it.
+fn log_watch_error(kind: &'static str, error: &watcher::Error) {
+    match watch_error_code(error) {
+        // The API server no longer keeps the resourceVersion a watch or
+        // a paged list went on from: routine, the watcher lists again.
+        Some(410) => info!(kind, "watch of {kind} expired; listing again"),
+        Some(403) => {
+            warn!(kind, %error, "the controller may not list or watch {kind}; check its ClusterRole (manifests/rbac-controller.yaml); retrying with backoff")
+        }
+        Some(404) => {
+            warn!(kind, %error, "the API server does not serve {kind}; install the haulage CRDs (kubectl apply -k manifests/); retrying with backoff")
+        }
+        _ => warn!(kind, %error, "watching {kind} failed; retrying with backoff"),
+    }
 }
 
 /// Run a watcher of `kind` into the cache of `writer` until `tasks` is
@@ -402,7 +451,6 @@ fn spawn_cache<K>(
         + Sync
         + 'static,
 {
-    readiness.expect_cache(kind);
     let readiness = readiness.clone();
     let mut synced = false;
     let changes = watcher(api, config)
@@ -417,12 +465,7 @@ fn spawn_cache<K>(
                     info!(kind, "cache synced");
                     readiness.set_cache_synced(kind);
                 }
-                // The API server ended a watch whose resourceVersion it no
-                // longer keeps: routine, the watcher lists again.
-                Err(watcher::Error::WatchError(status)) if status.code == 410 => {
-                    info!(kind, "watch of {kind} expired; listing again");
-                }
-                Err(error) => warn!(kind, %error, "watching {kind} failed; retrying with backoff (check that the API server is reachable, the haulage CRDs are installed and the controller's RBAC allows list and watch)"),
+                Err(error) => log_watch_error(kind, &error),
                 Ok(_) => {}
             }
             futures::future::ready(())
@@ -461,9 +504,7 @@ pub async fn run_with_listener(
     if let Ok(address) = listener.local_addr() {
         info!(%address, "health and metrics endpoints listening");
     }
-    // Every cache is spawned before the endpoints start serving, so
-    // `/readyz` never answers before it knows them all.
-    let readiness = Arc::new(health::Readiness::new([]));
+    let readiness = Arc::new(health::Readiness::new(cache::ALL));
     tasks.spawn(health::watch_api_server(
         client.clone(),
         readiness.clone(),
@@ -474,7 +515,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "persistentvolumeclaims",
+        cache::CLAIMS,
         Api::<PersistentVolumeClaim>::all(client.clone()),
         watcher::Config::default(),
         claims_writer,
@@ -488,7 +529,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "pods",
+        cache::PODS,
         Api::<Pod>::all(client.clone()),
         watcher::Config::default(),
         pods_writer,
@@ -497,7 +538,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "nodes",
+        cache::NODES,
         Api::<Node>::all(client.clone()),
         watcher::Config::default(),
         nodes_writer,
@@ -506,7 +547,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "persistentvolumes",
+        cache::VOLUMES,
         Api::<PersistentVolume>::all(client.clone()),
         watcher::Config::default(),
         volumes_writer,
@@ -515,7 +556,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "storageclasses",
+        cache::CLASSES,
         Api::<StorageClass>::all(client.clone()),
         watcher::Config::default(),
         classes_writer,
@@ -525,7 +566,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "leases",
+        cache::LEASES,
         Api::<Lease>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default().labels(&format!("{}=true", replicas::REPLICA_LEASE_LABEL)),
         leases_writer,
@@ -603,7 +644,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "storagepolicies",
+        cache::POLICIES,
         Api::<StoragePolicy>::all(client.clone()),
         watcher::Config::default(),
         policies_writer,
@@ -611,7 +652,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "volumebackups",
+        cache::BACKUPS,
         Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default(),
         backups_writer,
@@ -627,7 +668,7 @@ pub async fn run_with_listener(
     spawn_cache(
         &mut tasks,
         &readiness,
-        "volumetransfers",
+        cache::TRANSFERS,
         Api::<VolumeTransfer>::all(client.clone()),
         watcher::Config::default().labels(&format!(
             "{}={}",

@@ -204,12 +204,13 @@ pub fn lost_agent(
     if pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
-    let container_started = pod
+    let agent_started = pod
         .status
         .as_ref()
         .and_then(|status| status.container_statuses.as_ref())
         .into_iter()
         .flatten()
+        .filter(|container| container.name == crate::plan::spec::AGENT_CONTAINER)
         .filter_map(|container| {
             container
                 .state
@@ -221,7 +222,7 @@ pub fn lost_agent(
         })
         .map(|time| time.0.as_second())
         .max();
-    let started = container_started
+    let started = agent_started
         .or_else(|| {
             pod.status
                 .as_ref()

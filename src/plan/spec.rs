@@ -47,6 +47,8 @@ pub const TERMINATION_GRACE_PERIOD_SECONDS: i64 = 60;
 /// `--metrics-address` default).
 pub const AGENT_METRICS_PORT: u16 = 9090;
 /// Name of the agent's metrics container port (what a PodMonitor selects).
+/// Name of the stage pod's one container, the mover agent.
+pub const AGENT_CONTAINER: &str = "agent";
 pub const AGENT_METRICS_PORT_NAME: &str = "metrics";
 /// Longest name a stage pod gets (a DNS label, so it can be a hostname).
 pub const MAX_NAME_LENGTH: usize = 63;
@@ -520,7 +522,7 @@ pub fn build_stage_pod(
                 ..PodSecurityContext::default()
             }),
             containers: vec![Container {
-                name: "agent".to_string(),
+                name: AGENT_CONTAINER.to_string(),
                 image: Some(template.image.clone()),
                 env: Some(environment),
                 ports: Some(vec![ContainerPort {
