@@ -451,6 +451,28 @@ fn spawn_cache<K>(
         + Sync
         + 'static,
 {
+    spawn_cache_reporting_deletions(tasks, readiness, kind, api, config, writer, None);
+}
+
+/// [`spawn_cache`], also sending each deleted object to `deletions`: the
+/// shared streams of kube-runtime announce changes only, never deletions.
+fn spawn_cache_reporting_deletions<K>(
+    tasks: &mut JoinSet<()>,
+    readiness: &Arc<health::Readiness>,
+    kind: &'static str,
+    api: Api<K>,
+    config: watcher::Config,
+    writer: reflector::store::Writer<K>,
+    deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
+) where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static,
+{
     let readiness = readiness.clone();
     let mut synced = false;
     let changes = watcher(api, config)
@@ -465,12 +487,34 @@ fn spawn_cache<K>(
                     info!(kind, "cache synced");
                     readiness.set_cache_synced(kind);
                 }
+                Ok(watcher::Event::Delete(object)) => {
+                    if let Some(deletions) = &deletions {
+                        let _ = deletions.unbounded_send(object);
+                    }
+                }
                 Err(error) => log_watch_error(kind, &error),
                 Ok(_) => {}
             }
             futures::future::ready(())
         }),
     );
+}
+
+/// The other locations marked default in `changed`'s namespace, whose
+/// `UniqueDefault` condition a change (or the deletion) of `changed` can
+/// change.
+fn other_defaults(
+    locations: &Store<BackupStorageLocation>,
+    changed: &BackupStorageLocation,
+) -> Vec<ObjectRef<BackupStorageLocation>> {
+    let namespace = changed.namespace();
+    locations
+        .state()
+        .into_iter()
+        .filter(|other| other.namespace() == namespace && other.spec.is_default)
+        .filter(|other| other.name_any() != changed.name_any())
+        .map(|other| ObjectRef::from_obj(other.as_ref()))
+        .collect()
 }
 
 /// Run the controllers until `shutdown` is cancelled, with the health and
@@ -657,13 +701,15 @@ pub async fn run_with_listener(
         watcher::Config::default(),
         backups_writer,
     );
-    spawn_cache(
+    let (location_deletions, deleted_locations) = futures::channel::mpsc::unbounded();
+    spawn_cache_reporting_deletions(
         &mut tasks,
         &readiness,
         cache::LOCATIONS,
         Api::<BackupStorageLocation>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default(),
         locations_writer,
+        Some(location_deletions),
     );
     spawn_cache(
         &mut tasks,
@@ -794,23 +840,27 @@ pub async fn run_with_listener(
         shutdown.clone(),
     ));
 
-    // A change of one location can change the default conditions of the
-    // others marked default.
-    let locations_for_defaults = locations.clone();
+    // A change of one location, or the deletion of a default one, can
+    // change the default conditions of the others marked default.
+    let locations_for_changes = locations.clone();
+    let locations_for_deletions = locations.clone();
     let location_controller = Controller::for_shared_stream(location_events, locations)
         .with_config(controller_config)
         .watches_shared_stream(
             location_events_for_defaults,
             move |changed: Arc<BackupStorageLocation>| {
-                let namespace = changed.namespace();
-                locations_for_defaults
-                    .state()
-                    .into_iter()
-                    .filter(|other| other.namespace() == namespace && other.spec.is_default)
-                    .filter(|other| other.name_any() != changed.name_any())
-                    .map(|other| ObjectRef::from_obj(other.as_ref()))
-                    .collect::<Vec<_>>()
+                other_defaults(&locations_for_changes, &changed)
             },
+        )
+        .reconcile_on(
+            deleted_locations.flat_map(move |deleted: BackupStorageLocation| {
+                let others = if deleted.spec.is_default {
+                    other_defaults(&locations_for_deletions, &deleted)
+                } else {
+                    Vec::new()
+                };
+                futures::stream::iter(others)
+            }),
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(

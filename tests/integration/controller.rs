@@ -1511,6 +1511,48 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &stopped.store_options()).await?;
     let repository = Repository::open(store).await?;
     assert_eq!(repository.snapshot_ids().await?.len(), 1);
+
+    // The winning default is deleted: the other default, probed only on
+    // change (validationFrequency 0, so no periodic probe would ever
+    // correct it), learns it is now the only one from the deletion. The
+    // locations still probed every 5 s go first: any change of a location
+    // also re-evaluates the defaults, which would hide a missed deletion.
+    for name in ["stopped", "wrong-credentials"] {
+        locations
+            .delete(name, &kube::api::DeleteParams::default())
+            .await?;
+    }
+    locations
+        .patch(
+            "wrong-bucket",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"default": true, "validationFrequency": "0"}})),
+        )
+        .await?;
+    eventually(Duration::from_secs(60), || async {
+        Ok(default_condition("wrong-bucket")
+            .await?
+            .is_some_and(|condition| {
+                condition.reason == haulage::api::condition::reason::DEFAULT_CONFLICT
+            })
+            .then_some(()))
+    })
+    .await
+    .context("the second default did not get its conflict back")?;
+    locations
+        .delete("minio", &kube::api::DeleteParams::default())
+        .await?;
+    eventually(Duration::from_secs(60), || async {
+        Ok(default_condition("wrong-bucket")
+            .await?
+            .is_some_and(|condition| {
+                condition.status == haulage::api::ConditionStatus::True
+                    && condition.reason == haulage::api::condition::reason::SINGLE_DEFAULT
+            })
+            .then_some(()))
+    })
+    .await
+    .context("deleting the winning default did not update the other default's condition")?;
     fixture.assert_controller_up("at the end").await;
     fixture.stop().await;
     Ok(())
