@@ -110,7 +110,20 @@ impl Error {
         }
     }
 
-    /// Short name of the variant, for metrics and logs.
+    /// Every value [`Error::label`] returns: the error counters start at
+    /// zero for each, so a rate or an alert works before the first error.
+    pub const LABELS: [&'static str; 7] = [
+        "missing_field",
+        "kube",
+        "credentials",
+        "facts",
+        "plan",
+        "selector",
+        "finalizer",
+    ];
+
+    /// Short name of the variant, for metrics and logs (one of
+    /// [`Error::LABELS`]).
     pub fn label(&self) -> &'static str {
         match self {
             Error::MissingField { .. } => "missing_field",

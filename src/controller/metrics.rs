@@ -493,6 +493,13 @@ impl ControllerMetrics {
             RECONCILE_ERRORS.help,
             reconcile_errors.clone(),
         );
+        // Every error series exists from the start at 0 (creating it is
+        // enough; the returned guard is dropped at once).
+        for controller in [BACKUP_CONTROLLER, LOCATION_CONTROLLER] {
+            for kind in Error::LABELS {
+                drop(reconcile_errors.get_or_create(&ReconcileErrorLabels { controller, kind }));
+            }
+        }
         if let Some(caches) = caches {
             registry.register_collector(Box::new(CacheCollector { caches }));
         }
@@ -738,6 +745,9 @@ mod tests {
             "haulage_reconcile_duration_seconds_bucket{controller=\"backupstoragelocation\",le=\"2.56\"} 1",
             "# TYPE haulage_reconcile_errors_total counter",
             "haulage_reconcile_errors_total{controller=\"volumebackup\",kind=\"missing_field\"} 2",
+            // Every other kind is there from the start, at zero.
+            "haulage_reconcile_errors_total{controller=\"volumebackup\",kind=\"kube\"} 0",
+            "haulage_reconcile_errors_total{controller=\"backupstoragelocation\",kind=\"finalizer\"} 0",
         ] {
             assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");
         }
