@@ -35,3 +35,21 @@ pub mod plan;
 pub mod repo;
 pub mod sample;
 pub mod store;
+
+/// An error and its sources, `: `-joined, each cause's Display text once
+/// (a cause already quoted in the text so far is not repeated): "failed to
+/// apply Pod shop/x: ApiError: pods is forbidden: ..." rather than the
+/// first line only.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}

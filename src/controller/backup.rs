@@ -941,17 +941,36 @@ async fn record_attempts(
     context: &Context,
 ) -> Result<(), Error> {
     let patch = serde_json::json!({"status": {"attempts": attempts}});
+    patch_status_of(
+        transfer,
+        &PatchParams::default(),
+        &Patch::Merge(&patch),
+        "record attempts on",
+        context,
+    )
+    .await
+}
+
+/// [`patch_transfer_status`] of `transfer`, a failure naming `action` and
+/// the transfer.
+async fn patch_status_of<P: Serialize + std::fmt::Debug>(
+    transfer: &VolumeTransfer,
+    params: &PatchParams,
+    patch: &Patch<P>,
+    action: &'static str,
+    context: &Context,
+) -> Result<(), Error> {
     patch_transfer_status(
         &context.client,
         &transfer.namespace().unwrap_or_default(),
         &transfer.name_any(),
-        &PatchParams::default(),
-        &Patch::Merge(&patch),
+        params,
+        patch,
     )
     .await
     .map(|_| ())
     .map_err(kube_error(
-        "record attempts on",
+        action,
         "VolumeTransfer",
         transfer_reference(transfer),
     ))
@@ -990,20 +1009,14 @@ async fn write_transfer_status(
     context: &Context,
 ) -> Result<(), Error> {
     let patch = crate::api::status_apply::<VolumeTransfer>(status);
-    patch_transfer_status(
-        &context.client,
-        &transfer.namespace().unwrap_or_default(),
-        &transfer.name_any(),
+    patch_status_of(
+        transfer,
         &PatchParams::apply(FIELD_MANAGER).force(),
         &Patch::Apply(&patch),
+        "apply status of",
+        context,
     )
     .await
-    .map(|_| ())
-    .map_err(kube_error(
-        "apply status of",
-        "VolumeTransfer",
-        transfer_reference(transfer),
-    ))
 }
 
 /// Delete one object by name; a missing one is already gone.

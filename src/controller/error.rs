@@ -73,17 +73,7 @@ impl Error {
     /// Pod shop/x: ApiError: pods is forbidden: ..." rather than the first
     /// line only.
     pub fn chain(&self) -> String {
-        let mut text = self.to_string();
-        let mut source = std::error::Error::source(self);
-        while let Some(cause) = source {
-            let line = cause.to_string();
-            if !text.contains(&line) {
-                text.push_str(": ");
-                text.push_str(&line);
-            }
-            source = cause.source();
-        }
-        text
+        crate::error_chain(self)
     }
 
     /// Whether the same call may succeed later without a user changing

@@ -428,6 +428,29 @@ fn log_watch_error(kind: &'static str, error: &watcher::Error) {
     }
 }
 
+/// A kind the controller caches: a Kubernetes object it can watch and keep.
+trait Cached:
+    kube::Resource<DynamicType = ()>
+    + Clone
+    + serde::de::DeserializeOwned
+    + std::fmt::Debug
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<K> Cached for K where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// Run a watcher of `kind` into the cache of `writer` until `tasks` is
 /// dropped. The cached objects carry no `managedFields`
 /// ([`without_managed_fields`]); the subscribers of a shared writer see
@@ -435,28 +458,20 @@ fn log_watch_error(kind: &'static str, error: &watcher::Error) {
 /// above debug; the watch backs off, so this is never a stream); and
 /// `readiness` learns when the first list is in the cache, from the
 /// stream itself (see [`health::Readiness`] for why not from the store).
-fn spawn_cache<K>(
+fn spawn_cache<K: Cached>(
     tasks: &mut JoinSet<()>,
     readiness: &Arc<health::Readiness>,
     kind: &'static str,
     api: Api<K>,
     config: watcher::Config,
     writer: reflector::store::Writer<K>,
-) where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
+) {
     spawn_cache_reporting_deletions(tasks, readiness, kind, api, config, writer, None);
 }
 
 /// [`spawn_cache`], also sending each deleted object to `deletions`: the
 /// shared streams of kube-runtime announce changes only, never deletions.
-fn spawn_cache_reporting_deletions<K>(
+fn spawn_cache_reporting_deletions<K: Cached>(
     tasks: &mut JoinSet<()>,
     readiness: &Arc<health::Readiness>,
     kind: &'static str,
@@ -464,15 +479,7 @@ fn spawn_cache_reporting_deletions<K>(
     config: watcher::Config,
     writer: reflector::store::Writer<K>,
     deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
-) where
-    K: kube::Resource<DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug
-        + Send
-        + Sync
-        + 'static,
-{
+) {
     let readiness = readiness.clone();
     let mut synced = false;
     let changes = watcher(api, config)

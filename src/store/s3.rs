@@ -921,20 +921,11 @@ fn bounded(text: &str) -> String {
     cut
 }
 
-/// The error and its sources, `: `-joined, bounded: the Display texts only
-/// (the SDK's Debug forms repeat everything and can carry request details).
+/// The error and its sources ([`crate::error_chain`]), bounded: the
+/// Display texts only (the SDK's Debug forms repeat everything and can
+/// carry request details).
 fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    bounded(&text)
+    bounded(&crate::error_chain(error))
 }
 
 /// `bytes first-last/total` → total.

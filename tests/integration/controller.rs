@@ -580,6 +580,38 @@ impl Fixture {
     }
 }
 
+/// Wait up to `deadline` for VolumeBackup `name` to reach a final phase;
+/// a timeout names it with its last status and every agent's log.
+async fn final_backup(
+    backups: &Api<VolumeBackup>,
+    kubelet: &Kubelet,
+    name: &str,
+    deadline: Duration,
+) -> anyhow::Result<VolumeBackup> {
+    let finished = eventually(deadline, || async {
+        let backup = backups.get(name).await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await;
+    match finished {
+        Ok(backup) => Ok(backup),
+        Err(error) => {
+            let status = backups
+                .get(name)
+                .await
+                .ok()
+                .and_then(|backup| backup.status);
+            bail!(
+                "VolumeBackup {name} never finished ({error}): status {status:#?}\nagent logs:\n{}",
+                kubelet.all_agent_logs()
+            )
+        }
+    }
+}
+
 /// Create the VolumeBackup `name` of both namespaces' labelled claims.
 async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
     create_backup_of(client, name, json!({"matchLabels": {"backup": "yes"}})).await
@@ -642,25 +674,7 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     let live_plan: serde_json::Value = serde_json::from_slice(&planned.stdout)?;
     create_backup(client, "nightly").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let finished = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("nightly").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await;
-    let backup = match finished {
-        Ok(backup) => backup,
-        Err(error) => {
-            let backup = backups.get("nightly").await?;
-            bail!(
-                "{error}: status {:#?}\nagent logs:\n{}",
-                backup.status,
-                kubelet.all_agent_logs()
-            );
-        }
-    };
+    let backup = final_backup(&backups, kubelet, "nightly", BACKUP_DEADLINE).await?;
     let status = backup.status.clone().context("status")?;
     assert_eq!(
         status.phase,
@@ -901,15 +915,7 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     );
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("resumed").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "resumed", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -1008,15 +1014,7 @@ async fn a_backup_waits_with_a_condition_while_its_location_is_unavailable_and_r
                 "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")}})),
         )
         .await?;
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("patient").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "patient", BACKUP_DEADLINE).await?;
     assert_eq!(
         backup.status.and_then(|status| status.phase),
         Some(VolumeBackupPhase::Completed)
@@ -1122,20 +1120,7 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
     }
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     for name in ["first", "second", "third"] {
-        let backup = eventually(BACKUP_DEADLINE, || async {
-            let backup = backups.get(name).await?;
-            let phase = backup.status.as_ref().and_then(|status| status.phase);
-            Ok(phase
-                .is_some_and(|phase| phase.is_final())
-                .then_some(backup))
-        })
-        .await
-        .with_context(|| {
-            format!(
-                "{name} never finished:\n{}",
-                fixture.kubelet.all_agent_logs()
-            )
-        })?;
+        let backup = final_backup(&backups, &fixture.kubelet, name, BACKUP_DEADLINE).await?;
         let status = backup.status.context("status")?;
         assert_eq!(status.phase, Some(VolumeBackupPhase::Completed), "{name}");
         let owner = status.owner.context("owner")?.replica;
@@ -1376,18 +1361,10 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     create_backup_to(client, "to-good", "logs", "minio").await?;
     create_backup_to(client, "to-stopped", "content", "stopped").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let finished = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("to-good").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase.is_some_and(|phase| phase.is_final()).then_some(phase))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "to-good never finished:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let finished = final_backup(&backups, &fixture.kubelet, "to-good", BACKUP_DEADLINE)
+        .await?
+        .status
+        .and_then(|status| status.phase);
     assert_eq!(finished, Some(VolumeBackupPhase::Completed));
     let waiting = backups.get("to-stopped").await?.status.unwrap_or_default();
     assert_eq!(waiting.phase, Some(VolumeBackupPhase::WaitingForStorage));
@@ -1495,18 +1472,10 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     })
     .await
     .context("the restarted server's location never became Available")?;
-    let finished = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("to-stopped").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase.is_some_and(|phase| phase.is_final()).then_some(phase))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "to-stopped never finished:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let finished = final_backup(&backups, &fixture.kubelet, "to-stopped", BACKUP_DEADLINE)
+        .await?
+        .status
+        .and_then(|status| status.phase);
     assert_eq!(finished, Some(VolumeBackupPhase::Completed));
     let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &stopped.store_options()).await?;
     let repository = Repository::open(store).await?;
@@ -1700,20 +1669,7 @@ async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyh
         .spawn_controller(Fixture::controller_config("controller-1")?)
         .await?;
 
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("adopted").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "the adopted backup never finished:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let backup = final_backup(&backups, &fixture.kubelet, "adopted", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
     let owner = status.owner.context("owner")?;
@@ -1847,20 +1803,7 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
     .context("content's agent was not restarted five times")?;
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("supervised").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "the backup never finished:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let backup = final_backup(&backups, &fixture.kubelet, "supervised", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -2091,15 +2034,7 @@ async fn the_controller_and_agent_metrics_exist_and_move_with_a_volume_backup() 
     }
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("observed").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "observed", BACKUP_DEADLINE).await?;
     assert_eq!(
         backup.status.and_then(|status| status.phase),
         Some(VolumeBackupPhase::Completed)
@@ -2297,21 +2232,14 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
 
     create_backup(client, "serial").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("serial").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "not finished: {:#?}\n{}",
-            record.lock().map(|r| format!("{r:?}")),
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let backup = final_backup(&backups, &fixture.kubelet, "serial", BACKUP_DEADLINE)
+        .await
+        .with_context(|| {
+            format!(
+                "admissions seen: {:#?}",
+                record.lock().map(|r| format!("{r:?}"))
+            )
+        })?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -2436,15 +2364,7 @@ async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the
 
     create_backup(client, "resplit").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("resplit").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "resplit", BACKUP_DEADLINE).await?;
     recorder.abort();
     assert_eq!(
         backup.status.and_then(|status| status.phase),
@@ -2581,15 +2501,7 @@ async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<
 
     create_backup(client, "measured").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("measured").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "measured", BACKUP_DEADLINE).await?;
     recorder.abort();
     let status = backup.status.context("status")?;
     assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
@@ -2702,15 +2614,13 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
     )
     .await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(Duration::from_secs(900), || async {
-        let backup = backups.get("hundred").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(
+        &backups,
+        &fixture.kubelet,
+        "hundred",
+        Duration::from_secs(900),
+    )
+    .await?;
     let completed = k8s_openapi::jiff::Timestamp::now();
     let status = backup.status.context("status")?;
     assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
@@ -2940,15 +2850,8 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
                     "selector": {"matchLabels": {"backup": "yes"}}}}),
         )
         .await?;
-        let backup = eventually(Duration::from_secs(900), || async {
-            let backup = backups.get(name).await?;
-            let phase = backup.status.as_ref().and_then(|status| status.phase);
-            Ok(phase
-                .is_some_and(|phase| phase.is_final())
-                .then_some(backup))
-        })
-        .await
-        .with_context(|| format!("not finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+        let backup =
+            final_backup(&backups, &fixture.kubelet, name, Duration::from_secs(900)).await?;
         let status = backup.status.context("status")?;
         assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
         let peak = fixture
@@ -3283,15 +3186,7 @@ async fn a_backup_to_a_location_behind_a_private_ca_completes() -> anyhow::Resul
     )
     .await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("private-ca").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "private-ca", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -3359,15 +3254,7 @@ async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
     );
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = eventually(BACKUP_DEADLINE, || async {
-        let backup = backups.get("hung").await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
-    })
-    .await
-    .with_context(|| format!("never finished:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let backup = final_backup(&backups, &fixture.kubelet, "hung", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
