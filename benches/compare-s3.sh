@@ -4,7 +4,8 @@
 # dataset against the same MinIO in one run: first backup and restore. For each
 # step: wall time, throughput, the client's CPU (user+sys, /usr/bin/time -v),
 # the server's CPU (utime+stime from /proc/<minio pid>/stat before and after;
-# the server shares the machine's cores) and the client's peak RSS.
+# the server shares the machine's cores), the GET requests the server served
+# (MinIO's own counter, /minio/metrics/v3/api/requests) and the client's peak RSS.
 # Prints a Markdown table; docs/benchmarks.md records runs.
 #
 # Usage: benches/compare-s3.sh [SIZE] [WORKDIR]   (default 1GiB, /tmp/haulage-compare-s3)
@@ -13,20 +14,25 @@
 # Needs the MinIO binary (bash tests/infra/build.sh minio) and /usr/bin/time.
 # Peers are used when on PATH (or given as RESTIC=, RUSTIC=, KOPIA=, RCLONE=);
 # missing ones are reported, not faked. TOOLS="haulage restic" runs only those.
+# HAULAGE=/path/to/haulage measures that binary instead of building this tree
+# (to compare two builds, run the script with each in turn, interleaved).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-1GiB}"
 WORK="${2:-/tmp/haulage-compare-s3}"
 RESTIC="${RESTIC:-$(command -v restic || true)}"
 RUSTIC="${RUSTIC:-$(command -v rustic || true)}"
-KOPIA="${KOPIA:-$(command -v kopia || true)}"
+# kopia: on PATH, $KOPIA, or the one benches/build-kopia.sh built.
+KOPIA="${KOPIA:-$(command -v kopia || ls "${HAULAGE_BENCH_CACHE:-$HOME/.cache/haulage-bench}"/kopia-*/bin/kopia 2>/dev/null | tail -1 || true)}"
 RCLONE="${RCLONE:-$(command -v rclone || true)}"
 TOOLS="${TOOLS:-haulage restic rustic kopia rclone sizing}"
 wanted() { [[ " $TOOLS " == *" $1 "* ]]; }
-export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench
+export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench HAULAGE_PASSWORD=bench
 
-cargo build --release --quiet --bin haulage
-HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
+if [ -z "${HAULAGE:-}" ]; then
+    cargo build --release --quiet --bin haulage
+    HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
+fi
 [ -x /usr/bin/time ] || { echo "compare-s3.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
 MINIO=$(ls -d "$HOME"/.cache/haulage-infra/minio-*/bin/minio 2>/dev/null | tail -1)
 [ -x "$MINIO" ] || { echo "compare-s3.sh: no MinIO; run: bash tests/infra/build.sh minio" >&2; exit 1; }
@@ -48,6 +54,7 @@ unset AWS_CA_BUNDLE
 export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
 export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
 MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \
+    MINIO_PROMETHEUS_AUTH_TYPE=public \
     "$MINIO" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$CONSOLE_PORT" "$WORK/minio" \
     >"$WORK/state/minio.log" 2>&1 &
 MINIO_PID=$!
@@ -65,6 +72,12 @@ curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$AWS_ACCESS_KEY_ID:$AWS_SECR
 
 TICKS=$(getconf CLK_TCK)
 server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
+# GET requests the server has served so far (the v3 metrics are not cached,
+# unlike v2's, so a reading right after a step counts all of its requests).
+server_gets() {
+    curl -sf "$AWS_ENDPOINT_URL/minio/metrics/v3/api/requests" |
+        awk '/^minio_api_requests_total\{/ && /name="GetObject"/ { n += $NF } END { printf "%d", n }'
+}
 
 # checked TOOL: the restore into $RESTORE_ROOT/TOOL has every file (content is
 # the tools' business; the engine tests check haulage's); then remove it.
@@ -78,26 +91,30 @@ checked() {
 # measure TOOL STEP CMD... : run once, print one table row.
 measure() {
     local tool="$1" step="$2"; shift 2
-    local log before after; log=$(mktemp)
+    local log before after gets_before gets_after; log=$(mktemp)
     sync
     before=$(server_cpu)
+    gets_before=$(server_gets)
     if ! /usr/bin/time -v "$@" >/dev/null 2>"$log"; then
-        echo "| $tool | $step | failed | | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
+        echo "| $tool | $step | failed | | | | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
     fi
     after=$(server_cpu)
-    awk -F': ' -v t="$tool" -v s="$step" -v b="$DATA_BYTES" -v sb="$before" -v sa="$after" '
+    gets_after=$(server_gets)
+    awk -F': ' -v t="$tool" -v s="$step" -v b="$DATA_BYTES" -v sb="$before" -v sa="$after" \
+        -v gb="$gets_before" -v ga="$gets_after" '
         /Elapsed \(wall clock\)/ { n = split($2, p, ":"); w = (n == 3) ? p[1]*3600 + p[2]*60 + p[3] : p[1]*60 + p[2] }
         /User time \(seconds\)/ { u = $2 }
         /System time \(seconds\)/ { y = $2 }
         /Maximum resident set size/ { r = $2 }
-        END { printf "| %s | %s | %.2f | %.0f | %.2f | %.2f | %.0f |\n", t, s, w, (b/1048576)/w, u + y, sa - sb, r/1024 }' "$log"
+        END { gib = b / 1073741824
+              printf "| %s | %s | %.2f | %.0f | %.2f | %.2f | %.2f | %d | %.0f | %.0f |\n", t, s, w, (b/1048576)/w, u + y, sa - sb, (sa - sb) / gib, ga - gb, (ga - gb) / gib, r/1024 }' "$log"
     rm -f "$log"
 }
 
 echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)"
 echo
-echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | client peak RSS MiB |"
-echo "| --- | --- | --- | --- | --- | --- | --- |"
+echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | server CPU s/GiB | GETs | GETs/GiB | client peak RSS MiB |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 
 if wanted haulage; then
     "$HAULAGE" repo init --repo s3://bench/haulage >/dev/null
@@ -115,7 +132,7 @@ elif [ -n "$RESTIC" ]; then
     measure restic restore "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
     checked restic
 else
-    echo "| restic | not installed | | | | | |"
+    echo "| restic | not installed | | | | | | | | |"
 fi
 if ! wanted rustic; then
     :
@@ -142,7 +159,7 @@ TOML
     )
     checked rustic
 else
-    echo "| rustic | not available | | | | | |"
+    echo "| rustic | not available | | | | | | | | |"
 fi
 if ! wanted kopia; then
     :
@@ -154,7 +171,7 @@ elif [ -n "$KOPIA" ]; then
     measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE_ROOT/kopia"
     checked kopia
 else
-    echo "| kopia | not available | | | | | |"
+    echo "| kopia | not available (bash benches/build-kopia.sh builds it) | | | | | | | | |"
 fi
 if ! wanted rclone; then
     :
@@ -163,7 +180,7 @@ elif [ -n "$RCLONE" ]; then
     measure "rclone (raw copy)" download "$RCLONE" copy --links minio:bench/rclone "$RESTORE_ROOT/rclone"
     checked rclone
 else
-    echo "| rclone | not installed | | | | | |"
+    echo "| rclone | not installed | | | | | | | | |"
 fi
 # What `haulage bench` predicts for the same data and server, to set beside the
 # measured first backup above.

@@ -11,10 +11,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-2GiB}"
 WORK="${2:-/tmp/haulage-compare}"
-export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench
+export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench HAULAGE_PASSWORD=bench
 
 cargo build --release --quiet --bin haulage
-HAULAGE="$PWD/target/release/haulage"
+HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
 [ -x /usr/bin/time ] || { echo "compare.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
 
 rm -rf "$WORK/repos" "$WORK/restore"
@@ -69,12 +69,14 @@ if command -v rustic >/dev/null; then
 else
     echo "| rustic | not installed | | | | |"
 fi
-if command -v kopia >/dev/null; then
-    export KOPIA_CONFIG_PATH="$WORK/repos/kopia.config"
-    kopia repository create filesystem --path "$WORK/repos/kopia" >/dev/null 2>&1
-    measure kopia "first backup" kopia snapshot create "$WORK/data"
-    measure kopia "second backup" kopia snapshot create "$WORK/data"
-    measure kopia restore kopia snapshot restore "$WORK/data" "$WORK/restore/kopia"
+# kopia: on PATH, $KOPIA, or the one benches/build-kopia.sh built.
+KOPIA="${KOPIA:-$(command -v kopia || ls "${HAULAGE_BENCH_CACHE:-$HOME/.cache/haulage-bench}"/kopia-*/bin/kopia 2>/dev/null | tail -1 || true)}"
+if [ -n "$KOPIA" ]; then
+    export KOPIA_CONFIG_PATH="$WORK/repos/kopia.config" KOPIA_CHECK_FOR_UPDATES=false
+    "$KOPIA" repository create filesystem --path "$WORK/repos/kopia" >/dev/null 2>&1
+    measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
+    measure kopia "second backup" "$KOPIA" snapshot create "$WORK/data"
+    measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$WORK/restore/kopia"
 else
-    echo "| kopia | not installed | | | | |"
+    echo "| kopia | not installed (bash benches/build-kopia.sh builds it) | | | | |"
 fi

@@ -2,39 +2,62 @@
 //! clusters, through an S3-compatible backup storage location, without
 //! overrunning the shared storage other workloads live on.
 //!
-//! The map of the crate, pure cores first:
+//! The map (docs/architecture.md has the picture), pure cores first; each
+//! pure core is a crate of its own, re-exported here:
 //!
-//! - [`api`]: the custom resources (BackupStorageLocation, StoragePolicy,
-//!   VolumeBackup, VolumeTransfer), their status values and generated CRDs.
-//! - [`repo`]: the repository format (config, chunker, packs, indexes, trees,
-//!   snapshots): pure encode/decode, no I/O.
-//! - [`plan`]: the stage-pod planner, a pure function from cluster facts to a
-//!   plan.
-//! - [`store`]: the object-store trait, its backends (`s3://`, `file://`) and
-//!   the wrappers around them (retries, request and bandwidth caps), the
+//! - [`api`] (crate `haulage-api`): the custom resources
+//!   (BackupStorageLocation, StoragePolicy, VolumeBackup, VolumeTransfer),
+//!   their status values, conditions, labels, the DNS-name sanitiser and
+//!   the generated CRDs. Values only.
+//! - [`plan`] (crate `haulage-plan`): the stage-pod planner, a pure
+//!   function from cluster facts to a plan; `plan::objects` turns
+//!   Kubernetes objects into facts.
+//! - [`repo`] (crate `haulage-repo`): the repository *format* (config,
+//!   chunker, packs, indexes, trees, snapshots, sealing and key files,
+//!   locks, retention policy, prune plan): pure encode and decode, and the
+//!   decisions on them.
+//! - [`reconcile`] (crate `haulage-reconcile`): the reconcile decisions,
+//!   pure functions from an observation and the time to the next status
+//!   and actions, and the complete desired objects of a stage pod.
+//! - [`store`]: the object-store trait, its backends (`s3://`, `file://`)
+//!   and the wrappers around them (retries, request and upload caps), the
 //!   location probe.
-//! - [`engine`]: backup, restore and verify of a directory tree against a
-//!   repository held in a store: walk, chunk, hash, dedup, compress, pack,
-//!   upload; restore writer; throttling; progress.
-//! - [`sample`]: a reproducible sample tree for the demo and benchmarks.
-//! - [`controller`]: `haulage controller`, the reconcilers over shared
-//!   caches of the cluster (VolumeBackup, BackupStorageLocation), its
-//!   health endpoints and metrics.
+//! - [`throttle`]: the one byte-rate limiter (engine reads and writes,
+//!   store uploads).
+//! - [`engine`]: an open repository in a store ([`engine::Repository`]),
+//!   backup, restore and verify of a directory tree (walk, chunk, hash,
+//!   dedup, compress, seal, pack, upload), the directory scan, progress;
+//!   forget, prune and the repository's locks.
+//! - [`controller`]: `haulage controller`: the observe and apply halves of
+//!   the reconcilers over shared caches, the admission loop, replica
+//!   leases, health endpoints and metrics.
+//! - [`clock`]: the one place the time is read.
 //! - [`metrics`]: the HTTP listener and Prometheus text exposition the
 //!   controller and the mover agent share.
+//! - [`sample`]: a reproducible sample tree for the demo and benchmarks.
 //! - [`cli`]: the `haulage` command line.
 //!
-//! Dependencies point inward: `cli` → `engine`/`plan` → `repo`/`store`.
+//! The agent, `mover-agent` (its own binary crate), uses the engine, the
+//! store and the API types.
+//!
+//! Dependencies point inward: `cli`, `controller` and `mover-agent` →
+//! `engine` → `store`, `throttle`; everything → `reconcile` → `api` →
+//! `plan`; `engine` → `repo`. No pure crate reaches tokio, a kube client,
+//! the AWS SDK, the file system, the network or the clock
+//! (`tests/architecture.rs`).
 
-pub mod api;
+pub use haulage_api as api;
 pub mod cli;
+pub mod clock;
 pub mod controller;
 pub mod engine;
 pub mod metrics;
-pub mod plan;
-pub mod repo;
+pub use haulage_plan as plan;
+pub use haulage_reconcile as reconcile;
+pub use haulage_repo as repo;
 pub mod sample;
 pub mod store;
+pub mod throttle;
 
 /// An error and its sources, `: `-joined, each cause's Display text once
 /// (a cause already quoted in the text so far is not repeated): "failed to

@@ -6,11 +6,11 @@ use clap::Parser as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use haulage::cli::{Cli, Command};
-use haulage::plan::dump::{DumpError, parse_dump};
 use haulage::plan::facts::{
     AccessMode, ClaimFacts, ClaimPhase, ClusterFacts, NodeFacts, NodeSelector, PodFacts, PodPhase,
     StorageClassFacts, TaintEffect, VolumeFacts, ZONE_LABEL,
 };
+use haulage::plan::objects::{DumpError, parse_dump};
 use haulage::plan::{
     LabelSelector, RestoreClaim, Selection, StagePlan, plan_restore, plan_stage_pods,
 };

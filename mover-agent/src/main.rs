@@ -22,14 +22,20 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::engine::throttle::{ByteRate, Throttle};
+use haulage::engine::{KeySource, Repository};
 use haulage::store::{S3Credentials, StoreOptions, open_store};
 use tokio_util::sync::CancellationToken;
 
+/// Exit status of a transfers run stopped by something a restart may get
+/// past (SIGTERM, an unreachable API server): `EX_TEMPFAIL`. A permanent
+/// failure (a refusal the pod's RBAC or the transfer must fix) exits 1.
+/// The kubelet restarts the agent after either (`restartPolicy:
+/// OnFailure`); the code tells a person reading the pod which it was.
+const EXIT_TRANSIENT: u8 = 75;
 /// Default seconds between progress reports.
 const DEFAULT_PROGRESS_INTERVAL_SECONDS: u64 = 2;
 /// Default number of volumes a stage pod backs up at once: one. Each
@@ -61,7 +67,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Mode {
     /// Work on the VolumeTransfers assigned to this stage pod.
-    Transfers(TransfersArguments),
+    Transfers(Box<TransfersArguments>),
     /// Move one volume named on the command line.
     Volume(Arguments),
 }
@@ -88,6 +94,11 @@ struct TransfersArguments {
     /// (the BSL's `caBundle`, mounted with the credentials copy).
     #[arg(long, env = "HAULAGE_CA_BUNDLE")]
     ca_bundle: Option<PathBuf>,
+    /// The repository's password, first line of this file (an encrypted
+    /// BSL's, mounted with the credentials copy); plaintext repositories
+    /// only when absent.
+    #[arg(long, env = "HAULAGE_PASSWORD_FILE")]
+    password_file: Option<PathBuf>,
     /// Upload cap of this agent, bytes per second (the BSL's).
     #[arg(long)]
     upload_bytes_per_second: Option<std::num::NonZeroU64>,
@@ -179,7 +190,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match cli.mode {
-        Mode::Transfers(arguments) => runtime.block_on(run_transfers(arguments)),
+        Mode::Transfers(arguments) => runtime.block_on(run_transfers(*arguments)),
         Mode::Volume(arguments) => runtime.block_on(run(arguments)),
     };
     match result {
@@ -260,7 +271,13 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         options.s3.credentials = Some(S3Credentials::from_credentials_file(path, None)?);
     }
     let store = open_store(&arguments.repo, &options).await?;
-    let repository = Arc::new(Repository::open(store).await?);
+    let key = match &arguments.password_file {
+        Some(path) => KeySource::Password(Arc::new(
+            haulage::cli::password::read_password_file(path).map_err(anyhow::Error::msg)?,
+        )),
+        None => KeySource::PlaintextOnly,
+    };
+    let repository = Arc::new(Repository::open(store, &key).await?);
     let client = kube::Client::try_default()
         .await
         .context("cannot reach the Kubernetes API")?;
@@ -273,8 +290,21 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         parallelism: arguments.parallel_volumes,
         progress_interval: Duration::from_secs(arguments.progress_interval.max(1)),
     };
-    transfers::run(assignment, repository, client, agent_metrics, cancel).await?;
-    Ok(ExitCode::SUCCESS)
+    match transfers::run(assignment, repository, client, agent_metrics, cancel).await {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(error) => {
+            tracing::error!(
+                transient = error.is_transient(),
+                "{}",
+                haulage::error_chain(&error)
+            );
+            Ok(if error.is_transient() {
+                ExitCode::from(EXIT_TRANSIENT)
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+    }
 }
 
 async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
@@ -291,7 +321,7 @@ async fn run(arguments: Arguments) -> anyhow::Result<ExitCode> {
         });
     }
     let store = open_store(&arguments.repo, &StoreOptions::default()).await?;
-    let repository = Repository::open(store).await?;
+    let repository = Repository::open(store, &KeySource::PlaintextOnly).await?;
     let progress = Arc::new(Progress::default());
     let reporter = {
         let progress = progress.clone();

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
+use haulage::api::transfer::TransferDirection;
 use haulage::engine::progress::Progress;
 use haulage::metrics::{NoLabels, Response, Series, encode_counters, encode_gauges};
 use haulage::store::limits::WaitTime;
@@ -17,7 +18,7 @@ use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::Registry;
 
 /// Port of `/metrics` in a stage pod (the container port named `metrics`).
-pub const DEFAULT_METRICS_PORT: u16 = haulage::plan::spec::AGENT_METRICS_PORT;
+pub const DEFAULT_METRICS_PORT: u16 = haulage::reconcile::stage_pod::AGENT_METRICS_PORT;
 
 /// `haulage_agent_transfer_bytes_done{namespace,pvc}`.
 pub const BYTES_DONE: Series = Series {
@@ -44,6 +45,11 @@ pub const BYTES_READ: Series = Series {
     name: "haulage_agent_bytes_read",
     help: "Bytes read from the claim by this agent process",
 };
+/// `haulage_agent_bytes_written_total{namespace,pvc}`.
+pub const BYTES_WRITTEN: Series = Series {
+    name: "haulage_agent_bytes_written",
+    help: "Bytes written into the claim by this agent process (restores)",
+};
 /// `haulage_agent_bytes_uploaded_total{namespace,pvc}`.
 pub const BYTES_UPLOADED: Series = Series {
     name: "haulage_agent_bytes_uploaded",
@@ -52,7 +58,7 @@ pub const BYTES_UPLOADED: Series = Series {
 /// `haulage_agent_throttle_wait_seconds_total{limiter}`.
 pub const THROTTLE_WAIT: Series = Series {
     name: "haulage_agent_throttle_wait_seconds",
-    help: "Seconds spent waiting on a rate limiter, summed over concurrent waiters; limiter upload is the storage location's upload cap, read the bandwidth granted to the transfers",
+    help: "Seconds spent waiting on a rate limiter, summed over concurrent waiters; limiter upload is the storage location's upload cap, read and write the bandwidth granted to the backups and the restores",
 };
 /// `haulage_agent_transfers`.
 pub const TRANSFERS: Series = Series {
@@ -90,13 +96,14 @@ impl fmt::Display for MetricsAddress {
     }
 }
 
-type Transfers = Arc<Mutex<BTreeMap<(String, String), Arc<Progress>>>>;
+type Transfers = Arc<Mutex<BTreeMap<(String, String), (TransferDirection, Arc<Progress>)>>>;
 
 #[derive(Debug)]
 struct AgentCollector {
     transfers: Transfers,
     upload_wait: WaitTime,
     read_wait: WaitTime,
+    write_wait: WaitTime,
 }
 
 impl Collector for AgentCollector {
@@ -108,9 +115,10 @@ impl Collector for AgentCollector {
             };
             transfers
                 .iter()
-                .map(|((namespace, pvc), progress)| {
+                .map(|((namespace, pvc), (direction, progress))| {
                     (
                         [("namespace", namespace.clone()), ("pvc", pvc.clone())],
+                        *direction,
                         progress.snapshot(),
                     )
                 })
@@ -119,8 +127,16 @@ impl Collector for AgentCollector {
         let rows = |value: fn(&haulage::engine::progress::ProgressSnapshot) -> u64| {
             snapshots
                 .iter()
-                .map(move |(labels, snapshot)| (labels.clone(), value(snapshot)))
+                .map(move |(labels, _, snapshot)| (labels.clone(), value(snapshot)))
         };
+        let rows_of =
+            |direction: TransferDirection,
+             value: fn(&haulage::engine::progress::ProgressSnapshot) -> u64| {
+                snapshots
+                    .iter()
+                    .filter(move |(_, of, _)| *of == direction)
+                    .map(move |(labels, _, snapshot)| (labels.clone(), value(snapshot)))
+            };
         encode_gauges(
             &mut encoder,
             TRANSFERS,
@@ -130,8 +146,21 @@ impl Collector for AgentCollector {
         encode_gauges(&mut encoder, SIZE, rows(|s| s.total_bytes))?;
         encode_gauges(&mut encoder, FILES_DONE, rows(|s| s.files_done))?;
         encode_gauges(&mut encoder, FILES, rows(|s| s.total_files))?;
-        encode_counters(&mut encoder, BYTES_READ, rows(|s| s.bytes_transferred))?;
-        encode_counters(&mut encoder, BYTES_UPLOADED, rows(|s| s.bytes_stored))?;
+        encode_counters(
+            &mut encoder,
+            BYTES_READ,
+            rows_of(TransferDirection::Upload, |s| s.bytes_transferred),
+        )?;
+        encode_counters(
+            &mut encoder,
+            BYTES_WRITTEN,
+            rows_of(TransferDirection::Download, |s| s.bytes_transferred),
+        )?;
+        encode_counters(
+            &mut encoder,
+            BYTES_UPLOADED,
+            rows_of(TransferDirection::Upload, |s| s.bytes_stored),
+        )?;
         encode_counters(
             &mut encoder,
             THROTTLE_WAIT,
@@ -141,6 +170,10 @@ impl Collector for AgentCollector {
                     self.upload_wait.total().as_secs_f64(),
                 ),
                 ([("limiter", "read")], self.read_wait.total().as_secs_f64()),
+                (
+                    [("limiter", "write")],
+                    self.write_wait.total().as_secs_f64(),
+                ),
             ],
         )?;
         Ok(())
@@ -153,6 +186,7 @@ pub struct AgentMetrics {
     registry: Registry,
     transfers: Transfers,
     read_wait: WaitTime,
+    write_wait: WaitTime,
 }
 
 impl AgentMetrics {
@@ -161,16 +195,19 @@ impl AgentMetrics {
     pub fn new(upload_wait: WaitTime) -> Self {
         let transfers = Transfers::default();
         let read_wait = WaitTime::default();
+        let write_wait = WaitTime::default();
         let mut registry = Registry::default();
         registry.register_collector(Box::new(AgentCollector {
             transfers: transfers.clone(),
             upload_wait,
             read_wait: read_wait.clone(),
+            write_wait: write_wait.clone(),
         }));
         AgentMetrics {
             registry,
             transfers,
             read_wait,
+            write_wait,
         }
     }
 
@@ -180,15 +217,31 @@ impl AgentMetrics {
         self.read_wait.clone()
     }
 
-    /// Export the engine counters of the transfer of `namespace/pvc` from
-    /// now on; kept after it ends, so its counters never drop while the
-    /// process lives (a stage pod's agent exits after its transfers).
-    pub fn track(&self, namespace: &str, pvc: &str, progress: Arc<Progress>) {
+    /// Where the write throttles (the restores' bandwidth grants) record
+    /// their waiting, exported as `limiter="write"`.
+    pub fn write_wait(&self) -> WaitTime {
+        self.write_wait.clone()
+    }
+
+    /// Export the engine counters of the transfer of `namespace/pvc` (a
+    /// backup's bytes as read, a restore's as written) from now on; kept
+    /// after it ends, so its counters never drop while the process lives
+    /// (a stage pod's agent exits after its transfers).
+    pub fn track(
+        &self,
+        namespace: &str,
+        pvc: &str,
+        direction: TransferDirection,
+        progress: Arc<Progress>,
+    ) {
         let mut transfers = match self.transfers.lock() {
             Ok(transfers) => transfers,
             Err(poisoned) => poisoned.into_inner(),
         };
-        transfers.insert((namespace.to_string(), pvc.to_string()), progress);
+        transfers.insert(
+            (namespace.to_string(), pvc.to_string()),
+            (direction, progress),
+        );
     }
 
     /// The answer for `path`.
@@ -223,7 +276,15 @@ mod tests {
         let upload_wait = WaitTime::default();
         let metrics = AgentMetrics::new(upload_wait.clone());
         let progress = Arc::new(Progress::default());
-        metrics.track("shop", "db", progress.clone());
+        metrics.track("shop", "db", TransferDirection::Upload, progress.clone());
+        let restoring = Arc::new(Progress::default());
+        metrics.track(
+            "shop-b",
+            "db",
+            TransferDirection::Download,
+            restoring.clone(),
+        );
+        Progress::add(&restoring.bytes_transferred, 777);
         Progress::add(&progress.bytes_done, 4096);
         Progress::add(&progress.bytes_transferred, 3000);
         Progress::add(&progress.total_bytes, 10_000);
@@ -235,7 +296,8 @@ mod tests {
             "haulage_agent_bytes_read_total{namespace=\"shop\",pvc=\"db\"} 3000",
             "haulage_agent_throttle_wait_seconds_total{limiter=\"upload\"} 1.5",
             "# TYPE haulage_agent_bytes_uploaded_total counter",
-            "haulage_agent_transfers 1",
+            "haulage_agent_transfers 2",
+            "haulage_agent_bytes_written_total{namespace=\"shop-b\",pvc=\"db\"} 777",
         ] {
             assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");
         }
@@ -244,6 +306,10 @@ mod tests {
         assert!(
             body.contains("haulage_agent_bytes_read_total{namespace=\"shop\",pvc=\"db\"} 4000"),
             "{body}"
+        );
+        assert!(
+            !body.contains("haulage_agent_bytes_read_total{namespace=\"shop-b\""),
+            "a restore's writes are not reads: {body}"
         );
         assert_eq!(metrics.respond("/healthz").status, "200 OK");
     }

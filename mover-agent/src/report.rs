@@ -1,9 +1,20 @@
-//! What the agent writes into a VolumeTransfer's status, computed from the
-//! engine's counters: pure functions, so "never backwards" and the final
-//! figures are unit tests.
+//! What the agent writes into a VolumeTransfer's status, as typed
+//! [`VolumeTransferStatus`] values computed from the engine's counters:
+//! pure functions, so "never backwards", the claim and the final figures
+//! (a backup's [`completed_status`]; a restore's [`restored_status`] from
+//! its [`restore_verdict`]) are unit tests. Each value is server-side applied whole by the agent's
+//! field manager, so it names every field the agent owns at that moment
+//! (a field left out of an apply is dropped).
 
-use haulage::api::Progress;
+use haulage::api::condition::{
+    Condition, ConditionStatus, bounded_message, condition_type, reason,
+};
+use haulage::api::transfer::AgentClaim;
+use haulage::api::{Progress, VolumeTransferPhase, VolumeTransferStatus};
 use haulage::engine::progress::ProgressSnapshot;
+use haulage::engine::restore::RestoreOutcome;
+use haulage::engine::verify_tree::TreeVerification;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 fn signed(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
@@ -53,6 +64,348 @@ pub fn next_progress(
     .with_percent(false)
 }
 
+/// The agent's claim of a transfer, renewed with each report: who works on
+/// it, since when (kept across restarts of the same claim), and now.
+pub fn agent_claim(identity: &str, claimed_at: Option<&Time>, now: &Time) -> AgentClaim {
+    AgentClaim {
+        identity: identity.to_string(),
+        claimed_at: claimed_at.cloned().unwrap_or_else(|| now.clone()),
+        heartbeat_time: now.clone(),
+    }
+}
+
+/// The status part of the claim (a merge patch conditional on the
+/// resourceVersion read): InProgress, this agent, and the start time (the
+/// first claim's, when a restarted agent claims again).
+pub fn claim_status(
+    old: &VolumeTransferStatus,
+    identity: &str,
+    now: &Time,
+) -> VolumeTransferStatus {
+    VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::InProgress),
+        agent: Some(agent_claim(
+            identity,
+            old.agent.as_ref().map(|agent| &agent.claimed_at),
+            now,
+        )),
+        start_time: Some(old.start_time.clone().unwrap_or_else(|| now.clone())),
+        ..VolumeTransferStatus::default()
+    }
+}
+
+/// A progress report: still InProgress, the progress, the heartbeat.
+pub fn progress_status(progress: Progress, agent: AgentClaim) -> VolumeTransferStatus {
+    VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::InProgress),
+        progress: Some(progress),
+        agent: Some(agent),
+        ..VolumeTransferStatus::default()
+    }
+}
+
+/// What a finished backup of a volume produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackupFigures {
+    /// The snapshot written.
+    pub snapshot_id: String,
+    /// Bytes read from the volume.
+    pub bytes_read: u64,
+    /// Bytes not in the repository before.
+    pub bytes_new: u64,
+    /// Bytes stored after compression.
+    pub bytes_stored: u64,
+    /// Files that could not be read.
+    pub warning_count: u64,
+    /// The first warning, if any.
+    pub first_warning: Option<String>,
+}
+
+/// The final status of a volume backed up: Completed with its snapshot
+/// and figures, progress at 100 %.
+pub fn completed_status(
+    progress: Progress,
+    figures: &BackupFigures,
+    agent: AgentClaim,
+    generation: Option<i64>,
+    now: &Time,
+) -> VolumeTransferStatus {
+    let mut completed = progress;
+    completed.bytes_done = completed.total_bytes;
+    completed.eta_seconds = Some(0);
+    let message = figures
+        .first_warning
+        .as_ref()
+        .map(|warning| format!("{} warnings, first: {warning}", figures.warning_count));
+    VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::Completed),
+        agent: Some(agent),
+        progress: Some(completed.with_percent(true)),
+        snapshot_id: Some(figures.snapshot_id.clone()),
+        bytes_read: Some(signed(figures.bytes_read)),
+        bytes_new: Some(signed(figures.bytes_new)),
+        bytes_stored: Some(signed(figures.bytes_stored)),
+        warnings: Some(signed(figures.warning_count)),
+        message: message.map(|message| bounded_message(&message)),
+        completion_time: Some(now.clone()),
+        conditions: vec![Condition::new(
+            condition_type::COMPLETE,
+            ConditionStatus::True,
+            reason::ALL_VOLUMES_COMPLETED,
+            "snapshot written",
+            generation,
+            now.clone(),
+        )],
+        ..VolumeTransferStatus::default()
+    }
+}
+
+/// The final status of a volume that failed, with what went wrong.
+pub fn failed_status(
+    progress: Progress,
+    message: &str,
+    agent: AgentClaim,
+    generation: Option<i64>,
+    now: &Time,
+) -> VolumeTransferStatus {
+    VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::Failed),
+        agent: Some(agent),
+        progress: Some(progress),
+        message: Some(bounded_message(message)),
+        completion_time: Some(now.clone()),
+        conditions: vec![Condition::new(
+            condition_type::FAILED,
+            ConditionStatus::True,
+            reason::ALL_VOLUMES_FAILED,
+            message,
+            generation,
+            now.clone(),
+        )],
+        ..VolumeTransferStatus::default()
+    }
+}
+
+/// Entries named in a restore's final message.
+pub const ENTRIES_NAMED: usize = 3;
+
+/// What a finished restore of a volume wrote, whatever its verdict.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RestoreFigures {
+    /// The snapshot restored.
+    pub snapshot_id: String,
+    /// Bytes written into the claim (a resumed or synced restore writes
+    /// only what differed).
+    pub bytes_written: u64,
+    /// Regular files that already matched and were left untouched.
+    pub files_unchanged: u64,
+    /// Entries removed because the snapshot does not have them.
+    pub entries_removed: u64,
+}
+
+/// How a restored volume's verification ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RestoreVerdict {
+    /// The claim holds exactly the snapshot.
+    Verified {
+        /// The snapshot's root tree.
+        root_tree: String,
+        /// Entries of the snapshot a restore does not create (sockets,
+        /// device nodes), absent as expected.
+        not_restorable: u64,
+        /// The first of them.
+        not_restorable_paths: Vec<String>,
+    },
+    /// The written claim differs from the snapshot.
+    Mismatch {
+        /// The snapshot's root tree.
+        root_tree: String,
+        /// What differs, `path: what`, the first few.
+        mismatches: Vec<String>,
+        /// How many were found (the verification stops at its limit).
+        found: usize,
+        /// It stopped at its limit: more may differ.
+        stopped_at_limit: bool,
+    },
+    /// The restore could not restore some entries (not verified).
+    NotRestored {
+        /// `path: what went wrong`, the first few.
+        problems: Vec<String>,
+        /// How many.
+        count: usize,
+    },
+}
+
+fn first_few(items: &[String]) -> String {
+    items
+        .iter()
+        .take(ENTRIES_NAMED)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The final status of a restored volume: Completed and `Verified` (the
+/// root tree in `verifiedTree` and in the condition's message), with the
+/// restore's figures, progress at 100 %; or Failed, saying what differs or
+/// what was not restored and what to do, with the figures so far.
+pub fn restored_status(
+    progress: Progress,
+    figures: &RestoreFigures,
+    verdict: &RestoreVerdict,
+    agent: AgentClaim,
+    generation: Option<i64>,
+    now: &Time,
+) -> VolumeTransferStatus {
+    let condition = |type_, status, why, message: &str| {
+        Condition::new(type_, status, why, message, generation, now.clone())
+    };
+    let snapshot = &figures.snapshot_id;
+    let mut status = VolumeTransferStatus {
+        agent: Some(agent),
+        bytes_written: Some(signed(figures.bytes_written)),
+        files_unchanged: Some(signed(figures.files_unchanged)),
+        entries_removed: Some(signed(figures.entries_removed)),
+        completion_time: Some(now.clone()),
+        ..VolumeTransferStatus::default()
+    };
+    match verdict {
+        RestoreVerdict::Verified {
+            root_tree,
+            not_restorable,
+            not_restorable_paths,
+        } => {
+            let mut completed = progress;
+            completed.bytes_done = completed.total_bytes;
+            completed.files_done = completed.total_files;
+            completed.eta_seconds = Some(0);
+            let verified = format!(
+                "the claim holds exactly snapshot {snapshot}: root tree {root_tree}, compared entry by entry and every file re-hashed"
+            );
+            status.phase = Some(VolumeTransferPhase::Completed);
+            status.progress = Some(completed.with_percent(true));
+            status.verified_tree = Some(root_tree.clone());
+            status.warnings = Some(signed(*not_restorable));
+            status.message = (*not_restorable > 0).then(|| {
+                bounded_message(&format!(
+                    "{not_restorable} entries of the snapshot cannot be restored and were left out (Unix sockets are recreated by their programs; device nodes are not created in a claim), first: {}",
+                    first_few(not_restorable_paths)
+                ))
+            });
+            status.conditions = vec![
+                condition(
+                    condition_type::VERIFIED,
+                    ConditionStatus::True,
+                    reason::TREE_VERIFIED,
+                    &verified,
+                ),
+                condition(
+                    condition_type::COMPLETE,
+                    ConditionStatus::True,
+                    reason::ALL_VOLUMES_COMPLETED,
+                    "restored and verified",
+                ),
+            ];
+        }
+        RestoreVerdict::Mismatch {
+            root_tree,
+            mismatches,
+            found,
+            stopped_at_limit,
+        } => {
+            let count = if *stopped_at_limit {
+                format!("at least {found} entries")
+            } else {
+                format!("{found} entries")
+            };
+            let message = format!(
+                "the claim differs from snapshot {snapshot} (root tree {root_tree}) in {count}, first: {}. Something else wrote into the claim while it was restored, or its storage lost writes: make sure nothing else mounts the claim, then restore it again with existingClaim: Sync, which rewrites only what differs",
+                first_few(mismatches)
+            );
+            status.phase = Some(VolumeTransferPhase::Failed);
+            status.progress = Some(progress);
+            status.message = Some(bounded_message(&message));
+            status.conditions = vec![
+                condition(
+                    condition_type::VERIFIED,
+                    ConditionStatus::False,
+                    reason::TREE_MISMATCH,
+                    &message,
+                ),
+                condition(
+                    condition_type::FAILED,
+                    ConditionStatus::True,
+                    reason::TREE_MISMATCH,
+                    &message,
+                ),
+            ];
+        }
+        RestoreVerdict::NotRestored { problems, count } => {
+            let message = format!(
+                "{count} entries of snapshot {snapshot} could not be restored, first: {}. A damaged file is removed, never left half-written: run `haulage verify --repo <the location's URL> {snapshot}` to see which data is damaged; otherwise fix what the claim refused (space, permissions) and restore again with existingClaim: Sync",
+                first_few(problems)
+            );
+            status.phase = Some(VolumeTransferPhase::Failed);
+            status.progress = Some(progress);
+            status.warnings = Some(signed(*count as u64));
+            status.message = Some(bounded_message(&message));
+            status.conditions = vec![condition(
+                condition_type::FAILED,
+                ConditionStatus::True,
+                reason::ENTRIES_NOT_RESTORED,
+                &message,
+            )];
+        }
+    }
+    status
+}
+
+/// The verdict on a restore from what it reported and what the
+/// verification found: verified when the claim holds exactly the snapshot
+/// (entries a restore cannot create left aside); otherwise the restore's
+/// own problems when it had any beyond those entries (they say why, e.g.
+/// damaged data), else the differences found.
+pub fn restore_verdict(
+    outcome: &RestoreOutcome,
+    verification: &TreeVerification,
+) -> RestoreVerdict {
+    if let Some(root_tree) = verification.verified_tree() {
+        return RestoreVerdict::Verified {
+            root_tree: root_tree.to_string(),
+            not_restorable: verification.not_restorable,
+            not_restorable_paths: verification.not_restorable_paths.clone(),
+        };
+    }
+    let left_aside: std::collections::BTreeSet<&str> = verification
+        .not_restorable_paths
+        .iter()
+        .map(String::as_str)
+        .collect();
+    let problems: Vec<String> = outcome
+        .problems
+        .iter()
+        .filter(|problem| !left_aside.contains(problem.path.as_str()))
+        .map(|problem| format!("{}: {}", problem.path, problem.message))
+        .collect();
+    if !problems.is_empty() {
+        return RestoreVerdict::NotRestored {
+            count: problems.len(),
+            problems: problems.into_iter().take(ENTRIES_NAMED).collect(),
+        };
+    }
+    RestoreVerdict::Mismatch {
+        root_tree: verification.root_tree.clone(),
+        found: verification.mismatches.len(),
+        mismatches: verification
+            .mismatches
+            .iter()
+            .take(ENTRIES_NAMED)
+            .map(ToString::to_string)
+            .collect(),
+        stopped_at_limit: verification.stopped_at_limit,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -87,5 +440,285 @@ mod tests {
         assert_eq!(after_restart.bytes_done, 800);
         assert_eq!(after_restart.files_done, before.files_done);
         assert_eq!(after_restart.bytes_per_second, 0);
+    }
+
+    fn at(seconds: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
+    }
+
+    #[test]
+    fn a_claim_keeps_the_first_claims_start_and_claim_times() {
+        let first = claim_status(&VolumeTransferStatus::default(), "stage-a", &at(0));
+        assert_eq!(first.phase, Some(VolumeTransferPhase::InProgress));
+        assert_eq!(first.start_time, Some(at(0)));
+        let again = claim_status(&first, "stage-a", &at(90));
+        assert_eq!(again.start_time, Some(at(0)));
+        let agent = again.agent.expect("claimed");
+        assert_eq!((agent.claimed_at, agent.heartbeat_time), (at(0), at(90)));
+    }
+
+    #[test]
+    fn a_completed_volume_reports_its_snapshot_figures_and_full_progress() {
+        let figures = BackupFigures {
+            snapshot_id: "abc".to_string(),
+            bytes_read: 1000,
+            bytes_new: 400,
+            bytes_stored: 200,
+            warning_count: 2,
+            first_warning: Some("cannot read /secret".to_string()),
+        };
+        let progress = next_progress(&counters(900, 1000), None, 1.0);
+        let status = completed_status(
+            progress,
+            &figures,
+            agent_claim("stage-a", None, &at(5)),
+            Some(1),
+            &at(5),
+        );
+        assert_eq!(status.phase, Some(VolumeTransferPhase::Completed));
+        assert_eq!(status.snapshot_id.as_deref(), Some("abc"));
+        assert_eq!(
+            (status.bytes_new, status.bytes_stored),
+            (Some(400), Some(200))
+        );
+        let progress = status.progress.expect("progress");
+        assert_eq!((progress.bytes_done, progress.percent), (1000, 100));
+        assert!(status.message.unwrap_or_default().starts_with("2 warnings"));
+        assert_eq!(status.conditions[0].type_, condition_type::COMPLETE);
+    }
+
+    #[test]
+    fn a_failed_volume_says_why_in_its_message_and_condition() {
+        let status = failed_status(
+            Progress::default(),
+            "store unreachable",
+            agent_claim("stage-a", None, &at(5)),
+            Some(1),
+            &at(5),
+        );
+        assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
+        assert_eq!(status.message.as_deref(), Some("store unreachable"));
+        assert_eq!(status.conditions[0].message, "store unreachable");
+        assert_eq!(status.snapshot_id, None);
+    }
+
+    fn restore_figures() -> RestoreFigures {
+        RestoreFigures {
+            snapshot_id: "5n4p".to_string(),
+            bytes_written: 700,
+            files_unchanged: 3,
+            entries_removed: 2,
+        }
+    }
+
+    #[test]
+    fn a_verified_restore_completes_with_its_root_tree_figures_and_full_progress() {
+        let verdict = RestoreVerdict::Verified {
+            root_tree: "7ree".to_string(),
+            not_restorable: 0,
+            not_restorable_paths: Vec::new(),
+        };
+        let status = restored_status(
+            next_progress(&counters(900, 1000), None, 1.0),
+            &restore_figures(),
+            &verdict,
+            agent_claim("stage-a", None, &at(5)),
+            Some(1),
+            &at(5),
+        );
+        assert_eq!(status.phase, Some(VolumeTransferPhase::Completed));
+        assert_eq!(status.verified_tree.as_deref(), Some("7ree"));
+        assert_eq!(
+            (
+                status.bytes_written,
+                status.files_unchanged,
+                status.entries_removed
+            ),
+            (Some(700), Some(3), Some(2))
+        );
+        let progress = status.progress.clone().expect("progress");
+        assert_eq!((progress.bytes_done, progress.percent), (1000, 100));
+        assert_eq!(progress.files_done, progress.total_files);
+        let verified = &status.conditions[0];
+        assert_eq!(
+            (
+                verified.type_.as_str(),
+                verified.status,
+                verified.reason.as_str()
+            ),
+            (
+                condition_type::VERIFIED,
+                ConditionStatus::True,
+                reason::TREE_VERIFIED
+            )
+        );
+        assert!(verified.message.contains("root tree 7ree"), "{verified:?}");
+        assert_eq!(status.conditions[1].type_, condition_type::COMPLETE);
+        assert_eq!(status.message, None);
+        assert_eq!(
+            status.snapshot_id, None,
+            "snapshotId names written snapshots"
+        );
+    }
+
+    #[test]
+    fn entries_a_restore_cannot_create_are_named_in_a_verified_restores_message() {
+        let verdict = RestoreVerdict::Verified {
+            root_tree: "7ree".to_string(),
+            not_restorable: 1,
+            not_restorable_paths: vec!["run/app.sock".to_string()],
+        };
+        let status = restored_status(
+            Progress::default(),
+            &restore_figures(),
+            &verdict,
+            agent_claim("stage-a", None, &at(5)),
+            Some(1),
+            &at(5),
+        );
+        assert_eq!(status.phase, Some(VolumeTransferPhase::Completed));
+        assert_eq!(status.warnings, Some(1));
+        assert!(
+            status.message.unwrap_or_default().contains("run/app.sock"),
+            "the message names the socket"
+        );
+    }
+
+    #[test]
+    fn a_mismatched_tree_fails_naming_the_first_differences_and_what_to_do() {
+        let mismatches: Vec<String> = (0..5)
+            .map(|n| format!("file-{n}: content differs"))
+            .collect();
+        let verdict = RestoreVerdict::Mismatch {
+            root_tree: "7ree".to_string(),
+            mismatches,
+            found: 100,
+            stopped_at_limit: true,
+        };
+        let progress = next_progress(&counters(1000, 1000), None, 1.0);
+        let status = restored_status(
+            progress,
+            &restore_figures(),
+            &verdict,
+            agent_claim("stage-a", None, &at(5)),
+            Some(1),
+            &at(5),
+        );
+        assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
+        assert_eq!(status.verified_tree, None);
+        let message = status.message.clone().unwrap_or_default();
+        assert!(message.contains("at least 100 entries"), "{message}");
+        assert!(message.contains("file-2: content differs"), "{message}");
+        assert!(!message.contains("file-3"), "only the first few: {message}");
+        assert!(message.contains("existingClaim: Sync"), "{message}");
+        let reasons: Vec<(&str, ConditionStatus, &str)> = status
+            .conditions
+            .iter()
+            .map(|c| (c.type_.as_str(), c.status, c.reason.as_str()))
+            .collect();
+        assert_eq!(
+            reasons,
+            vec![
+                (
+                    condition_type::VERIFIED,
+                    ConditionStatus::False,
+                    reason::TREE_MISMATCH
+                ),
+                (
+                    condition_type::FAILED,
+                    ConditionStatus::True,
+                    reason::TREE_MISMATCH
+                ),
+            ]
+        );
+        assert_eq!(
+            status.bytes_written,
+            Some(700),
+            "the figures so far are kept"
+        );
+    }
+
+    #[test]
+    fn entries_not_restored_fail_the_volume_naming_them() {
+        let verdict = RestoreVerdict::NotRestored {
+            problems: vec!["db/table.ibd: not restored, its data is damaged".to_string()],
+            count: 1,
+        };
+        let status = restored_status(
+            Progress::default(),
+            &restore_figures(),
+            &verdict,
+            agent_claim("stage-a", None, &at(5)),
+            Some(1),
+            &at(5),
+        );
+        assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
+        assert_eq!(status.conditions[0].reason, reason::ENTRIES_NOT_RESTORED);
+        let message = status.message.unwrap_or_default();
+        assert!(message.contains("db/table.ibd"), "{message}");
+        assert!(message.contains("haulage verify"), "{message}");
+    }
+
+    fn verification(mismatches: &[&str], not_restorable: &[&str]) -> TreeVerification {
+        TreeVerification {
+            root_tree: "7ree".to_string(),
+            mismatches: mismatches
+                .iter()
+                .map(|path| haulage::engine::verify_tree::TreeMismatch {
+                    path: path.to_string(),
+                    difference: haulage::engine::verify_tree::Difference::Extra,
+                })
+                .collect(),
+            not_restorable: not_restorable.len() as u64,
+            not_restorable_paths: not_restorable.iter().map(|p| p.to_string()).collect(),
+            ..TreeVerification::default()
+        }
+    }
+
+    fn outcome(problems: &[&str]) -> RestoreOutcome {
+        RestoreOutcome {
+            problems: problems
+                .iter()
+                .map(|path| haulage::engine::restore::RestoreProblem {
+                    path: path.to_string(),
+                    message: "went wrong".to_string(),
+                })
+                .collect(),
+            ..RestoreOutcome::default()
+        }
+    }
+
+    #[test]
+    fn the_verification_decides_a_restore_and_the_restores_own_problems_say_why_it_failed() {
+        // Verified, the socket the restore reported left aside.
+        assert_eq!(
+            restore_verdict(&outcome(&["app.sock"]), &verification(&[], &["app.sock"])),
+            RestoreVerdict::Verified {
+                root_tree: "7ree".to_string(),
+                not_restorable: 1,
+                not_restorable_paths: vec!["app.sock".to_string()],
+            }
+        );
+        // Differences and a damaged file: the restore's problem names why.
+        assert_eq!(
+            restore_verdict(
+                &outcome(&["app.sock", "db/data"]),
+                &verification(&["db/data"], &["app.sock"])
+            ),
+            RestoreVerdict::NotRestored {
+                problems: vec!["db/data: went wrong".to_string()],
+                count: 1,
+            }
+        );
+        // Differences the restore did not see: someone else wrote.
+        assert_eq!(
+            restore_verdict(&outcome(&[]), &verification(&["stray"], &[])),
+            RestoreVerdict::Mismatch {
+                root_tree: "7ree".to_string(),
+                mismatches: vec!["stray: not in the snapshot".to_string()],
+                found: 1,
+                stopped_at_limit: false,
+            }
+        );
     }
 }

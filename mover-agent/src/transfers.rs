@@ -1,44 +1,57 @@
 //! VolumeTransfer mode: the agent of a stage pod claims the transfers the
 //! controller assigned to its pod (a resourceVersion-checked write, so a
-//! transfer claimed by a live agent is never taken by another), backs each
-//! volume up with the engine (a bounded number at once), reports progress
+//! transfer claimed by a live agent is never taken by another), moves each
+//! volume with the engine (a bounded number at once) the way its
+//! `spec.direction` says — Upload: backs the claim up; Download: restores
+//! `spec.snapshot` into the claim, then verifies the written tree against
+//! the snapshot's, entry by entry ([`restore_volume`]) — reports progress
 //! at most once per interval and never backwards, and writes the final
-//! figures. SIGTERM cancels the engine and exits non-zero, leaving the
-//! transfers InProgress: the restarted pod claims them again and the
-//! engine adopts the packs already stored.
+//! figures, each write a typed [`VolumeTransferStatus`] from
+//! [`crate::report`].
+//!
+//! One watch per transfer ([`follow`]) carries everything the controller
+//! says to the agent: admission, the bandwidth grant (re-split live), and
+//! the end of a transfer it canceled or failed (the volume's engine stops
+//! at once, not at its next progress write). SIGTERM cancels the engine
+//! and exits non-zero, leaving the transfers InProgress: the restarted pod
+//! claims them again; a backup adopts the packs already stored, a restore
+//! continues in sync mode and leaves the files already written alone.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use futures::StreamExt;
-use haulage::api::condition::{Condition, ConditionStatus, condition_type, reason};
 use haulage::api::labels::AGENT_FIELD_MANAGER;
-use haulage::api::transfer::AgentClaim;
+use haulage::api::transfer::TransferDirection;
 use haulage::api::{Progress as ApiProgress, VolumeTransfer, VolumeTransferPhase};
+use haulage::clock::now;
 use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
 use haulage::engine::progress::Progress;
+use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::engine::throttle::{ByteRate, Throttle};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::metrics::AgentMetrics;
-use crate::report::next_progress;
+use crate::report::{
+    BackupFigures, RestoreFigures, RestoreVerdict, agent_claim, claim_status, completed_status,
+    failed_status, next_progress, progress_status, restore_verdict, restored_status,
+};
 
 /// Hostname recorded in every snapshot the agent writes: stable across
 /// stage pods and nodes, so the next backup of the same claim (source
 /// label `namespace/pvc`) finds its parent wherever it runs.
 const SNAPSHOT_HOSTNAME: &str = "haulage-stage-pod";
-/// Seconds between looks at a transfer that is not admitted yet.
-const ADMISSION_POLL_SECONDS: u64 = 2;
+/// A restore's problems and mismatches written to the log, each.
+const MAX_PROBLEMS_LOGGED: usize = 20;
 
 /// Who the agent is and what it works on.
 #[derive(Debug, Clone)]
@@ -59,12 +72,72 @@ pub struct Assignment {
     pub progress_interval: Duration,
 }
 
-fn now() -> Time {
-    Time(k8s_openapi::jiff::Timestamp::now())
+/// Something the agent could not do with a transfer.
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    /// A call to the API server failed.
+    #[error("failed to {action} VolumeTransfer {transfer}")]
+    Api {
+        /// What was attempted.
+        action: &'static str,
+        /// The transfer.
+        transfer: String,
+        /// The API server's answer.
+        #[source]
+        source: kube::Error,
+    },
+    /// The watch of a transfer ended (the API server went away for good).
+    #[error("the watch of VolumeTransfer {transfer} ended")]
+    WatchEnded {
+        /// The transfer.
+        transfer: String,
+    },
+    /// A transfer's task panicked.
+    #[error("the task of VolumeTransfer {transfer} panicked")]
+    Panicked {
+        /// The transfer.
+        transfer: String,
+    },
 }
 
-fn status_patch(status: serde_json::Value) -> serde_json::Value {
-    haulage::api::status_apply::<VolumeTransfer>(&status)
+impl AgentError {
+    /// Whether a restarted agent may succeed without anyone changing
+    /// anything: an unreachable, overloaded or conflicting API server is
+    /// transient; a refusal (forbidden, invalid) is permanent, and the
+    /// pod's RBAC or the transfer must be fixed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            AgentError::Api { source, .. } => match source {
+                kube::Error::Api(status) => {
+                    status.code == 409 || status.code == 429 || status.code >= 500
+                }
+                _ => true,
+            },
+            AgentError::WatchEnded { .. } => true,
+            AgentError::Panicked { .. } => false,
+        }
+    }
+}
+
+/// Why [`run`] stopped before every transfer was final.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// SIGTERM: the restarted agent resumes.
+    #[error("stopped by SIGTERM; the restarted agent resumes")]
+    Stopped,
+    /// A transfer could not be worked on.
+    #[error(transparent)]
+    Transfer(#[from] AgentError),
+}
+
+impl RunError {
+    /// Whether a restart may help (SIGTERM and transient failures).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RunError::Stopped => true,
+            RunError::Transfer(error) => error.is_transient(),
+        }
+    }
 }
 
 /// Run every assigned transfer; Ok when each reached a final phase (its
@@ -75,7 +148,7 @@ pub async fn run(
     client: kube::Client,
     metrics: Arc<AgentMetrics>,
     cancel: CancellationToken,
-) -> anyhow::Result<()> {
+) -> Result<(), RunError> {
     info!(
         agent = %assignment.identity,
         node = assignment.node.as_deref().unwrap_or("-"),
@@ -93,90 +166,110 @@ pub async fn run(
         let gate = gate.clone();
         let metrics = metrics.clone();
         tasks.spawn(async move {
-            // Admission first, then a place among the volumes this agent
-            // moves at once: a transfer waiting for admission must not
-            // hold a place an admitted one of the same pod needs (with a
-            // cap of one, that would wait forever).
-            let result = match wait_for_admission(&api, &name, &assignment.identity, &cancel).await
-            {
-                Ok(true) => {
-                    let _permit = gate.acquire_owned().await;
-                    run_one(&api, &name, &assignment, &repository, &metrics, &cancel).await
-                }
-                Ok(false) => Ok(()),
-                Err(error) => Err(error),
-            };
+            let result = move_volume(
+                &api,
+                &name,
+                &assignment,
+                &repository,
+                &metrics,
+                &gate,
+                &cancel,
+            )
+            .await;
             (name, result)
         });
     }
     let mut first_error = None;
     while let Some(joined) = tasks.join_next().await {
-        let (name, result) = joined.context("a transfer task panicked")?;
+        let (name, result) = match joined {
+            Ok(outcome) => outcome,
+            Err(_) => (
+                String::new(),
+                Err(AgentError::Panicked {
+                    transfer: "(unknown)".to_string(),
+                }),
+            ),
+        };
         if let Err(error) = result {
-            warn!(transfer = %name, "{error:#}");
-            first_error.get_or_insert(error.context(format!("transfer {name}")));
+            warn!(
+                transfer = %name,
+                transient = error.is_transient(),
+                "{}",
+                haulage::error_chain(&error)
+            );
+            first_error.get_or_insert(error);
         }
     }
     if cancel.is_cancelled() {
-        anyhow::bail!("stopped by SIGTERM; the restarted agent resumes");
+        return Err(RunError::Stopped);
     }
     match first_error {
-        Some(error) => Err(error),
+        Some(error) => Err(RunError::Transfer(error)),
         None => Ok(()),
     }
 }
 
-/// Wait until the transfer is admitted (or further); false when there is
-/// nothing to do (final already, claimed by another agent, or SIGTERM).
-async fn wait_for_admission(
-    api: &Api<VolumeTransfer>,
-    name: &str,
-    identity: &str,
-    cancel: &CancellationToken,
-) -> anyhow::Result<bool> {
-    // A watch of this one object (the agent's Role allows watching it by
-    // name): no polling, however many transfers wait in the queue.
-    let events = watcher(
-        api.clone(),
-        watcher::Config::default().fields(&format!("metadata.name={name}")),
-    )
-    .default_backoff()
-    .applied_objects();
-    let mut events = std::pin::pin!(events);
-    loop {
-        let next = tokio::select! {
-            _ = cancel.cancelled() => return Ok(false),
-            next = events.next() => next,
-        };
-        match next {
-            Some(Ok(transfer)) => {
-                if let Some(admitted) = admission_decision(&transfer, name, identity) {
-                    return Ok(admitted);
+/// The latest state of one transfer, as its watch shows it: `None` until
+/// the first event, then the object, or [`Watched::Deleted`].
+#[derive(Debug, Clone)]
+enum Watched {
+    /// No event yet.
+    Unknown,
+    /// The transfer as last seen.
+    Seen(Arc<VolumeTransfer>),
+    /// It was deleted (its backup was).
+    Deleted,
+}
+
+/// Watch one transfer (the agent's Role allows watching it by name) until
+/// `stop`, publishing each state: no polling, however long it waits in the
+/// queue, and the controller's changes arrive within the watch's latency.
+fn follow(
+    api: Api<VolumeTransfer>,
+    name: String,
+    stop: CancellationToken,
+) -> (watch::Receiver<Watched>, tokio::task::JoinHandle<()>) {
+    let (sender, receiver) = watch::channel(Watched::Unknown);
+    let task = tokio::spawn(async move {
+        let events = watcher(
+            api,
+            watcher::Config::default().fields(&format!("metadata.name={name}")),
+        )
+        .default_backoff();
+        let mut events = std::pin::pin!(events);
+        loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => return,
+                next = events.next() => next,
+            };
+            match next {
+                Some(Ok(watcher::Event::Apply(transfer) | watcher::Event::InitApply(transfer))) => {
+                    sender.send_replace(Watched::Seen(Arc::new(transfer)));
                 }
+                Some(Ok(watcher::Event::Delete(_))) => {
+                    sender.send_replace(Watched::Deleted);
+                }
+                Some(Ok(watcher::Event::Init | watcher::Event::InitDone)) => {}
+                Some(Err(error)) => warn!(transfer = %name, "watch: {error}"),
+                None => return,
             }
-            Some(Err(error)) => warn!(
-                transfer = name,
-                "watch while waiting for admission: {error}"
-            ),
-            None => anyhow::bail!("the watch of VolumeTransfer {name} ended"),
         }
-    }
+    });
+    (receiver, task)
 }
 
 /// What a waiting agent does on seeing `transfer`: `Some(true)` start (it
 /// is admitted), `Some(false)` leave it (final, or another agent's),
 /// `None` keep waiting.
-fn admission_decision(transfer: &VolumeTransfer, name: &str, identity: &str) -> Option<bool> {
+fn admission_decision(transfer: &VolumeTransfer, identity: &str) -> Option<bool> {
     let status = transfer.status.clone().unwrap_or_default();
-    let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+    let phase = transfer.phase();
     if phase.is_final() {
-        info!(transfer = name, ?phase, "already final");
         return Some(false);
     }
     if let Some(agent) = &status.agent
         && agent.identity != identity
     {
-        info!(transfer = name, owner = %agent.identity, "claimed by another agent");
         return Some(false);
     }
     (phase >= VolumeTransferPhase::Admitted).then_some(true)
@@ -191,32 +284,74 @@ fn granted_rate(transfer: &VolumeTransfer) -> Option<ByteRate> {
         .map(ByteRate)
 }
 
-/// Follow the transfer's `spec.grantedBytesPerSecond` into `throttle`
-/// until `stop`: a watch on this one object (the agent's Role allows
-/// watching it by name), so a re-split applies within the watch's latency
-/// and the copy never restarts.
-fn follow_grant(
-    api: Api<VolumeTransfer>,
+/// Wait on the watch until the transfer is admitted; false when there is
+/// nothing to do (final already, claimed by another agent, deleted, or
+/// SIGTERM).
+async fn wait_for_admission(
+    watched: &mut watch::Receiver<Watched>,
+    name: &str,
+    identity: &str,
+    cancel: &CancellationToken,
+) -> Result<bool, AgentError> {
+    loop {
+        let decision = match &*watched.borrow_and_update() {
+            Watched::Unknown => None,
+            Watched::Deleted => Some(false),
+            Watched::Seen(transfer) => admission_decision(transfer, identity),
+        };
+        match decision {
+            Some(true) => return Ok(true),
+            Some(false) => {
+                info!(
+                    transfer = name,
+                    "nothing to do: final, deleted or another agent's"
+                );
+                return Ok(false);
+            }
+            None => {}
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(false),
+            changed = watched.changed() => {
+                if changed.is_err() {
+                    return Err(AgentError::WatchEnded { transfer: name.to_string() });
+                }
+            }
+        }
+    }
+}
+
+/// Follow the watch while the volume moves: apply each new grant to
+/// `throttle` live (the copy never restarts), and stop the volume when
+/// the controller ends the transfer (canceled or failed: final phases are
+/// the controller's while the agent runs) or deletes it.
+fn supervise_volume(
+    mut watched: watch::Receiver<Watched>,
     name: String,
     throttle: Throttle,
     mut granted: Option<ByteRate>,
-    stop: CancellationToken,
+    volume_cancel: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let events = watcher(
-            api,
-            watcher::Config::default().fields(&format!("metadata.name={name}")),
-        )
-        .default_backoff()
-        .applied_objects();
-        let mut events = std::pin::pin!(events);
         loop {
-            let next = tokio::select! {
-                _ = stop.cancelled() => return,
-                next = events.next() => next,
-            };
-            match next {
-                Some(Ok(transfer)) => {
+            let state = watched.borrow_and_update().clone();
+            match state {
+                Watched::Unknown => {}
+                Watched::Deleted => {
+                    warn!(transfer = %name, "transfer deleted; stopping");
+                    volume_cancel.cancel();
+                    return;
+                }
+                Watched::Seen(transfer) => {
+                    if transfer.phase().is_final() {
+                        warn!(
+                            transfer = %name,
+                            phase = ?transfer.phase(),
+                            "the controller ended this transfer; stopping"
+                        );
+                        volume_cancel.cancel();
+                        return;
+                    }
                     let rate = granted_rate(&transfer);
                     if rate != granted {
                         info!(
@@ -228,254 +363,274 @@ fn follow_grant(
                         granted = rate;
                     }
                 }
-                Some(Err(error)) => warn!(transfer = %name, "watch of the grant: {error}"),
-                None => return,
+            }
+            tokio::select! {
+                _ = volume_cancel.cancelled() => return,
+                changed = watched.changed() => if changed.is_err() { return },
             }
         }
     })
 }
 
-/// Claim an admitted transfer. `None` when there is nothing to do (final
-/// already, or claimed by another live agent).
+/// Claim an admitted transfer, starting from the watched object (a
+/// resourceVersion-checked merge patch). `None` when there is nothing to
+/// do (final already, or claimed by another live agent).
 async fn claim(
     api: &Api<VolumeTransfer>,
     name: &str,
     identity: &str,
+    watched: &mut watch::Receiver<Watched>,
     cancel: &CancellationToken,
-) -> anyhow::Result<Option<VolumeTransfer>> {
+) -> Result<Option<VolumeTransfer>, AgentError> {
     loop {
-        let transfer = api
-            .get(name)
-            .await
-            .with_context(|| format!("failed to get VolumeTransfer {name}"))?;
-        match admission_decision(&transfer, name, identity) {
+        let transfer = match api.get(name).await {
+            Ok(transfer) => transfer,
+            Err(source) => {
+                return Err(AgentError::Api {
+                    action: "get",
+                    transfer: name.to_string(),
+                    source,
+                });
+            }
+        };
+        match admission_decision(&transfer, identity) {
             Some(true) => {}
             Some(false) => return Ok(None),
             None => {
-                tokio::select! {
-                    _ = cancel.cancelled() => return Ok(None),
-                    _ = tokio::time::sleep(Duration::from_secs(ADMISSION_POLL_SECONDS)) => continue,
+                if !wait_for_admission(watched, name, identity, cancel).await? {
+                    return Ok(None);
                 }
+                continue;
             }
         }
-        let status = transfer.status.clone().unwrap_or_default();
-        let time = now();
-        let claim = serde_json::json!({
+        let status = claim_status(
+            &transfer.status.clone().unwrap_or_default(),
+            identity,
+            &now(),
+        );
+        let patch = serde_json::json!({
             "metadata": {"resourceVersion": transfer.resource_version()},
-            "status": {
-                "phase": VolumeTransferPhase::InProgress,
-                "agent": AgentClaim {
-                    identity: identity.to_string(),
-                    claimed_at: status.agent.as_ref().map_or(time.clone(), |a| a.claimed_at.clone()),
-                    heartbeat_time: time.clone(),
-                },
-                "startTime": status.start_time.clone().unwrap_or(time),
-            },
+            "status": status,
         });
         match api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&claim))
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
             Ok(claimed) => return Ok(Some(claimed)),
             Err(kube::Error::Api(status)) if status.code == 409 => {
                 info!(transfer = name, "changed while claiming; looking again");
             }
-            Err(error) => {
-                return Err(error)
-                    .with_context(|| format!("failed to claim VolumeTransfer {name}"));
+            Err(source) => {
+                return Err(AgentError::Api {
+                    action: "claim",
+                    transfer: name.to_string(),
+                    source,
+                });
             }
         }
     }
 }
 
-async fn run_one(
+/// Wait for admission, then for a place among the volumes this agent moves
+/// at once, then claim and move the volume. Admission comes first: a
+/// transfer waiting for admission must not hold a place an admitted one of
+/// the same pod needs (with a cap of one, that would wait forever).
+async fn move_volume(
     api: &Api<VolumeTransfer>,
     name: &str,
     assignment: &Assignment,
     repository: &Repository,
     metrics: &AgentMetrics,
+    gate: &Semaphore,
     cancel: &CancellationToken,
-) -> anyhow::Result<()> {
-    let Some(transfer) = claim(api, name, &assignment.identity, cancel).await? else {
-        return Ok(());
-    };
-    let pvc = transfer.spec.pvc.clone();
-    info!(transfer = name, pvc = %pvc, "claimed");
-    let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
-    let progress = Arc::new(Progress::default());
-    metrics.track(&assignment.namespace, &pvc, progress.clone());
-    let volume_cancel = cancel.child_token();
-    let reporter = {
-        let api = api.clone();
-        let name = name.to_string();
-        let progress = progress.clone();
-        let volume_cancel = volume_cancel.clone();
-        let interval = assignment.progress_interval;
-        let identity = assignment.identity.clone();
+) -> Result<(), AgentError> {
+    let stop_watch = cancel.child_token();
+    let (mut watched, watch_task) = follow(api.clone(), name.to_string(), stop_watch.clone());
+    let result = async {
+        if !wait_for_admission(&mut watched, name, &assignment.identity, cancel).await? {
+            return Ok(());
+        }
+        let _permit = gate.acquire().await;
+        let Some(transfer) = claim(api, name, &assignment.identity, &mut watched, cancel).await?
+        else {
+            return Ok(());
+        };
+        match transfer.spec.direction {
+            TransferDirection::Upload => {
+                back_up(
+                    api,
+                    name,
+                    transfer,
+                    watched.clone(),
+                    assignment,
+                    repository,
+                    metrics,
+                    cancel,
+                )
+                .await
+            }
+            TransferDirection::Download => {
+                restore_volume(
+                    api,
+                    name,
+                    transfer,
+                    watched.clone(),
+                    assignment,
+                    repository,
+                    metrics,
+                    cancel,
+                )
+                .await
+            }
+        }
+    }
+    .await;
+    stop_watch.cancel();
+    let _ = watch_task.await;
+    result
+}
+
+/// What the run of one claimed transfer shares, whichever way its data
+/// goes: the engine's counters, the volume's own cancel, the progress
+/// reporter (which also renews the claim's heartbeat) and the supervisor
+/// that follows the watch (the bandwidth grant, re-split live, applied to
+/// `throttle`; the end of the transfer by the controller).
+struct VolumeRun {
+    progress: Arc<Progress>,
+    volume_cancel: CancellationToken,
+    throttle: Throttle,
+    claimed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    reported: Option<ApiProgress>,
+    reporter: tokio::task::JoinHandle<()>,
+    supervisor: tokio::task::JoinHandle<()>,
+}
+
+/// Why a run ended without the agent writing a final status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Interrupted {
+    /// SIGTERM: the transfer stays InProgress for the restarted agent.
+    Sigterm,
+    /// The controller ended the transfer (canceled, failed) or deleted it.
+    ByController,
+}
+
+impl VolumeRun {
+    /// Start reporting and supervising the claimed `transfer`; the
+    /// throttle's waiting is recorded into `waited`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the parts of one transfer's run, named"
+    )]
+    fn start(
+        api: &Api<VolumeTransfer>,
+        name: &str,
+        transfer: &VolumeTransfer,
+        watched: watch::Receiver<Watched>,
+        assignment: &Assignment,
+        metrics: &AgentMetrics,
+        waited: haulage::store::limits::WaitTime,
+        cancel: &CancellationToken,
+    ) -> Self {
+        let progress = Arc::new(Progress::default());
+        metrics.track(
+            &assignment.namespace,
+            &transfer.spec.pvc,
+            transfer.spec.direction,
+            progress.clone(),
+        );
+        let volume_cancel = cancel.child_token();
         let claimed_at = transfer
             .status
             .as_ref()
             .and_then(|status| status.agent.as_ref())
-            .map_or_else(now, |agent| agent.claimed_at.clone());
-        let apply = apply.clone();
-        let mut last: Option<ApiProgress> = transfer
+            .map(|agent| agent.claimed_at.clone());
+        let reported: Option<ApiProgress> = transfer
             .status
             .as_ref()
             .and_then(|status| status.progress.clone());
-        tokio::spawn(async move {
-            let mut last_time = Instant::now();
-            loop {
-                tokio::select! {
-                    _ = volume_cancel.cancelled() => return,
-                    _ = tokio::time::sleep(interval) => {}
-                }
-                let elapsed = last_time.elapsed().as_secs_f64();
-                last_time = Instant::now();
-                let report = next_progress(&progress.snapshot(), last.as_ref(), elapsed);
-                let patch = status_patch(serde_json::json!({
-                    "phase": VolumeTransferPhase::InProgress,
-                    "progress": report,
-                    "agent": AgentClaim {
-                        identity: identity.clone(),
-                        claimed_at: claimed_at.clone(),
-                        heartbeat_time: now(),
-                    },
-                }));
-                last = Some(report);
-                match api.patch_status(&name, &apply, &Patch::Apply(&patch)).await {
-                    Ok(_) => {}
-                    Err(kube::Error::Api(status)) if status.code == 404 => {
-                        warn!(transfer = %name, "transfer deleted; stopping");
-                        volume_cancel.cancel();
-                        return;
-                    }
-                    // The CRD refuses any write out of a final phase: the
-                    // controller canceled or failed the transfer (its
-                    // backup was deleted, or its stage pod gave up).
-                    Err(kube::Error::Api(status)) if status.code == 422 => {
-                        warn!(transfer = %name, "the controller ended this transfer ({}); stopping", status.message);
-                        volume_cancel.cancel();
-                        return;
-                    }
-                    Err(error) => warn!(transfer = %name, "progress not written: {error}"),
-                }
-            }
-        })
-    };
-
-    // The grant limits reads from the claim's storage (a StoragePolicy caps
-    // reads on backup), and follows the controller's re-splits live.
-    let granted = granted_rate(&transfer);
-    let throttle = Throttle::new(granted)
-        .recording_wait_into(metrics.read_wait())
-        .cancelled_by(volume_cancel.clone());
-    let grant_follower = follow_grant(
-        api.clone(),
-        name.to_string(),
-        throttle.clone(),
-        granted,
-        volume_cancel.clone(),
-    );
-    info!(
-        transfer = name,
-        bytes_per_second = granted.map(|ByteRate(bytes)| bytes),
-        "bandwidth granted"
-    );
-    let mut options = BackupOptions::new(assignment.data_root.join(&pvc));
-    options.read_throttle = throttle;
-    options.source_label = Some(format!("{}/{pvc}", assignment.namespace));
-    options.hostname = SNAPSHOT_HOSTNAME.to_string();
-    if let Some(parent) = &transfer.spec.parent_snapshot {
-        match repository.resolve_snapshot(parent).await {
-            Ok(snapshot) => {
-                options.parent = haulage::engine::backup::ParentPolicy::Snapshot(snapshot)
-            }
-            Err(error) => warn!(transfer = name, "parent {parent} not usable: {error}"),
-        }
-    }
-    let result = backup(repository, options, progress.clone(), volume_cancel.clone()).await;
-    let stopped_by_controller = volume_cancel.is_cancelled() && !cancel.is_cancelled();
-    volume_cancel.cancel();
-    let _ = reporter.await;
-    let _ = grant_follower.await;
-    if cancel.is_cancelled() {
+        let reporter = spawn_reporter(
+            api.clone(),
+            name.to_string(),
+            progress.clone(),
+            reported.clone(),
+            assignment.identity.clone(),
+            claimed_at.clone(),
+            assignment.progress_interval,
+            volume_cancel.clone(),
+        );
+        let granted = granted_rate(transfer);
+        let throttle = Throttle::new(granted)
+            .recording_wait_into(waited)
+            .cancelled_by(volume_cancel.clone());
+        let supervisor = supervise_volume(
+            watched,
+            name.to_string(),
+            throttle.clone(),
+            granted,
+            volume_cancel.clone(),
+        );
         info!(
             transfer = name,
-            "stopped by SIGTERM; stays InProgress for the restarted agent"
+            bytes_per_second = granted.map(|ByteRate(bytes)| bytes),
+            "bandwidth granted"
         );
-        return Ok(());
+        VolumeRun {
+            progress,
+            volume_cancel,
+            throttle,
+            claimed_at,
+            reported,
+            reporter,
+            supervisor,
+        }
     }
-    if stopped_by_controller {
-        return Ok(());
-    }
-    let last = transfer.status.as_ref().and_then(|s| s.progress.clone());
-    let final_progress = next_progress(&progress.snapshot(), last.as_ref(), 0.0);
-    let time = now();
-    // Server-side apply drops fields this manager applied before and
-    // leaves out now, so the claim is applied again with the final status.
-    let agent = AgentClaim {
-        identity: assignment.identity.clone(),
-        claimed_at: transfer
-            .status
-            .as_ref()
-            .and_then(|status| status.agent.as_ref())
-            .map_or_else(|| time.clone(), |agent| agent.claimed_at.clone()),
-        heartbeat_time: time.clone(),
-    };
-    let patch = match result {
-        Ok(outcome) => {
-            let summary = &outcome.snapshot.summary;
-            let message = summary
-                .warnings
-                .first()
-                .map(|warning| format!("{} warnings, first: {warning:?}", summary.warning_count));
+
+    /// Stop the reporter and the supervisor once the engine is done; `Err`
+    /// when the run was interrupted and must write no final status.
+    fn finish(&self, name: &str, cancel: &CancellationToken) -> Result<(), Interrupted> {
+        let stopped_by_controller = self.volume_cancel.is_cancelled() && !cancel.is_cancelled();
+        self.volume_cancel.cancel();
+        if cancel.is_cancelled() {
             info!(
                 transfer = name,
-                snapshot = %outcome.snapshot_id,
-                bytes_read = summary.bytes_read,
-                bytes_new = summary.bytes_new,
-                bytes_stored = summary.bytes_stored,
-                "volume backed up"
+                "stopped by SIGTERM; stays InProgress for the restarted agent"
             );
-            let mut completed = final_progress.clone();
-            completed.bytes_done = completed.total_bytes;
-            completed.eta_seconds = Some(0);
-            let signed = |value: u64| i64::try_from(value).unwrap_or(i64::MAX);
-            status_patch(serde_json::json!({
-                "phase": VolumeTransferPhase::Completed,
-                "agent": agent,
-                "progress": completed.with_percent(true),
-                "snapshotId": outcome.snapshot_id.to_string(),
-                "bytesRead": signed(summary.bytes_read),
-                "bytesNew": signed(summary.bytes_new),
-                "bytesStored": signed(summary.bytes_stored),
-                "warnings": signed(summary.warning_count),
-                "message": message.map(|m| haulage::api::condition::bounded_message(&m)),
-                "completionTime": time.clone(),
-                "conditions": [Condition::new(
-                    condition_type::COMPLETE, ConditionStatus::True, reason::ALL_VOLUMES_COMPLETED,
-                    "snapshot written", transfer.metadata.generation, time.clone())],
-            }))
+            return Err(Interrupted::Sigterm);
         }
-        Err(error) => {
-            let message = format!("{error:#}");
-            warn!(transfer = name, "backup failed: {message}");
-            status_patch(serde_json::json!({
-                "phase": VolumeTransferPhase::Failed,
-                "agent": agent,
-                "progress": final_progress,
-                "message": haulage::api::condition::bounded_message(&message),
-                "completionTime": time.clone(),
-                "conditions": [Condition::new(
-                    condition_type::FAILED, ConditionStatus::True, reason::ALL_VOLUMES_FAILED,
-                    &message, transfer.metadata.generation, time.clone())],
-            }))
+        if stopped_by_controller {
+            return Err(Interrupted::ByController);
         }
-    };
+        Ok(())
+    }
+
+    /// Wait for the reporter and the supervisor to end (after
+    /// [`VolumeRun::finish`]).
+    async fn join(self) {
+        let _ = self.reporter.await;
+        let _ = self.supervisor.await;
+    }
+
+    /// The progress to write with the final status.
+    fn final_progress(&self) -> ApiProgress {
+        next_progress(&self.progress.snapshot(), self.reported.as_ref(), 0.0)
+    }
+}
+
+/// Write the final status of a transfer. Server-side apply drops fields
+/// this manager applied before and leaves out now, so `status` carries
+/// the claim again.
+async fn write_final_status(
+    api: &Api<VolumeTransfer>,
+    name: &str,
+    status: &haulage::api::VolumeTransferStatus,
+) -> Result<(), AgentError> {
+    let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
+    let patch = haulage::api::status_apply::<VolumeTransfer>(status);
     match api.patch_status(name, &apply, &Patch::Apply(&patch)).await {
         Ok(_) => Ok(()),
         // Ended by the controller meanwhile (final phases are final): what
-        // was stored stays in the repository for the next backup.
+        // was moved stays (stored packs are reused by the next backup; a
+        // restore's written files by the next Sync restore).
         Err(kube::Error::Api(status)) if status.code == 422 || status.code == 404 => {
             warn!(
                 transfer = name,
@@ -484,8 +639,476 @@ async fn run_one(
             );
             Ok(())
         }
-        Err(error) => Err(anyhow::Error::new(error).context(format!(
-            "failed to write the final status of VolumeTransfer {name}"
-        ))),
+        Err(source) => Err(AgentError::Api {
+            action: "write the final status of",
+            transfer: name.to_string(),
+            source,
+        }),
+    }
+}
+
+/// Back up one claimed volume and write its outcome.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts of one transfer's run, named"
+)]
+async fn back_up(
+    api: &Api<VolumeTransfer>,
+    name: &str,
+    transfer: VolumeTransfer,
+    watched: watch::Receiver<Watched>,
+    assignment: &Assignment,
+    repository: &Repository,
+    metrics: &AgentMetrics,
+    cancel: &CancellationToken,
+) -> Result<(), AgentError> {
+    let pvc = transfer.spec.pvc.clone();
+    info!(transfer = name, pvc = %pvc, "claimed");
+    // The grant limits reads from the claim's storage (a StoragePolicy caps
+    // reads on backup), and follows the controller's re-splits live.
+    let run = VolumeRun::start(
+        api,
+        name,
+        &transfer,
+        watched,
+        assignment,
+        metrics,
+        metrics.read_wait(),
+        cancel,
+    );
+    let volume = assignment.data_root.join(&pvc);
+    let mut options = BackupOptions::new(&volume);
+    options.claim = transfer.spec.claim.clone().map(|mut record| {
+        record.used_bytes = used_bytes(&volume);
+        record
+    });
+    options.read_throttle = run.throttle.clone();
+    options.source_label = Some(format!("{}/{pvc}", assignment.namespace));
+    options.hostname = SNAPSHOT_HOSTNAME.to_string();
+    options.tags = transfer.spec.tags.clone();
+    if transfer.spec.parent_policy == haulage::api::backup::ParentPolicy::Full {
+        // The VolumeBackup's parentPolicy: Full: read every file again.
+        options.parent = haulage::engine::backup::ParentPolicy::None;
+    }
+    if let Some(parent) = &transfer.spec.parent_snapshot {
+        match repository.resolve_snapshot(parent).await {
+            Ok(snapshot) => {
+                options.parent = haulage::engine::backup::ParentPolicy::Snapshot(snapshot)
+            }
+            Err(error) => warn!(transfer = name, "parent {parent} not usable: {error}"),
+        }
+    }
+    let result = backup(
+        repository,
+        options,
+        run.progress.clone(),
+        run.volume_cancel.clone(),
+    )
+    .await;
+    let finished = run.finish(name, cancel);
+    let final_progress = run.final_progress();
+    let claimed_at = run.claimed_at.clone();
+    run.join().await;
+    if finished.is_err() {
+        return Ok(());
+    }
+    let time = now();
+    let agent = agent_claim(&assignment.identity, claimed_at.as_ref(), &time);
+    let status = match result {
+        Ok(outcome) => {
+            let summary = &outcome.snapshot.summary;
+            info!(
+                transfer = name,
+                snapshot = %outcome.snapshot_id,
+                bytes_read = summary.bytes_read,
+                bytes_new = summary.bytes_new,
+                bytes_stored = summary.bytes_stored,
+                "volume backed up"
+            );
+            let figures = BackupFigures {
+                snapshot_id: outcome.snapshot_id.to_string(),
+                bytes_read: summary.bytes_read,
+                bytes_new: summary.bytes_new,
+                bytes_stored: summary.bytes_stored,
+                warning_count: summary.warning_count,
+                first_warning: summary
+                    .warnings
+                    .first()
+                    .map(|warning| format!("{warning:?}")),
+            };
+            completed_status(
+                final_progress,
+                &figures,
+                agent,
+                transfer.metadata.generation,
+                &time,
+            )
+        }
+        Err(error) => {
+            let message = haulage::error_chain(&error);
+            warn!(transfer = name, "backup failed: {message}");
+            failed_status(
+                final_progress,
+                &message,
+                agent,
+                transfer.metadata.generation,
+                &time,
+            )
+        }
+    };
+    write_final_status(api, name, &status).await
+}
+
+/// Restore the snapshot of one claimed Download transfer into its claim,
+/// verify the written tree against the snapshot, and write the outcome.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts of one transfer's run, named"
+)]
+async fn restore_volume(
+    api: &Api<VolumeTransfer>,
+    name: &str,
+    transfer: VolumeTransfer,
+    watched: watch::Receiver<Watched>,
+    assignment: &Assignment,
+    repository: &Repository,
+    metrics: &AgentMetrics,
+    cancel: &CancellationToken,
+) -> Result<(), AgentError> {
+    let pvc = transfer.spec.pvc.clone();
+    info!(transfer = name, pvc = %pvc, snapshot = transfer.spec.snapshot.as_deref().unwrap_or("-"), "claimed");
+    // The grant limits writes into the claim's storage (a StoragePolicy
+    // caps writes on restore), and follows the controller's re-splits live.
+    let run = VolumeRun::start(
+        api,
+        name,
+        &transfer,
+        watched,
+        assignment,
+        metrics,
+        metrics.write_wait(),
+        cancel,
+    );
+    let volume = assignment.data_root.join(&pvc);
+    let result = restore_and_verify(
+        repository,
+        name,
+        transfer.spec.snapshot.as_deref(),
+        &volume,
+        &run,
+    )
+    .await;
+    let finished = run.finish(name, cancel);
+    let final_progress = run.final_progress();
+    let claimed_at = run.claimed_at.clone();
+    run.join().await;
+    if finished.is_err() {
+        return Ok(());
+    }
+    let time = now();
+    let agent = agent_claim(&assignment.identity, claimed_at.as_ref(), &time);
+    let generation = transfer.metadata.generation;
+    let status = match result {
+        Ok((figures, verdict)) => {
+            restored_status(final_progress, &figures, &verdict, agent, generation, &time)
+        }
+        Err(message) => {
+            warn!(transfer = name, "restore failed: {message}");
+            failed_status(final_progress, &message, agent, generation, &time)
+        }
+    };
+    write_final_status(api, name, &status).await
+}
+
+/// Restore `snapshot` into the claim mounted at `volume` and verify it.
+/// The mount must exist (the stage pod mounts the claim there; a missing
+/// directory means it does not, and nothing is written into the pod's
+/// own filesystem). An empty claim is restored as a new copy; one that
+/// holds anything (a killed agent's partial restore, a cutover pass, the
+/// `lost+found` of a fresh filesystem) in sync mode, which writes only
+/// what differs and removes what the snapshot does not have. Owners are
+/// restored (the restore stage pod runs as root with `CHOWN`, `FOWNER`,
+/// `DAC_OVERRIDE` and `FSETID`), every chunk is checked before it is
+/// written, and the grant limits the writes.
+async fn restore_and_verify(
+    repository: &Repository,
+    name: &str,
+    snapshot: Option<&str>,
+    volume: &std::path::Path,
+    run: &VolumeRun,
+) -> Result<(RestoreFigures, RestoreVerdict), String> {
+    let snapshot = snapshot
+        .filter(|text| !text.is_empty())
+        .ok_or_else(|| {
+            format!("VolumeTransfer {name} is a Download without spec.snapshot: the controller must name the snapshot to restore")
+        })?;
+    let snapshot = repository
+        .resolve_snapshot(snapshot)
+        .await
+        .map_err(|error| haulage::error_chain(&error))?;
+    let empty = match std::fs::read_dir(volume) {
+        Ok(mut entries) => entries.next().is_none(),
+        Err(error) => {
+            return Err(format!(
+                "the claim's mount {} cannot be read in the stage pod ({error}): the pod does not mount the claim there",
+                volume.display()
+            ));
+        }
+    };
+    let mut options = RestoreOptions::new(volume);
+    options.sync = !empty;
+    options.restore_owners = true;
+    options.write_throttle = run.throttle.clone();
+    let verify_options = TreeVerifyOptions::for_restore(&options);
+    info!(
+        transfer = name,
+        snapshot = %snapshot,
+        sync = options.sync,
+        "restoring"
+    );
+    let outcome = restore(
+        repository,
+        &snapshot,
+        options,
+        run.progress.clone(),
+        run.volume_cancel.clone(),
+    )
+    .await
+    .map_err(|error| haulage::error_chain(&error))?;
+    info!(
+        transfer = name,
+        files = outcome.files,
+        bytes_written = outcome.bytes_written,
+        files_unchanged = outcome.files_unchanged,
+        entries_removed = outcome.entries_removed,
+        problems = outcome.problems.len(),
+        seconds = outcome.duration_seconds,
+        "restored; verifying the written tree"
+    );
+    for problem in outcome.problems.iter().take(MAX_PROBLEMS_LOGGED) {
+        warn!(transfer = name, path = %problem.path, "{}", problem.message);
+    }
+    let verification = verify_tree(
+        repository,
+        &snapshot,
+        volume,
+        &verify_options,
+        run.volume_cancel.clone(),
+    )
+    .await
+    .map_err(|error| haulage::error_chain(&error))?;
+    info!(
+        transfer = name,
+        root_tree = %verification.root_tree,
+        entries = verification.entries,
+        bytes_verified = verification.bytes_verified,
+        mismatches = verification.mismatches.len(),
+        seconds = verification.duration_seconds,
+        "verified"
+    );
+    for mismatch in verification.mismatches.iter().take(MAX_PROBLEMS_LOGGED) {
+        warn!(transfer = name, "{mismatch}");
+    }
+    let figures = RestoreFigures {
+        snapshot_id: snapshot.to_hex(),
+        bytes_written: outcome.bytes_written,
+        files_unchanged: outcome.files_unchanged,
+        entries_removed: outcome.entries_removed,
+    };
+    Ok((figures, restore_verdict(&outcome, &verification)))
+}
+
+/// Bytes in use on the filesystem mounted at `path` (its blocks less the
+/// free ones), for the claim's record; `None` when it cannot be read.
+fn used_bytes(path: &std::path::Path) -> Option<u64> {
+    let stats = rustix::fs::statvfs(path).ok()?;
+    Some(
+        stats
+            .f_blocks
+            .saturating_sub(stats.f_bfree)
+            .saturating_mul(stats.f_frsize),
+    )
+}
+
+/// Report progress every `interval` until `stop`: the engine's counters,
+/// never below what was reported before, with the heartbeat.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the parts of one reporter, named"
+)]
+fn spawn_reporter(
+    api: Api<VolumeTransfer>,
+    name: String,
+    progress: Arc<Progress>,
+    mut last: Option<ApiProgress>,
+    identity: String,
+    claimed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    interval: Duration,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
+    tokio::spawn(async move {
+        let mut last_time = Instant::now();
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+            let elapsed = last_time.elapsed().as_secs_f64();
+            last_time = Instant::now();
+            let report = next_progress(&progress.snapshot(), last.as_ref(), elapsed);
+            let status = progress_status(
+                report.clone(),
+                agent_claim(&identity, claimed_at.as_ref(), &now()),
+            );
+            last = Some(report);
+            let patch = haulage::api::status_apply::<VolumeTransfer>(&status);
+            match api.patch_status(&name, &apply, &Patch::Apply(&patch)).await {
+                Ok(_) => {}
+                // The watch stops the volume when the controller ends the
+                // transfer; a refused write in the meantime is that race.
+                Err(kube::Error::Api(status)) if status.code == 422 || status.code == 404 => {
+                    info!(transfer = %name, "progress not written: the transfer ended ({})", status.message);
+                }
+                Err(error) => warn!(transfer = %name, "progress not written: {error}"),
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn transfer(phase: Option<VolumeTransferPhase>, agent: Option<&str>) -> VolumeTransfer {
+        let mut transfer: VolumeTransfer = serde_json::from_value(serde_json::json!({
+            "apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeTransfer",
+            "metadata": {"name": "t", "namespace": "shop"},
+            "spec": {"direction": "Upload", "pvc": "data",
+                "backupRef": {"namespace": "ops", "name": "nightly"},
+                "storageLocation": {"namespace": "ops", "name": "minio"},
+                "stagePod": "stage-a"},
+        }))
+        .expect("valid transfer");
+        if phase.is_some() || agent.is_some() {
+            transfer.status = Some(haulage::api::VolumeTransferStatus {
+                phase,
+                agent: agent.map(|identity| haulage::api::transfer::AgentClaim {
+                    identity: identity.to_string(),
+                    claimed_at: now(),
+                    heartbeat_time: now(),
+                }),
+                ..Default::default()
+            });
+        }
+        transfer
+    }
+
+    #[test]
+    fn the_agent_starts_only_admitted_transfers_that_are_its_own() {
+        assert_eq!(admission_decision(&transfer(None, None), "a"), None);
+        assert_eq!(
+            admission_decision(&transfer(Some(VolumeTransferPhase::Queued), None), "a"),
+            None
+        );
+        assert_eq!(
+            admission_decision(&transfer(Some(VolumeTransferPhase::Admitted), None), "a"),
+            Some(true)
+        );
+        assert_eq!(
+            admission_decision(
+                &transfer(Some(VolumeTransferPhase::InProgress), Some("a")),
+                "a"
+            ),
+            Some(true),
+            "its own, after a restart"
+        );
+        assert_eq!(
+            admission_decision(
+                &transfer(Some(VolumeTransferPhase::InProgress), Some("b")),
+                "a"
+            ),
+            Some(false)
+        );
+        assert_eq!(
+            admission_decision(&transfer(Some(VolumeTransferPhase::Canceled), None), "a"),
+            Some(false)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_cancel_seen_on_the_watch_stops_the_volume_and_a_grant_change_reaches_the_throttle() {
+        let (sender, receiver) = watch::channel(Watched::Unknown);
+        let throttle = Throttle::new(None);
+        let volume_cancel = CancellationToken::new();
+        let supervisor = supervise_volume(
+            receiver,
+            "t".to_string(),
+            throttle.clone(),
+            None,
+            volume_cancel.clone(),
+        );
+        let mut granted = transfer(Some(VolumeTransferPhase::InProgress), Some("a"));
+        granted.spec.granted_bytes_per_second = Some(4096);
+        sender.send_replace(Watched::Seen(Arc::new(granted)));
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while throttle.rate() != Some(ByteRate(4096)) {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the grant reaches the throttle");
+        assert!(!volume_cancel.is_cancelled());
+        sender.send_replace(Watched::Seen(Arc::new(transfer(
+            Some(VolumeTransferPhase::Canceled),
+            Some("a"),
+        ))));
+        tokio::time::timeout(Duration::from_secs(5), volume_cancel.cancelled())
+            .await
+            .expect("a cancel on the watch stops the volume");
+        supervisor.await.expect("the supervisor ends");
+    }
+
+    #[tokio::test]
+    async fn a_deleted_transfer_stops_its_volume() {
+        let (sender, receiver) = watch::channel(Watched::Unknown);
+        let volume_cancel = CancellationToken::new();
+        let supervisor = supervise_volume(
+            receiver,
+            "t".to_string(),
+            Throttle::new(None),
+            None,
+            volume_cancel.clone(),
+        );
+        sender.send_replace(Watched::Deleted);
+        tokio::time::timeout(Duration::from_secs(5), volume_cancel.cancelled())
+            .await
+            .expect("a deletion stops the volume");
+        supervisor.await.expect("the supervisor ends");
+    }
+
+    #[test]
+    fn api_errors_are_transient_unless_the_server_refused_the_request() {
+        let error = |code: u16| AgentError::Api {
+            action: "claim",
+            transfer: "shop/t".to_string(),
+            source: kube::Error::Api(
+                kube::core::Status::failure("no", "Reason")
+                    .with_code(code)
+                    .boxed(),
+            ),
+        };
+        assert!(error(503).is_transient());
+        assert!(error(409).is_transient());
+        assert!(error(429).is_transient());
+        assert!(!error(403).is_transient());
+        assert!(!error(422).is_transient());
+        assert!(
+            AgentError::WatchEnded {
+                transfer: "shop/t".to_string()
+            }
+            .is_transient()
+        );
+        assert!(RunError::Stopped.is_transient());
     }
 }

@@ -3,14 +3,16 @@
 //! progress rolled up from its VolumeTransfers, the volumes per phase, one
 //! result per volume and the replica that owns it.
 
+use haulage_plan::StagePod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, Time};
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::api::condition::Condition;
-use crate::api::progress::Progress;
-use crate::api::transfer::VolumeTransferPhase;
+use crate::condition::Condition;
+use crate::progress::Progress;
+pub use crate::transfer::ParentPolicy;
+use crate::transfer::VolumeTransferPhase;
 
 /// Back up the selected claims into a storage location, one snapshot each.
 #[allow(
@@ -69,7 +71,7 @@ use crate::api::transfer::VolumeTransferPhase;
         json_path = ".metadata.creationTimestamp"
     )
 )]
-#[x_kube(validation = Rule::new("self == oldSelf").message("is immutable: delete the VolumeBackup and create a new one"))]
+#[x_kube(validation = Rule::new(SPEC_IMMUTABLE_RULE).message("is immutable except deletionPolicy and ttl: delete the VolumeBackup and create a new one"))]
 #[serde(rename_all = "camelCase")]
 pub struct VolumeBackupSpec {
     /// Namespaces whose claims are backed up.
@@ -92,7 +94,8 @@ pub struct VolumeBackupSpec {
     /// Which snapshot each volume's backup is incremental to.
     #[serde(default)]
     pub parent_policy: ParentPolicy,
-    /// Tags written into every snapshot, for finding them later.
+    /// Tags written into every snapshot, for finding them later:
+    /// `key=value`, or a bare name (recorded with an empty value).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(length(max = 32), inner(length(min = 1, max = 128)))]
     pub tags: Vec<String>,
@@ -101,17 +104,79 @@ pub struct VolumeBackupSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub fail_after_unavailable_seconds: Option<i64>,
+    /// Run the backup agents as this non-root uid (and gid), with no
+    /// capabilities: for namespaces whose Pod Security level is
+    /// `restricted`, which refuses the default agent (root with
+    /// `DAC_OVERRIDE`). It reads only what this uid may read; files it
+    /// cannot read are listed as warnings and the volume completes with
+    /// them (docs/controller.md, "Running as non-root").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 2147483647))]
+    pub agent_user: Option<i64>,
+    /// What deleting the VolumeBackup does to its snapshots: `Retain`
+    /// (default) keeps them in the storage location; `Delete` forgets
+    /// them (the snapshots whose claim record names this backup and this
+    /// cluster) before the object goes. The data they alone referenced
+    /// is reclaimed by the next prune. May be changed at any time.
+    #[serde(default)]
+    pub deletion_policy: DeletionPolicy,
+    /// How long the VolumeBackup is kept after it finished (a duration
+    /// such as `72h`, `30m` or `1h30m`); the controller then deletes it,
+    /// which forgets its snapshots when `deletionPolicy` is `Delete`.
+    /// Kept until deleted when absent. May be changed at any time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 32))]
+    #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 72h, 30m or 1h30m"))]
+    pub ttl: Option<String>,
 }
 
-/// Which snapshot a volume's backup reuses unchanged files from.
+/// The immutability rule of a VolumeBackup's spec: every field but
+/// `deletionPolicy` and `ttl` (which say what happens to the backup
+/// afterwards, not what it reads) keeps its value, and an optional field
+/// is neither added nor removed.
+pub const SPEC_IMMUTABLE_RULE: &str = "self.namespaces == oldSelf.namespaces \
+    && has(self.selector) == has(oldSelf.selector) && (!has(self.selector) || self.selector == oldSelf.selector) \
+    && has(self.storageLocation) == has(oldSelf.storageLocation) && (!has(self.storageLocation) || self.storageLocation == oldSelf.storageLocation) \
+    && has(self.parentPolicy) == has(oldSelf.parentPolicy) && (!has(self.parentPolicy) || self.parentPolicy == oldSelf.parentPolicy) \
+    && has(self.tags) == has(oldSelf.tags) && (!has(self.tags) || self.tags == oldSelf.tags) \
+    && has(self.failAfterUnavailableSeconds) == has(oldSelf.failAfterUnavailableSeconds) && (!has(self.failAfterUnavailableSeconds) || self.failAfterUnavailableSeconds == oldSelf.failAfterUnavailableSeconds) \
+    && has(self.agentUser) == has(oldSelf.agentUser) && (!has(self.agentUser) || self.agentUser == oldSelf.agentUser)";
+
+/// What deleting a VolumeBackup does to its snapshots.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
-pub enum ParentPolicy {
-    /// The latest snapshot of the same claim in the repository.
+pub enum DeletionPolicy {
+    /// Keep them in the storage location.
     #[default]
-    Latest,
-    /// None: read every file again (still deduplicated against the
-    /// repository, so unchanged data is not uploaded again).
-    Full,
+    Retain,
+    /// Forget them (a finalizer holds the object until that succeeded).
+    Delete,
+}
+
+impl VolumeBackupSpec {
+    /// How long after completion the VolumeBackup is deleted, `None` when
+    /// it has no ttl, or what is wrong with the ttl.
+    pub fn ttl_duration(
+        &self,
+    ) -> Result<Option<std::time::Duration>, crate::progress::DurationError> {
+        self.ttl
+            .as_deref()
+            .map(crate::progress::parse_duration)
+            .transpose()
+    }
+}
+
+impl VolumeBackupSpec {
+    /// The spec's tags as a snapshot records them: `key=value` split at the
+    /// first `=`, a bare name with an empty value.
+    pub fn snapshot_tags(&self) -> std::collections::BTreeMap<String, String> {
+        self.tags
+            .iter()
+            .map(|tag| match tag.split_once('=') {
+                Some((key, value)) => (key.to_string(), value.to_string()),
+                None => (tag.clone(), String::new()),
+            })
+            .collect()
+    }
 }
 
 /// What the controller observed and decided for a backup.
@@ -218,23 +283,17 @@ pub struct BackupPlan {
     pub unplaceable: Vec<UnplaceableVolume>,
 }
 
-/// One stage pod of the plan.
+/// One stage pod of the plan: the planner's stage pod as it made it,
+/// and the name the pod gets.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PlannedStagePod {
-    /// Namespace of the pod and of its claims.
-    pub namespace: String,
-    /// Node it runs on.
-    pub node: String,
-    /// The pod's name, once it is created.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub pod_name: Option<String>,
-    /// Claims it mounts, sorted.
-    pub volumes: Vec<String>,
-    /// Bytes those claims hold (usage when known, else the request).
+    /// The stage pod's name (deterministic, from its owner and node).
     #[serde(default)]
-    #[schemars(range(min = 0))]
-    pub bytes: i64,
+    pub pod_name: String,
+    /// Namespace, node, claims and bytes, as planned.
+    #[serde(flatten)]
+    pub stage: StagePod,
 }
 
 /// A volume left out of the plan.
@@ -356,6 +415,28 @@ mod tests {
         .filter(|phase| phase.is_final())
         .collect();
         assert_eq!(finals, [Completed, PartiallyFailed, Failed, Canceled]);
+    }
+
+    #[test]
+    fn a_minimal_spec_retains_its_snapshots_and_has_no_ttl() {
+        let spec: VolumeBackupSpec = serde_yaml::from_str("namespaces: [shop]\n").expect("valid");
+        assert_eq!(spec.deletion_policy, DeletionPolicy::Retain);
+        assert_eq!(spec.ttl_duration(), Ok(None));
+        let spec: VolumeBackupSpec =
+            serde_yaml::from_str("namespaces: [shop]\ndeletionPolicy: Delete\nttl: 1h30m\n")
+                .expect("valid");
+        assert_eq!(spec.deletion_policy, DeletionPolicy::Delete);
+        assert_eq!(
+            spec.ttl_duration(),
+            Ok(Some(std::time::Duration::from_secs(5400)))
+        );
+    }
+
+    #[test]
+    fn the_crd_checks_the_ttl_with_the_pattern_the_parser_reads() {
+        use kube::CustomResourceExt;
+        let crd = serde_json::to_string(&VolumeBackup::crd()).expect("serialisable");
+        assert!(crd.contains(crate::progress::DURATION_PATTERN), "{crd}");
     }
 
     #[test]

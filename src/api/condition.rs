@@ -148,9 +148,28 @@ pub mod condition_type {
     /// marked (`False`, reason `DefaultConflict`, on every default location
     /// while several are).
     pub const UNIQUE_DEFAULT: &str = "UniqueDefault";
+    /// VolumeRestore: the snapshots to restore and their destination
+    /// claims are chosen.
+    pub const SELECTED: &str = "Selected";
+    /// VolumeBackup / VolumeRestore: every stage pod of the plan could be
+    /// created (`False`: the API server refused one, with its answer and
+    /// what to do).
+    pub const STAGE_PODS_CREATED: &str = "StagePodsCreated";
+    /// VolumeTransfer (Download): the written claim matches the snapshot's
+    /// tree, entry by entry (message: the root tree id).
+    pub const VERIFIED: &str = "Verified";
+    /// VolumeBackup being deleted with `deletionPolicy: Delete`: its
+    /// snapshots are forgotten (`False`, reason `ForgetFailed`, while the
+    /// storage location cannot be reached: the finalizer stays and the
+    /// forget is retried).
+    pub const SNAPSHOTS_FORGOTTEN: &str = "SnapshotsForgotten";
 
     /// Every type above, for tests and docs.
     pub const ALL: &[&str] = &[
+        SNAPSHOTS_FORGOTTEN,
+        STAGE_PODS_CREATED,
+        SELECTED,
+        VERIFIED,
         AVAILABLE,
         CLAIMED,
         STORAGE_AVAILABLE,
@@ -249,9 +268,74 @@ pub mod reason {
     pub const CANCELED: &str = "Canceled";
     /// The policy is in force.
     pub const POLICY_ACCEPTED: &str = "PolicyAccepted";
+    /// The API server refused a stage pod (Pod Security, a quota, a
+    /// LimitRange maximum).
+    pub const STAGE_POD_REFUSED: &str = "StagePodRefused";
+    /// Every stage pod of the plan exists.
+    pub const STAGE_PODS_EXIST: &str = "StagePodsExist";
+    /// Every selected snapshot has a destination claim.
+    pub const SNAPSHOTS_SELECTED: &str = "SnapshotsSelected";
+    /// The selection names no snapshot of the location.
+    pub const NO_SNAPSHOTS_SELECTED: &str = "NoSnapshotsSelected";
+    /// A snapshot id of the spec is not in the location (or is ambiguous).
+    pub const SNAPSHOT_NOT_FOUND: &str = "SnapshotNotFound";
+    /// A destination storage class (after the maps) does not exist.
+    pub const STORAGE_CLASS_NOT_FOUND: &str = "StorageClassNotFound";
+    /// Two selected snapshots map to the same destination claim.
+    pub const DESTINATION_COLLISION: &str = "DestinationCollision";
+    /// A destination claim exists and `existingClaim` is `Fail`.
+    pub const CLAIM_EXISTS: &str = "ClaimExists";
+    /// A destination namespace is missing and `createNamespaces` is off.
+    pub const NAMESPACE_NOT_FOUND: &str = "NamespaceNotFound";
+    /// The location's snapshots could not be read.
+    pub const REPOSITORY_UNREADABLE: &str = "RepositoryUnreadable";
+    /// The written claim matches the snapshot.
+    pub const TREE_VERIFIED: &str = "TreeVerified";
+    /// The written claim differs from the snapshot.
+    pub const TREE_MISMATCH: &str = "TreeMismatch";
+    /// Some entries of the snapshot could not be restored into the claim
+    /// (their data is damaged in the repository, or the claim refused the
+    /// writes); the message names the first.
+    pub const ENTRIES_NOT_RESTORED: &str = "EntriesNotRestored";
+    /// The snapshots of a VolumeBackup deleted with `deletionPolicy:
+    /// Delete` could not be forgotten (the message says why and what to
+    /// do); retried.
+    pub const FORGET_FAILED: &str = "ForgetFailed";
+    /// The password of `spec.encryption` opens none of the repository's
+    /// keys.
+    pub const WRONG_PASSWORD: &str = "WrongPassword";
+    /// The Secret or key of `spec.encryption.passwordSecretRef` does not
+    /// exist or is empty.
+    pub const PASSWORD_MISSING: &str = "PasswordMissing";
+    /// The repository is encrypted and the location has no
+    /// `spec.encryption`.
+    pub const REPOSITORY_ENCRYPTED: &str = "RepositoryEncrypted";
+    /// The snapshots of a deleted VolumeBackup were forgotten.
+    pub const SNAPSHOTS_FORGOTTEN: &str = "SnapshotsForgotten";
+    /// A finished VolumeBackup outlived its `ttl` and was deleted.
+    pub const TTL_EXPIRED: &str = "TtlExpired";
 
     /// Every reason above, for tests and docs.
     pub const ALL: &[&str] = &[
+        FORGET_FAILED,
+        WRONG_PASSWORD,
+        PASSWORD_MISSING,
+        REPOSITORY_ENCRYPTED,
+        SNAPSHOTS_FORGOTTEN,
+        TTL_EXPIRED,
+        STAGE_POD_REFUSED,
+        STAGE_PODS_EXIST,
+        SNAPSHOTS_SELECTED,
+        NO_SNAPSHOTS_SELECTED,
+        SNAPSHOT_NOT_FOUND,
+        STORAGE_CLASS_NOT_FOUND,
+        DESTINATION_COLLISION,
+        CLAIM_EXISTS,
+        NAMESPACE_NOT_FOUND,
+        REPOSITORY_UNREADABLE,
+        TREE_VERIFIED,
+        TREE_MISMATCH,
+        ENTRIES_NOT_RESTORED,
         PROBE_SUCCEEDED,
         PROBE_FAILED,
         VALIDATION_DISABLED,

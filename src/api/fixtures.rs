@@ -5,11 +5,11 @@
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::api::backup::{ParentPolicy, VolumeBackupPhase};
-use crate::api::labels::SYSTEM_NAMESPACE;
-use crate::api::location::SecretKeyReference;
-use crate::api::transfer::{OwnerReference, StorageLocationReference, TransferDirection};
-use crate::api::{
+use crate::backup::{DeletionPolicy, ParentPolicy, VolumeBackupPhase};
+use crate::labels::SYSTEM_NAMESPACE;
+use crate::location::SecretKeyReference;
+use crate::transfer::{OwnerReference, StorageLocationReference, TransferDirection};
+use crate::{
     BackupStorageLocation, BackupStorageLocationPhase, BackupStorageLocationSpec,
     BackupStorageLocationStatus, StoragePolicy, StoragePolicySpec, VolumeBackup, VolumeBackupSpec,
     VolumeBackupStatus, VolumeTransfer, VolumeTransferPhase, VolumeTransferSpec,
@@ -29,7 +29,7 @@ fn metadata(name: &str, namespace: Option<&str>) -> ObjectMeta {
 
 impl VolumeBackup {
     /// A backup of every claim in namespace `shop` into the BSL `s3`.
-    pub(crate) fn test(name: &str) -> Self {
+    pub fn test(name: &str) -> Self {
         VolumeBackup {
             metadata: metadata(name, Some(SYSTEM_NAMESPACE)),
             spec: VolumeBackupSpec {
@@ -39,13 +39,16 @@ impl VolumeBackup {
                 parent_policy: ParentPolicy::Latest,
                 tags: Vec::new(),
                 fail_after_unavailable_seconds: None,
+                agent_user: None,
+                deletion_policy: DeletionPolicy::Retain,
+                ttl: None,
             },
             status: None,
         }
     }
 
     /// With `status.phase` set.
-    pub(crate) fn with_phase(mut self, phase: VolumeBackupPhase) -> Self {
+    pub fn with_phase(mut self, phase: VolumeBackupPhase) -> Self {
         self.status
             .get_or_insert_with(VolumeBackupStatus::default)
             .phase = Some(phase);
@@ -55,7 +58,7 @@ impl VolumeBackup {
 
 impl BackupStorageLocation {
     /// A path-style location on a local S3 server, credentials in `s3-credentials`.
-    pub(crate) fn test(name: &str) -> Self {
+    pub fn test(name: &str) -> Self {
         BackupStorageLocation {
             metadata: metadata(name, Some(SYSTEM_NAMESPACE)),
             spec: BackupStorageLocationSpec {
@@ -75,19 +78,20 @@ impl BackupStorageLocation {
                 max_concurrent_volumes: None,
                 max_concurrent_requests: None,
                 initialize: false,
+                encryption: None,
             },
             status: None,
         }
     }
 
     /// Marked `default: true`.
-    pub(crate) fn marked_default(mut self) -> Self {
+    pub fn marked_default(mut self) -> Self {
         self.spec.is_default = true;
         self
     }
 
     /// Created `seconds` after a fixed instant.
-    pub(crate) fn created_at(mut self, seconds: i64) -> Self {
+    pub fn created_at(mut self, seconds: i64) -> Self {
         self.metadata.creation_timestamp =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds)
@@ -97,7 +101,7 @@ impl BackupStorageLocation {
     }
 
     /// With `status.phase` set.
-    pub(crate) fn with_phase(mut self, phase: BackupStorageLocationPhase) -> Self {
+    pub fn with_phase(mut self, phase: BackupStorageLocationPhase) -> Self {
         self.status
             .get_or_insert_with(BackupStorageLocationStatus::default)
             .phase = Some(phase);
@@ -108,7 +112,7 @@ impl BackupStorageLocation {
 impl VolumeTransfer {
     /// An upload of claim `pvc` in namespace `shop` for the backup
     /// `nightly`, by stage pod `stage-a`.
-    pub(crate) fn test(name: &str, pvc: &str) -> Self {
+    pub fn test(name: &str, pvc: &str) -> Self {
         VolumeTransfer {
             metadata: metadata(name, Some("shop")),
             spec: VolumeTransferSpec {
@@ -127,13 +131,16 @@ impl VolumeTransfer {
                 parent_snapshot: None,
                 snapshot: None,
                 granted_bytes_per_second: None,
+                claim: None,
+                parent_policy: Default::default(),
+                tags: Default::default(),
             },
             status: None,
         }
     }
 
     /// With `status.phase` set.
-    pub(crate) fn with_phase(mut self, phase: VolumeTransferPhase) -> Self {
+    pub fn with_phase(mut self, phase: VolumeTransferPhase) -> Self {
         self.status
             .get_or_insert_with(VolumeTransferStatus::default)
             .phase = Some(phase);
@@ -141,9 +148,35 @@ impl VolumeTransfer {
     }
 }
 
+impl crate::VolumeRestore {
+    /// A restore of the latest snapshots of backup `nightly` from the BSL
+    /// `s3`, namespaces kept.
+    pub fn test(name: &str) -> Self {
+        crate::VolumeRestore {
+            metadata: metadata(name, Some(SYSTEM_NAMESPACE)),
+            spec: crate::VolumeRestoreSpec {
+                storage_location: Some("s3".to_string()),
+                source: crate::restore::RestoreSource {
+                    backup: Some("nightly".to_string()),
+                    ..Default::default()
+                },
+                namespace_map: Default::default(),
+                create_namespaces: false,
+                storage_class_map: Default::default(),
+                provisioner_map: Default::default(),
+                keep_writable: false,
+                size: Default::default(),
+                existing_claim: Default::default(),
+                fail_after_unavailable_seconds: None,
+            },
+            status: None,
+        }
+    }
+}
+
 impl StoragePolicy {
     /// A policy over the `ceph-block` class, two volumes at a time.
-    pub(crate) fn test(name: &str) -> Self {
+    pub fn test(name: &str) -> Self {
         StoragePolicy {
             metadata: metadata(name, None),
             spec: StoragePolicySpec {
@@ -161,7 +194,7 @@ impl StoragePolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::api::backup::VolumeCounts;
+    use crate::backup::VolumeCounts;
 
     #[test]
     fn fixtures_serialise_as_objects_the_api_server_would_hold() {

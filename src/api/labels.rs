@@ -22,28 +22,26 @@ pub const MANAGED_BY: &str = "haulage";
 /// Finalizer on VolumeBackups (and later VolumeRestores): released once
 /// agents are stopped and stage pods and credential copies are gone.
 pub const CANCEL_FINALIZER: &str = "haulage.dev/cancel";
+/// Finalizer on VolumeBackups whose `deletionPolicy` is `Delete`: released
+/// once their snapshots are forgotten from the storage location.
+pub const FORGET_FINALIZER: &str = "haulage.dev/forget-snapshots";
 /// Server-side apply field manager of the controller.
 pub const CONTROLLER_FIELD_MANAGER: &str = "haulage-controller";
 /// Server-side apply field manager of the mover agent.
 pub const AGENT_FIELD_MANAGER: &str = "haulage-agent";
 /// Namespace the manifests install the controller, BSLs and VolumeBackups into.
 pub const SYSTEM_NAMESPACE: &str = "haulage-system";
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_admission_policy_names_the_credentials_copy_label() {
-        let policy = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("manifests/admission-policy.yaml"),
-        )
-        .expect("manifests/admission-policy.yaml is readable");
-        assert!(
-            policy.contains(&format!("'{CREDENTIALS_COPY_LABEL}'")),
-            "admission-policy.yaml does not check {CREDENTIALS_COPY_LABEL}"
-        );
-        assert!(policy.contains(&format!("request.namespace != '{SYSTEM_NAMESPACE}'")));
-    }
-}
+/// Label on stage pods naming the operation (`backup` or `restore`).
+pub const OPERATION_LABEL: &str = "haulage.dev/operation";
+/// Label on stage pods naming the VolumeBackup they serve.
+pub const BACKUP_LABEL: &str = "haulage.dev/volume-backup";
+/// Label on stage pods naming the VolumeRestore they serve.
+pub const RESTORE_LABEL: &str = "haulage.dev/volume-restore";
+/// Annotation holding a stage pod owner's full `namespace/name` (labels
+/// are bounded to 63 characters, names are not).
+pub const OWNER_ANNOTATION: &str = "haulage.dev/owner";
+/// Label on stage pods naming their node (bounded like every label value).
+pub const NODE_LABEL: &str = "haulage.dev/node";
+/// Annotation on stage pods and VolumeTransfers holding the full node name
+/// (admission counts a transfer against its node's cap with it).
+pub const NODE_ANNOTATION: &str = "haulage.dev/node";

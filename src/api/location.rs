@@ -11,8 +11,8 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::api::condition::Condition;
-use crate::api::progress::{DurationError, parse_duration};
+use crate::condition::Condition;
+use crate::progress::{DurationError, parse_duration};
 
 /// `validationFrequency` when the spec leaves it out.
 pub const DEFAULT_VALIDATION_FREQUENCY: &str = "1m";
@@ -127,6 +127,35 @@ pub struct BackupStorageLocationSpec {
     /// missing repository makes the location Unavailable).
     #[serde(default)]
     pub initialize: bool,
+    /// Encryption at rest: the repository's password, from a Secret in
+    /// this namespace. With it the controller creates (`initialize`) an
+    /// encrypted repository and opens it with this password, and the
+    /// agents get the password with their credentials; without it the
+    /// repository is plaintext.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<LocationEncryption>,
+}
+
+/// How a location's repository is encrypted.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocationEncryption {
+    /// The Secret (in this namespace) and key whose value is the
+    /// repository's password (its first line, as `haulage
+    /// --password-file` reads a file).
+    pub password_secret_ref: PasswordSecretReference,
+}
+
+/// A key of a Secret in the referring object's namespace, both named.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PasswordSecretReference {
+    /// Secret name.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
+    /// Key inside the Secret's data.
+    #[schemars(length(min = 1, max = 253))]
+    pub key: String,
 }
 
 fn default_validation_frequency() -> String {
@@ -219,10 +248,7 @@ mod tests {
     fn the_crd_checks_durations_with_the_pattern_the_parser_reads() {
         use kube::CustomResourceExt;
         let crd = serde_json::to_string(&BackupStorageLocation::crd()).expect("serialisable");
-        assert!(
-            crd.contains(crate::api::progress::DURATION_PATTERN),
-            "{crd}"
-        );
+        assert!(crd.contains(crate::progress::DURATION_PATTERN), "{crd}");
     }
 
     #[test]

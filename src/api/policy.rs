@@ -9,7 +9,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::api::condition::Condition;
+use crate::condition::Condition;
 
 /// Limits for the volumes of the storage classes it selects.
 #[allow(

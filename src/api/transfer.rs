@@ -8,8 +8,8 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::api::condition::Condition;
-use crate::api::progress::Progress;
+use crate::condition::Condition;
+use crate::progress::Progress;
 
 /// One claim's data on its way to or from a storage location.
 #[allow(
@@ -101,6 +101,19 @@ pub struct VolumeTransferSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub granted_bytes_per_second: Option<i64>,
+    /// Upload: the claim as the controller saw it, recorded in the snapshot
+    /// so another cluster can recreate it from the storage location alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<haulage_repo::snapshot::ClaimRecord>,
+    /// Upload: `Full` reads every file again instead of reusing unchanged
+    /// files of the claim's latest snapshot (the VolumeBackup's
+    /// `parentPolicy`).
+    #[serde(default)]
+    pub parent_policy: ParentPolicy,
+    /// Upload: tags written into the snapshot (the VolumeBackup's `tags`,
+    /// `key=value` or a bare name).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub tags: std::collections::BTreeMap<String, String>,
 }
 
 /// Which way the data goes.
@@ -198,8 +211,27 @@ pub struct VolumeTransferStatus {
     /// When it reached a final phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<Time>,
+    /// Download: bytes written into the claim (a resumed or synced restore
+    /// writes only what differed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub bytes_written: Option<i64>,
+    /// Download: regular files that already matched the snapshot and were
+    /// left untouched.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub files_unchanged: Option<i64>,
+    /// Download: entries removed because the snapshot does not have them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub entries_removed: Option<i64>,
+    /// Download: the snapshot's root tree the written claim was verified
+    /// against, entry by entry (condition `Verified`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub verified_tree: Option<String>,
     /// Conditions, keyed by type (`Admitted`, `StorageAvailable`,
-    /// `Progressing`, `Complete`, `Failed`).
+    /// `Progressing`, `Verified`, `Complete`, `Failed`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -251,6 +283,16 @@ pub enum VolumeTransferPhase {
     Canceled,
 }
 
+impl VolumeTransfer {
+    /// The transfer's phase: `New` while its status is empty.
+    pub fn phase(&self) -> VolumeTransferPhase {
+        self.status
+            .as_ref()
+            .and_then(|status| status.phase)
+            .unwrap_or(VolumeTransferPhase::New)
+    }
+}
+
 impl VolumeTransferPhase {
     /// Whether nothing more happens in this phase.
     pub fn is_final(self) -> bool {
@@ -269,6 +311,17 @@ impl VolumeTransferPhase {
             _ => next >= self,
         }
     }
+}
+
+/// Which snapshot a volume's backup reuses unchanged files from.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum ParentPolicy {
+    /// The latest snapshot of the same claim in the repository.
+    #[default]
+    Latest,
+    /// None: read every file again (still deduplicated against the
+    /// repository, so unchanged data is not uploaded again).
+    Full,
 }
 
 #[cfg(test)]

@@ -23,6 +23,8 @@ pub struct BackupArgs {
     pub source: PathBuf,
     #[command(flatten)]
     pub repo: RepoArgs,
+    #[command(flatten)]
+    pub lock: super::LockArgs,
     /// Snapshot to back up incrementally against (id, prefix or `latest`).
     /// Default: the newest snapshot of the same source from this host.
     #[arg(long, value_name = "SNAPSHOT", conflicts_with = "no_parent")]
@@ -59,6 +61,26 @@ fn parse_tag(text: &str) -> Result<(String, String), String> {
 
 pub async fn run(args: BackupArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
     let repository = args.repo.open().await?;
+    let lock = super::take_lock(
+        &repository,
+        crate::repo::lock::LockKind::Shared,
+        "backup",
+        &args.lock,
+    )
+    .await?;
+    let work = super::cancel_on_lost_lock(&cancel, &lock);
+    let result = run_locked(&args, &repository, work).await;
+    let lost = lock.check();
+    lock.release().await?;
+    lost?;
+    result
+}
+
+async fn run_locked(
+    args: &BackupArgs,
+    repository: &crate::engine::Repository,
+    cancel: CancellationToken,
+) -> anyhow::Result<Outcome> {
     let parent = match (&args.parent, args.no_parent) {
         (_, true) => ParentPolicy::None,
         (Some(text), false) => ParentPolicy::Snapshot(repository.resolve_snapshot(text).await?),
@@ -76,7 +98,7 @@ pub async fn run(args: BackupArgs, cancel: CancellationToken) -> anyhow::Result<
         "backing up",
         !args.no_progress && !args.json,
     );
-    let result = backup(&repository, options, progress, cancel).await;
+    let result = backup(repository, options, progress, cancel).await;
     drop(display);
     let outcome = result?;
     print_summary(&outcome, args.json);

@@ -354,25 +354,9 @@ async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchEr
 /// Regular files under `root` with their sizes, and the totals.
 fn scan(root: &Path) -> std::io::Result<(SourceFacts, Vec<(PathBuf, u64)>)> {
     let mut files = Vec::new();
-    let mut stack = vec![root.to_path_buf()];
-    std::fs::read_dir(root)?;
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let Ok(file_type) = entry.file_type() else {
-                continue;
-            };
-            if file_type.is_dir() {
-                stack.push(entry.path());
-            } else if file_type.is_file()
-                && let Ok(metadata) = entry.metadata()
-            {
-                files.push((entry.path(), metadata.len()));
-            }
-        }
-    }
+    crate::engine::scan::scan_regular_files(root, None, |path, size| {
+        files.push((path.to_path_buf(), size));
+    })?;
     files.sort();
     let facts = SourceFacts {
         path: root.display().to_string(),
@@ -435,7 +419,7 @@ fn read_files(
 
 /// Chunk, hash and compress `sample` on one core, stage by stage.
 fn cpu_stages(sample: &[u8], level: i32) -> CpuStages {
-    let config = RepoConfig::generate();
+    let config = RepoConfig::generate(&mut rand::rng());
     let keys = config.keys().expect("a generated config is valid");
     let chunker = Chunker::new(config.chunker, keys.gear_seed);
     let started = Instant::now();

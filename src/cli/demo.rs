@@ -16,15 +16,17 @@ use crate::engine::backup::{BackupOptions, backup};
 use crate::engine::progress::Progress;
 use crate::engine::restore::{RestoreOptions, restore};
 use crate::engine::verify::verify;
-use crate::engine::{EngineError, Repository};
+use crate::engine::{Encryption, EngineError, KeySource, Repository};
 use crate::store::{StoreOptions, open_store};
 
 /// Arguments of `haulage demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Working directory for the sample source, repository and restore.
-    #[arg(long, default_value = "haulage-demo")]
-    pub dir: PathBuf,
+    /// Working directory for the sample source, repository and restore
+    /// (default: `haulage-demo` in the system's temporary directory, so the
+    /// checkout it runs in stays clean; a second run reuses the sample).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
     /// Size of the generated sample tree (e.g. 256MiB, 2GiB).
     #[arg(long, default_value = "256MiB")]
     pub size: bytesize::ByteSize,
@@ -33,10 +35,17 @@ pub struct DemoArgs {
     pub no_progress: bool,
 }
 
+/// Name of the demo's default working directory under the temporary one.
+const DEFAULT_DIR_NAME: &str = "haulage-demo";
+
 pub async fn run(args: DemoArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
-    let source = args.dir.join("source");
-    let repo_dir = std::path::absolute(args.dir.join("repo"))?;
-    let restored = args.dir.join("restored");
+    let dir = args
+        .dir
+        .clone()
+        .unwrap_or_else(|| std::env::temp_dir().join(DEFAULT_DIR_NAME));
+    let source = dir.join("source");
+    let repo_dir = std::path::absolute(dir.join("repo"))?;
+    let restored = dir.join("restored");
     if !source.exists() {
         println!(
             "1. generating a {} sample tree in {}",
@@ -55,11 +64,13 @@ pub async fn run(args: DemoArgs, cancel: CancellationToken) -> anyhow::Result<Ou
     }
     let url = format!("file://{}", repo_dir.display());
     let store = open_store(&url, &StoreOptions::default()).await?;
-    let repository = match Repository::open(store.clone()).await {
+    let repository = match Repository::open(store.clone(), &KeySource::PlaintextOnly).await {
         Ok(repository) => repository,
         Err(EngineError::NotARepository { .. }) => {
-            println!("2. creating repository {url}");
-            Repository::init(store).await?
+            println!(
+                "2. creating repository {url} (plaintext for the demo; `haulage repo init` encrypts by default)"
+            );
+            Repository::init(store, Encryption::None).await?
         }
         Err(error) => return Err(error.into()),
     };

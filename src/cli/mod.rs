@@ -15,8 +15,12 @@ mod controller;
 mod crds;
 mod demo;
 mod describe;
+mod forget;
+pub mod migrate;
+pub mod password;
 mod plan;
 mod progress;
+mod prune;
 mod repo;
 mod restore;
 mod snapshots;
@@ -28,7 +32,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::{EngineError, Repository};
+use crate::engine::{EngineError, KeySource, Repository};
 use crate::store::{StoreOptions, open_store};
 
 /// Move the data of Kubernetes PersistentVolumeClaims between clusters, or
@@ -57,11 +61,20 @@ pub enum Command {
     Snapshots(snapshots::SnapshotsArgs),
     /// Re-read and check everything a snapshot references.
     Verify(verify::VerifyArgs),
+    /// Forget snapshots by a retention policy (or by id); `prune` then
+    /// reclaims their space.
+    Forget(forget::ForgetArgs),
+    /// Reclaim the space of data no snapshot references, safely beside
+    /// running backups (two-phase deletion with a safety margin).
+    Prune(prune::PruneArgs),
     /// Measure what a migration will take: source reads, the CPU stages,
     /// upload, download and latency against the location, and an estimate.
     Bench(bench::BenchArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
+    /// Move namespaces' claims to another cluster: a backup on the source,
+    /// a restore on the destination, and with `--quiesce` a short cutover.
+    Migrate(migrate::MigrateArgs),
     /// Show a cluster object's plan and progress, from its status.
     #[command(subcommand)]
     Describe(describe::DescribeCommand),
@@ -95,11 +108,24 @@ pub struct RepoArgs {
     /// (default 64MiB, so a pack is one PUT).
     #[arg(long, value_name = "BYTES", env = "HAULAGE_S3_MULTIPART_THRESHOLD")]
     pub multipart_threshold: Option<bytesize::ByteSize>,
+    /// Read the repository password from the first line of this file
+    /// (else HAULAGE_PASSWORD, else a prompt; only encrypted repositories
+    /// ask).
+    #[arg(long, value_name = "FILE", env = "HAULAGE_PASSWORD_FILE")]
+    pub password_file: Option<std::path::PathBuf>,
 }
 
 impl RepoArgs {
     async fn open(&self) -> Result<Repository, EngineError> {
-        Repository::open(self.store().await?).await
+        Repository::open(self.store().await?, &self.key_source()).await
+    }
+
+    /// The password of an encrypted repository, from the CLI's sources.
+    fn key_source(&self) -> KeySource {
+        KeySource::Password(std::sync::Arc::new(password::CliPassword {
+            file: self.password_file.clone(),
+            location: self.url.clone(),
+        }))
     }
 
     /// The store behind the URL; S3 settings come from the standard
@@ -119,6 +145,51 @@ impl RepoArgs {
         }
         open_store(&self.url, &options).await.map_err(refuse)
     }
+}
+
+/// How a verb waits for the repository's locks.
+#[derive(Debug, Clone, Args)]
+pub struct LockArgs {
+    /// Wait this long for a conflicting lock (prune's deletion phase, or
+    /// for prune: running backups) before giving up.
+    #[arg(long, value_name = "DURATION", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub retry_lock: std::time::Duration,
+}
+
+/// Take a lock, reporting the stale locks it ignored.
+async fn take_lock(
+    repository: &Repository,
+    kind: crate::repo::lock::LockKind,
+    purpose: &str,
+    args: &LockArgs,
+) -> Result<crate::engine::lock::RepositoryLock, EngineError> {
+    let lock =
+        crate::engine::lock::RepositoryLock::acquire(repository, kind, purpose, args.retry_lock)
+            .await?;
+    for stale in &lock.stale {
+        eprintln!(
+            "warning: ignoring a stale lock {} ({}: {}); `haulage repo unlock` removes it",
+            stale.key, stale.state, stale.description
+        );
+    }
+    Ok(lock)
+}
+
+/// A token cancelled by `cancel` or when `lock` is lost.
+fn cancel_on_lost_lock(
+    cancel: &CancellationToken,
+    lock: &crate::engine::lock::RepositoryLock,
+) -> CancellationToken {
+    let work = cancel.child_token();
+    let lost = lock.lost();
+    let stop = work.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = lost.cancelled() => stop.cancel(),
+            _ = stop.cancelled() => {}
+        }
+    });
+    work
 }
 
 /// How a verb ended, as the process exit status.
@@ -179,8 +250,11 @@ pub fn main() -> ExitCode {
             Command::Restore(args) => restore::run(args, cancel.clone()).await,
             Command::Snapshots(args) => snapshots::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Forget(args) => forget::run(args).await,
+            Command::Prune(args) => prune::run(args, cancel.clone()).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Describe(command) => describe::run(command, cancel.clone()).await,
+            Command::Migrate(args) => migrate::run(args, cancel.clone()).await,
             Command::Status(args) => status::run(args).await,
             Command::Controller(args) => controller::run(args, cancel.clone()).await,
             Command::SampleData(args) => demo::run_sample_data(args).await,
@@ -194,7 +268,16 @@ pub fn main() -> ExitCode {
                     eprintln!("cancelled; everything already stored stays in the repository and is reused by the next run");
                     return ExitCode::from(130);
                 }
-                eprintln!("error: {error:#}");
+                // Each cause once: most messages already quote their source.
+                let mut text = error.to_string();
+                for cause in error.chain().skip(1) {
+                    let cause = cause.to_string();
+                    if !text.contains(&cause) {
+                        text.push_str(": ");
+                        text.push_str(&cause);
+                    }
+                }
+                eprintln!("error: {text}");
                 ExitCode::FAILURE
             }
         }

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 use anyhow::Context as _;
 use clap::{Args, ValueEnum};
 
-use crate::plan::{LabelSelector, Selection, dump, plan_stage_pods};
+use crate::plan::{LabelSelector, Selection, objects, plan_stage_pods};
 
 /// Arguments of `haulage plan`.
 #[derive(Debug, Args)]
@@ -68,7 +68,7 @@ async fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("failed to read {}", path.display()))?;
-            dump::parse_dump(&text)
+            objects::parse_dump(&text)
                 .with_context(|| format!("failed to read cluster facts from {}", path.display()))?
         }
         None => {
@@ -76,7 +76,7 @@ async fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
                 .await
                 .context("cannot reach the Kubernetes API (check --kubeconfig/--context, or plan from a dump with --from-file)")?;
             let objects = read_cluster(&client, &arguments.namespaces).await?;
-            dump::facts_from_objects(&objects).context("failed to read cluster facts")?
+            objects::facts_from_objects(&objects).context("failed to read cluster facts")?
         }
     };
     let plan = plan_stage_pods(&facts, &selection).context("failed to plan stage pods")?;
@@ -97,10 +97,10 @@ async fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
 /// What the planner needs from a live cluster: nodes, CSINodes, PVs and
 /// StorageClasses, and pods and claims of the selected namespaces (all when
 /// none is selected). One list per kind; nothing is written.
-async fn read_cluster(
+pub(crate) async fn read_cluster(
     client: &kube::Client,
     namespaces: &[String],
-) -> anyhow::Result<dump::ClusterObjects> {
+) -> anyhow::Result<objects::ClusterObjects> {
     use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
     use k8s_openapi::api::storage::v1::{CSINode, StorageClass};
     use kube::Api;
@@ -158,7 +158,7 @@ async fn read_cluster(
             Vec::new()
         }
     };
-    Ok(dump::ClusterObjects {
+    Ok(objects::ClusterObjects {
         nodes: list_all(Api::<Node>::all(client.clone()), "Nodes").await?,
         csi_nodes,
         pods: in_namespaces::<Pod>(client, namespaces, "Pods").await?,

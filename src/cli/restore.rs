@@ -21,6 +21,8 @@ pub struct RestoreArgs {
     pub target: PathBuf,
     #[command(flatten)]
     pub repo: RepoArgs,
+    #[command(flatten)]
+    pub lock: super::LockArgs,
     /// Update an earlier copy in place: write only what differs and remove
     /// entries the snapshot does not have (for a migration's final cutover).
     #[arg(long)]
@@ -44,6 +46,26 @@ pub struct RestoreArgs {
 
 pub async fn run(args: RestoreArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
     let repository = args.repo.open().await?;
+    let lock = super::take_lock(
+        &repository,
+        crate::repo::lock::LockKind::Shared,
+        "restore",
+        &args.lock,
+    )
+    .await?;
+    let work = super::cancel_on_lost_lock(&cancel, &lock);
+    let result = run_locked(&args, &repository, work).await;
+    let lost = lock.check();
+    lock.release().await?;
+    lost?;
+    result
+}
+
+async fn run_locked(
+    args: &RestoreArgs,
+    repository: &crate::engine::Repository,
+    cancel: CancellationToken,
+) -> anyhow::Result<Outcome> {
     let snapshot = repository.resolve_snapshot(&args.snapshot).await?;
     let mut options = RestoreOptions::new(&args.target);
     options.sync = args.sync;
@@ -58,7 +80,7 @@ pub async fn run(args: RestoreArgs, cancel: CancellationToken) -> anyhow::Result
         "restoring",
         !args.no_progress && !args.json,
     );
-    let result = restore(&repository, &snapshot, options, progress, cancel).await;
+    let result = restore(repository, &snapshot, options, progress, cancel).await;
     drop(display);
     let outcome = result?;
     print_summary(&outcome, &args.target, args.json);

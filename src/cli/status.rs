@@ -26,12 +26,12 @@ use crate::api::condition::{condition_type, find_condition};
 use crate::api::labels::SYSTEM_NAMESPACE;
 use crate::api::{
     BackupStorageLocation, BackupStorageLocationPhase, Progress, StoragePolicy, VolumeBackup,
-    VolumeBackupPhase,
+    VolumeBackupPhase, VolumeRestore, VolumeRestorePhase,
 };
 use crate::cli::Outcome;
 use crate::controller::lease::ADMISSION_LEASE;
-use crate::controller::location::choose_default;
-use crate::controller::replicas;
+use crate::reconcile::location::choose_default;
+use crate::reconcile::replicas;
 
 /// Label selector of the controller's pods (manifests/controller.yaml).
 pub const CONTROLLER_POD_SELECTOR: &str =
@@ -85,6 +85,10 @@ pub struct StatusReport {
     pub running_backups: Vec<BackupReport>,
     /// Backups not started yet (new, or waiting for their location).
     pub queued_backups: Vec<BackupReport>,
+    /// Restores selecting, planning, transferring or canceling, by name.
+    pub running_restores: Vec<RestoreReport>,
+    /// Restores not started yet (new, or waiting for their location).
+    pub queued_restores: Vec<RestoreReport>,
     /// The caps in force.
     pub caps: CapsReport,
     /// What needs attention, one sentence each (empty when all is well).
@@ -154,6 +158,27 @@ pub struct BackupReport {
     pub phase: Option<VolumeBackupPhase>,
     /// The location it names, or `null` for the default.
     pub location: Option<String>,
+    /// The replica that owns it.
+    pub owner: Option<String>,
+    /// Progress, once transfers report.
+    pub progress: Option<Progress>,
+    /// Why it waits or what it is doing (its status message or the
+    /// `StorageAvailable` condition's message).
+    pub message: Option<String>,
+}
+
+/// One restore.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoreReport {
+    /// Name.
+    pub name: String,
+    /// Phase (`null` before a replica claimed it).
+    pub phase: Option<VolumeRestorePhase>,
+    /// The location it restores from, or `null` for the default.
+    pub location: Option<String>,
+    /// The source VolumeBackup it selects the snapshots of, when it names one.
+    pub backup: Option<String>,
     /// The replica that owns it.
     pub owner: Option<String>,
     /// Progress, once transfers report.
@@ -349,7 +374,7 @@ fn location_report(location: &BackupStorageLocation, now: &Time) -> LocationRepo
         name: location.name_any(),
         phase: status.phase,
         reason,
-        url: crate::controller::children::repository_url(&location.spec),
+        url: crate::reconcile::stage_pod::repository_url(&location.spec),
         marked_default: location.spec.is_default,
         last_validation_time: status.last_validation_time,
         last_validation_age_seconds: age,
@@ -373,12 +398,47 @@ fn backup_report(backup: &VolumeBackup) -> BackupReport {
     }
 }
 
+fn restore_report(restore: &VolumeRestore) -> RestoreReport {
+    let status = restore.status.clone().unwrap_or_default();
+    let storage = find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE)
+        .filter(|condition| condition.status == crate::api::ConditionStatus::False)
+        .map(|condition| condition.message.clone());
+    RestoreReport {
+        name: restore.name_any(),
+        phase: status.phase,
+        location: restore.spec.storage_location.clone(),
+        backup: restore.spec.source.backup.clone(),
+        owner: status.owner.map(|owner| owner.replica),
+        progress: status.progress,
+        message: storage.or(status.message),
+    }
+}
+
+/// Unfinished restores split into running and queued, each sorted by name.
+fn restore_reports(restores: &[VolumeRestore]) -> (Vec<RestoreReport>, Vec<RestoreReport>) {
+    let mut running = Vec::new();
+    let mut queued = Vec::new();
+    for restore in restores {
+        match restore.status.as_ref().and_then(|status| status.phase) {
+            Some(phase) if phase.is_final() => {}
+            None | Some(VolumeRestorePhase::New | VolumeRestorePhase::WaitingForStorage) => {
+                queued.push(restore_report(restore));
+            }
+            Some(_) => running.push(restore_report(restore)),
+        }
+    }
+    running.sort_by(|a, b| a.name.cmp(&b.name));
+    queued.sort_by(|a, b| a.name.cmp(&b.name));
+    (running, queued)
+}
+
 /// The report from what was listed (pure; `now` for ages).
 pub fn build_report(
     namespace: &str,
     pods: &[Pod],
     locations: &[BackupStorageLocation],
     backups: &[VolumeBackup],
+    restores: &[VolumeRestore],
     policies: &[StoragePolicy],
     now: &Time,
 ) -> StatusReport {
@@ -409,6 +469,7 @@ pub fn build_report(
     }
     running.sort_by(|a, b| a.name.cmp(&b.name));
     queued.sort_by(|a, b| a.name.cmp(&b.name));
+    let (running_restores, queued_restores) = restore_reports(restores);
 
     let mut storage_policies: Vec<PolicyCapsReport> = policies
         .iter()
@@ -499,6 +560,8 @@ pub fn build_report(
         default_location: choice.map(|choice| choice.winner),
         running_backups: running,
         queued_backups: queued,
+        running_restores,
+        queued_restores,
         caps: CapsReport {
             storage_policies,
             locations: location_caps,
@@ -559,6 +622,35 @@ fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
                 |progress| format!("{}%", progress.percent)
             ),
             backup.message.as_deref().unwrap_or("")
+        );
+    }
+}
+
+fn restore_lines(out: &mut String, title: &str, restores: &[RestoreReport]) {
+    let _ = writeln!(out, "\n{title}");
+    if restores.is_empty() {
+        let _ = writeln!(out, "  (none)");
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "{:<24} {:<18} {:<16} {:<24} {:<16} {:>5}  MESSAGE",
+        "NAME", "PHASE", "LOCATION", "BACKUP", "OWNER", "DONE"
+    );
+    for restore in restores {
+        let _ = writeln!(
+            out,
+            "{:<24} {:<18} {:<16} {:<24} {:<16} {:>5}  {}",
+            restore.name,
+            optional(restore.phase.map(|phase| format!("{phase:?}"))),
+            restore.location.as_deref().unwrap_or("(default)"),
+            restore.backup.as_deref().unwrap_or("-"),
+            restore.owner.as_deref().unwrap_or("-"),
+            restore.progress.as_ref().map_or_else(
+                || "-".to_string(),
+                |progress| format!("{}%", progress.percent)
+            ),
+            restore.message.as_deref().unwrap_or("")
         );
     }
 }
@@ -642,6 +734,8 @@ pub fn render_table(report: &StatusReport) -> String {
     }
     backup_lines(&mut out, "RUNNING BACKUPS", &report.running_backups);
     backup_lines(&mut out, "QUEUED BACKUPS", &report.queued_backups);
+    restore_lines(&mut out, "RUNNING RESTORES", &report.running_restores);
+    restore_lines(&mut out, "QUEUED RESTORES", &report.queued_restores);
     let _ = writeln!(out, "\nCAPS");
     if report.caps.storage_policies.is_empty() && report.caps.locations.is_empty() {
         let _ = writeln!(out, "  (none)");
@@ -683,7 +777,7 @@ pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
         .context("cannot reach the Kubernetes API (check --kubeconfig/--context)")?;
     let namespace = &arguments.namespace;
     let everything = ListParams::default();
-    let (pods, locations, backups, policies) = tokio::try_join!(
+    let (pods, locations, backups, restores, policies) = tokio::try_join!(
         async {
             Api::<Pod>::namespaced(client.clone(), namespace)
                 .list(&ListParams::default().labels(CONTROLLER_POD_SELECTOR))
@@ -701,6 +795,12 @@ pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
                 .list(&everything)
                 .await
                 .with_context(|| format!("cannot list VolumeBackups in {namespace}"))
+        },
+        async {
+            Api::<VolumeRestore>::namespaced(client.clone(), namespace)
+                .list(&everything)
+                .await
+                .with_context(|| format!("cannot list VolumeRestores in {namespace} (are haulage's CRDs of this version applied?)"))
         },
         async {
             Api::<StoragePolicy>::all(client.clone())
@@ -723,12 +823,13 @@ pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
             Vec::new()
         }
     };
-    let now = crate::controller::location::now();
+    let now = crate::clock::now();
     let mut report = build_report(
         namespace,
         &pods.items,
         &locations.items,
         &backups.items,
+        &restores.items,
         &policies.items,
         &now,
     );
@@ -816,6 +917,7 @@ mod tests {
                 "controller-b",
             )],
             &[],
+            &[],
             &at(0),
         );
         let micro = |seconds: i64| {
@@ -886,6 +988,7 @@ mod tests {
             &[good, bad],
             &backups,
             &[],
+            &[],
             &at(90),
         );
         assert_eq!(report.replicas[0].name, "haulage-a");
@@ -931,10 +1034,49 @@ mod tests {
 
     #[test]
     fn no_location_is_a_problem_and_not_available() {
-        let report = build_report(SYSTEM_NAMESPACE, &[], &[], &[], &[], &at(0));
+        let report = build_report(SYSTEM_NAMESPACE, &[], &[], &[], &[], &[], &at(0));
         assert!(!any_location_available(&report));
         assert_eq!(report.problems.len(), 2, "{:?}", report.problems);
         assert!(report.problems[1].contains("no BackupStorageLocation"));
         assert!(render_table(&report).contains("(none: backups wait"));
+    }
+
+    #[test]
+    fn unfinished_restores_are_listed_running_or_queued_with_their_source_backup() {
+        let restore = |name: &str, phase: Option<VolumeRestorePhase>| {
+            let mut restore = VolumeRestore::test(name);
+            restore.status = phase.map(|phase| crate::api::VolumeRestoreStatus {
+                phase: Some(phase),
+                message: Some(format!("{name} is {phase:?}")),
+                ..Default::default()
+            });
+            restore
+        };
+        let restores = [
+            restore("move-final", Some(VolumeRestorePhase::InProgress)),
+            restore("move-1", Some(VolumeRestorePhase::Completed)),
+            restore("waiting", Some(VolumeRestorePhase::WaitingForStorage)),
+            restore("fresh", None),
+            restore("selecting", Some(VolumeRestorePhase::Selecting)),
+        ];
+        let report = build_report(SYSTEM_NAMESPACE, &[], &[], &[], &restores, &[], &at(0));
+        let names = |reports: &[RestoreReport]| -> Vec<String> {
+            reports.iter().map(|report| report.name.clone()).collect()
+        };
+        assert_eq!(names(&report.running_restores), ["move-final", "selecting"]);
+        assert_eq!(names(&report.queued_restores), ["fresh", "waiting"]);
+        assert_eq!(
+            report.running_restores[0].backup.as_deref(),
+            Some("nightly")
+        );
+        let text = render_table(&report);
+        assert!(text.contains("RUNNING RESTORES"), "{text}");
+        assert!(text.contains("move-final is InProgress"), "{text}");
+        assert!(
+            !text.contains("move-1"),
+            "finished restores are not shown: {text}"
+        );
+        let json = serde_json::to_value(&report).expect("serialisable");
+        assert_eq!(json["queuedRestores"][1]["phase"], "WaitingForStorage");
     }
 }

@@ -1,458 +1,491 @@
-//! Admission under the caps that protect shared storage, as a pure
-//! function: from every open VolumeTransfer in the cluster and the caps in
-//! force to a decision per transfer. No client, no clock; the admission
-//! loop ([`crate::controller::admitter`]) builds the input from the caches
-//! and writes the decisions.
+//! The admission loop: on the replica holding the admission lease
+//! ([`crate::controller::lease`]), it reads every open VolumeTransfer from
+//! the shared cache, turns the caches into [`admit`]'s input ([`observe`])
+//! and makes the writes [`plan_writes`] returns: lowered grants first, then
+//! admissions (grant before phase, so an agent starts with its share),
+//! raised grants, queue positions, StoragePolicy usage. Lowering before
+//! admitting keeps the sum of grants under a cap at every moment.
 //!
-//! The rules (docs/controller.md, "Admission and caps"):
-//!
-//! - A transfer occupies a slot from the moment it is admitted until it is
-//!   final: `Admitted`, `InProgress` and `Finalizing` are running.
-//! - A waiting transfer (`New` or `Queued`) is admitted only when every cap
-//!   it falls under has room: the cluster-wide cap, each StoragePolicy
-//!   selecting its storage class (all of them apply, so the most
-//!   restrictive binds), its BackupStorageLocation's cap and its node's cap.
-//!   A bandwidth cap also holds a transfer back when its equal share would
-//!   fall below [`MIN_GRANT_BYTES_PER_SECOND`].
-//! - Waiting transfers are considered first in, first out: by creation
-//!   time, then namespace and name, so the result is deterministic. A
-//!   transfer that is held does not reserve anything: one behind it whose
-//!   caps have room is admitted (no head-of-line blocking across different
-//!   caps). Two transfers under the same full cap keep their order, since
-//!   a full cap stays full for the rest of the pass.
-//! - Running transfers are never preempted, even when a cap was lowered
-//!   below what runs; the cap then admits nothing until enough finish.
-//! - Bandwidth: a StoragePolicy's `maxBytesPerSecond` is split equally
-//!   among the running transfers of its storage, a location's
-//!   `uploadBytesPerSecond` among the running transfers writing there; a
-//!   transfer's grant is the smallest of its shares (rounded down, so the
-//!   grants under a cap never add up to more than the cap).
+//! The loop never decides from a cache that has not seen its own last
+//! writes: after writing, it waits until the cache shows a newer
+//! resourceVersion of each object it wrote (or the object gone), so one
+//! admission is never counted twice or missed.
 
 use std::collections::BTreeMap;
-use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-/// Smallest bandwidth grant, bytes per second: the engine's throttle
-/// counts in KiB, so a smaller grant would run faster than granted.
-pub const MIN_GRANT_BYTES_PER_SECOND: u64 = 1024;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::{Api, ResourceExt};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
 
-/// A VolumeTransfer's identity.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct TransferKey {
-    /// Its namespace.
-    pub namespace: String,
-    /// Its name.
-    pub name: String,
+use crate::api::labels::NODE_ANNOTATION;
+use crate::api::{
+    BackupStorageLocation, StoragePolicy, StoragePolicyStatus, VolumeTransfer, VolumeTransferPhase,
+    VolumeTransferStatus,
+};
+use crate::clock::now;
+use crate::controller::error::{ApiCall, Error, kube_error};
+use crate::controller::lease::Leadership;
+use crate::controller::{Context, FIELD_MANAGER};
+use crate::reconcile::action::ObjectName;
+use crate::reconcile::admission::{
+    Limits, LocationLimits, PolicyLimits, PolicyReads, TransferFacts, TransferKey, TransferState,
+    Write, admit, is_older, plan_writes,
+};
+
+/// Seconds between passes when nothing wakes the loop (a stage pod that
+/// appeared, which is not a watched event here).
+const PASS_INTERVAL_SECONDS: u64 = 2;
+/// Milliseconds to let a burst of events settle before a pass.
+const SETTLE_MILLISECONDS: u64 = 100;
+/// Seconds to wait for the cache to show the loop's own writes before
+/// deciding again anyway (a watch that was restarted relists).
+const CATCH_UP_SECONDS: u64 = 30;
+
+/// The caches admission reads, by reference.
+pub struct Caches<'a> {
+    /// Every haulage VolumeTransfer.
+    pub transfers: &'a [Arc<VolumeTransfer>],
+    /// Stage pods (for their node).
+    pub pods: &'a Store<Pod>,
+    /// Claims (for their storage class).
+    pub claims: &'a Store<PersistentVolumeClaim>,
+    /// StorageClasses (for their provisioner).
+    pub classes: &'a Store<StorageClass>,
+    /// StoragePolicies.
+    pub policies: &'a [Arc<StoragePolicy>],
+    /// BackupStorageLocations.
+    pub locations: &'a [Arc<BackupStorageLocation>],
 }
 
-impl fmt::Display for TransferKey {
-    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(formatter, "{}/{}", self.namespace, self.name)
-    }
+/// The node a stage pod runs on: the planner's annotation (the full node
+/// name), else `spec.nodeName`.
+fn node_of(pod: &Pod) -> Option<String> {
+    pod.annotations()
+        .get(NODE_ANNOTATION)
+        .cloned()
+        .or_else(|| pod.spec.as_ref()?.node_name.clone())
 }
 
-/// Whether a transfer holds a slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransferState {
-    /// `New` or `Queued`: waiting for admission.
-    Waiting,
-    /// `Admitted`, `InProgress` or `Finalizing`: holding a slot.
-    Running,
-}
-
-/// What admission needs to know about one open transfer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransferFacts {
-    /// Which transfer.
-    pub key: TransferKey,
-    /// `metadata.creationTimestamp`, seconds since the epoch (FIFO order).
-    pub created_seconds: i64,
-    /// Waiting or running.
-    pub state: TransferState,
-    /// The node its stage pod runs on, when known (no node cap otherwise).
-    pub node: Option<String>,
-    /// Its BackupStorageLocation, `namespace/name`.
-    pub location: Option<String>,
-    /// Names of the StoragePolicies selecting its storage class.
-    pub policies: Vec<String>,
-}
-
-/// The caps of one StoragePolicy.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PolicyLimits {
-    /// `maxConcurrentVolumes`.
-    pub max_volumes: Option<u32>,
-    /// `maxBytesPerSecond`.
-    pub max_bytes_per_second: Option<u64>,
-}
-
-/// The caps of one BackupStorageLocation.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct LocationLimits {
-    /// `maxConcurrentVolumes`.
-    pub max_volumes: Option<u32>,
-    /// `uploadBytesPerSecond`.
-    pub upload_bytes_per_second: Option<u64>,
-}
-
-/// Every cap in force.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Limits {
-    /// Volumes moved at once in the cluster (`--max-concurrent-volumes`).
-    pub max_volumes: Option<u32>,
-    /// Volumes moved at once per node (`--max-volumes-per-node`).
-    pub max_volumes_per_node: Option<u32>,
-    /// StoragePolicies by name.
-    pub policies: BTreeMap<String, PolicyLimits>,
-    /// BackupStorageLocations by `namespace/name`.
-    pub locations: BTreeMap<String, LocationLimits>,
-}
-
-/// One cap a transfer falls under.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Cap {
-    /// The cluster-wide volume cap.
-    Cluster,
-    /// A StoragePolicy, by name.
-    Policy(String),
-    /// A BackupStorageLocation, `namespace/name`.
-    Location(String),
-    /// A node, by name.
-    Node(String),
-}
-
-impl Cap {
-    /// The object as a person names it, and the setting that raises it.
-    fn describe(&self) -> (String, &'static str) {
-        match self {
-            Cap::Cluster => (
-                "the cluster-wide cap".to_string(),
-                "the controller's --max-concurrent-volumes",
-            ),
-            Cap::Policy(name) => (
-                format!("StoragePolicy {name}"),
-                "its spec.maxConcurrentVolumes",
-            ),
-            Cap::Location(name) => (
-                format!("BackupStorageLocation {name}"),
-                "its spec.maxConcurrentVolumes",
-            ),
-            Cap::Node(name) => (
-                format!("node {name}"),
-                "the controller's --max-volumes-per-node",
-            ),
-        }
-    }
-}
-
-/// Why a transfer waits.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Hold {
-    /// A volume cap is full.
-    Volumes {
-        /// Which cap.
-        cap: Cap,
-        /// Transfers running under it.
-        running: u32,
-        /// Its limit.
-        limit: u32,
-    },
-    /// Another transfer would leave each a share below
-    /// [`MIN_GRANT_BYTES_PER_SECOND`].
-    Bandwidth {
-        /// Which cap (a policy or a location).
-        cap: Cap,
-        /// Its bytes per second.
-        bytes_per_second: u64,
-        /// Transfers running under it.
-        running: u32,
-    },
-}
-
-impl Hold {
-    /// The cap that holds the transfer.
-    pub fn cap(&self) -> &Cap {
-        match self {
-            Hold::Volumes { cap, .. } | Hold::Bandwidth { cap, .. } => cap,
-        }
-    }
-}
-
-impl fmt::Display for Hold {
-    /// What holds the transfer and what lets it start, e.g.
-    /// `StoragePolicy ceph-rbd: 4 of 4 volumes running; starts when one of
-    /// them finishes (or raise its spec.maxConcurrentVolumes)`.
-    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Hold::Volumes {
-                cap,
-                running,
-                limit,
-            } => {
-                let (object, setting) = cap.describe();
-                write!(
-                    formatter,
-                    "{object}: {running} of {limit} volumes running; starts when one of them \
-                     finishes (or raise {setting})"
-                )
-            }
-            Hold::Bandwidth {
-                cap,
-                bytes_per_second,
-                running,
-            } => {
-                let (object, _) = cap.describe();
-                let setting = match cap {
-                    Cap::Location(_) => "its spec.uploadBytesPerSecond",
-                    _ => "its spec.maxBytesPerSecond",
-                };
-                write!(
-                    formatter,
-                    "{object}: {bytes_per_second} bytes/s shared by {running} running volumes \
-                     leaves less than {MIN_GRANT_BYTES_PER_SECOND} bytes/s for another; starts \
-                     when one of them finishes (or raise {setting})"
-                )
-            }
-        }
-    }
-}
-
-/// What happens to one transfer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Decision {
-    /// It was waiting and may start now, with this bandwidth (`None`:
-    /// unlimited).
-    Admit {
-        /// Bytes per second granted.
-        grant: Option<u64>,
-    },
-    /// It keeps waiting.
-    Queue {
-        /// Place among the transfers still waiting, FIFO (1 = next).
-        position: u32,
-        /// The first full cap it falls under.
-        hold: Hold,
-    },
-    /// It runs already; its bandwidth after the re-split.
-    Run {
-        /// Bytes per second granted.
-        grant: Option<u64>,
-    },
-}
-
-/// How much of a StoragePolicy is in use after admission.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PolicyUsage {
-    /// Transfers of its storage running (admitted ones included).
-    pub running: u32,
-    /// Transfers of its storage waiting.
-    pub queued: u32,
-    /// Sum of the grants of its running transfers (`None` when one of them
-    /// is unlimited).
-    pub granted_bytes_per_second: Option<u64>,
-}
-
-/// The result of one admission pass.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Admission {
-    /// One decision per open transfer.
-    pub decisions: BTreeMap<TransferKey, Decision>,
-    /// Usage of every StoragePolicy in [`Limits::policies`].
-    pub policies: BTreeMap<String, PolicyUsage>,
-}
-
-/// The caps a transfer falls under, in the order they are checked (and
-/// named when full): cluster, policies by name, location, node.
-fn caps_of(transfer: &TransferFacts, limits: &Limits) -> Vec<Cap> {
-    let mut caps = vec![Cap::Cluster];
-    let mut policies: Vec<&String> = transfer
+/// The StoragePolicies selecting a claim's storage class: its
+/// `spec.storageClassName` and that class's provisioner.
+fn policies_of(namespace: &str, pvc: &str, caches: &Caches<'_>) -> Vec<String> {
+    let claim = caches.claims.get(&ObjectRef::new(pvc).within(namespace));
+    let Some(class_name) = claim.and_then(|claim| claim.spec.as_ref()?.storage_class_name.clone())
+    else {
+        return Vec::new();
+    };
+    let provisioner = caches
+        .classes
+        .get(&ObjectRef::new(&class_name))
+        .map(|class| class.provisioner.clone())
+        .unwrap_or_default();
+    caches
         .policies
         .iter()
-        .filter(|name| limits.policies.contains_key(*name))
-        .collect();
-    policies.sort();
-    policies.dedup();
-    caps.extend(policies.into_iter().map(|name| Cap::Policy(name.clone())));
-    if let Some(location) = &transfer.location {
-        caps.push(Cap::Location(location.clone()));
-    }
-    if let Some(node) = &transfer.node {
-        caps.push(Cap::Node(node.clone()));
-    }
-    caps
+        .filter(|policy| policy.spec.selects(&class_name, &provisioner))
+        .map(|policy| policy.name_any())
+        .collect()
 }
 
-fn volume_limit(cap: &Cap, limits: &Limits) -> Option<u32> {
-    match cap {
-        Cap::Cluster => limits.max_volumes,
-        Cap::Policy(name) => limits.policies.get(name).and_then(|p| p.max_volumes),
-        Cap::Location(name) => limits.locations.get(name).and_then(|l| l.max_volumes),
-        Cap::Node(_) => limits.max_volumes_per_node,
-    }
-}
-
-fn bandwidth_limit(cap: &Cap, limits: &Limits) -> Option<u64> {
-    match cap {
-        Cap::Policy(name) => limits
+/// The admission input from the caches. A waiting transfer whose stage
+/// pod is not in the cache yet is left out (its node is unknown, and it
+/// could not start anyway); final transfers hold nothing.
+pub fn observe(
+    caches: &Caches<'_>,
+    max_volumes: Option<u32>,
+    max_volumes_per_node: Option<u32>,
+) -> (Limits, Vec<TransferFacts>) {
+    let positive_u32 =
+        |value: Option<i32>| value.and_then(|v| u32::try_from(v).ok()).filter(|v| *v > 0);
+    let positive_u64 =
+        |value: Option<i64>| value.and_then(|v| u64::try_from(v).ok()).filter(|v| *v > 0);
+    let limits = Limits {
+        max_volumes,
+        max_volumes_per_node,
+        policies: caches
             .policies
-            .get(name)
-            .and_then(|p| p.max_bytes_per_second),
-        Cap::Location(name) => limits
-            .locations
-            .get(name)
-            .and_then(|l| l.upload_bytes_per_second),
-        Cap::Cluster | Cap::Node(_) => None,
-    }
-}
-
-/// The first cap that holds a transfer back, given what runs under each.
-fn hold_of(caps: &[Cap], running: &BTreeMap<Cap, u32>, limits: &Limits) -> Option<Hold> {
-    caps.iter().find_map(|cap| {
-        let count = running.get(cap).copied().unwrap_or(0);
-        if let Some(limit) = volume_limit(cap, limits)
-            && count >= limit
-        {
-            return Some(Hold::Volumes {
-                cap: cap.clone(),
-                running: count,
-                limit,
-            });
-        }
-        match bandwidth_limit(cap, limits) {
-            Some(bytes_per_second)
-                if bytes_per_second / u64::from(count + 1) < MIN_GRANT_BYTES_PER_SECOND =>
-            {
-                Some(Hold::Bandwidth {
-                    cap: cap.clone(),
-                    bytes_per_second,
-                    running: count,
-                })
-            }
-            _ => None,
-        }
-    })
-}
-
-/// Decide, for every open transfer, whether it starts, waits (and why), or
-/// keeps running with which bandwidth. Deterministic: the order of
-/// `transfers` does not matter.
-pub fn admit(limits: &Limits, transfers: &[TransferFacts]) -> Admission {
-    let mut ordered: Vec<&TransferFacts> = transfers.iter().collect();
-    ordered.sort_by(|a, b| (a.created_seconds, &a.key).cmp(&(b.created_seconds, &b.key)));
-
-    let mut running: BTreeMap<Cap, u32> = BTreeMap::new();
-    fn occupy(caps: &[Cap], running: &mut BTreeMap<Cap, u32>) {
-        for cap in caps {
-            *running.entry(cap.clone()).or_insert(0) += 1;
-        }
-    }
-    let mut admitted: Vec<(&TransferFacts, Vec<Cap>, bool)> = Vec::new();
-    for transfer in ordered.iter().filter(|t| t.state == TransferState::Running) {
-        let caps = caps_of(transfer, limits);
-        occupy(&caps, &mut running);
-        admitted.push((transfer, caps, false));
-    }
-    let mut held: Vec<(&TransferFacts, Vec<Cap>, Hold)> = Vec::new();
-    for transfer in ordered.iter().filter(|t| t.state == TransferState::Waiting) {
-        let caps = caps_of(transfer, limits);
-        match hold_of(&caps, &running, limits) {
-            Some(hold) => held.push((transfer, caps, hold)),
-            None => {
-                occupy(&caps, &mut running);
-                admitted.push((transfer, caps, true));
-            }
-        }
-    }
-
-    let mut admission = Admission::default();
-    let mut policy_usage: BTreeMap<String, PolicyUsage> = limits
-        .policies
-        .keys()
-        .map(|name| {
-            (
-                name.clone(),
-                PolicyUsage {
-                    granted_bytes_per_second: Some(0),
-                    ..PolicyUsage::default()
-                },
-            )
-        })
-        .collect();
-    for (transfer, caps, newly) in admitted {
-        let grant = caps
             .iter()
-            .filter_map(|cap| {
-                let bytes_per_second = bandwidth_limit(cap, limits)?;
-                let count = u64::from(running.get(cap).copied().unwrap_or(1).max(1));
-                // Only when caps were lowered below what runs can the share
-                // fall under 1 byte/s; a grant is at least 1 (the API's
-                // minimum).
-                Some((bytes_per_second / count).max(1))
+            .map(|policy| {
+                (
+                    policy.name_any(),
+                    PolicyLimits {
+                        max_volumes: positive_u32(policy.spec.max_concurrent_volumes),
+                        max_bytes_per_second: positive_u64(policy.spec.max_bytes_per_second),
+                    },
+                )
             })
-            .min();
-        for cap in &caps {
-            if let Cap::Policy(name) = cap
-                && let Some(usage) = policy_usage.get_mut(name)
-            {
-                usage.running += 1;
-                usage.granted_bytes_per_second = match (usage.granted_bytes_per_second, grant) {
-                    (Some(sum), Some(grant)) => Some(sum.saturating_add(grant)),
-                    _ => None,
-                };
-            }
-        }
-        let decision = if newly {
-            Decision::Admit { grant }
-        } else {
-            Decision::Run { grant }
+            .collect(),
+        locations: caches
+            .locations
+            .iter()
+            .map(|location| {
+                (
+                    format!(
+                        "{}/{}",
+                        location.namespace().unwrap_or_default(),
+                        location.name_any()
+                    ),
+                    LocationLimits {
+                        max_volumes: positive_u32(location.spec.max_concurrent_volumes),
+                        upload_bytes_per_second: positive_u64(
+                            location.spec.upload_bytes_per_second,
+                        ),
+                    },
+                )
+            })
+            .collect(),
+    };
+    let mut facts = Vec::new();
+    for transfer in caches.transfers {
+        let phase = transfer.phase();
+        let state = match phase {
+            VolumeTransferPhase::New | VolumeTransferPhase::Queued => TransferState::Waiting,
+            VolumeTransferPhase::Admitted
+            | VolumeTransferPhase::InProgress
+            | VolumeTransferPhase::Finalizing => TransferState::Running,
+            VolumeTransferPhase::Completed
+            | VolumeTransferPhase::Failed
+            | VolumeTransferPhase::Canceled => continue,
         };
-        admission.decisions.insert(transfer.key.clone(), decision);
+        let key = TransferKey::of(transfer);
+        let pod = caches
+            .pods
+            .get(&ObjectRef::new(&transfer.spec.stage_pod).within(&key.namespace));
+        if pod.is_none() && state == TransferState::Waiting {
+            continue;
+        }
+        let location = &transfer.spec.storage_location;
+        facts.push(TransferFacts {
+            created_seconds: transfer
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map_or(0, |time| time.0.as_second()),
+            state,
+            // The pod's node, or while it is being recreated (not in the
+            // cache) the node its transfer was planned on.
+            node: pod
+                .as_deref()
+                .and_then(node_of)
+                .or_else(|| transfer.annotations().get(NODE_ANNOTATION).cloned()),
+            location: Some(format!("{}/{}", location.namespace, location.name)),
+            policies: policies_of(&key.namespace, &transfer.spec.pvc, caches),
+            claim: format!("{}/{}", key.namespace, transfer.spec.pvc),
+            owner: format!(
+                "{} {}/{}",
+                match transfer.spec.direction {
+                    crate::api::TransferDirection::Upload => "VolumeBackup",
+                    crate::api::TransferDirection::Download => "VolumeRestore",
+                },
+                transfer.spec.backup_ref.namespace,
+                transfer.spec.backup_ref.name
+            ),
+            key,
+        });
     }
-    for (index, (transfer, caps, hold)) in held.into_iter().enumerate() {
-        for cap in &caps {
-            if let Cap::Policy(name) = cap
-                && let Some(usage) = policy_usage.get_mut(name)
-            {
-                usage.queued += 1;
+    (limits, facts)
+}
+
+/// What a pass needs besides the caches.
+pub struct Admitter {
+    context: Arc<Context>,
+    leadership: Arc<Leadership>,
+    /// Objects written by the last pass: (kind, namespace, name) → the
+    /// resourceVersion the write returned, until the cache shows it.
+    pending: BTreeMap<(&'static str, String, String), String>,
+    pending_since: Option<Instant>,
+    /// When admission reads the StoragePolicies from the API server.
+    policy_reads: PolicyReads,
+}
+
+impl Admitter {
+    /// An admitter over the controller's caches.
+    pub fn new(context: Arc<Context>, leadership: Arc<Leadership>) -> Self {
+        Admitter {
+            context,
+            leadership,
+            pending: BTreeMap::new(),
+            pending_since: None,
+            policy_reads: PolicyReads::default(),
+        }
+    }
+
+    /// Pass after pass, woken by `wake` or every [`PASS_INTERVAL_SECONDS`],
+    /// while this replica holds the admission lease; until `shutdown`.
+    pub async fn run(mut self, wake: Arc<Notify>, shutdown: CancellationToken) {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_secs(PASS_INTERVAL_SECONDS)) => {}
+            }
+            tokio::time::sleep(Duration::from_millis(SETTLE_MILLISECONDS)).await;
+            if !self.leadership.is_leader() {
+                self.pending.clear();
+                self.policy_reads.forget();
+                continue;
+            }
+            if let Err(error) = self.pass().await {
+                warn!(error = %error.chain(), kind = error.label(), "admission pass failed; retrying");
             }
         }
-        let position = u32::try_from(index + 1).unwrap_or(u32::MAX);
-        admission
-            .decisions
-            .insert(transfer.key.clone(), Decision::Queue { position, hold });
     }
-    for usage in policy_usage.values_mut() {
-        if usage.running == 0 {
-            usage.granted_bytes_per_second = None;
+
+    /// Whether the cache shows every object the last pass wrote.
+    fn caught_up(&mut self) -> bool {
+        let stores = &self.context.stores;
+        self.pending.retain(|(kind, namespace, name), written| {
+            let cached = match *kind {
+                "VolumeTransfer" => stores
+                    .transfers
+                    .get(&ObjectRef::new(name).within(namespace))
+                    .and_then(|object| object.resource_version()),
+                _ => stores
+                    .policies
+                    .get(&ObjectRef::new(name))
+                    .and_then(|object| object.resource_version()),
+            };
+            // Kept while the cache holds an older version than the write
+            // returned; a deleted object is caught up.
+            cached.is_some_and(|cached| is_older(&cached, written))
+        });
+        if self.pending.is_empty() {
+            self.pending_since = None;
+            return true;
+        }
+        if self
+            .pending_since
+            .is_some_and(|since| since.elapsed() > Duration::from_secs(CATCH_UP_SECONDS))
+        {
+            warn!(
+                objects = self.pending.len(),
+                "the cache did not show the last admission writes within {CATCH_UP_SECONDS}s; deciding anyway"
+            );
+            self.pending.clear();
+            self.pending_since = None;
+            return true;
+        }
+        false
+    }
+
+    /// One admission pass.
+    async fn pass(&mut self) -> Result<(), Error> {
+        // A cache still listing would hide transfers, their claims (so
+        // their policies) or their nodes: admit nothing until all are in.
+        if !self.context.readiness.caches_synced() {
+            debug!("waiting for the caches to sync before admitting");
+            return Ok(());
+        }
+        if !self.caught_up() {
+            debug!("waiting for the cache to show the last admission writes");
+            return Ok(());
+        }
+        let stores = &self.context.stores;
+        let config = &self.context.config;
+        let transfers = stores.transfers.state();
+        let mut policies = stores.policies.state();
+        let locations = stores.locations.state();
+        let decide = |policies: &[Arc<StoragePolicy>]| {
+            let caches = Caches {
+                transfers: &transfers,
+                pods: &stores.pods,
+                claims: &stores.claims,
+                classes: &stores.classes,
+                policies,
+                locations: &locations,
+            };
+            let (limits, facts) = observe(
+                &caches,
+                config.max_concurrent_volumes,
+                config.max_volumes_per_node,
+            );
+            admit(&limits, &facts)
+        };
+        let mut admission = decide(&policies);
+        // Policies from the API server when the cache may lag
+        // ([`PolicyReads`]).
+        let admits = admission.decisions.values().any(|decision| {
+            matches!(
+                decision,
+                crate::reconcile::admission::Decision::Admit { .. }
+            )
+        });
+        if self.policy_reads.needed(admits) {
+            let listed = self.list_policies().await?;
+            if self.policy_reads.read(&policies, &listed) {
+                debug!(
+                    cached = policies.len(),
+                    listed = listed.len(),
+                    "the StoragePolicy cache lags the API server; deciding by the listed policies"
+                );
+                policies = listed;
+                admission = decide(&policies);
+            }
+        }
+        let writes = plan_writes(&admission, &transfers, &policies, now());
+        let by_key: BTreeMap<TransferKey, &Arc<VolumeTransfer>> = transfers
+            .iter()
+            .map(|transfer| (TransferKey::of(transfer), transfer))
+            .collect();
+        for write in writes {
+            // The lease may lapse mid-pass; the next holder decides then.
+            if !self.leadership.is_leader() {
+                return Ok(());
+            }
+            match &write {
+                Write::Grant { key, grant } => {
+                    let Some(transfer) = by_key.get(key) else {
+                        continue;
+                    };
+                    let version = self.apply_grant(transfer, *grant).await?;
+                    info!(transfer = %key, grant = ?grant, "bandwidth granted");
+                    self.remember("VolumeTransfer", key, version);
+                }
+                Write::Status { key, status } => {
+                    let version = self.apply_transfer_status(key, status).await?;
+                    if status.phase == Some(VolumeTransferPhase::Admitted) {
+                        info!(transfer = %key, "admitted");
+                    }
+                    self.remember("VolumeTransfer", key, version);
+                }
+                Write::Policy { name, status } => {
+                    let version = self.apply_policy_status(name, status).await?;
+                    self.remember(
+                        "StoragePolicy",
+                        &TransferKey {
+                            namespace: String::new(),
+                            name: name.clone(),
+                        },
+                        version,
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every StoragePolicy, read from the API server (not the cache).
+    async fn list_policies(&self) -> Result<Vec<Arc<StoragePolicy>>, Error> {
+        let api: Api<StoragePolicy> = Api::all(self.context.client.clone());
+        let listed = api
+            .list(&ListParams::default())
+            .await
+            .map_err(kube_error(ApiCall::ListPolicies, "(all)"))?;
+        Ok(listed.items.into_iter().map(Arc::new).collect())
+    }
+
+    fn remember(&mut self, kind: &'static str, key: &TransferKey, version: Option<String>) {
+        if let Some(version) = version {
+            self.pending
+                .insert((kind, key.namespace.clone(), key.name.clone()), version);
+            self.pending_since.get_or_insert_with(Instant::now);
         }
     }
-    admission.policies = policy_usage;
-    admission
+
+    /// Write the transfer's new grant as a merge patch of that one field
+    /// (with the controller's field manager). A merge patch never creates:
+    /// a transfer deleted meanwhile (its backup was canceled) stays deleted
+    /// (404), and re-applying the transfer's desired spec when a stage pod
+    /// is recreated does not remove the grant (it is owned by this update,
+    /// not by that apply).
+    async fn apply_grant(
+        &self,
+        transfer: &VolumeTransfer,
+        grant: Option<u64>,
+    ) -> Result<Option<String>, Error> {
+        let key = TransferKey::of(transfer);
+        let granted = grant.map(|bytes| i64::try_from(bytes).unwrap_or(i64::MAX));
+        let patch = serde_json::json!({"spec": {"grantedBytesPerSecond": granted}});
+        let api: Api<VolumeTransfer> = Api::namespaced(self.context.client.clone(), &key.namespace);
+        let params = PatchParams {
+            field_manager: Some(FIELD_MANAGER.to_string()),
+            ..PatchParams::default()
+        };
+        match api.patch(&key.name, &params, &Patch::Merge(&patch)).await {
+            Ok(written) => Ok(written.resource_version()),
+            Err(error) if crate::controller::error::is_not_found(&error) => Ok(None),
+            Err(source) => Err(kube_error(ApiCall::WriteGrant, key.to_string())(source)),
+        }
+    }
+
+    async fn apply_transfer_status(
+        &self,
+        key: &TransferKey,
+        status: &VolumeTransferStatus,
+    ) -> Result<Option<String>, Error> {
+        let patch = crate::api::status_apply::<VolumeTransfer>(status);
+        match crate::controller::execute::patch_status::<VolumeTransfer, _>(
+            &self.context.client,
+            &ObjectName::new(&key.namespace, &key.name),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        {
+            Ok(written) => Ok(written.and_then(|written| written.resource_version())),
+            // Refused by the CRD's phase rules: it moved on (canceled,
+            // failed) since the cache saw it; the next pass sees that.
+            Err(kube::Error::Api(status)) if status.code == 422 => {
+                info!(transfer = %key, "admission status refused ({}); it moved on", status.message);
+                Ok(None)
+            }
+            Err(source) => Err(kube_error(ApiCall::WriteAdmission, key.to_string())(source)),
+        }
+    }
+
+    async fn apply_policy_status(
+        &self,
+        name: &str,
+        status: &StoragePolicyStatus,
+    ) -> Result<Option<String>, Error> {
+        let api: Api<StoragePolicy> = Api::all(self.context.client.clone());
+        let patch = crate::api::status_apply::<StoragePolicy>(status);
+        match api
+            .patch_status(
+                name,
+                &PatchParams::apply(FIELD_MANAGER).force(),
+                &Patch::Apply(&patch),
+            )
+            .await
+        {
+            Ok(written) => Ok(written.resource_version()),
+            Err(error) if crate::controller::error::is_not_found(&error) => Ok(None),
+            Err(source) => Err(kube_error(ApiCall::WritePolicyStatus, name)(source)),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use proptest::prelude::*;
 
-    fn transfer(name: &str, created: i64, state: TransferState) -> TransferFacts {
-        TransferFacts {
-            key: TransferKey {
-                namespace: "shop".to_string(),
-                name: name.to_string(),
-            },
-            created_seconds: created,
-            state,
-            node: None,
-            location: None,
-            policies: Vec::new(),
-        }
-    }
-
-    fn with(mut facts: TransferFacts, node: &str, policies: &[&str]) -> TransferFacts {
-        facts.node = Some(node.to_string());
-        facts.location = Some("haulage-system/minio".to_string());
-        facts.policies = policies.iter().map(|p| p.to_string()).collect();
-        facts
+    fn transfer(
+        name: &str,
+        phase: Option<VolumeTransferPhase>,
+        grant: Option<i64>,
+    ) -> Arc<VolumeTransfer> {
+        let mut transfer: VolumeTransfer = serde_json::from_value(serde_json::json!({
+            "apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeTransfer",
+            "metadata": {"name": name, "namespace": "shop", "generation": 1},
+            "spec": {"direction": "Upload", "pvc": name,
+                "backupRef": {"namespace": "ops", "name": "nightly"},
+                "storageLocation": {"namespace": "ops", "name": "minio"},
+                "stagePod": "stage-a"},
+        }))
+        .expect("valid transfer");
+        transfer.spec.granted_bytes_per_second = grant;
+        transfer.status = phase.map(|phase| VolumeTransferStatus {
+            phase: Some(phase),
+            ..VolumeTransferStatus::default()
+        });
+        Arc::new(transfer)
     }
 
     fn key(name: &str) -> TransferKey {
@@ -462,420 +495,128 @@ mod tests {
         }
     }
 
-    fn ceph(max_volumes: Option<u32>, max_bytes_per_second: Option<u64>) -> Limits {
-        Limits {
-            max_volumes: Some(16),
-            max_volumes_per_node: Some(2),
-            policies: BTreeMap::from([(
-                "ceph-rbd".to_string(),
-                PolicyLimits {
-                    max_volumes,
-                    max_bytes_per_second,
-                },
-            )]),
-            locations: BTreeMap::new(),
-        }
-    }
-
-    #[test]
-    fn a_full_policy_queues_the_rest_in_creation_order_and_names_itself() {
-        let transfers = vec![
-            with(
-                transfer("c", 3, TransferState::Waiting),
-                "node-c",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("a", 1, TransferState::Waiting),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Waiting),
-                "node-b",
-                &["ceph-rbd"],
-            ),
-        ];
-        let admission = admit(&ceph(Some(1), None), &transfers);
-        assert_eq!(
-            admission.decisions[&key("a")],
-            Decision::Admit { grant: None }
-        );
-        let Decision::Queue { position, hold } = &admission.decisions[&key("b")] else {
-            panic!("b should wait: {admission:?}");
-        };
-        assert_eq!(*position, 1);
-        assert_eq!(
-            hold.to_string(),
-            "StoragePolicy ceph-rbd: 1 of 1 volumes running; starts when one of them \
-             finishes (or raise its spec.maxConcurrentVolumes)"
-        );
-        assert!(matches!(
-            admission.decisions[&key("c")],
-            Decision::Queue { position: 2, .. }
-        ));
-        assert_eq!(
-            admission.policies["ceph-rbd"],
-            PolicyUsage {
-                running: 1,
-                queued: 2,
-                granted_bytes_per_second: None
-            }
-        );
-    }
-
-    #[test]
-    fn a_transfer_held_by_its_node_does_not_block_one_on_another_node() {
-        let transfers = vec![
-            with(transfer("run-1", 0, TransferState::Running), "node-a", &[]),
-            with(transfer("run-2", 0, TransferState::Running), "node-a", &[]),
-            with(transfer("first", 1, TransferState::Waiting), "node-a", &[]),
-            with(transfer("second", 2, TransferState::Waiting), "node-b", &[]),
-        ];
-        let admission = admit(&ceph(None, None), &transfers);
-        let Decision::Queue { hold, .. } = &admission.decisions[&key("first")] else {
-            panic!("first should wait for node-a");
-        };
-        assert_eq!(hold.cap(), &Cap::Node("node-a".to_string()));
-        assert_eq!(
-            admission.decisions[&key("second")],
-            Decision::Admit { grant: None }
-        );
-    }
-
-    #[test]
-    fn the_policy_bandwidth_is_split_equally_and_the_location_share_applies_when_smaller() {
-        let mut limits = ceph(None, Some(300 << 20));
-        limits.locations.insert(
-            "haulage-system/minio".to_string(),
-            LocationLimits {
-                max_volumes: None,
-                upload_bytes_per_second: Some(500 << 20),
-            },
-        );
-        let mut transfers = vec![
-            with(
-                transfer("a", 1, TransferState::Running),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Waiting),
-                "node-b",
-                &["ceph-rbd"],
-            ),
-            with(transfer("c", 3, TransferState::Waiting), "node-c", &[]),
-        ];
-        let admission = admit(&limits, &transfers);
-        // ceph-rbd: 300 MiB/s over a and b; minio: 500 MiB/s over a, b, c.
-        let third = (500u64 << 20) / 3;
-        assert_eq!(
-            admission.decisions[&key("a")],
-            Decision::Run {
-                grant: Some((300 << 20) / 2)
-            }
-        );
-        assert_eq!(
-            admission.decisions[&key("b")],
-            Decision::Admit {
-                grant: Some((300 << 20) / 2)
-            }
-        );
-        assert_eq!(
-            admission.decisions[&key("c")],
-            Decision::Admit { grant: Some(third) }
-        );
-        // a finishes: the policy would give b all 300 MiB/s, the location
-        // only half its 500.
-        transfers.remove(0);
-        transfers[0].state = TransferState::Running;
-        transfers[1].state = TransferState::Running;
-        let admission = admit(&limits, &transfers);
-        assert_eq!(
-            admission.decisions[&key("b")],
-            Decision::Run {
-                grant: Some(250 << 20)
-            }
-        );
-        assert_eq!(
-            admission.policies["ceph-rbd"].granted_bytes_per_second,
-            Some(250 << 20)
-        );
-    }
-
-    #[test]
-    fn a_bandwidth_cap_admits_no_more_than_it_can_give_a_kibibyte_per_second() {
-        let transfers = vec![
-            with(
-                transfer("a", 1, TransferState::Waiting),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Waiting),
-                "node-b",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("c", 3, TransferState::Waiting),
-                "node-c",
-                &["ceph-rbd"],
-            ),
-        ];
-        let admission = admit(&ceph(None, Some(2048)), &transfers);
-        assert!(matches!(
-            admission.decisions[&key("c")],
-            Decision::Queue {
-                hold: Hold::Bandwidth { running: 2, .. },
-                ..
-            }
-        ));
-        assert_eq!(
-            admission.decisions[&key("b")],
-            Decision::Admit { grant: Some(1024) }
-        );
-    }
-
-    #[test]
-    fn running_transfers_are_kept_when_a_cap_is_lowered_below_them() {
-        let transfers = vec![
-            with(
-                transfer("a", 1, TransferState::Running),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Running),
-                "node-b",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("c", 3, TransferState::Waiting),
-                "node-c",
-                &["ceph-rbd"],
-            ),
-        ];
-        let admission = admit(&ceph(Some(1), None), &transfers);
-        assert_eq!(
-            admission.decisions[&key("b")],
-            Decision::Run { grant: None }
-        );
-        assert!(matches!(
-            &admission.decisions[&key("c")],
-            Decision::Queue {
-                hold: Hold::Volumes {
-                    running: 2,
-                    limit: 1,
-                    ..
-                },
-                ..
-            }
-        ));
-    }
-
-    // Property tests: random caps and transfers on three nodes, two
-    // locations and three policies.
-
-    const NODES: [&str; 3] = ["node-a", "node-b", "node-c"];
-    const LOCATIONS: [&str; 2] = ["ops/minio", "ops/rgw"];
-    const POLICIES: [&str; 3] = ["ceph-rbd", "cephfs", "nfs"];
-
-    fn limits_strategy() -> impl Strategy<Value = Limits> {
-        let volumes = proptest::option::of(1u32..5);
-        let bandwidth = proptest::option::of(1024u64..(64 << 20));
-        (
-            volumes.clone(),
-            volumes.clone(),
-            proptest::collection::vec((volumes.clone(), bandwidth.clone()), 3),
-            proptest::collection::vec((volumes, bandwidth), 2),
+    fn at(seconds: i64) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Time {
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            k8s_openapi::jiff::Timestamp::from_second(seconds).expect("in range"),
         )
-            .prop_map(|(global, node, policies, locations)| Limits {
-                max_volumes: global,
-                max_volumes_per_node: node,
-                policies: POLICIES
-                    .iter()
-                    .zip(policies)
-                    .map(|(name, (max_volumes, max_bytes_per_second))| {
-                        (
-                            name.to_string(),
-                            PolicyLimits {
-                                max_volumes,
-                                max_bytes_per_second,
-                            },
-                        )
-                    })
-                    .collect(),
-                locations: LOCATIONS
-                    .iter()
-                    .zip(locations)
-                    .map(|(name, (max_volumes, upload_bytes_per_second))| {
-                        (
-                            name.to_string(),
-                            LocationLimits {
-                                max_volumes,
-                                upload_bytes_per_second,
-                            },
-                        )
-                    })
-                    .collect(),
-            })
     }
 
-    /// Waiting transfers only (a sequence of passes makes the running ones).
-    fn transfers_strategy() -> impl Strategy<Value = Vec<TransferFacts>> {
-        proptest::collection::vec(
-            (
-                0i64..6,
-                proptest::option::of(0usize..3),
-                0usize..2,
-                proptest::collection::btree_set(0usize..3, 0..3),
+    /// A cache holding `objects`.
+    fn store_of<K>(objects: Vec<K>) -> Store<K>
+    where
+        K: kube::Resource<DynamicType = ()> + Clone + 'static,
+    {
+        let (store, mut writer) = kube::runtime::reflector::store();
+        for object in objects {
+            writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(object));
+        }
+        store
+    }
+
+    fn from_json<K: serde::de::DeserializeOwned>(value: serde_json::Value) -> K {
+        serde_json::from_value(value).expect("valid object")
+    }
+
+    #[test]
+    fn observed_transfers_get_their_node_location_and_the_policies_of_their_class() {
+        let mut with_pod = (*transfer("data", Some(VolumeTransferPhase::Queued), None)).clone();
+        with_pod.metadata.creation_timestamp = Some(at(100));
+        let mut without_pod = (*transfer("cache", None, None)).clone();
+        without_pod.spec.stage_pod = "stage-not-yet".to_string();
+        let finished = transfer("old", Some(VolumeTransferPhase::Completed), None);
+        let transfers = vec![Arc::new(with_pod), Arc::new(without_pod), finished];
+        let pods = store_of(vec![from_json::<Pod>(serde_json::json!({
+            "metadata": {"name": "stage-a", "namespace": "shop",
+                "annotations": {NODE_ANNOTATION: "node-a.example.internal"}}
+        }))]);
+        let claims = store_of(vec![from_json::<PersistentVolumeClaim>(
+            serde_json::json!({
+                "metadata": {"name": "data", "namespace": "shop"},
+                "spec": {"storageClassName": "fast"}
+            }),
+        )]);
+        let classes = store_of(vec![from_json::<StorageClass>(serde_json::json!({
+            "metadata": {"name": "fast"}, "provisioner": "rbd.csi.ceph.com"
+        }))]);
+        let policy = |name: &str, spec: serde_json::Value| {
+            Arc::new(from_json::<StoragePolicy>(serde_json::json!({
+                "apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+                "metadata": {"name": name}, "spec": spec
+            })))
+        };
+        let policies = vec![
+            policy(
+                "by-provisioner",
+                serde_json::json!({
+                "provisioners": ["rbd.csi.ceph.com"], "maxConcurrentVolumes": 4}),
             ),
-            0..24,
-        )
-        .prop_map(|specs| {
-            specs
-                .into_iter()
-                .enumerate()
-                .map(
-                    |(index, (created, node, location, policies))| TransferFacts {
-                        key: TransferKey {
-                            namespace: ["shop", "web"][index % 2].to_string(),
-                            name: format!("t{index:02}"),
-                        },
-                        created_seconds: created,
-                        state: TransferState::Waiting,
-                        node: node.map(|n| NODES[n].to_string()),
-                        location: Some(LOCATIONS[location].to_string()),
-                        policies: policies
-                            .into_iter()
-                            .map(|p| POLICIES[p].to_string())
-                            .collect(),
-                    },
-                )
-                .collect()
-        })
+            policy(
+                "by-name",
+                serde_json::json!({
+                "storageClassNames": ["fast"], "maxBytesPerSecond": 1048576}),
+            ),
+            policy("other", serde_json::json!({"storageClassNames": ["slow"]})),
+        ];
+        let locations = vec![Arc::new(from_json::<BackupStorageLocation>(
+            serde_json::json!({
+                "apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+                "metadata": {"name": "minio", "namespace": "ops"},
+                "spec": {"bucket": "b", "credential": {"name": "s3"}, "maxConcurrentVolumes": 3}
+            }),
+        ))];
+        let caches = Caches {
+            transfers: &transfers,
+            pods: &pods,
+            claims: &claims,
+            classes: &classes,
+            policies: &policies,
+            locations: &locations,
+        };
+        let (limits, facts) = observe(&caches, Some(16), None);
+        assert_eq!(
+            facts,
+            [TransferFacts {
+                key: key("data"),
+                created_seconds: 100,
+                state: TransferState::Waiting,
+                node: Some("node-a.example.internal".to_string()),
+                location: Some("ops/minio".to_string()),
+                policies: vec!["by-provisioner".to_string(), "by-name".to_string()],
+                claim: "shop/data".to_string(),
+                owner: "VolumeBackup ops/nightly".to_string(),
+            }],
+            "the transfer without a stage pod and the final one are left out"
+        );
+        assert_eq!(limits.max_volumes, Some(16));
+        assert_eq!(limits.policies["by-provisioner"].max_volumes, Some(4));
+        assert_eq!(
+            limits.policies["by-name"].max_bytes_per_second,
+            Some(1048576)
+        );
+        assert_eq!(limits.locations["ops/minio"].max_volumes, Some(3));
     }
 
-    /// Every volume cap holds for the running set, and the grants under
-    /// each bandwidth cap add up to at most the cap.
-    fn assert_within_caps(limits: &Limits, transfers: &[TransferFacts], admission: &Admission) {
-        let mut count: BTreeMap<Cap, u32> = BTreeMap::new();
-        let mut granted: BTreeMap<Cap, u64> = BTreeMap::new();
-        for transfer in transfers {
-            let grant = match &admission.decisions[&transfer.key] {
-                Decision::Admit { grant } | Decision::Run { grant } => *grant,
-                Decision::Queue { .. } => continue,
-            };
-            for cap in caps_of(transfer, limits) {
-                *count.entry(cap.clone()).or_insert(0) += 1;
-                if bandwidth_limit(&cap, limits).is_some() {
-                    let grant = grant.expect("a transfer under a bandwidth cap has a grant");
-                    *granted.entry(cap).or_insert(0) += grant;
-                }
-            }
-        }
-        for (cap, running) in &count {
-            if let Some(limit) = volume_limit(cap, limits) {
-                assert!(*running <= limit, "{cap:?}: {running} running, cap {limit}");
-            }
-        }
-        for (cap, sum) in &granted {
-            let limit = bandwidth_limit(cap, limits).expect("a bandwidth cap");
-            assert!(*sum <= limit, "{cap:?}: {sum} granted, cap {limit}");
-        }
-    }
-
-    proptest! {
-        #[test]
-        fn no_cap_is_exceeded_after_any_sequence_of_admissions_and_completions(
-            limits in limits_strategy(),
-            mut transfers in transfers_strategy(),
-            finished in proptest::collection::vec(any::<proptest::sample::Index>(), 0..12),
-        ) {
-            let mut finished = finished.into_iter();
-            loop {
-                let admission = admit(&limits, &transfers);
-                assert_within_caps(&limits, &transfers, &admission);
-                for transfer in &mut transfers {
-                    if matches!(admission.decisions[&transfer.key], Decision::Admit { .. }) {
-                        transfer.state = TransferState::Running;
-                    }
-                }
-                let running: Vec<usize> = transfers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, t)| t.state == TransferState::Running)
-                    .map(|(index, _)| index)
-                    .collect();
-                let Some(pick) = finished.next() else { break };
-                if running.is_empty() {
-                    break;
-                }
-                transfers.remove(running[pick.index(running.len())]);
-            }
-        }
-
-        #[test]
-        fn admission_is_deterministic_whatever_the_input_order(
-            limits in limits_strategy(),
-            transfers in transfers_strategy(),
-            seed in any::<u64>(),
-        ) {
-            use rand::seq::SliceRandom;
-            use rand::SeedableRng;
-            let mut shuffled = transfers.clone();
-            shuffled.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
-            prop_assert_eq!(admit(&limits, &transfers), admit(&limits, &shuffled));
-        }
-
-        #[test]
-        fn a_waiting_transfer_is_passed_only_by_one_outside_the_cap_that_holds_it(
-            limits in limits_strategy(),
-            transfers in transfers_strategy(),
-        ) {
-            let admission = admit(&limits, &transfers);
-            let order = |t: &TransferFacts| (t.created_seconds, t.key.clone());
-            let mut positions = Vec::new();
-            for held in &transfers {
-                let Decision::Queue { position, hold } = &admission.decisions[&held.key] else {
-                    continue;
-                };
-                positions.push((order(held), *position));
-                // Held for a reason that is true after the pass.
-                let running_under = transfers
-                    .iter()
-                    .filter(|t| !matches!(admission.decisions[&t.key], Decision::Queue { .. }))
-                    .filter(|t| caps_of(t, &limits).contains(hold.cap()))
-                    .count() as u32;
-                match hold {
-                    Hold::Volumes { running, limit, .. } => {
-                        prop_assert_eq!(*running, running_under);
-                        prop_assert!(running_under >= *limit);
-                    }
-                    Hold::Bandwidth { bytes_per_second, running, .. } => {
-                        prop_assert_eq!(*running, running_under);
-                        prop_assert!(
-                            bytes_per_second / u64::from(running_under + 1)
-                                < MIN_GRANT_BYTES_PER_SECOND
-                        );
-                    }
-                }
-                // Everything admitted after it in FIFO order is outside
-                // the cap that holds it.
-                for later in transfers.iter().filter(|t| order(t) > order(held)) {
-                    if matches!(admission.decisions[&later.key], Decision::Admit { .. }) {
-                        prop_assert!(
-                            !caps_of(later, &limits).contains(hold.cap()),
-                            "{} passed {} under {:?}", later.key, held.key, hold.cap()
-                        );
-                    }
-                }
-            }
-            // Positions are 1..=n in FIFO order.
-            positions.sort();
-            let numbers: Vec<u32> = positions.iter().map(|(_, position)| *position).collect();
-            let expected: Vec<u32> = (1..=numbers.len() as u32).collect();
-            prop_assert_eq!(numbers, expected);
-        }
+    #[test]
+    fn a_running_transfer_whose_pod_is_being_recreated_still_counts_on_its_planned_node() {
+        let mut running = (*transfer("data", Some(VolumeTransferPhase::InProgress), None)).clone();
+        running.spec.stage_pod = "stage-recreated".to_string();
+        running.metadata.annotations =
+            Some([(NODE_ANNOTATION.to_string(), "node-b".to_string())].into());
+        let transfers = vec![Arc::new(running)];
+        let empty_pods = store_of(Vec::<Pod>::new());
+        let claims = store_of(Vec::<PersistentVolumeClaim>::new());
+        let classes = store_of(Vec::<StorageClass>::new());
+        let caches = Caches {
+            transfers: &transfers,
+            pods: &empty_pods,
+            claims: &claims,
+            classes: &classes,
+            policies: &[],
+            locations: &[],
+        };
+        let (_, facts) = observe(&caches, None, Some(2));
+        assert_eq!(facts.len(), 1);
+        assert_eq!(facts[0].state, TransferState::Running);
+        assert_eq!(facts[0].node.as_deref(), Some("node-b"));
     }
 }

@@ -21,51 +21,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::controller::error::{is_conflict, is_not_found};
+use crate::reconcile::replicas::{ADMISSION_LEASE_DURATION_SECONDS, LeaseStep, next_step};
 
 /// Name of the admission Lease in the controller's namespace.
 pub const ADMISSION_LEASE: &str = "haulage-admission";
-/// How long an unrenewed lease stays with its holder (client-go's default).
-pub const LEASE_DURATION_SECONDS: u64 = 15;
+/// How long an unrenewed lease stays with its holder.
+pub const LEASE_DURATION_SECONDS: u64 = ADMISSION_LEASE_DURATION_SECONDS;
 /// How long the holder keeps admitting after a renewal began without a
 /// newer one succeeding; shorter than [`LEASE_DURATION_SECONDS`] so the
 /// holder has stopped before anyone else may start.
 pub const RENEW_DEADLINE_SECONDS: u64 = 10;
 /// Seconds between looks at the lease (renewals, takeover attempts).
 pub const RETRY_PERIOD_SECONDS: u64 = 2;
-
-/// What a replica does with the lease it sees.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LeaseStep {
-    /// There is none: create it, held by this replica.
-    Create,
-    /// This replica holds it: renew it.
-    Renew,
-    /// Free, or its holder stopped renewing: take it over.
-    TakeOver,
-    /// Another live replica holds it.
-    Wait,
-}
-
-/// Decide what to do with the lease: `holder` is its holder (`None`: no
-/// lease, `Some("")`: released), `unchanged_for` how long this replica has
-/// seen the same record, `duration` the lease's duration.
-pub fn next_step(
-    lease_exists: bool,
-    holder: Option<&str>,
-    identity: &str,
-    unchanged_for: Duration,
-    duration: Duration,
-) -> LeaseStep {
-    if !lease_exists {
-        return LeaseStep::Create;
-    }
-    match holder {
-        Some(holder) if holder == identity => LeaseStep::Renew,
-        None | Some("") => LeaseStep::TakeOver,
-        Some(_) if unchanged_for >= duration => LeaseStep::TakeOver,
-        Some(_) => LeaseStep::Wait,
-    }
-}
 
 /// Whether this replica may admit now; shared by the lease loop (writer)
 /// and the admission loop (reader).
@@ -272,36 +239,6 @@ async fn release(api: &Api<Lease>, identity: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const DURATION: Duration = Duration::from_secs(LEASE_DURATION_SECONDS);
-
-    #[test]
-    fn a_missing_lease_is_created_and_ones_own_is_renewed() {
-        assert_eq!(
-            next_step(false, None, "a", Duration::ZERO, DURATION),
-            LeaseStep::Create
-        );
-        assert_eq!(
-            next_step(true, Some("a"), "a", Duration::from_secs(60), DURATION),
-            LeaseStep::Renew
-        );
-    }
-
-    #[test]
-    fn another_replicas_lease_is_taken_over_only_after_it_stood_still_for_its_duration() {
-        assert_eq!(
-            next_step(true, Some("b"), "a", Duration::from_secs(14), DURATION),
-            LeaseStep::Wait
-        );
-        assert_eq!(
-            next_step(true, Some("b"), "a", DURATION, DURATION),
-            LeaseStep::TakeOver
-        );
-        assert_eq!(
-            next_step(true, Some(""), "a", Duration::ZERO, DURATION),
-            LeaseStep::TakeOver
-        );
-    }
 
     #[test]
     fn the_holder_stops_admitting_before_anyone_may_take_over() {

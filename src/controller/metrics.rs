@@ -37,6 +37,8 @@ use crate::metrics::{NoLabels, Response, Series, encode_gauges};
 
 /// The `controller` label of the VolumeBackup reconciler.
 pub const BACKUP_CONTROLLER: &str = "volumebackup";
+/// The `controller` label of the VolumeRestore reconciler.
+pub const RESTORE_CONTROLLER: &str = "volumerestore";
 /// The `controller` label of the BackupStorageLocation reconciler.
 pub const LOCATION_CONTROLLER: &str = "backupstoragelocation";
 /// Ticks of [`WAKE_INTERVAL_MILLISECONDS`] between two prunings of the
@@ -495,8 +497,8 @@ impl ControllerMetrics {
         );
         // Every error series exists from the start at 0 (creating it is
         // enough; the returned guard is dropped at once).
-        for controller in [BACKUP_CONTROLLER, LOCATION_CONTROLLER] {
-            for kind in Error::LABELS {
+        for controller in [BACKUP_CONTROLLER, RESTORE_CONTROLLER, LOCATION_CONTROLLER] {
+            for kind in Error::labels() {
                 drop(reconcile_errors.get_or_create(&ReconcileErrorLabels { controller, kind }));
             }
         }
@@ -746,7 +748,7 @@ mod tests {
             "# TYPE haulage_reconcile_errors_total counter",
             "haulage_reconcile_errors_total{controller=\"volumebackup\",kind=\"missing_field\"} 2",
             // Every other kind is there from the start, at zero.
-            "haulage_reconcile_errors_total{controller=\"volumebackup\",kind=\"kube\"} 0",
+            "haulage_reconcile_errors_total{controller=\"volumebackup\",kind=\"apply_pod\"} 0",
             "haulage_reconcile_errors_total{controller=\"backupstoragelocation\",kind=\"finalizer\"} 0",
         ] {
             assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");

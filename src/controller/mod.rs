@@ -1,41 +1,41 @@
-//! `haulage controller`: kube-runtime controllers over shared reflector
-//! caches (the API server sees one watch per kind, never list polling).
+//! `haulage controller`: the reconcilers of haulage's kinds over shared
+//! reflector caches (the API server sees one watch per kind, never list
+//! polling). Each reconciler is observe → decide → apply: it reads what it
+//! needs from the caches into a plain value, asks the pure decision in
+//! [`crate::reconcile`], and carries out what comes back.
 //!
-//! - [`admission`]: the pure admission function (caps, FIFO queue,
-//!   bandwidth split); [`admitter`]: the loop that feeds it from the caches
-//!   and writes its decisions; [`lease`]: the Lease that makes one replica
-//!   at a time the admitter.
-//! - [`backup`]: the VolumeBackup reconciler (claim, storage, plan,
-//!   children, roll-up; the cancel finalizer).
-//! - [`location`]: the BackupStorageLocation validator (probe, repository
-//!   check, reasons, default conflicts, the periodic summary).
-//! - [`status`]: `next_status`, the pure VolumeBackup status function.
-//! - [`children`]: the pure desired objects of a plan (transfers, stage
-//!   pods, agent RBAC).
-//! - [`error`]: one error variant per failed call, transient or permanent.
+//! - [`backup`]: the VolumeBackup reconciler (through the cancel finalizer).
+//! - [`restore`]: the VolumeRestore reconciler (the same shape; it also
+//!   lists the location's snapshots once, to select them).
+//! - [`location`]: the BackupStorageLocation reconciler and its probe (the
+//!   object round trip and the repository check), the periodic summary.
+//! - [`admission`]: the admission loop, on the replica holding the
+//!   admission Lease ([`lease`]): the caps' input from the caches, the
+//!   writes of [`crate::reconcile::admission`]'s decisions.
+//! - [`execute`]: carries out the actions decisions return (stage pods and
+//!   their objects, deletions, transfer status writes, Events).
+//! - [`replicas`]: each replica's liveness Lease and heartbeat.
+//! - [`recent`]: moments this replica remembers by key (its last status
+//!   write of each backup, the stage pods it replaced).
+//! - [`error`]: one variant per failed call, transient or permanent.
 //! - [`events`]: Kubernetes Events on transitions, for `kubectl describe`.
 //! - [`health`]: `/healthz`, `/readyz` (caches synced, API server
 //!   reachable) and `/metrics` on one listener.
 //! - [`metrics`]: the Prometheus series, from the caches at scrape time,
 //!   the transfer events and the reconcile wrappers.
-//! - [`stage_pods`]: the pure stage-pod verdict (healthy, recreate after a
-//!   backoff, or fail its volumes with the pod's reason).
-//! - [`replicas`]: each replica's liveness Lease; adoption of a dead
-//!   replica's backups.
 
 pub mod admission;
-pub mod admitter;
 pub mod backup;
-pub mod children;
 pub mod error;
 pub mod events;
+pub mod execute;
 pub mod health;
 pub mod lease;
 pub mod location;
 pub mod metrics;
+pub mod recent;
 pub mod replicas;
-pub mod stage_pods;
-pub mod status;
+pub mod restore;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -54,15 +54,24 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::api::labels::{CONTROLLER_FIELD_MANAGER, SYSTEM_NAMESPACE};
-use crate::api::{BackupStorageLocation, StoragePolicy, VolumeBackup, VolumeTransfer};
-use crate::plan::spec::Pinning;
+use crate::api::{
+    BackupStorageLocation, StoragePolicy, VolumeBackup, VolumeRestore, VolumeTransfer,
+};
+use crate::reconcile::stage_pod::Operation;
+use crate::reconcile::stage_pod::Pinning;
 pub use error::Error;
-use metrics::{BACKUP_CONTROLLER, ControllerMetrics, LOCATION_CONTROLLER, MetricCaches};
+use metrics::{
+    BACKUP_CONTROLLER, ControllerMetrics, LOCATION_CONTROLLER, MetricCaches, RESTORE_CONTROLLER,
+};
 
 /// Server-side apply field manager of every controller write.
 pub const FIELD_MANAGER: &str = CONTROLLER_FIELD_MANAGER;
-/// Default agent image of stage pods.
-pub const DEFAULT_AGENT_IMAGE: &str = "ghcr.io/haulage-dev/mover-agent:0.1.0";
+/// Default agent image of stage pods: the one `tests/infra/build-images.sh` (and the
+/// Containerfile) build for this version, as manifests/kustomization.yaml names it.
+pub const DEFAULT_AGENT_IMAGE: &str = concat!(
+    "ghcr.io/haulage-dev/mover-agent:",
+    env!("CARGO_PKG_VERSION")
+);
 /// Default address of the health endpoints.
 pub const DEFAULT_HEALTH_ADDRESS: &str = "0.0.0.0:8080";
 /// Default number of objects reconciled at once per controller.
@@ -74,15 +83,21 @@ pub const DEFAULT_CONCURRENCY: u16 = 8;
 /// StoragePolicies narrow it per storage.
 pub const DEFAULT_MAX_CONCURRENT_VOLUMES: u32 = 16;
 /// Default cap on volumes moved at once per node: a node's network and CPU
-/// are shared with its workloads, and a stage pod (128Mi) moves two volumes
-/// at once (the agent's `--parallel-volumes`); more would only queue inside
-/// the pod while holding slots other nodes could use.
+/// are shared with its workloads. A stage pod (128Mi) moves one volume at a
+/// time by default (the agent's `--parallel-volumes`), so two slots let the
+/// node's next volume be admitted while the first finishes, or two stage
+/// pods of different namespaces on the node run at once.
 pub const DEFAULT_MAX_VOLUMES_PER_NODE: u32 = 2;
 /// Seconds between retries of a transient failure.
 const TRANSIENT_RETRY_SECONDS: u64 = 5;
 /// Seconds between retries of a permanent failure (a user must act; a
 /// slow retry notices when they did).
 const PERMANENT_RETRY_SECONDS: u64 = 120;
+/// How long a backup's last status write is remembered (far longer than
+/// the progress-write interval; a finished backup is forgotten at once).
+const STATUS_WRITE_MEMORY: Duration = Duration::from_secs(24 * 3600);
+/// How long a replaced stage pod's UID is remembered.
+const REPLACED_POD_MEMORY: Duration = Duration::from_secs(3600);
 /// Events buffered per shared cache subscriber.
 const SUBSCRIBER_BUFFER: usize = 256;
 /// Seconds between the storage-locations summary lines (one warning per
@@ -132,7 +147,7 @@ pub struct ControllerArgs {
     #[arg(
         long,
         env = "HAULAGE_REPLICA_LEASE_SECONDS",
-        default_value_t = replicas::DEFAULT_LEASE_SECONDS,
+        default_value_t = crate::reconcile::replicas::DEFAULT_LEASE_SECONDS,
         value_parser = clap::value_parser!(u32).range(i64::from(MIN_LEASE_SECONDS)..=3600)
     )]
     pub replica_lease_seconds: u32,
@@ -148,7 +163,7 @@ pub struct ControllerArgs {
     #[arg(
         long,
         env = "HAULAGE_AGENT_LOST_SECONDS",
-        default_value_t = stage_pods::DEFAULT_AGENT_LOST_SECONDS,
+        default_value_t = crate::reconcile::supervision::DEFAULT_AGENT_LOST_SECONDS,
         value_parser = clap::value_parser!(u32).range(i64::from(MIN_AGENT_LOST_SECONDS)..)
     )]
     pub agent_lost_seconds: u32,
@@ -196,8 +211,8 @@ impl Config {
             health_address: SocketAddr::from(([0, 0, 0, 0], 8080)),
             concurrency: DEFAULT_CONCURRENCY,
             pinning: Pinning::RequiredNodeAffinity,
-            replica_lease_seconds: replicas::DEFAULT_LEASE_SECONDS,
-            agent_lost_seconds: stage_pods::DEFAULT_AGENT_LOST_SECONDS,
+            replica_lease_seconds: crate::reconcile::replicas::DEFAULT_LEASE_SECONDS,
+            agent_lost_seconds: crate::reconcile::supervision::DEFAULT_AGENT_LOST_SECONDS,
             max_concurrent_volumes: Some(DEFAULT_MAX_CONCURRENT_VOLUMES),
             max_volumes_per_node: Some(DEFAULT_MAX_VOLUMES_PER_NODE),
         }
@@ -267,6 +282,36 @@ pub struct Stores {
     pub leases: Store<Lease>,
     /// StoragePolicies (cluster-scoped).
     pub policies: Store<StoragePolicy>,
+    /// Namespaces (a restore's destinations must exist, or be created).
+    pub namespaces: Store<k8s_openapi::api::core::v1::Namespace>,
+    /// LimitRanges (a stage pod asks at least their container minimum).
+    pub limit_ranges: Store<k8s_openapi::api::core::v1::LimitRange>,
+    /// CSINodes (the planner counts their attach limits).
+    pub csi_nodes: Store<k8s_openapi::api::storage::v1::CSINode>,
+}
+
+impl Stores {
+    /// The LimitRange minimum of each namespace that has one (the largest
+    /// of its LimitRanges'); a LimitRange that cannot be read is left out
+    /// with a warning.
+    pub fn limit_minimums(
+        &self,
+    ) -> std::collections::BTreeMap<String, crate::plan::facts::ResourceMinimum> {
+        let mut minimums: std::collections::BTreeMap<String, crate::plan::facts::ResourceMinimum> =
+            std::collections::BTreeMap::new();
+        for limit_range in self.limit_ranges.state() {
+            let namespace = limit_range.namespace().unwrap_or_default();
+            match crate::plan::objects::limit_range_minimum(&limit_range) {
+                Ok(minimum) => {
+                    let entry = minimums.entry(namespace).or_default();
+                    entry.cpu_millis = entry.cpu_millis.max(minimum.cpu_millis);
+                    entry.memory_bytes = entry.memory_bytes.max(minimum.memory_bytes);
+                }
+                Err(error) => warn!(%error, "a LimitRange cannot be read; stage pods ignore it"),
+            }
+        }
+        minimums
+    }
 }
 
 /// What every reconcile gets.
@@ -281,12 +326,18 @@ pub struct Context {
     pub heartbeat: replicas::Heartbeat,
     /// Kubernetes Events publisher.
     pub events: events::Events,
-    /// When each running backup's status was last written.
-    pub progress_writes: backup::ProgressWrites,
-    /// Stage pods this replica deleted to replace them.
-    pub replaced_pods: backup::ReplacedPods,
+    /// When this replica last wrote each running backup's status, by UID
+    /// (the progress-write throttle).
+    pub status_writes: recent::Recent,
+    /// UIDs of stage pods this replica deleted to replace them (kept an
+    /// hour: a lagging cache must not get one judged twice).
+    pub replaced_pods: recent::Recent,
     /// Which caches have synced (wait here, never on a store).
     pub readiness: Arc<health::Readiness>,
+    /// This cluster's identity, the UID of its `kube-system` namespace (as
+    /// Velero records it), written into every snapshot's claim record;
+    /// `None` when it could not be read.
+    pub cluster_id: Option<String>,
 }
 
 /// The controller could not run.
@@ -304,6 +355,14 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// kube-runtime's requeue for a decision's.
+pub(crate) fn requeue(requeue: crate::reconcile::action::Requeue) -> Action {
+    match requeue {
+        crate::reconcile::action::Requeue::After(duration) => Action::requeue(duration),
+        crate::reconcile::action::Requeue::OnChange => Action::await_change(),
+    }
 }
 
 fn error_policy<K>(object: Arc<K>, error: &Error, _context: Arc<Context>) -> Action
@@ -393,11 +452,32 @@ pub(crate) mod cache {
     pub const BACKUPS: &str = "volumebackups";
     /// BackupStorageLocations in the controller's namespace.
     pub const LOCATIONS: &str = "backupstoragelocations";
+    /// VolumeRestores in the controller's namespace.
+    pub const RESTORES: &str = "volumerestores";
+    /// Namespaces.
+    pub const NAMESPACES: &str = "namespaces";
+    /// LimitRanges, everywhere.
+    pub const LIMIT_RANGES: &str = "limitranges";
+    /// CSINodes.
+    pub const CSI_NODES: &str = "csinodes";
     /// haulage's VolumeTransfers, everywhere.
     pub const TRANSFERS: &str = "volumetransfers";
     /// Every cache: the controller is not ready until each has listed.
-    pub const ALL: [&str; 10] = [
-        CLAIMS, PODS, NODES, VOLUMES, CLASSES, LEASES, POLICIES, BACKUPS, LOCATIONS, TRANSFERS,
+    pub const ALL: [&str; 14] = [
+        CLAIMS,
+        PODS,
+        NODES,
+        VOLUMES,
+        CLASSES,
+        LEASES,
+        POLICIES,
+        BACKUPS,
+        LOCATIONS,
+        TRANSFERS,
+        RESTORES,
+        NAMESPACES,
+        LIMIT_RANGES,
+        CSI_NODES,
     ];
 }
 
@@ -469,6 +549,30 @@ fn spawn_cache<K: Cached>(
     spawn_cache_reporting_deletions(tasks, readiness, kind, api, config, writer, None);
 }
 
+/// A cache of every `K` in the cluster read by the reconcilers only (no
+/// controller is driven by its changes): its store, filled by a task in
+/// `tasks` that marks `kind` synced in `readiness`.
+fn cluster_cache<K: Cached>(
+    tasks: &mut JoinSet<()>,
+    readiness: &Arc<health::Readiness>,
+    kind: &'static str,
+    client: &Client,
+) -> reflector::Store<K>
+where
+    K::DynamicType: Default,
+{
+    let (store, writer) = reflector::store();
+    spawn_cache(
+        tasks,
+        readiness,
+        kind,
+        Api::<K>::all(client.clone()),
+        watcher::Config::default(),
+        writer,
+    );
+    store
+}
+
 /// [`spawn_cache`], also sending each deleted object to `deletions`: the
 /// shared streams of kube-runtime announce changes only, never deletions.
 fn spawn_cache_reporting_deletions<K: Cached>(
@@ -507,6 +611,25 @@ fn spawn_cache_reporting_deletions<K: Cached>(
     );
 }
 
+/// The backup or restore (`operation`) a stage pod belongs to, by its
+/// labels: `(namespace, name)`.
+fn owner_of_stage_pod(pod: &Pod, operation: Operation) -> Option<(String, String)> {
+    let labels = pod.labels();
+    if labels
+        .get(crate::api::labels::OPERATION_LABEL)
+        .map(String::as_str)
+        != Some(operation.as_str())
+    {
+        return None;
+    }
+    Some((
+        labels
+            .get(crate::api::labels::OWNER_NAMESPACE_LABEL)?
+            .clone(),
+        labels.get(crate::api::labels::OWNER_NAME_LABEL)?.clone(),
+    ))
+}
+
 /// The other locations marked default in `changed`'s namespace, whose
 /// `UniqueDefault` condition a change (or the deletion) of `changed` can
 /// change.
@@ -540,6 +663,39 @@ pub async fn run(
     run_with_listener(config, client, listener, shutdown).await
 }
 
+/// Write this replica's liveness lease and keep renewing it (until
+/// `release` is cancelled); an API server that is not reachable yet is
+/// waited for, retrying every 5 s. `None` when `shutdown` came first.
+async fn start_replica_lease(
+    client: &Client,
+    config: &Config,
+    heartbeat: &replicas::Heartbeat,
+    release: &CancellationToken,
+    shutdown: &CancellationToken,
+) -> Option<tokio_util::task::AbortOnDropHandle<()>> {
+    loop {
+        match replicas::keep_alive(
+            client.clone(),
+            config.namespace.clone(),
+            config.identity.clone(),
+            config.replica_lease_seconds,
+            heartbeat.clone(),
+            release.clone(),
+        )
+        .await
+        {
+            Ok(task) => return Some(tokio_util::task::AbortOnDropHandle::new(task)),
+            Err(error) => {
+                warn!(%error, namespace = %config.namespace, "cannot write this replica's lease; retrying in 5s (check the API server and the controller's RBAC for leases)");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return None,
+                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+                }
+            }
+        }
+    }
+}
+
 /// [`run`] with the health and metrics endpoints on `listener`, bound by
 /// the caller (who then knows its address, e.g. for port 0);
 /// `config.health_address` is not used.
@@ -562,7 +718,11 @@ pub async fn run_with_listener(
         shutdown.clone(),
     ));
 
-    let (claims, claims_writer) = reflector::store();
+    let (claims, claims_writer) =
+        reflector::store_shared::<PersistentVolumeClaim>(SUBSCRIBER_BUFFER);
+    let Some(claim_events) = claims_writer.subscribe() else {
+        return Err(RunError::Subscribe);
+    };
     spawn_cache(
         &mut tasks,
         &readiness,
@@ -574,7 +734,9 @@ pub async fn run_with_listener(
     // Pods are shared: the planner reads them and stage pod changes wake
     // their VolumeBackup (a crash loop or an eviction is acted on at once).
     let (pods, pods_writer) = reflector::store_shared::<Pod>(SUBSCRIBER_BUFFER);
-    let Some(pod_events) = pods_writer.subscribe() else {
+    let (Some(pod_events), Some(pod_events_for_restores)) =
+        (pods_writer.subscribe(), pods_writer.subscribe())
+    else {
         return Err(RunError::Subscribe);
     };
     spawn_cache(
@@ -585,33 +747,28 @@ pub async fn run_with_listener(
         watcher::Config::default(),
         pods_writer,
     );
-    let (nodes, nodes_writer) = reflector::store();
-    spawn_cache(
+    let namespaces = cluster_cache::<k8s_openapi::api::core::v1::Namespace>(
         &mut tasks,
         &readiness,
-        cache::NODES,
-        Api::<Node>::all(client.clone()),
-        watcher::Config::default(),
-        nodes_writer,
+        cache::NAMESPACES,
+        &client,
     );
-    let (volumes, volumes_writer) = reflector::store();
-    spawn_cache(
+    let limit_ranges = cluster_cache::<k8s_openapi::api::core::v1::LimitRange>(
         &mut tasks,
         &readiness,
-        cache::VOLUMES,
-        Api::<PersistentVolume>::all(client.clone()),
-        watcher::Config::default(),
-        volumes_writer,
+        cache::LIMIT_RANGES,
+        &client,
     );
-    let (classes, classes_writer) = reflector::store();
-    spawn_cache(
+    let csi_nodes = cluster_cache::<k8s_openapi::api::storage::v1::CSINode>(
         &mut tasks,
         &readiness,
-        cache::CLASSES,
-        Api::<StorageClass>::all(client.clone()),
-        watcher::Config::default(),
-        classes_writer,
+        cache::CSI_NODES,
+        &client,
     );
+    let nodes = cluster_cache::<Node>(&mut tasks, &readiness, cache::NODES, &client);
+    let volumes =
+        cluster_cache::<PersistentVolume>(&mut tasks, &readiness, cache::VOLUMES, &client);
+    let classes = cluster_cache::<StorageClass>(&mut tasks, &readiness, cache::CLASSES, &client);
 
     let (leases, leases_writer) = reflector::store();
     spawn_cache(
@@ -619,7 +776,10 @@ pub async fn run_with_listener(
         &readiness,
         cache::LEASES,
         Api::<Lease>::namespaced(client.clone(), &config.namespace),
-        watcher::Config::default().labels(&format!("{}=true", replicas::REPLICA_LEASE_LABEL)),
+        watcher::Config::default().labels(&format!(
+            "{}=true",
+            crate::reconcile::replicas::REPLICA_LEASE_LABEL
+        )),
         leases_writer,
     );
 
@@ -630,26 +790,10 @@ pub async fn run_with_listener(
     // another replica must not adopt or admit while this one still writes.
     let release_leases = CancellationToken::new();
     let heartbeat = replicas::Heartbeat::default();
-    let lease_task = loop {
-        match replicas::keep_alive(
-            client.clone(),
-            config.namespace.clone(),
-            config.identity.clone(),
-            config.replica_lease_seconds,
-            heartbeat.clone(),
-            release_leases.clone(),
-        )
-        .await
-        {
-            Ok(task) => break tokio_util::task::AbortOnDropHandle::new(task),
-            Err(error) => {
-                warn!(%error, namespace = %config.namespace, "cannot write this replica's lease; retrying in 5s (check the API server and the controller's RBAC for leases)");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(Duration::from_secs(5)) => {}
-                }
-            }
-        }
+    let Some(lease_task) =
+        start_replica_lease(&client, &config, &heartbeat, &release_leases, &shutdown).await
+    else {
+        return Ok(());
     };
 
     // Shared caches: each feeds a controller and triggers the other.
@@ -660,11 +804,15 @@ pub async fn run_with_listener(
     let location_events = locations_writer.subscribe();
     let location_events_for_backups = locations_writer.subscribe();
     let location_events_for_defaults = locations_writer.subscribe();
+    let location_events_for_restores = locations_writer.subscribe();
+    let (restores, restores_writer) = reflector::store_shared::<VolumeRestore>(SUBSCRIBER_BUFFER);
+    let restore_events = restores_writer.subscribe();
     let (transfers, transfers_writer) =
         reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
     let transfer_events = transfers_writer.subscribe();
     let transfer_events_for_metrics = transfers_writer.subscribe();
     let transfer_events_for_admission = transfers_writer.subscribe();
+    let transfer_events_for_restores = transfers_writer.subscribe();
     let location_events_for_admission = locations_writer.subscribe();
     let (policies, policies_writer) = reflector::store_shared::<StoragePolicy>(SUBSCRIBER_BUFFER);
     let policy_events = policies_writer.subscribe();
@@ -678,6 +826,9 @@ pub async fn run_with_listener(
         Some(transfer_events_for_admission),
         Some(location_events_for_admission),
         Some(policy_events),
+        Some(restore_events),
+        Some(location_events_for_restores),
+        Some(transfer_events_for_restores),
     ) = (
         backup_events,
         location_events,
@@ -688,6 +839,9 @@ pub async fn run_with_listener(
         transfer_events_for_admission,
         location_events_for_admission,
         policy_events,
+        restore_events,
+        location_events_for_restores,
+        transfer_events_for_restores,
     )
     else {
         return Err(RunError::Subscribe);
@@ -707,6 +861,14 @@ pub async fn run_with_listener(
         Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
         watcher::Config::default(),
         backups_writer,
+    );
+    spawn_cache(
+        &mut tasks,
+        &readiness,
+        cache::RESTORES,
+        Api::<VolumeRestore>::namespaced(client.clone(), &config.namespace),
+        watcher::Config::default(),
+        restores_writer,
     );
     let (location_deletions, deleted_locations) = futures::channel::mpsc::unbounded();
     spawn_cache_reporting_deletions(
@@ -741,6 +903,9 @@ pub async fn run_with_listener(
         classes,
         leases,
         policies,
+        namespaces,
+        limit_ranges,
+        csi_nodes,
     };
     let metrics = Arc::new(ControllerMetrics::new(Some(MetricCaches {
         locations: stores.locations.clone(),
@@ -767,9 +932,10 @@ pub async fn run_with_listener(
         stores,
         heartbeat,
         events: events::Events::new(client.clone(), &config.identity),
-        progress_writes: backup::ProgressWrites::default(),
-        replaced_pods: backup::ReplacedPods::default(),
+        status_writes: recent::Recent::keeping(STATUS_WRITE_MEMORY),
+        replaced_pods: recent::Recent::keeping(REPLACED_POD_MEMORY),
         readiness: readiness.clone(),
+        cluster_id: cluster_identity(&client).await,
     });
     // Admission: one replica at a time (the admission lease holder) runs
     // the admission loop, woken by changes of transfers, locations and
@@ -795,7 +961,7 @@ pub async fn run_with_listener(
         }));
     }
     let admission = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-        admitter::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
+        admission::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
     ));
 
     let controller_config = ControllerConfig::default().concurrency(config.concurrency);
@@ -808,34 +974,74 @@ pub async fn run_with_listener(
             Some(ObjectRef::<VolumeBackup>::new(&reference.name).within(&reference.namespace))
         })
         .watches_shared_stream(pod_events, |pod: Arc<Pod>| {
-            let labels = pod.labels();
-            let namespace = labels.get(crate::api::labels::OWNER_NAMESPACE_LABEL)?;
-            let name = labels.get(crate::api::labels::OWNER_NAME_LABEL)?;
-            Some(ObjectRef::<VolumeBackup>::new(name).within(namespace))
+            let (namespace, name) = owner_of_stage_pod(&pod, Operation::Backup)?;
+            Some(ObjectRef::<VolumeBackup>::new(&name).within(&namespace))
         })
         .watches_shared_stream(
             location_events_for_backups,
             move |location: Arc<BackupStorageLocation>| {
-                let namespace = location.namespace().unwrap_or_default();
-                backups_for_mapping
-                    .state()
-                    .into_iter()
-                    .filter(|backup| backup.namespace().as_deref() == Some(namespace.as_str()))
-                    .filter(|backup| {
-                        backup
-                            .status
-                            .as_ref()
-                            .and_then(|status| status.phase)
-                            .is_none_or(|phase| !phase.is_final())
-                    })
-                    .map(|backup| ObjectRef::from_obj(backup.as_ref()))
-                    .collect::<Vec<_>>()
+                unfinished_in(&backups_for_mapping, &location, |backup: &VolumeBackup| {
+                    backup
+                        .status
+                        .as_ref()
+                        .and_then(|status| status.phase)
+                        .is_some_and(|phase| phase.is_final())
+                })
             },
         )
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
         .run(
             timed(BACKUP_CONTROLLER, metrics.clone(), backup::reconcile),
             counted(BACKUP_CONTROLLER, metrics.clone()),
+            context.clone(),
+        )
+        .for_each(|_| futures::future::ready(()));
+
+    let restores_for_mapping = restores.clone();
+    let restore_controller = Controller::for_shared_stream(restore_events, restores)
+        .with_config(controller_config.clone())
+        .watches_shared_stream(
+            transfer_events_for_restores,
+            |transfer: Arc<VolumeTransfer>| {
+                (transfer.spec.direction == crate::api::TransferDirection::Download).then(|| {
+                    let reference = &transfer.spec.backup_ref;
+                    ObjectRef::<VolumeRestore>::new(&reference.name).within(&reference.namespace)
+                })
+            },
+        )
+        .watches_shared_stream(pod_events_for_restores, |pod: Arc<Pod>| {
+            let (namespace, name) = owner_of_stage_pod(&pod, Operation::Restore)?;
+            Some(ObjectRef::<VolumeRestore>::new(&name).within(&namespace))
+        })
+        .watches_shared_stream(claim_events, |claim: Arc<PersistentVolumeClaim>| {
+            // A restored claim that binds (or is replaced) moves its
+            // restore on; it carries its restore's owner labels.
+            let labels = claim.labels();
+            labels.get(crate::reconcile::claims::RESTORE_STATE_LABEL)?;
+            let namespace = labels.get(crate::api::labels::OWNER_NAMESPACE_LABEL)?;
+            let name = labels.get(crate::api::labels::OWNER_NAME_LABEL)?;
+            Some(ObjectRef::<VolumeRestore>::new(name).within(namespace))
+        })
+        .watches_shared_stream(
+            location_events_for_restores,
+            move |location: Arc<BackupStorageLocation>| {
+                unfinished_in(
+                    &restores_for_mapping,
+                    &location,
+                    |restore: &VolumeRestore| {
+                        restore
+                            .status
+                            .as_ref()
+                            .and_then(|status| status.phase)
+                            .is_some_and(|phase| phase.is_final())
+                    },
+                )
+            },
+        )
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(
+            timed(RESTORE_CONTROLLER, metrics.clone(), restore::reconcile),
+            counted(RESTORE_CONTROLLER, metrics.clone()),
             context.clone(),
         )
         .for_each(|_| futures::future::ready(()));
@@ -878,7 +1084,7 @@ pub async fn run_with_listener(
         .for_each(|_| futures::future::ready(()));
 
     info!(identity = %config.identity, namespace = %config.namespace, "controller started");
-    futures::future::join(backup_controller, location_controller).await;
+    futures::future::join3(backup_controller, restore_controller, location_controller).await;
     // Every reconcile and admission pass has ended (the admission loop
     // stops at `shutdown`): release the replica lease, so other replicas
     // adopt this one's backups now, and the admission lease, so another
@@ -889,6 +1095,39 @@ pub async fn run_with_listener(
     let _ = lease_loop.await;
     info!("controller stopped");
     Ok(())
+}
+
+/// The objects of `store` in `location`'s namespace that are not final
+/// (`is_final`): what a change of the location may move on.
+fn unfinished_in<K>(
+    store: &reflector::Store<K>,
+    location: &BackupStorageLocation,
+    is_final: impl Fn(&K) -> bool,
+) -> Vec<ObjectRef<K>>
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    let namespace = location.namespace().unwrap_or_default();
+    store
+        .state()
+        .into_iter()
+        .filter(|object| object.namespace().as_deref() == Some(namespace.as_str()))
+        .filter(|object| !is_final(object))
+        .map(|object| ObjectRef::from_obj(object.as_ref()))
+        .collect()
+}
+
+/// This cluster's identity: the UID of its `kube-system` namespace.
+async fn cluster_identity(client: &Client) -> Option<String> {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    match namespaces.get("kube-system").await {
+        Ok(namespace) => namespace.uid(),
+        Err(error) => {
+            warn!(%error, "cannot read the kube-system namespace (the cluster's identity); snapshots will not record which cluster they come from (check the ClusterRole's namespaces rule)");
+            None
+        }
+    }
 }
 
 /// Log the storage-locations summary once per
@@ -1006,15 +1245,15 @@ mod tests {
 
         // One location that is Unavailable: an error per interval instead.
         let mut location = BackupStorageLocation::test("offsite");
-        location.status = Some(location::next_location_status(
+        location.status = Some(crate::reconcile::location::next_location_status(
             &Default::default(),
-            &location::ProbeOutcome::Failed {
-                problem: location::ProbeProblem::AccessDenied,
+            &crate::reconcile::location::ProbeOutcome::Failed {
+                problem: crate::reconcile::location::ProbeProblem::AccessDenied,
                 message: "refused".to_string(),
             },
             &[],
             None,
-            location::now(),
+            crate::clock::now(),
         ));
         writer.apply_watcher_event(&watcher::Event::Apply(location));
         tokio::time::sleep(Duration::from_secs(LOCATION_SUMMARY_INTERVAL_SECONDS * 2)).await;

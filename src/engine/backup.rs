@@ -98,6 +98,9 @@ pub struct BackupOptions {
     pub parent: ParentPolicy,
     /// User tags.
     pub tags: BTreeMap<String, String>,
+    /// The claim the source is, recorded in the snapshot so a destination
+    /// cluster can recreate it.
+    pub claim: Option<crate::repo::snapshot::ClaimRecord>,
     /// zstd level.
     pub compression_level: i32,
     /// Limit on reading the source.
@@ -112,22 +115,15 @@ impl BackupOptions {
         BackupOptions {
             source: source.into(),
             source_label: None,
-            hostname: hostname(),
+            hostname: super::hostname(),
             parent: ParentPolicy::LatestForSource,
             tags: BTreeMap::new(),
+            claim: None,
             compression_level: DEFAULT_COMPRESSION_LEVEL,
             read_throttle: Throttle::unlimited(),
             parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()) + 1,
         }
     }
-}
-
-/// This machine's hostname, or `localhost`.
-pub fn hostname() -> String {
-    rustix::system::uname()
-        .nodename()
-        .to_string_lossy()
-        .into_owned()
 }
 
 /// The result of a backup.
@@ -150,7 +146,7 @@ enum WalkItem {
     SmallChunk {
         id: BlobId,
         raw_length: u32,
-        new_blob: Option<(Compression, Vec<u8>)>,
+        new_blob: Option<NewBlob>,
     },
     Hole(u64),
     FileEnd(Option<(String, String)>),
@@ -167,7 +163,7 @@ enum Processed {
     Chunk {
         id: BlobId,
         raw_length: u32,
-        new_blob: Option<(Compression, Vec<u8>)>,
+        new_blob: Option<NewBlob>,
         _permit: Option<OwnedSemaphorePermit>,
     },
 }
@@ -199,7 +195,9 @@ pub async fn backup(
     cancel: CancellationToken,
 ) -> Result<BackupOutcome, EngineError> {
     let started = Instant::now();
-    let start_time = humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string();
+    // Nanoseconds, so that snapshots taken in the same second still have an
+    // order (retention's "last", the latest per claim).
+    let start_time = humantime::format_rfc3339_nanos(std::time::SystemTime::now()).to_string();
     let source = std::path::absolute(&options.source).map_err(|error| EngineError::Source {
         path: options.source.clone(),
         reason: error.to_string(),
@@ -232,8 +230,10 @@ pub async fn backup(
         index: index.clone(),
         claimed: Mutex::new(HashSet::new()),
         progress: progress.clone(),
+        // Room for the tag sealing appends, so a sealed buffer never grows.
         buffers: BufferPool::new(
-            zstd::zstd_safe::compress_bound(repository.config().chunker.max_bytes as usize),
+            zstd::zstd_safe::compress_bound(repository.config().chunker.max_bytes as usize)
+                + repository.codec().blob_overhead(),
             CHUNK_BUFFERS_KEPT,
         ),
     });
@@ -332,7 +332,7 @@ pub async fn backup(
     }
     let stats = &assembler.stats;
     let snapshot = Snapshot {
-        format_version: crate::repo::config::FORMAT_VERSION,
+        format_version: repository.config().format_version,
         time: start_time,
         hostname: options.hostname.clone(),
         source: label,
@@ -347,6 +347,7 @@ pub async fn backup(
         },
         parent: parent.map(|(id, _)| id),
         tags: options.tags.clone(),
+        claim: options.claim.clone(),
         summary: SnapshotSummary {
             files: stats.files,
             directories: stats.directories,
@@ -392,6 +393,46 @@ async fn find_parent(
     }
 }
 
+/// A blob not yet in the repository, ready for a pack: compressed (or
+/// not) and sealed in format 2.
+#[derive(Debug)]
+pub(crate) struct NewBlob {
+    compression: Compression,
+    /// What goes before `body` in the pack (the nonce in format 2).
+    prefix: crate::repo::codec::BlobPrefix,
+    /// The stored bytes (format 2: ciphertext and tag).
+    body: Vec<u8>,
+}
+
+impl NewBlob {
+    /// Compress (into a pooled buffer when `buffers` is given) and seal.
+    fn encode(
+        repository: &Repository,
+        buffers: Option<&BufferPool>,
+        kind: BlobKind,
+        id: &BlobId,
+        data: Vec<u8>,
+        level: i32,
+    ) -> Self {
+        let (compression, mut body) = match buffers {
+            Some(buffers) => compress_pooled(buffers, data, level),
+            None => compress(data, level),
+        };
+        let prefix = repository
+            .codec()
+            .seal_blob_in_place(&mut rand::rng(), kind, id, &mut body);
+        NewBlob {
+            compression,
+            prefix,
+            body,
+        }
+    }
+
+    fn stored_length(&self) -> usize {
+        self.prefix.as_bytes().len() + self.body.len()
+    }
+}
+
 fn hash_and_compress(
     shared: &Shared,
     data: Vec<u8>,
@@ -401,7 +442,14 @@ fn hash_and_compress(
     let id = shared.repository.keys().blob_id(&data);
     let raw_length = data.len() as u32;
     let new_blob = if shared.claim(&id) {
-        Some(compress_pooled(&shared.buffers, data, level))
+        Some(NewBlob::encode(
+            &shared.repository,
+            Some(&shared.buffers),
+            BlobKind::Data,
+            &id,
+            data,
+            level,
+        ))
     } else {
         shared.buffers.give(data);
         None
@@ -460,34 +508,18 @@ fn compress_pooled(buffers: &BufferPool, data: Vec<u8>, level: i32) -> (Compress
     }
 }
 
-/// Lstat-only walk that fills in the progress totals.
+/// Fill in the progress totals with the lstat-only walk
+/// ([`super::scan::scan_regular_files`]).
 fn scan_totals(root: &Path, progress: &Progress, cancel: &CancellationToken) {
     use std::sync::atomic::Ordering;
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        if cancel.is_cancelled() {
-            return;
-        }
-        let Ok(entries) = fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            let Ok(file_type) = entry.file_type() else {
-                continue;
-            };
-            if file_type.is_dir() {
-                stack.push(entry.path());
-            } else if file_type.is_file() {
-                if let Ok(metadata) = entry.metadata() {
-                    progress
-                        .total_bytes
-                        .fetch_add(metadata.len(), Ordering::Relaxed);
-                }
-                progress.total_files.fetch_add(1, Ordering::Relaxed);
-            }
-        }
+    // An unreadable root fails the backup itself, with its own message.
+    let _ = super::scan::scan_regular_files(root, Some(cancel), |_, size| {
+        progress.total_bytes.fetch_add(size, Ordering::Relaxed);
+        progress.total_files.fetch_add(1, Ordering::Relaxed);
+    });
+    if !cancel.is_cancelled() {
+        progress.totals_known.store(true, Ordering::Release);
     }
-    progress.totals_known.store(true, Ordering::Release);
 }
 
 /// The walker's state; runs on one blocking thread.
@@ -925,10 +957,16 @@ impl WalkContext {
         if chunk.len() < INLINE_CHUNK_BYTES {
             let id = self.shared.repository.keys().blob_id(&chunk);
             let raw_length = chunk.len() as u32;
-            let new_blob = self
-                .shared
-                .claim(&id)
-                .then(|| compress(chunk, self.compression_level));
+            let new_blob = self.shared.claim(&id).then(|| {
+                NewBlob::encode(
+                    &self.shared.repository,
+                    None,
+                    BlobKind::Data,
+                    &id,
+                    chunk,
+                    self.compression_level,
+                )
+            });
             return self
                 .send(WalkItem::SmallChunk {
                     id,
@@ -1040,11 +1078,11 @@ impl Assembler {
                 new_blob,
                 _permit,
             } => {
-                if let Some((compression, stored)) = new_blob {
+                if let Some(blob) = new_blob {
                     self.packer
-                        .add(id, BlobKind::Data, compression, &stored, raw_length)
+                        .add(id, BlobKind::Data, &blob, raw_length)
                         .await?;
-                    self.shared.buffers.give(stored);
+                    self.shared.buffers.give(blob.body);
                 }
                 if let Some(file) = &mut self.current_file {
                     file.content.push(Extent::Chunk(id, raw_length));
@@ -1149,13 +1187,15 @@ impl Assembler {
             let bytes = tree.encode();
             let id = repository.keys().blob_id(&bytes);
             let raw_length = bytes.len() as u32;
-            let new_blob = shared.claim(&id).then(|| compress(bytes, 3));
+            let new_blob = shared
+                .claim(&id)
+                .then(|| NewBlob::encode(&repository, None, BlobKind::Tree, &id, bytes, 3));
             (id, raw_length, new_blob)
         })
         .await;
-        if let Some((compression, stored)) = new_blob {
+        if let Some(blob) = new_blob {
             self.packer
-                .add(id, BlobKind::Tree, compression, &stored, raw_length)
+                .add(id, BlobKind::Tree, &blob, raw_length)
                 .await?;
         }
         Ok(id)
@@ -1185,7 +1225,7 @@ struct Packer {
 impl Packer {
     fn new(repository: Repository, progress: Arc<Progress>) -> Self {
         Packer {
-            current: PackWriter::with_capacity(pack_buffer_bytes(&repository)),
+            current: repository.pack_writer(pack_buffer_bytes(&repository)),
             repository,
             progress,
             uploads: JoinSet::new(),
@@ -1200,15 +1240,21 @@ impl Packer {
         &mut self,
         id: BlobId,
         kind: BlobKind,
-        compression: Compression,
-        stored: &[u8],
+        blob: &NewBlob,
         raw_length: u32,
     ) -> Result<(), EngineError> {
+        let stored = blob.stored_length() as u64;
         self.bytes_new += u64::from(raw_length);
-        self.bytes_stored += stored.len() as u64;
+        self.bytes_stored += stored;
         Progress::add(&self.progress.bytes_new, u64::from(raw_length));
-        Progress::add(&self.progress.bytes_stored, stored.len() as u64);
-        self.current.add(id, kind, compression, stored, raw_length);
+        Progress::add(&self.progress.bytes_stored, stored);
+        self.current.add_parts(
+            id,
+            kind,
+            blob.compression,
+            &[blob.prefix.as_bytes(), &blob.body],
+            raw_length,
+        );
         if self.current.len() >= self.repository.config().pack_target_bytes as usize {
             self.flush().await?;
         }
@@ -1224,11 +1270,13 @@ impl Packer {
         }
         let writer = std::mem::replace(
             &mut self.current,
-            PackWriter::with_capacity(pack_buffer_bytes(&self.repository)),
+            self.repository
+                .pack_writer(pack_buffer_bytes(&self.repository)),
         );
         let repository = self.repository.clone();
         self.uploads.spawn(async move {
-            let pack = run_blocking(move || writer.finish()).await;
+            let codec = repository.codec().clone();
+            let pack = run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
             repository
                 .store()
                 .put(

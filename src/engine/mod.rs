@@ -6,18 +6,30 @@
 //!   pack → upload, then trees, index and snapshot.
 //! - [`restore`]: snapshot → target directory, every chunk checked, no
 //!   write outside the target.
-//! - [`verify`]: re-read and check everything a snapshot references.
+//! - [`verify`]: re-read and check everything a snapshot references (or a
+//!   sample of the packs).
+//! - [`forget`]: apply a retention policy, delete snapshot manifests.
+//! - [`prune`]: reclaim the space of data no snapshot references, safely
+//!   beside running backups.
+//! - [`lock`]: lock objects in the store (shared, exclusive, stale).
+//! - [`verify_tree`]: check that a directory holds exactly a snapshot,
+//!   entry by entry and chunk by chunk (what a restore is proven with).
 //! - [`throttle`]: smooth bytes-per-second limits.
 //! - [`buffers`]: reusable large buffers for the pipeline.
 //! - [`progress`]: counters shared with whoever displays progress.
 
+pub use crate::throttle;
 pub mod backup;
 pub mod buffers;
+pub mod forget;
+pub mod lock;
 pub mod progress;
+pub mod prune;
 pub mod repository;
 pub mod restore;
-pub mod throttle;
+pub mod scan;
 pub mod verify;
+pub mod verify_tree;
 
 use std::path::PathBuf;
 
@@ -25,7 +37,7 @@ use crate::repo::config::ConfigError;
 use crate::repo::{BlobId, ObjectId};
 use crate::store::StoreError;
 
-pub use repository::Repository;
+pub use repository::{Encryption, KeySource, Password, PasswordSource, Repository};
 
 /// Threads a runtime running the engine should allow for blocking work
 /// (`tokio::runtime::Builder::max_blocking_threads`). Enough for every stage
@@ -89,6 +101,63 @@ pub enum EngineError {
         /// The matching ids, shortened.
         candidates: String,
     },
+    /// An encrypted repository was opened without a key.
+    #[error(
+        "the repository at {location} is encrypted (format 2) and this command has no key for it: \
+         give its password (--password-file, or a BackupStorageLocation's \
+         spec.encryption.passwordSecretRef in the cluster)"
+    )]
+    Encrypted {
+        /// The location.
+        location: String,
+    },
+    /// No password could be had.
+    #[error("{reason}")]
+    PasswordUnavailable {
+        /// What was tried.
+        reason: String,
+    },
+    /// The password opens no key file.
+    #[error(
+        "wrong password for the repository at {location}: it opens none of its {tried} key files \
+         (nothing was written); check --password-file, HAULAGE_PASSWORD_FILE or HAULAGE_PASSWORD"
+    )]
+    WrongPassword {
+        /// The location.
+        location: String,
+        /// Key files tried.
+        tried: usize,
+    },
+    /// An encrypted repository without key files.
+    #[error(
+        "the repository at {location} is encrypted but has no key files under keys/: it cannot be opened \
+         (were they deleted?)"
+    )]
+    NoKeys {
+        /// The location.
+        location: String,
+    },
+    /// A key file could not be made or used.
+    #[error("key file {id}: {source}")]
+    KeyFile {
+        /// The key file.
+        id: String,
+        /// What is wrong.
+        #[source]
+        source: crate::repo::keyfile::KeyFileError,
+    },
+    /// Key management on a plaintext repository.
+    #[error("the repository at {location} is not encrypted (format 1): it has no keys to manage")]
+    KeysNeedEncryption {
+        /// The location.
+        location: String,
+    },
+    /// `repo key remove` refused.
+    #[error("key not removed: {reason}")]
+    KeyRemovalRefused {
+        /// Why.
+        reason: String,
+    },
     /// A snapshot manifest is damaged.
     #[error("snapshot {id} is damaged: {reason}")]
     SnapshotDamaged {
@@ -139,6 +208,37 @@ pub enum EngineError {
         /// What is wrong.
         reason: String,
     },
+    /// A conflicting lock is held.
+    #[error(
+        "the repository at {location} is locked: {holders}; wait for it to finish (or pass --retry-lock), \
+         or if its holder is gone, `haulage repo unlock --repo {location}` removes stale locks"
+    )]
+    Locked {
+        /// The location.
+        location: String,
+        /// Who holds the conflicting locks.
+        holders: String,
+    },
+    /// The lock could not be refreshed in time.
+    #[error(
+        "lost the repository lock {key}: it could not be refreshed before it expired, so another \
+         process may have treated it as stale; stopped (nothing referenced is lost, run the command again)"
+    )]
+    LockLost {
+        /// The lock's key.
+        key: String,
+    },
+    /// Prune found referenced data missing and deleted nothing.
+    #[error(
+        "{count} blobs referenced by snapshots are in no pack (first: {first}); prune deleted nothing. \
+         Run `haulage verify` to see which files are affected"
+    )]
+    ReferencedDataMissing {
+        /// How many.
+        count: usize,
+        /// The first one.
+        first: BlobId,
+    },
     /// The operation was cancelled.
     #[error("cancelled")]
     Cancelled,
@@ -162,4 +262,12 @@ pub(crate) async fn run_blocking<T: Send + 'static>(
         Ok(value) => value,
         Err(error) => std::panic::resume_unwind(error.into_panic()),
     }
+}
+
+/// This machine's hostname (recorded in snapshots, locks and key files).
+pub fn hostname() -> String {
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }

@@ -13,43 +13,131 @@
 //! whose content and metadata already match are not written at all, only
 //! differing chunks of a changed file are rewritten, and entries that are
 //! not in the snapshot are removed (as rsync `--delete` would).
+//!
+//! How the data moves. A walker goes through the snapshot's trees in order,
+//! creates directories (and FIFOs, devices), defers symlinks and hard links,
+//! and collects regular files into batches (at most [`MAX_BATCH_FILES`]
+//! files, [`MAX_BATCH_CHUNKS`] chunks, [`MAX_BATCH_DIRECTORIES`]
+//! directories). For each batch, the chunks its files need are found (in
+//! `sync` mode by comparing each existing file with the snapshot, in
+//! parallel), and [`plan::plan_pack_reads`] turns them into pack reads:
+//! each pack once, in few large ranges, each blob once with every file
+//! offset it goes to. The reads are fetched a few at a time within
+//! [`PACK_BYTES_IN_FLIGHT`], and scatter workers (one per core) decode and
+//! check each blob once and write it to every offset that needs it; the
+//! worker that writes a file's last chunk sets its size and attributes and
+//! closes it. So a pack is read once whether its blobs belong to one file or
+//! to a thousand, and small files cost the same per byte as large ones:
+//! neither a request nor a task per file. Memory stays within
+//! [`RESTORE_MEMORY_BUDGET_BYTES`] whatever the snapshot's size.
 
-use std::borrow::Cow;
+mod plan;
+
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use futures::StreamExt;
 use rustix::fs::{AtFlags, Mode, OFlags, Timestamps};
 use rustix::io::Errno;
 use serde::Serialize;
 use serde_bytes::ByteBuf;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
+use self::plan::{ChunkNeed, PackRead, PlanLimits, PlannedBlob, Target, Unrestorable};
 use super::EngineError;
 use super::progress::Progress;
 use super::repository::Repository;
 use super::throttle::Throttle;
 use crate::repo::index::BlobIndex;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
-use crate::repo::{BlobId, ObjectId};
+use crate::repo::{self, ObjectId};
+use crate::store::StoreError;
+use crate::store::ranges::DEFAULT_COALESCE_GAP_BYTES;
 
-/// Files (or batches of small files) restored at once.
-const PARALLEL_FILE_RESTORES: usize = 4;
-/// Raw bytes of blobs fetched together: a file's next chunks, or the
-/// content of a batch of small files. Neighbouring blobs of one pack then
-/// come in one ranged read instead of one each; with
-/// [`PARALLEL_FILE_RESTORES`] jobs this bounds fetched-but-unwritten data
-/// to a few tens of MiB.
-const RESTORE_BATCH_BYTES: u64 = 4 * 1024 * 1024;
-/// Files of at most this size are restored in batches with the small files
-/// that follow them in the snapshot, so their blobs are fetched together.
-const SMALL_FILE_BYTES: u64 = 1024 * 1024;
-/// Most files in one batch of small files.
-const SMALL_FILE_BATCH_FILES: usize = 256;
+const MIB: u64 = 1024 * 1024;
+
+/// Peak resident memory a restore stays within, whatever the size of the
+/// snapshot (files, bytes, chunks): the stage pod's memory request (128Mi),
+/// which the mover agent running this restore must fit. The restore's own
+/// buffers are bounded by the constants below, whose sum with
+/// [`PROCESS_BASELINE_BYTES`] is checked against this at compile time;
+/// docs/benchmarks.md has the measured peaks.
+pub const RESTORE_MEMORY_BUDGET_BYTES: u64 = 128 * MIB;
+/// What the process holds besides the restore's buffers: the async runtime
+/// and S3 client, the blob index (about 50 bytes per blob: 1.5 MiB for a
+/// 2 GiB repository), the walker's current trees, and the allocator's slack
+/// (glibc keeps freed memory cached per thread). A restore of one small
+/// file peaks at 25 MiB.
+const PROCESS_BASELINE_BYTES: u64 = 40 * MIB;
+/// Longest single pack read: a pack of the default size (16 MiB, closed
+/// after the chunk that reaches it, so at most 4 MiB more, and its trailer)
+/// comes in one request. Larger packs are read in several.
+const MAX_PACK_READ_BYTES: u64 = 21 * MIB;
+/// Capacity of all pack read buffers together: two default packs, one
+/// arriving while the other is decoded and written. The buffers are kept
+/// and reused for the whole restore (a buffer per read, freed by whichever
+/// worker finished with it, left up to twice this cached by the allocator),
+/// so this bounds both the bytes in flight and what they cost in memory. It
+/// is the largest share of the budget, and what a faster network would want
+/// more of.
+const PACK_BYTES_IN_FLIGHT: u64 = 2 * MAX_PACK_READ_BYTES;
+/// Pack reads requested at once (within [`PACK_BYTES_IN_FLIGHT`]): enough
+/// to hide a request's latency when reads are small (a `sync` restore's
+/// scattered chunks).
+const PACK_READS_IN_FLIGHT: usize = 4;
+/// Plaintext buffers of all scatter workers together: each holds one chunk
+/// at a time, so the workers are at most this divided by the repository's
+/// largest chunk (4 MiB by default: 4 workers).
+const DECODE_BUFFER_BYTES: u64 = 16 * MIB;
+/// Scatter workers at most; fewer on a machine (or a container quota) with
+/// fewer cores: they are CPU-bound (decompress, hash, copy into the page
+/// cache).
+const MAX_SCATTER_WORKERS: usize = 4;
+/// Plaintext written by one scatter job: a read is cut into jobs of about
+/// this size so that all workers share one pack's blobs.
+const SCATTER_JOB_BYTES: u64 = 4 * MIB;
+/// Scatter jobs queued for the workers beyond those they are running.
+const SCATTER_JOBS_QUEUED: usize = 4;
+/// Files, chunks and directories of one batch. A batch costs about 350
+/// bytes per file (its entry and write state) and 300 per chunk while it is
+/// planned (the plan's maps), and keeps a descriptor open per directory;
+/// up to four batches are alive at once (one filled by the walker, one
+/// queued, one planned and fetched, one whose last blobs are being
+/// written), together within [`BATCH_BOOKKEEPING_BYTES`]. Larger batches
+/// split fewer packs between two of them but cost more than they save: at
+/// 16,384 files a restore of 200,000 small files peaked at 171-187 MiB, at
+/// 4,096 at 93 MiB (docs/benchmarks.md).
+const MAX_BATCH_FILES: usize = 4_096;
+/// See [`MAX_BATCH_FILES`].
+const MAX_BATCH_CHUNKS: usize = 16_384;
+/// See [`MAX_BATCH_FILES`]: four batches' 512 directory descriptors, with
+/// [`MAX_OPEN_FILES`], stay under the usual limit of 1,024 open files.
+const MAX_BATCH_DIRECTORIES: usize = 128;
+/// Memory of the batches alive at once (see [`MAX_BATCH_FILES`]).
+const BATCH_BOOKKEEPING_BYTES: u64 = 24 * MIB;
+/// Encoded bytes of the subtrees one directory level loads at once (at
+/// least one tree): neighbouring tree blobs come in one request, and a
+/// walk holds at most this much of loaded trees per level of depth.
+const TREE_PREFETCH_BYTES: u64 = MIB;
+/// Batches the walker fills ahead of the one being written.
+const BATCHES_AHEAD: usize = 1;
+/// Files kept open between two of their writes; beyond this a file is
+/// closed after each write and opened again for the next.
+const MAX_OPEN_FILES: usize = 256;
+/// Files of a batch finished (or compared, in `sync` mode) per job.
+const FILES_PER_JOB: usize = 256;
+
+const _: () = assert!(
+    PROCESS_BASELINE_BYTES + PACK_BYTES_IN_FLIGHT + DECODE_BUFFER_BYTES + BATCH_BOOKKEEPING_BYTES
+        <= RESTORE_MEMORY_BUDGET_BYTES,
+    "the restore's buffers do not fit its memory budget"
+);
 
 /// How to restore.
 #[derive(Debug, Clone)]
@@ -117,6 +205,12 @@ pub struct RestoreOutcome {
 }
 
 /// Restore `snapshot_id` into `options.target`.
+///
+/// Returns what was restored and every entry that was not (a damaged or
+/// unreadable file is removed and listed, the rest is restored); fails
+/// only when the snapshot, the index or the target cannot be used at all,
+/// or on cancellation (files written so far stay; directory attributes,
+/// symlinks and hard links are not applied).
 pub async fn restore(
     repository: &Repository,
     snapshot_id: &ObjectId,
@@ -128,52 +222,58 @@ pub async fn restore(
     let snapshot = repository.load_snapshot(snapshot_id).await?;
     let loaded = repository.load_index().await?;
     let index = Arc::new(loaded.index);
-    {
-        use std::sync::atomic::Ordering;
-        progress
-            .total_bytes
-            .store(snapshot.summary.total_bytes, Ordering::Relaxed);
-        progress
-            .total_files
-            .store(snapshot.summary.files, Ordering::Relaxed);
-        progress.totals_known.store(true, Ordering::Release);
-    }
-    let root_fd = open_target(&options)?;
+    progress
+        .total_bytes
+        .store(snapshot.summary.total_bytes, Ordering::Relaxed);
+    progress
+        .total_files
+        .store(snapshot.summary.files, Ordering::Relaxed);
+    progress.totals_known.store(true, Ordering::Release);
+    let root_fd = Arc::new(open_target(&options)?);
     let root_tree = repository.load_tree(&index, &snapshot.tree).await?;
 
-    let mut restorer = Restorer {
+    let shared = Arc::new(Shared {
         repository: repository.clone(),
-        index,
-        options: Arc::new(options),
+        options,
         progress,
         cancel,
-        root_fd: Arc::new(root_fd),
-        outcome: Arc::new(Mutex::new(RestoreOutcome {
+        outcome: Mutex::new(RestoreOutcome {
             snapshot_id: snapshot_id.to_hex(),
             ..RestoreOutcome::default()
-        })),
-        file_jobs: JoinSet::new(),
-        file_slots: Arc::new(Semaphore::new(PARALLEL_FILE_RESTORES)),
-        first_links: Arc::new(Mutex::new(HashMap::new())),
+        }),
+        first_links: Mutex::new(HashMap::new()),
+        open_files: AtomicUsize::new(0),
+        handle: tokio::runtime::Handle::current(),
+    });
+    let (batches, queued_batches) = mpsc::channel(BATCHES_AHEAD);
+    let writer = tokio::spawn(write_batches(shared.clone(), index.clone(), queued_batches));
+    let mut walker = Walker {
+        shared: shared.clone(),
+        index,
+        root_fd: root_fd.clone(),
+        batches: Some(batches),
+        batch: Batch::default(),
         deferred_links: Vec::new(),
         deferred_symlinks: Vec::new(),
         directories: Vec::new(),
-        small_files: Vec::new(),
-        small_file_bytes: 0,
     };
-    let root_fd = restorer.root_fd.clone();
-    restorer
+    let mut walked = walker
         .restore_directory(root_fd, Vec::new(), root_tree)
-        .await?;
-    restorer.spawn_small_files().await;
-    while let Some(joined) = restorer.file_jobs.join_next().await {
-        joined.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
+        .await;
+    if walked.is_ok() {
+        walked = walker.send_batch().await;
     }
-    if restorer.cancel.is_cancelled() {
+    // No more batches: the writer finishes the queued ones and stops.
+    walker.batches = None;
+    if let Err(error) = writer.await {
+        std::panic::resume_unwind(error.into_panic());
+    }
+    if shared.cancel.is_cancelled() {
         return Err(EngineError::Cancelled);
     }
-    restorer.finish_links_and_metadata(&snapshot.root_attributes());
-    let mut outcome = restorer.outcome.lock().expect("outcome").clone();
+    walked?;
+    walker.finish_links_and_metadata(&snapshot.root_attributes());
+    let mut outcome = shared.outcome.lock().expect("outcome").clone();
     outcome.duration_seconds = started.elapsed().as_secs_f64();
     Ok(outcome)
 }
@@ -243,29 +343,22 @@ fn open_directory_at(root: &OwnedFd, components: &[ByteBuf]) -> Result<OwnedFd, 
     Ok(current)
 }
 
-struct Restorer {
+/// What the walker and the batch writers share.
+struct Shared {
     repository: Repository,
-    index: Arc<BlobIndex>,
-    options: Arc<RestoreOptions>,
+    options: RestoreOptions,
     progress: Arc<Progress>,
     cancel: CancellationToken,
-    root_fd: Arc<OwnedFd>,
-    outcome: Arc<Mutex<RestoreOutcome>>,
-    file_jobs: JoinSet<()>,
-    file_slots: Arc<Semaphore>,
+    outcome: Mutex<RestoreOutcome>,
     /// (device, inode) of a multiply-linked file → where this restore
-    /// created it (only set once its content is complete).
-    first_links: Arc<Mutex<HashMap<(u64, u64), Components>>>,
-    deferred_links: Vec<(Components, Entry)>,
-    deferred_symlinks: Vec<(Components, Entry)>,
-    /// Directories in pre-order, for metadata in post-order at the end.
-    directories: Vec<(Components, Entry)>,
-    /// Small files waiting to be restored together, and their bytes.
-    small_files: Vec<(Arc<OwnedFd>, Components, Entry)>,
-    small_file_bytes: u64,
+    /// created it (empty until its content is complete).
+    first_links: Mutex<HashMap<(u64, u64), Components>>,
+    /// Restored files open at this moment (see [`MAX_OPEN_FILES`]).
+    open_files: AtomicUsize,
+    handle: tokio::runtime::Handle,
 }
 
-impl Restorer {
+impl Shared {
     fn problem(&self, path: impl Into<String>, message: impl Into<String>) {
         Progress::add(&self.progress.warnings, 1);
         self.outcome
@@ -277,6 +370,141 @@ impl Restorer {
                 message: message.into(),
             });
     }
+}
+
+/// Regular files restored together: the walker fills a batch, the writer
+/// plans its pack reads and writes it.
+#[derive(Default)]
+struct Batch {
+    /// Directories holding the batch's files (a directory may appear more
+    /// than once, when a subdirectory's files came between its own).
+    directories: Vec<BatchDirectory>,
+    files: Vec<BatchFile>,
+    chunks: usize,
+}
+
+struct BatchDirectory {
+    fd: Arc<OwnedFd>,
+    path: Components,
+}
+
+struct BatchFile {
+    /// Position of its directory in [`Batch::directories`].
+    directory: u32,
+    entry: Entry,
+}
+
+impl Batch {
+    fn is_full(&self) -> bool {
+        self.files.len() >= MAX_BATCH_FILES
+            || self.chunks >= MAX_BATCH_CHUNKS
+            || self.directories.len() >= MAX_BATCH_DIRECTORIES
+    }
+
+    fn add(&mut self, directory_fd: &Arc<OwnedFd>, directory: &[ByteBuf], entry: Entry) {
+        let same_directory = self
+            .directories
+            .last()
+            .is_some_and(|last| Arc::ptr_eq(&last.fd, directory_fd));
+        if !same_directory {
+            self.directories.push(BatchDirectory {
+                fd: directory_fd.clone(),
+                path: directory.to_vec(),
+            });
+        }
+        self.chunks += entry.content.len();
+        self.files.push(BatchFile {
+            directory: (self.directories.len() - 1) as u32,
+            entry,
+        });
+    }
+}
+
+/// The subtrees of one directory's entries, loaded a window at a time
+/// ([`Repository::load_trees`]: neighbouring tree blobs in one request)
+/// and handed out in entry order.
+struct Subtrees {
+    ids: Vec<crate::repo::BlobId>,
+    /// Position in `ids` of the first tree not loaded yet.
+    loaded_until: usize,
+    loaded: std::collections::VecDeque<Result<Tree, EngineError>>,
+}
+
+impl Subtrees {
+    fn of(entries: &[Entry]) -> Self {
+        Subtrees {
+            ids: entries
+                .iter()
+                .filter(|entry| entry.kind == EntryKind::Directory)
+                .filter_map(|entry| entry.subtree)
+                .collect(),
+            loaded_until: 0,
+            loaded: std::collections::VecDeque::new(),
+        }
+    }
+
+    /// The next directory's subtree (directories without one take none).
+    async fn next(&mut self, walker: &Walker) -> Result<Tree, EngineError> {
+        if self.loaded.is_empty() {
+            let start = self.loaded_until;
+            let mut end = start;
+            let mut bytes = 0u64;
+            while end < self.ids.len() && (end == start || bytes < TREE_PREFETCH_BYTES) {
+                bytes += walker
+                    .index
+                    .get(&self.ids[end])
+                    .map_or(0, |location| u64::from(location.raw_length));
+                end += 1;
+            }
+            self.loaded_until = end;
+            self.loaded = walker
+                .shared
+                .repository
+                .load_trees(&walker.index, &self.ids[start..end])
+                .await
+                .into();
+        }
+        self.loaded
+            .pop_front()
+            .expect("load_trees answers once per id, and ids counts every subdirectory")
+    }
+}
+
+/// Goes through the snapshot's trees: directories, special files and the
+/// deferred entries are its own work, regular files go into batches.
+struct Walker {
+    shared: Arc<Shared>,
+    index: Arc<BlobIndex>,
+    root_fd: Arc<OwnedFd>,
+    /// Where full batches go; `None` once the walk is over.
+    batches: Option<mpsc::Sender<Batch>>,
+    batch: Batch,
+    deferred_links: Vec<(Components, Entry)>,
+    deferred_symlinks: Vec<(Components, Entry)>,
+    /// Directories in pre-order, for metadata in post-order at the end.
+    directories: Vec<(Components, Entry)>,
+}
+
+impl Walker {
+    fn problem(&self, path: impl Into<String>, message: impl Into<String>) {
+        self.shared.problem(path, message);
+    }
+
+    /// Hand the current batch to the writer (waiting while it is busy with
+    /// [`BATCHES_AHEAD`] others).
+    async fn send_batch(&mut self) -> Result<(), EngineError> {
+        if self.batch.files.is_empty() {
+            return Ok(());
+        }
+        let batch = std::mem::take(&mut self.batch);
+        match &self.batches {
+            Some(batches) => batches
+                .send(batch)
+                .await
+                .map_err(|_| EngineError::Cancelled),
+            None => Err(EngineError::Cancelled),
+        }
+    }
 
     fn restore_directory<'a>(
         &'a mut self,
@@ -285,7 +513,7 @@ impl Restorer {
         tree: Tree,
     ) -> futures::future::BoxFuture<'a, Result<(), EngineError>> {
         Box::pin(async move {
-            if self.cancel.is_cancelled() {
+            if self.shared.cancel.is_cancelled() {
                 return Err(EngineError::Cancelled);
             }
             let mut names_seen = HashSet::new();
@@ -306,23 +534,24 @@ impl Restorer {
                 }
                 entries.push(entry);
             }
-            if self.options.sync {
+            if self.shared.options.sync {
                 self.remove_extra_entries(&directory_fd, &components, &names_seen);
             }
+            let mut subtrees = Subtrees::of(&entries);
             for entry in entries {
                 let mut path = components.clone();
                 path.push(entry.name.clone());
                 match entry.kind {
                     EntryKind::Directory => {
+                        let subtree = match entry.subtree {
+                            Some(_) => subtrees.next(self).await,
+                            None => Ok(Tree::default()),
+                        };
                         let Some(child_fd) = self.prepare_directory(&directory_fd, &path, &entry)
                         else {
                             continue;
                         };
-                        let subtree = match entry.subtree {
-                            Some(id) => self.repository.load_tree(&self.index, &id).await,
-                            None => Ok(Tree::default()),
-                        };
-                        self.outcome.lock().expect("outcome").directories += 1;
+                        self.shared.outcome.lock().expect("outcome").directories += 1;
                         self.directories.push((path.clone(), entry));
                         match subtree {
                             Ok(subtree) => {
@@ -338,7 +567,7 @@ impl Restorer {
                     EntryKind::File => {
                         if entry.links > 1 {
                             let key = (entry.device, entry.inode);
-                            let mut first = self.first_links.lock().expect("links");
+                            let mut first = self.shared.first_links.lock().expect("links");
                             if first.contains_key(&key) {
                                 drop(first);
                                 self.deferred_links.push((path, entry));
@@ -346,17 +575,11 @@ impl Restorer {
                             }
                             // Reserve; the real path is recorded once written.
                             first.insert(key, Vec::new());
-                        } else if !self.options.sync && entry.size <= SMALL_FILE_BYTES {
-                            self.small_file_bytes += entry.size;
-                            self.small_files.push((directory_fd.clone(), path, entry));
-                            if self.small_file_bytes >= RESTORE_BATCH_BYTES
-                                || self.small_files.len() >= SMALL_FILE_BATCH_FILES
-                            {
-                                self.spawn_small_files().await;
-                            }
-                            continue;
                         }
-                        self.spawn_file(directory_fd.clone(), path, entry).await;
+                        self.batch.add(&directory_fd, &components, entry);
+                        if self.batch.is_full() {
+                            self.send_batch().await?;
+                        }
                     }
                     EntryKind::Symlink => self.deferred_symlinks.push((path, entry)),
                     EntryKind::Fifo | EntryKind::CharDevice | EntryKind::BlockDevice => {
@@ -394,7 +617,7 @@ impl Restorer {
                 continue;
             }
             match remove_entry(directory_fd, &name) {
-                Ok(()) => self.outcome.lock().expect("outcome").entries_removed += 1,
+                Ok(()) => self.shared.outcome.lock().expect("outcome").entries_removed += 1,
                 Err(error) => {
                     let mut path = components.to_vec();
                     path.push(ByteBuf::from(name));
@@ -445,7 +668,9 @@ impl Restorer {
     fn create_node(&self, parent: &OwnedFd, path: &[ByteBuf], entry: &Entry) {
         let file_type = match entry.kind {
             EntryKind::Fifo => rustix::fs::FileType::Fifo,
-            EntryKind::CharDevice | EntryKind::BlockDevice if !self.options.allow_devices => {
+            EntryKind::CharDevice | EntryKind::BlockDevice
+                if !self.shared.options.allow_devices =>
+            {
                 self.problem(
                     display(path),
                     "device node not created (pass --allow-devices to restore device nodes)",
@@ -456,7 +681,7 @@ impl Restorer {
             _ => rustix::fs::FileType::BlockDevice,
         };
         let name = entry.name.as_slice();
-        if self.options.sync {
+        if self.shared.options.sync {
             match rustix::fs::statat(parent, name, AtFlags::SYMLINK_NOFOLLOW) {
                 Ok(stat) if rustix::fs::FileType::from_raw_mode(stat.st_mode) == file_type => {
                     return self.count_other();
@@ -484,73 +709,7 @@ impl Restorer {
     }
 
     fn count_other(&self) {
-        self.outcome.lock().expect("outcome").other_entries += 1;
-    }
-
-    async fn spawn_file(&mut self, directory_fd: Arc<OwnedFd>, path: Components, entry: Entry) {
-        let Ok(slot) = self.file_slots.clone().acquire_owned().await else {
-            return;
-        };
-        let job = self.file_job();
-        self.file_jobs.spawn_blocking(move || {
-            job.restore(&directory_fd, path, entry, &HashMap::new());
-            drop(slot);
-        });
-        self.reap_finished_jobs();
-    }
-
-    /// Reap finished jobs as we go: a JoinSet keeps every finished task until
-    /// joined, which for 200,000 files was 150 MiB.
-    fn reap_finished_jobs(&mut self) {
-        while let Some(joined) = self.file_jobs.try_join_next() {
-            joined.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
-        }
-    }
-
-    /// Restore the waiting small files as one job that fetches all their
-    /// blobs first ([`Repository::read_blobs`]), so neighbouring blobs of a
-    /// pack come in one request.
-    async fn spawn_small_files(&mut self) {
-        let files = std::mem::take(&mut self.small_files);
-        self.small_file_bytes = 0;
-        if files.is_empty() {
-            return;
-        }
-        let Ok(slot) = self.file_slots.clone().acquire_owned().await else {
-            return;
-        };
-        let job = self.file_job();
-        self.file_jobs.spawn_blocking(move || {
-            let ids: Vec<BlobId> = files
-                .iter()
-                .flat_map(|(_, _, entry)| entry.content.iter())
-                .filter_map(|extent| match extent {
-                    Extent::Chunk(id, _) => Some(*id),
-                    Extent::Hole(_) => None,
-                })
-                .collect();
-            let prefetched = job
-                .handle
-                .block_on(job.repository.read_blobs(&job.index, &ids));
-            for (directory_fd, path, entry) in files {
-                job.restore(&directory_fd, path, entry, &prefetched);
-            }
-            drop(slot);
-        });
-        self.reap_finished_jobs();
-    }
-
-    fn file_job(&self) -> FileJob {
-        FileJob {
-            repository: self.repository.clone(),
-            index: self.index.clone(),
-            options: self.options.clone(),
-            progress: self.progress.clone(),
-            cancel: self.cancel.clone(),
-            outcome: self.outcome.clone(),
-            first_links: self.first_links.clone(),
-            handle: tokio::runtime::Handle::current(),
-        }
+        self.shared.outcome.lock().expect("outcome").other_entries += 1;
     }
 
     /// Hard links, symlinks, then directory metadata (children before
@@ -559,6 +718,7 @@ impl Restorer {
         let root_fd = self.root_fd.clone();
         for (path, entry) in std::mem::take(&mut self.deferred_links) {
             let first = self
+                .shared
                 .first_links
                 .lock()
                 .expect("links")
@@ -573,7 +733,7 @@ impl Restorer {
                 let (name, dir) = path.split_last().expect("non-empty path");
                 let from = open_directory_at(&root_fd, first_dir).map_err(|e| e.to_string())?;
                 let to = open_directory_at(&root_fd, dir).map_err(|e| e.to_string())?;
-                if self.options.sync {
+                if self.shared.options.sync {
                     match rustix::fs::statat(&to, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
                         Ok(_) => remove_entry(&to, name).map_err(|e| e.to_string())?,
                         Err(Errno::NOENT) => {}
@@ -599,7 +759,7 @@ impl Restorer {
             let target = entry.link_target.clone().unwrap_or_default();
             let result = (|| -> Result<(), Errno> {
                 let dir_fd = open_directory_at(&root_fd, dir)?;
-                if self.options.sync {
+                if self.shared.options.sync {
                     match rustix::fs::statat(&dir_fd, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
                         Ok(stat)
                             if rustix::fs::FileType::from_raw_mode(stat.st_mode)
@@ -627,7 +787,7 @@ impl Restorer {
         }
         for (path, entry) in std::mem::take(&mut self.directories).into_iter().rev() {
             let result = open_directory_at(&root_fd, &path)
-                .and_then(|fd| apply_metadata_fd(&fd, &entry, &self.options));
+                .and_then(|fd| apply_metadata_fd(&fd, &entry, &self.shared.options));
             if let Err(error) = result {
                 self.problem(
                     display(&path),
@@ -635,7 +795,7 @@ impl Restorer {
                 );
             }
         }
-        if let Err(error) = apply_metadata_fd(&root_fd, root, &self.options) {
+        if let Err(error) = apply_metadata_fd(&root_fd, root, &self.shared.options) {
             self.problem(
                 ".",
                 format!("cannot set attributes of the target directory: {error}"),
@@ -651,7 +811,7 @@ impl Restorer {
         entry: &Entry,
         is_symlink: bool,
     ) -> Result<(), Errno> {
-        if self.options.restore_owners {
+        if self.shared.options.restore_owners {
             rustix::fs::chownat(
                 dir,
                 name,
@@ -748,301 +908,1023 @@ fn remove_entry(dir: &OwnedFd, name: &[u8]) -> Result<(), Errno> {
     rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR)
 }
 
-/// Everything one file's restore needs; runs on a blocking thread.
-struct FileJob {
-    repository: Repository,
+/// Plan and write the batches the walker sends, until it stops sending.
+async fn write_batches(
+    shared: Arc<Shared>,
     index: Arc<BlobIndex>,
-    options: Arc<RestoreOptions>,
-    progress: Arc<Progress>,
-    cancel: CancellationToken,
-    outcome: Arc<Mutex<RestoreOutcome>>,
-    first_links: Arc<Mutex<HashMap<(u64, u64), Components>>>,
-    handle: tokio::runtime::Handle,
+    mut batches: mpsc::Receiver<Batch>,
+) {
+    let max_chunk_bytes = shared.repository.config().chunker.max_bytes;
+    let workers = std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(MAX_SCATTER_WORKERS)
+        .min((DECODE_BUFFER_BYTES / u64::from(max_chunk_bytes.max(1))) as usize)
+        .max(1);
+    let (jobs, queued_jobs) = mpsc::channel::<Job>(SCATTER_JOBS_QUEUED);
+    let queued_jobs = Arc::new(Mutex::new(queued_jobs));
+    let worker_handles: Vec<_> = (0..workers)
+        .map(|_| {
+            let queued_jobs = queued_jobs.clone();
+            tokio::task::spawn_blocking(move || run_scatter_worker(&queued_jobs))
+        })
+        .collect();
+    let limits = PlanLimits {
+        max_read_bytes: MAX_PACK_READ_BYTES,
+        max_gap_bytes: DEFAULT_COALESCE_GAP_BYTES,
+        max_chunk_bytes,
+    };
+    let buffers = Arc::new(ReadBuffers::new(PACK_BYTES_IN_FLIGHT));
+    while let Some(batch) = batches.recv().await {
+        if shared.cancel.is_cancelled() {
+            break;
+        }
+        write_batch(&shared, &index, &limits, batch, workers, &jobs, &buffers).await;
+    }
+    // Dropping the receiver makes a walker still sending see the end.
+    drop(batches);
+    drop(jobs);
+    for handle in worker_handles {
+        if let Err(error) = handle.await {
+            std::panic::resume_unwind(error.into_panic());
+        }
+    }
 }
 
+/// Work for a scatter worker.
+enum Job {
+    /// Decode blobs of one pack read and write them where they go.
+    Scatter(ScatterJob),
+    /// Files that get no (more) writes: finish them.
+    Finish {
+        batch: Arc<BatchState>,
+        files: Vec<u32>,
+    },
+    /// Blobs that could not be read: their files are not restored.
+    Fail {
+        batch: Arc<BatchState>,
+        blobs: Vec<PlannedBlob>,
+        message: String,
+    },
+}
+
+/// Blobs of one pack read, with the read's bytes (shared by the jobs of
+/// the read; the buffer goes back to its pool when the last one is done).
+struct ScatterJob {
+    batch: Arc<BatchState>,
+    pack: ObjectId,
+    /// Offset of `bytes` in the pack.
+    read_start: u64,
+    bytes: Arc<ReadBuffer>,
+    blobs: Vec<PlannedBlob>,
+}
+
+fn run_scatter_worker(jobs: &Mutex<mpsc::Receiver<Job>>) {
+    // The one plaintext buffer of this worker, reused for every blob.
+    let mut plaintext = Vec::new();
+    loop {
+        let job = jobs.lock().expect("job queue").blocking_recv();
+        match job {
+            None => return,
+            Some(Job::Scatter(job)) => job.run(&mut plaintext),
+            Some(Job::Finish { batch, files }) => {
+                for file in files {
+                    batch.finish_unwritten(file);
+                }
+            }
+            Some(Job::Fail {
+                batch,
+                blobs,
+                message,
+            }) => {
+                for blob in &blobs {
+                    for target in &blob.targets {
+                        batch.fail_target(*target, &message);
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl ScatterJob {
+    fn run(self, plaintext: &mut Vec<u8>) {
+        let shared = &self.batch.shared;
+        for blob in &self.blobs {
+            if shared.cancel.is_cancelled() {
+                return;
+            }
+            let range = blob.stored_range();
+            let stored = usize::try_from(range.start - self.read_start)
+                .ok()
+                .and_then(|from| {
+                    self.bytes
+                        .data
+                        .get(from..from + (range.end - range.start) as usize)
+                });
+            let decoded = match stored {
+                Some(stored) => shared.repository.decode_blob_into(
+                    &blob.id,
+                    &self.pack,
+                    &blob.location,
+                    stored,
+                    plaintext,
+                ),
+                None => Err(EngineError::BlobDamaged {
+                    pack: self.pack,
+                    blob: blob.id,
+                    reason: "the store returned fewer bytes than asked for".into(),
+                }),
+            };
+            match decoded {
+                Ok(plaintext) => {
+                    for target in &blob.targets {
+                        self.batch.write_target(*target, plaintext);
+                    }
+                }
+                Err(error) => {
+                    let message = format!("not restored, its data is damaged: {error}");
+                    for target in &blob.targets {
+                        self.batch.fail_target(*target, &message);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Find what a batch's files need, plan the pack reads, fetch them and
+/// queue their blobs for the scatter workers. Returns once every read is
+/// queued (the workers may still be writing).
+async fn write_batch(
+    shared: &Arc<Shared>,
+    index: &Arc<BlobIndex>,
+    limits: &PlanLimits,
+    batch: Batch,
+    workers: usize,
+    jobs: &mpsc::Sender<Job>,
+    buffers: &Arc<ReadBuffers>,
+) {
+    let Batch {
+        directories, files, ..
+    } = batch;
+    let directories = Arc::new(directories);
+    let (slots, needs) = if shared.options.sync {
+        compare_existing_files(shared, &directories, files, workers).await
+    } else {
+        new_files(shared, files)
+    };
+    let file_count = slots.len() as u32;
+    let plan = {
+        let index = index.clone();
+        let limits = *limits;
+        super::run_blocking(move || {
+            plan::plan_pack_reads(
+                file_count,
+                &needs,
+                |id| {
+                    index
+                        .get(id)
+                        .map(|location| (index.pack_of(location), *location))
+                },
+                &limits,
+            )
+        })
+        .await
+    };
+    let mut slots = slots;
+    for (file, remaining) in plan.writes_per_file.iter().enumerate() {
+        slots[file].state.get_mut().expect("file state").remaining = *remaining;
+    }
+    for (file, problem) in plan.unrestorable {
+        let error = match problem {
+            Unrestorable::Missing { blob } => EngineError::BlobMissing {
+                blob,
+                context: "a snapshot".into(),
+            },
+            Unrestorable::Damaged { blob, pack, reason } => {
+                EngineError::BlobDamaged { pack, blob, reason }
+            }
+        };
+        let state = slots[file as usize].state.get_mut().expect("file state");
+        state.failure.get_or_insert(FileFailure::Content(format!(
+            "not restored, its data is damaged: {error}"
+        )));
+    }
+    let unwritten: Vec<u32> = slots
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(file, slot)| {
+            (slot.state.get_mut().expect("file state").remaining == 0).then_some(file)
+        })
+        .map(|file| file as u32)
+        .collect();
+    let batch = Arc::new(BatchState {
+        shared: shared.clone(),
+        directories,
+        files: slots,
+    });
+    for files in unwritten.chunks(FILES_PER_JOB) {
+        let job = Job::Finish {
+            batch: batch.clone(),
+            files: files.to_vec(),
+        };
+        if jobs.send(job).await.is_err() {
+            return;
+        }
+    }
+
+    // Unordered: a read that has its bytes is handed on at once. (In order,
+    // the first read could wait for a buffer that later reads hold while
+    // they wait to be handed on after it.)
+    let mut fetched = futures::stream::iter(plan.reads)
+        .map(|read| fetch_read(shared, buffers, read))
+        .buffer_unordered(PACK_READS_IN_FLIGHT);
+    while let Some((read, result)) = fetched.next().await {
+        if shared.cancel.is_cancelled() {
+            return;
+        }
+        let queued = match result {
+            Ok(bytes) => queue_scatter_jobs(jobs, &batch, read, bytes).await,
+            Err(error) => read_blob_by_blob(shared, jobs, &batch, read, error).await,
+        };
+        if queued.is_err() {
+            return;
+        }
+    }
+}
+
+/// Fetch one planned read into a buffer of the pool.
+async fn fetch_read(
+    shared: &Shared,
+    buffers: &Arc<ReadBuffers>,
+    read: PackRead,
+) -> (PackRead, Result<ReadBuffer, StoreError>) {
+    let result = read_into_buffer(shared, buffers, &read.pack, read.range.clone()).await;
+    (read, result)
+}
+
+/// Read `range` of `pack` into a buffer taken from `buffers`.
+async fn read_into_buffer(
+    shared: &Shared,
+    buffers: &Arc<ReadBuffers>,
+    pack: &ObjectId,
+    range: Range<u64>,
+) -> Result<ReadBuffer, StoreError> {
+    let buffer = buffers.take(range.end - range.start).await;
+    let data = shared
+        .repository
+        .store()
+        .get_range_into(&repo::pack_key(pack), range, buffer)
+        .await?;
+    Ok(ReadBuffer {
+        data,
+        pool: Some(buffers.clone()),
+    })
+}
+
+/// Cut a read into jobs of about [`SCATTER_JOB_BYTES`] of plaintext, so
+/// that every worker takes a share of one pack.
+async fn queue_scatter_jobs(
+    jobs: &mpsc::Sender<Job>,
+    batch: &Arc<BatchState>,
+    read: PackRead,
+    bytes: ReadBuffer,
+) -> Result<(), mpsc::error::SendError<Job>> {
+    let bytes = Arc::new(bytes);
+    let mut blobs = Vec::new();
+    let mut job_bytes = 0;
+    let total = read.blobs.len();
+    for (position, blob) in read.blobs.into_iter().enumerate() {
+        job_bytes += blob.written_bytes();
+        blobs.push(blob);
+        if job_bytes >= SCATTER_JOB_BYTES || position + 1 == total {
+            jobs.send(Job::Scatter(ScatterJob {
+                batch: batch.clone(),
+                pack: read.pack,
+                read_start: read.range.start,
+                bytes: bytes.clone(),
+                blobs: std::mem::take(&mut blobs),
+            }))
+            .await?;
+            job_bytes = 0;
+        }
+    }
+    Ok(())
+}
+
+/// A read failed as a whole: read its blobs one by one, so that only the
+/// files whose blobs cannot be read are lost (a truncated pack still gives
+/// the blobs before the damage). These reads do not take buffers of the
+/// pool (other reads in flight may hold all of it while this one waits):
+/// one blob at a time, beyond the budget, on this rare path.
+async fn read_blob_by_blob(
+    shared: &Shared,
+    jobs: &mpsc::Sender<Job>,
+    batch: &Arc<BatchState>,
+    read: PackRead,
+    error: StoreError,
+) -> Result<(), mpsc::error::SendError<Job>> {
+    tracing::debug!(pack = %read.pack, error = %error, "pack read failed, reading its blobs one by one");
+    for blob in read.blobs {
+        let range = blob.stored_range();
+        let result = if error.is_not_found() {
+            Err(error.to_string())
+        } else {
+            shared
+                .repository
+                .store()
+                .get_range_into(&repo::pack_key(&read.pack), range.clone(), Vec::new())
+                .await
+                .map(|data| ReadBuffer { data, pool: None })
+                .map_err(|error| error.to_string())
+        };
+        let job = match result {
+            Ok(bytes) => Job::Scatter(ScatterJob {
+                batch: batch.clone(),
+                pack: read.pack,
+                read_start: range.start,
+                bytes: Arc::new(bytes),
+                blobs: vec![blob],
+            }),
+            Err(message) => Job::Fail {
+                batch: batch.clone(),
+                message: format!(
+                    "not restored, its data could not be read: failed to read blob {} from pack {}: {message}",
+                    blob.id, read.pack
+                ),
+                blobs: vec![blob],
+            },
+        };
+        jobs.send(job).await?;
+    }
+    Ok(())
+}
+
+/// The buffers of pack reads: taken for a read, given back when its blobs
+/// are written, reused for the whole restore. Their capacities together
+/// never exceed the budget, so neither do the bytes in flight.
+struct ReadBuffers {
+    budget: u64,
+    state: Mutex<ReadBuffersState>,
+    returned: Notify,
+}
+
+#[derive(Default)]
+struct ReadBuffersState {
+    free: Vec<Vec<u8>>,
+    /// Capacity of every buffer handed out or free.
+    allocated: u64,
+}
+
+impl ReadBuffers {
+    fn new(budget: u64) -> Self {
+        ReadBuffers {
+            budget,
+            state: Mutex::new(ReadBuffersState::default()),
+            returned: Notify::new(),
+        }
+    }
+
+    /// An empty buffer of at least `length` bytes of capacity, waiting for
+    /// one to come back when the budget is used up. `length` is at most the
+    /// budget (a read is at most [`MAX_PACK_READ_BYTES`]).
+    async fn take(&self, length: u64) -> Vec<u8> {
+        let length = length.min(self.budget);
+        loop {
+            // Registered before looking, so a buffer given back in between
+            // is not missed.
+            let returned = self.returned.notified();
+            {
+                let mut state = self.state.lock().expect("read buffers");
+                if let Some(position) = state
+                    .free
+                    .iter()
+                    .position(|buffer| buffer.capacity() as u64 >= length)
+                {
+                    return state.free.swap_remove(position);
+                }
+                // Reads of a whole pack (most of them) get buffers of the
+                // largest read, so that any later read fits them.
+                let capacity = if length > MAX_PACK_READ_BYTES / 2 {
+                    MAX_PACK_READ_BYTES.min(self.budget).max(length)
+                } else {
+                    length.next_power_of_two()
+                };
+                while state.allocated + capacity > self.budget {
+                    // Free buffers too small for this read make room.
+                    let Some(small) = state.free.pop() else {
+                        break;
+                    };
+                    state.allocated -= small.capacity() as u64;
+                }
+                if state.allocated + capacity <= self.budget {
+                    state.allocated += capacity;
+                    return Vec::with_capacity(capacity as usize);
+                }
+            }
+            returned.await;
+        }
+    }
+
+    fn give(&self, buffer: Vec<u8>) {
+        let mut state = self.state.lock().expect("read buffers");
+        state.free.push(buffer);
+        drop(state);
+        self.returned.notify_waiters();
+    }
+}
+
+/// Bytes of one pack read, in a buffer of [`ReadBuffers`] (or of its own).
+struct ReadBuffer {
+    data: Vec<u8>,
+    pool: Option<Arc<ReadBuffers>>,
+}
+
+impl Drop for ReadBuffer {
+    fn drop(&mut self) {
+        if let Some(pool) = &self.pool {
+            pool.give(std::mem::take(&mut self.data));
+        }
+    }
+}
+
+/// Plain restore: every chunk of every file is needed (holes are left as
+/// holes); nothing is on disk yet.
+fn new_files(shared: &Shared, files: Vec<BatchFile>) -> (Vec<FileSlot>, Vec<ChunkNeed>) {
+    let mut needs = Vec::new();
+    let mut slots = Vec::with_capacity(files.len());
+    for (
+        file,
+        BatchFile {
+            directory,
+            mut entry,
+        },
+    ) in files.into_iter().enumerate()
+    {
+        let content = std::mem::take(&mut entry.content);
+        let holes = needs_of_content(file as u32, &content, &mut needs);
+        Progress::add(&shared.progress.bytes_done, holes);
+        slots.push(FileSlot::new(directory, entry, None, 0));
+    }
+    (slots, needs)
+}
+
+/// Push what `content` needs at each offset; returns the bytes of holes.
+fn needs_of_content(file: u32, content: &[Extent], needs: &mut Vec<ChunkNeed>) -> u64 {
+    let mut offset = 0;
+    let mut holes = 0;
+    for extent in content {
+        match extent {
+            Extent::Chunk(blob, length) => needs.push(ChunkNeed {
+                file,
+                offset,
+                blob: *blob,
+                length: *length,
+            }),
+            Extent::Hole(length) => holes += length,
+        }
+        offset += extent.length();
+    }
+    holes
+}
+
+/// Sync mode: compare each file of the batch with what the target holds,
+/// [`FILES_PER_JOB`] files per blocking job, `workers` jobs at once.
+async fn compare_existing_files(
+    shared: &Arc<Shared>,
+    directories: &Arc<Vec<BatchDirectory>>,
+    files: Vec<BatchFile>,
+    workers: usize,
+) -> (Vec<FileSlot>, Vec<ChunkNeed>) {
+    let mut groups = Vec::new();
+    let mut files = files.into_iter();
+    loop {
+        let group: Vec<BatchFile> = files.by_ref().take(FILES_PER_JOB).collect();
+        if group.is_empty() {
+            break;
+        }
+        groups.push(group);
+    }
+    let mut compared = futures::stream::iter(groups.into_iter().enumerate())
+        .map(|(number, group)| {
+            let shared = shared.clone();
+            let directories = directories.clone();
+            super::run_blocking(move || {
+                let first = (number * FILES_PER_JOB) as u32;
+                let mut needs = Vec::new();
+                let slots: Vec<FileSlot> = group
+                    .into_iter()
+                    .enumerate()
+                    .map(|(position, file)| {
+                        compare_existing_file(
+                            &shared,
+                            &directories[file.directory as usize].fd,
+                            first + position as u32,
+                            file,
+                            &mut needs,
+                        )
+                    })
+                    .collect();
+                (slots, needs)
+            })
+        })
+        .buffered(workers);
+    let mut slots = Vec::new();
+    let mut needs = Vec::new();
+    while let Some((group_slots, group_needs)) = compared.next().await {
+        slots.extend(group_slots);
+        needs.extend(group_needs);
+    }
+    (slots, needs)
+}
+
+/// Sync mode, one file: keep the chunks that already match, punch the holes
+/// that are not holes yet, and push the chunks that must be written.
+fn compare_existing_file(
+    shared: &Shared,
+    dir: &OwnedFd,
+    file: u32,
+    BatchFile {
+        directory,
+        mut entry,
+    }: BatchFile,
+    needs: &mut Vec<ChunkNeed>,
+) -> FileSlot {
+    let content = std::mem::take(&mut entry.content);
+    let first_need = needs.len();
+    match compare_with_target(shared, dir, file, &entry, &content, needs) {
+        Ok((existing, written)) => FileSlot::new(directory, entry, existing, written),
+        Err(failure) => {
+            needs.truncate(first_need);
+            let slot = FileSlot::new(directory, entry, None, 0);
+            slot.state.lock().expect("file state").failure = Some(failure);
+            slot
+        }
+    }
+}
+
+/// What [`compare_existing_file`] found on disk, and the bytes it changed.
+fn compare_with_target(
+    shared: &Shared,
+    dir: &OwnedFd,
+    file: u32,
+    entry: &Entry,
+    content: &[Extent],
+    needs: &mut Vec<ChunkNeed>,
+) -> Result<(Option<ExistingFile>, u64), FileFailure> {
+    let name = entry.name.as_slice();
+    let stat = match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(stat)
+            if rustix::fs::FileType::from_raw_mode(stat.st_mode)
+                == rustix::fs::FileType::RegularFile =>
+        {
+            stat
+        }
+        Ok(_) => {
+            remove_entry(dir, name)
+                .map_err(|e| FileFailure::Io("replace the existing entry", e))?;
+            let holes = needs_of_content(file, content, needs);
+            Progress::add(&shared.progress.bytes_done, holes);
+            return Ok((None, 0));
+        }
+        Err(Errno::NOENT) => {
+            let holes = needs_of_content(file, content, needs);
+            Progress::add(&shared.progress.bytes_done, holes);
+            return Ok((None, 0));
+        }
+        Err(error) => return Err(FileFailure::Io("inspect the existing entry", error)),
+    };
+    let fd = rustix::fs::openat(
+        dir,
+        name,
+        OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| FileFailure::Io("open the existing file", e))?;
+    let existing_size = stat.st_size as u64;
+    let mut offset = 0u64;
+    let mut written = 0u64;
+    for extent in content {
+        if shared.cancel.is_cancelled() {
+            return Err(FileFailure::Cancelled);
+        }
+        let length = extent.length();
+        match extent {
+            Extent::Hole(_) => {
+                if offset < existing_size {
+                    let end = (offset + length).min(existing_size);
+                    if !region_is_zero(&fd, offset, end - offset)? {
+                        punch_hole(shared, &fd, offset, end - offset)?;
+                        written += end - offset;
+                    }
+                }
+                Progress::add(&shared.progress.bytes_done, length);
+            }
+            Extent::Chunk(id, chunk_length) => {
+                let same = offset + length <= existing_size
+                    && region_matches(shared, &fd, offset, length, id)?;
+                if same {
+                    Progress::add(&shared.progress.bytes_done, length);
+                } else {
+                    needs.push(ChunkNeed {
+                        file,
+                        offset,
+                        blob: *id,
+                        length: *chunk_length,
+                    });
+                }
+            }
+        }
+        offset += length;
+    }
+    let metadata_matches = (stat.st_mode & 0o7777) == entry.mode
+        && (!shared.options.restore_owners
+            || (stat.st_uid == entry.uid && stat.st_gid == entry.gid))
+        && stat.st_mtime == entry.mtime_seconds
+        && stat.st_mtime_nsec as u32 == entry.mtime_nanos;
+    Ok((
+        Some(ExistingFile {
+            size: existing_size,
+            metadata_matches,
+        }),
+        written,
+    ))
+}
+
+/// A batch being written: its directories and the state of each file.
+struct BatchState {
+    shared: Arc<Shared>,
+    directories: Arc<Vec<BatchDirectory>>,
+    files: Vec<FileSlot>,
+}
+
+/// One file of a batch.
+struct FileSlot {
+    directory: u32,
+    /// Its entry, without the content (the plan has it).
+    entry: Entry,
+    /// Sync mode: what the target already held.
+    existing: Option<ExistingFile>,
+    state: Mutex<WriteState>,
+}
+
+/// A regular file found in the target by a sync restore.
+#[derive(Debug, Clone, Copy)]
+struct ExistingFile {
+    size: u64,
+    metadata_matches: bool,
+}
+
+#[derive(Debug, Default)]
+struct WriteState {
+    /// Open while more writes are expected, if [`MAX_OPEN_FILES`] allows.
+    fd: Option<OwnedFd>,
+    /// The file exists in the target (created by this restore, or found
+    /// by a sync restore): opened again without `O_CREAT`.
+    on_disk: bool,
+    /// Writes still to come; the file is finished when this reaches 0.
+    remaining: u32,
+    /// Bytes written (and, in sync mode, holes punched).
+    written: u64,
+    /// End of the furthest write: the file's size without a truncate.
+    written_end: u64,
+    /// Set once something failed; later writes are skipped.
+    failure: Option<FileFailure>,
+}
+
+#[derive(Debug)]
 enum FileFailure {
-    Data(EngineError),
+    /// The content cannot be had (a blob missing, damaged or unreadable):
+    /// the file is removed; the message says why.
+    Content(String),
     Io(&'static str, Errno),
     Cancelled,
 }
 
-impl FileJob {
-    /// Restore one file; blobs in `prefetched` are not fetched again.
-    fn restore(
-        &self,
-        dir: &OwnedFd,
-        path: Components,
-        entry: Entry,
-        prefetched: &HashMap<BlobId, Vec<u8>>,
-    ) {
-        if self.cancel.is_cancelled() {
-            return;
+impl FileSlot {
+    fn new(directory: u32, entry: Entry, existing: Option<ExistingFile>, written: u64) -> Self {
+        FileSlot {
+            directory,
+            entry,
+            existing,
+            state: Mutex::new(WriteState {
+                on_disk: existing.is_some(),
+                written,
+                ..WriteState::default()
+            }),
         }
-        let name = entry.name.as_slice();
-        let result = self.restore_file(dir, name, &entry, prefetched);
-        let mut outcome = self.outcome.lock().expect("outcome");
+    }
+}
+
+impl BatchState {
+    fn path_of(&self, slot: &FileSlot) -> Components {
+        let mut path = self.directories[slot.directory as usize].path.clone();
+        path.push(slot.entry.name.clone());
+        path
+    }
+
+    /// Write one blob's plaintext at one target; finish the file if that
+    /// was its last write.
+    fn write_target(&self, target: Target, data: &[u8]) {
+        let slot = &self.files[target.file as usize];
+        let mut state = slot.state.lock().expect("file state");
+        if state.failure.is_none()
+            && let Err(failure) = self.write_locked(slot, &mut state, target.offset, data)
+        {
+            state.failure = Some(failure);
+        }
+        Progress::add(&self.shared.progress.bytes_done, data.len() as u64);
+        self.count_down(target.file, state);
+    }
+
+    /// A target whose blob cannot be had: the file is not restored.
+    fn fail_target(&self, target: Target, message: &str) {
+        let slot = &self.files[target.file as usize];
+        let mut state = slot.state.lock().expect("file state");
+        state
+            .failure
+            .get_or_insert_with(|| FileFailure::Content(message.to_string()));
+        self.count_down(target.file, state);
+    }
+
+    fn count_down(&self, file: u32, mut state: MutexGuard<'_, WriteState>) {
+        state.remaining = state.remaining.saturating_sub(1);
+        if state.remaining == 0 {
+            self.finish(file, state);
+        } else if state.fd.is_some()
+            && self.shared.open_files.load(Ordering::Relaxed) > MAX_OPEN_FILES
+        {
+            state.fd = None;
+            self.shared.open_files.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A file the plan gave no writes (empty, all holes, unchanged, or not
+    /// restorable).
+    fn finish_unwritten(&self, file: u32) {
+        let state = self.files[file as usize].state.lock().expect("file state");
+        self.finish(file, state);
+    }
+
+    fn write_locked(
+        &self,
+        slot: &FileSlot,
+        state: &mut WriteState,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), FileFailure> {
+        let existing_size = slot.existing.map_or(0, |existing| existing.size);
+        if offset >= existing_size && data.iter().all(|byte| *byte == 0) {
+            // Beyond what the target held: a hole reads as these zeros.
+            return Ok(());
+        }
+        let fd = self.open(slot, state)?;
+        write_at(&self.shared, fd, data, offset)?;
+        state.written += data.len() as u64;
+        state.written_end = state.written_end.max(offset + data.len() as u64);
+        Ok(())
+    }
+
+    /// The file's descriptor, opening (and the first time creating) it.
+    fn open<'s>(
+        &self,
+        slot: &FileSlot,
+        state: &'s mut WriteState,
+    ) -> Result<&'s OwnedFd, FileFailure> {
+        if state.fd.is_none() {
+            let dir = &self.directories[slot.directory as usize].fd;
+            let name = slot.entry.name.as_slice();
+            let fd = if state.on_disk {
+                rustix::fs::openat(
+                    dir,
+                    name,
+                    OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )
+                .map_err(|e| FileFailure::Io("open the file", e))?
+            } else {
+                rustix::fs::openat(
+                    dir,
+                    name,
+                    OFlags::WRONLY
+                        | OFlags::CREATE
+                        | OFlags::EXCL
+                        | OFlags::NOFOLLOW
+                        | OFlags::CLOEXEC,
+                    Mode::from_raw_mode(0o600),
+                )
+                .map_err(|e| FileFailure::Io("create the file", e))?
+            };
+            state.on_disk = true;
+            self.shared.open_files.fetch_add(1, Ordering::Relaxed);
+            state.fd = Some(fd);
+        }
+        Ok(state.fd.as_ref().expect("opened above"))
+    }
+
+    /// All writes of a file are done: set its size and attributes (or
+    /// remove it, if its content could not be had) and record the outcome.
+    fn finish(&self, file: u32, mut state: MutexGuard<'_, WriteState>) {
+        let slot = &self.files[file as usize];
+        let result = match state.failure.take() {
+            Some(failure) => Err(failure),
+            None => self.complete(slot, &mut state),
+        };
+        if state.fd.take().is_some() {
+            self.shared.open_files.fetch_sub(1, Ordering::Relaxed);
+        }
+        let written = state.written;
+        let on_disk = state.on_disk;
+        drop(state);
+        let shared = &self.shared;
+        let entry = &slot.entry;
         match result {
-            Ok(written) => {
-                outcome.files += 1;
-                if written == 0 && self.options.sync && entry.size > 0 {
-                    outcome.files_unchanged += 1;
+            Ok(()) => {
+                {
+                    let mut outcome = shared.outcome.lock().expect("outcome");
+                    outcome.files += 1;
+                    if written == 0 && shared.options.sync && entry.size > 0 {
+                        outcome.files_unchanged += 1;
+                    }
+                    outcome.bytes_written += written;
                 }
-                outcome.bytes_written += written;
-                drop(outcome);
                 if entry.links > 1 {
-                    self.first_links
+                    shared
+                        .first_links
                         .lock()
                         .expect("links")
-                        .insert((entry.device, entry.inode), path);
+                        .insert((entry.device, entry.inode), self.path_of(slot));
                 }
             }
-            Err(FileFailure::Cancelled) => {}
-            Err(failure) => {
-                let message = match failure {
-                    FileFailure::Data(error) => {
-                        // Never leave a file with damaged content behind.
-                        let _ = rustix::fs::unlinkat(dir, name, AtFlags::empty());
-                        format!("not restored, its data is damaged: {error}")
-                    }
-                    FileFailure::Io(step, errno) => format!("not restored: cannot {step}: {errno}"),
-                    FileFailure::Cancelled => unreachable!(),
-                };
-                outcome.problems.push(RestoreProblem {
-                    path: display(&path),
-                    message,
-                });
-                Progress::add(&self.progress.warnings, 1);
+            Err(FileFailure::Cancelled) => return,
+            Err(FileFailure::Content(message)) => {
+                // Never leave a file with damaged content behind.
+                if on_disk {
+                    let dir = &self.directories[slot.directory as usize].fd;
+                    let _ = rustix::fs::unlinkat(dir, entry.name.as_slice(), AtFlags::empty());
+                }
+                shared.problem(display(&self.path_of(slot)), message);
             }
+            Err(FileFailure::Io(step, errno)) => shared.problem(
+                display(&self.path_of(slot)),
+                format!("not restored: cannot {step}: {errno}"),
+            ),
         }
-        Progress::add(&self.progress.files_done, 1);
+        Progress::add(&shared.progress.files_done, 1);
     }
 
-    /// Returns the bytes written.
-    fn restore_file(
-        &self,
-        dir: &OwnedFd,
-        name: &[u8],
-        entry: &Entry,
-        prefetched: &HashMap<BlobId, Vec<u8>>,
-    ) -> Result<u64, FileFailure> {
-        let existing = if self.options.sync {
-            match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(stat)
-                    if rustix::fs::FileType::from_raw_mode(stat.st_mode)
-                        == rustix::fs::FileType::RegularFile =>
-                {
-                    Some(stat)
-                }
-                Ok(_) => {
-                    remove_entry(dir, name)
-                        .map_err(|e| FileFailure::Io("replace the existing entry", e))?;
-                    None
-                }
-                Err(Errno::NOENT) => None,
-                Err(error) => return Err(FileFailure::Io("inspect the existing entry", error)),
-            }
-        } else {
-            None
+    fn complete(&self, slot: &FileSlot, state: &mut WriteState) -> Result<(), FileFailure> {
+        let entry = &slot.entry;
+        let wrong_size = match slot.existing {
+            Some(existing) => existing.size != entry.size,
+            None => state.written_end != entry.size,
         };
-        let fd = match &existing {
-            Some(_) => rustix::fs::openat(
-                dir,
-                name,
-                OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-            ),
-            None => rustix::fs::openat(
-                dir,
-                name,
-                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::from_raw_mode(0o600),
-            ),
+        let metadata_matches = slot
+            .existing
+            .is_some_and(|existing| existing.metadata_matches);
+        let set_metadata = state.written > 0 || !metadata_matches;
+        if state.on_disk && state.fd.is_none() && !wrong_size && !set_metadata {
+            return Ok(());
         }
-        .map_err(|e| FileFailure::Io("create the file", e))?;
-
-        let mut offset = 0u64;
-        let mut written = 0u64;
-        let existing_size = existing.as_ref().map_or(0, |stat| stat.st_size as u64);
-        // The blobs of the next chunks, fetched together (a new file only:
-        // when updating in place, most chunks are expected to match already).
-        let mut window: HashMap<BlobId, Vec<u8>> = HashMap::new();
-        let mut window_end = 0usize;
-        for (position, extent) in entry.content.iter().enumerate() {
-            if self.cancel.is_cancelled() {
-                return Err(FileFailure::Cancelled);
-            }
-            let length = extent.length();
-            match extent {
-                Extent::Hole(_) => {
-                    if existing.is_some() && offset < existing_size {
-                        let end = (offset + length).min(existing_size);
-                        if !self.region_is_zero(&fd, offset, end - offset)? {
-                            self.punch_hole(&fd, offset, end - offset)?;
-                            written += end - offset;
-                        }
-                    }
-                }
-                Extent::Chunk(id, _) => {
-                    let same = existing.is_some()
-                        && offset + length <= existing_size
-                        && self.region_matches(&fd, offset, length, id)?;
-                    if !same {
-                        if existing.is_none() && position >= window_end {
-                            window.clear();
-                            window_end = self.fetch_window(
-                                &entry.content,
-                                position,
-                                prefetched,
-                                &mut window,
-                            );
-                        }
-                        let data = match prefetched.get(id).or_else(|| window.get(id)) {
-                            Some(data) => Cow::Borrowed(data.as_slice()),
-                            None => Cow::Owned(
-                                self.handle
-                                    .block_on(self.repository.read_blob(&self.index, id))
-                                    .map_err(FileFailure::Data)?,
-                            ),
-                        };
-                        let zero = data.iter().all(|byte| *byte == 0);
-                        if !(zero && offset >= existing_size) {
-                            self.write_at(&fd, &data, offset)?;
-                            written += data.len() as u64;
-                        }
-                    }
-                }
-            }
-            offset += length;
-            Progress::add(&self.progress.bytes_done, length);
-        }
-        if existing_size != entry.size || existing.is_none() {
-            rustix::fs::ftruncate(&fd, entry.size)
+        let fd = self.open(slot, state)?;
+        if wrong_size {
+            rustix::fs::ftruncate(fd, entry.size)
                 .map_err(|e| FileFailure::Io("set the file size", e))?;
         }
-        let metadata_matches = existing.as_ref().is_some_and(|stat| {
-            (stat.st_mode & 0o7777) == entry.mode
-                && (!self.options.restore_owners
-                    || (stat.st_uid == entry.uid && stat.st_gid == entry.gid))
-                && stat.st_mtime == entry.mtime_seconds
-                && stat.st_mtime_nsec as u32 == entry.mtime_nanos
-        });
-        if written > 0 || !metadata_matches {
-            apply_metadata_fd(&fd, entry, &self.options)
+        if set_metadata {
+            apply_metadata_fd(fd, entry, &self.shared.options)
                 .map_err(|e| FileFailure::Io("set attributes", e))?;
         }
-        Ok(written)
-    }
-
-    /// Fetch the blobs of the chunks from `content[start]` on, up to
-    /// [`RESTORE_BATCH_BYTES`] (at least one chunk), into `window`; returns
-    /// the index of the first extent not covered.
-    fn fetch_window(
-        &self,
-        content: &[Extent],
-        start: usize,
-        prefetched: &HashMap<BlobId, Vec<u8>>,
-        window: &mut HashMap<BlobId, Vec<u8>>,
-    ) -> usize {
-        let mut ids = Vec::new();
-        let mut bytes = 0u64;
-        let mut end = start;
-        for extent in &content[start..] {
-            if let Extent::Chunk(id, length) = extent {
-                let length = u64::from(*length);
-                if bytes > 0 && bytes + length > RESTORE_BATCH_BYTES {
-                    break;
-                }
-                bytes += length;
-                if !prefetched.contains_key(id) {
-                    ids.push(*id);
-                }
-            }
-            end += 1;
-        }
-        *window = self
-            .handle
-            .block_on(self.repository.read_blobs(&self.index, &ids));
-        end
-    }
-
-    fn read_at(&self, fd: &OwnedFd, offset: u64, length: u64) -> Result<Vec<u8>, FileFailure> {
-        let mut buffer = vec![0u8; length as usize];
-        let mut done = 0usize;
-        while done < buffer.len() {
-            match rustix::io::pread(fd, &mut buffer[done..], offset + done as u64) {
-                Ok(0) => break,
-                Ok(read) => done += read,
-                Err(Errno::INTR) => continue,
-                Err(error) => return Err(FileFailure::Io("read the existing file", error)),
-            }
-        }
-        buffer.truncate(done);
-        Ok(buffer)
-    }
-
-    fn region_matches(
-        &self,
-        fd: &OwnedFd,
-        offset: u64,
-        length: u64,
-        id: &BlobId,
-    ) -> Result<bool, FileFailure> {
-        let existing = self.read_at(fd, offset, length)?;
-        Ok(existing.len() as u64 == length && self.repository.keys().blob_id(&existing) == *id)
-    }
-
-    fn region_is_zero(&self, fd: &OwnedFd, offset: u64, length: u64) -> Result<bool, FileFailure> {
-        let mut position = offset;
-        while position < offset + length {
-            let step = (offset + length - position).min(4 * 1024 * 1024);
-            let data = self.read_at(fd, position, step)?;
-            if data.iter().any(|byte| *byte != 0) {
-                return Ok(false);
-            }
-            position += step;
-        }
-        Ok(true)
-    }
-
-    fn punch_hole(&self, fd: &OwnedFd, offset: u64, length: u64) -> Result<(), FileFailure> {
-        use rustix::fs::FallocateFlags;
-        match rustix::fs::fallocate(
-            fd,
-            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-            offset,
-            length,
-        ) {
-            Ok(()) => Ok(()),
-            Err(_) => {
-                let zeros = vec![0u8; length.min(4 * 1024 * 1024) as usize];
-                let mut position = offset;
-                while position < offset + length {
-                    let step = (offset + length - position).min(zeros.len() as u64) as usize;
-                    self.write_at(fd, &zeros[..step], position)?;
-                    position += step as u64;
-                }
-                Ok(())
-            }
-        }
-    }
-
-    fn write_at(&self, fd: &OwnedFd, data: &[u8], offset: u64) -> Result<(), FileFailure> {
-        let step = self.options.write_throttle.max_request_bytes();
-        let mut done = 0usize;
-        while done < data.len() {
-            let piece = (data.len() - done).min(step);
-            self.options
-                .write_throttle
-                .acquire_blocking(&self.handle, piece);
-            match rustix::io::pwrite(fd.as_fd(), &data[done..done + piece], offset + done as u64) {
-                Ok(count) => {
-                    done += count;
-                    Progress::add(&self.progress.bytes_transferred, count as u64);
-                }
-                Err(Errno::INTR) => continue,
-                Err(error) => return Err(FileFailure::Io("write the file", error)),
-            }
-        }
         Ok(())
+    }
+}
+
+fn read_at(fd: &OwnedFd, offset: u64, length: u64) -> Result<Vec<u8>, FileFailure> {
+    let mut buffer = vec![0u8; length as usize];
+    let mut done = 0usize;
+    while done < buffer.len() {
+        match rustix::io::pread(fd, &mut buffer[done..], offset + done as u64) {
+            Ok(0) => break,
+            Ok(read) => done += read,
+            Err(Errno::INTR) => continue,
+            Err(error) => return Err(FileFailure::Io("read the existing file", error)),
+        }
+    }
+    buffer.truncate(done);
+    Ok(buffer)
+}
+
+fn region_matches(
+    shared: &Shared,
+    fd: &OwnedFd,
+    offset: u64,
+    length: u64,
+    id: &crate::repo::BlobId,
+) -> Result<bool, FileFailure> {
+    let existing = read_at(fd, offset, length)?;
+    Ok(existing.len() as u64 == length && shared.repository.keys().blob_id(&existing) == *id)
+}
+
+fn region_is_zero(fd: &OwnedFd, offset: u64, length: u64) -> Result<bool, FileFailure> {
+    let mut position = offset;
+    while position < offset + length {
+        let step = (offset + length - position).min(4 * MIB);
+        let data = read_at(fd, position, step)?;
+        if data.iter().any(|byte| *byte != 0) {
+            return Ok(false);
+        }
+        position += step;
+    }
+    Ok(true)
+}
+
+fn punch_hole(shared: &Shared, fd: &OwnedFd, offset: u64, length: u64) -> Result<(), FileFailure> {
+    use rustix::fs::FallocateFlags;
+    match rustix::fs::fallocate(
+        fd,
+        FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
+        offset,
+        length,
+    ) {
+        Ok(()) => Ok(()),
+        Err(_) => {
+            let zeros = vec![0u8; length.min(4 * MIB) as usize];
+            let mut position = offset;
+            while position < offset + length {
+                let step = (offset + length - position).min(zeros.len() as u64) as usize;
+                write_at(shared, fd, &zeros[..step], position)?;
+                position += step as u64;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn write_at(shared: &Shared, fd: &OwnedFd, data: &[u8], offset: u64) -> Result<(), FileFailure> {
+    let throttle = &shared.options.write_throttle;
+    let step = throttle.max_request_bytes();
+    let mut done = 0usize;
+    while done < data.len() {
+        let piece = (data.len() - done).min(step);
+        throttle.acquire_blocking(&shared.handle, piece);
+        match rustix::io::pwrite(fd.as_fd(), &data[done..done + piece], offset + done as u64) {
+            Ok(count) => {
+                done += count;
+                Progress::add(&shared.progress.bytes_transferred, count as u64);
+            }
+            Err(Errno::INTR) => continue,
+            Err(error) => return Err(FileFailure::Io("write the file", error)),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::FutureExt;
+
+    use super::*;
+
+    fn buffer(pool: &Arc<ReadBuffers>, data: Vec<u8>) -> ReadBuffer {
+        ReadBuffer {
+            data,
+            pool: Some(pool.clone()),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_read_buffer_given_back_is_reused_and_the_budget_is_never_exceeded() {
+        let pool = Arc::new(ReadBuffers::new(2 * MAX_PACK_READ_BYTES));
+        let first = pool.take(MAX_PACK_READ_BYTES).await;
+        let address = first.as_ptr();
+        let second = pool.take(MAX_PACK_READ_BYTES - 5).await;
+        assert!(second.capacity() as u64 >= MAX_PACK_READ_BYTES);
+        // The budget is spent: a third read waits.
+        let mut third = Box::pin(pool.take(MIB));
+        assert!((&mut third).now_or_never().is_none());
+        drop(buffer(&pool, first));
+        let reused = third.await;
+        assert_eq!(reused.as_ptr(), address, "the returned buffer is reused");
+        drop(buffer(&pool, reused));
+        drop(buffer(&pool, second));
+        let state = pool.state.lock().expect("state");
+        assert_eq!(state.allocated, 2 * MAX_PACK_READ_BYTES);
+        assert_eq!(state.free.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn small_free_read_buffers_make_room_for_a_large_read() {
+        let pool = Arc::new(ReadBuffers::new(MAX_PACK_READ_BYTES));
+        let small: Vec<Vec<u8>> = futures::future::join_all((0..4).map(|_| pool.take(MIB))).await;
+        for data in small {
+            drop(buffer(&pool, data));
+        }
+        let large = pool
+            .take(MAX_PACK_READ_BYTES)
+            .now_or_never()
+            .expect("the free small buffers are released for it");
+        assert!(large.capacity() as u64 >= MAX_PACK_READ_BYTES);
+        let state = pool.state.lock().expect("state");
+        assert!(state.allocated <= MAX_PACK_READ_BYTES);
     }
 }

@@ -6,7 +6,7 @@
 //! blob (decompresses to its length, hashes to its id). A problem names the
 //! pack, the blob and the files it affects.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use futures::StreamExt;
@@ -49,16 +49,104 @@ pub struct VerifyReport {
     pub data_blobs: u64,
     /// Packs read whole.
     pub packs: u64,
+    /// Packs holding referenced blobs (all of them are read unless a
+    /// subset was asked for).
+    pub packs_total: u64,
     /// Bytes read from the store.
     pub bytes_read: u64,
     /// Everything found wrong; empty means the snapshots are intact.
     pub problems: Vec<VerifyProblem>,
 }
 
-/// Verify one snapshot, or all of them.
+/// Which packs verify reads whole (`--read-data-subset`). Trees are
+/// always all checked; the subset chooses the packs whose data blobs are.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum DataSubset {
+    /// Every pack.
+    All,
+    /// A random share (0..=1) of the packs, at least one.
+    Fraction(f64),
+    /// Bucket `n` (1-based) of `m`: the packs whose id's first 4 bytes
+    /// (big-endian) are `n - 1` modulo `m`. Running 1/m … m/m checks every
+    /// pack once.
+    Bucket {
+        /// Which bucket, 1..=m.
+        n: u32,
+        /// How many buckets.
+        m: u32,
+    },
+}
+
+impl std::str::FromStr for DataSubset {
+    type Err = String;
+
+    /// `5%`, `0.5%`, `N/M`.
+    fn from_str(text: &str) -> Result<Self, String> {
+        if let Some(percent) = text.strip_suffix('%') {
+            let value: f64 = percent
+                .trim()
+                .parse()
+                .map_err(|_| format!("{text:?} is not a percentage like 5%"))?;
+            if !(value > 0.0 && value <= 100.0) {
+                return Err(format!("{text:?} must be above 0% and at most 100%"));
+            }
+            return Ok(DataSubset::Fraction(value / 100.0));
+        }
+        if let Some((n, m)) = text.split_once('/') {
+            let (n, m): (u32, u32) = match (n.trim().parse(), m.trim().parse()) {
+                (Ok(n), Ok(m)) => (n, m),
+                _ => return Err(format!("{text:?} is not N/M with whole numbers")),
+            };
+            if m == 0 || n == 0 || n > m {
+                return Err(format!("{text:?} needs 1 <= N <= M"));
+            }
+            return Ok(DataSubset::Bucket { n, m });
+        }
+        Err(format!(
+            "{text:?} is neither a percentage (5%) nor N/M (1/20)"
+        ))
+    }
+}
+
+impl DataSubset {
+    /// The packs of `packs` to read.
+    pub fn select(&self, packs: &[ObjectId]) -> HashSet<ObjectId> {
+        match *self {
+            DataSubset::All => packs.iter().copied().collect(),
+            DataSubset::Fraction(share) => {
+                let count = ((packs.len() as f64 * share).ceil() as usize)
+                    .clamp(usize::from(!packs.is_empty()), packs.len());
+                rand::seq::index::sample(&mut rand::rng(), packs.len(), count)
+                    .into_iter()
+                    .map(|position| packs[position])
+                    .collect()
+            }
+            DataSubset::Bucket { n, m } => packs
+                .iter()
+                .filter(|pack| {
+                    u32::from_be_bytes(pack.0[..4].try_into().expect("4 bytes")) % m == n - 1
+                })
+                .copied()
+                .collect(),
+        }
+    }
+}
+
+/// Verify one snapshot, or all of them, reading every pack.
 pub async fn verify(
     repository: &Repository,
     snapshot: Option<ObjectId>,
+    progress: Arc<Progress>,
+) -> Result<VerifyReport, EngineError> {
+    verify_subset(repository, snapshot, DataSubset::All, progress).await
+}
+
+/// Verify one snapshot, or all of them: every tree, and the data blobs of
+/// the packs `subset` selects.
+pub async fn verify_subset(
+    repository: &Repository,
+    snapshot: Option<ObjectId>,
+    subset: DataSubset,
     progress: Arc<Progress>,
 ) -> Result<VerifyReport, EngineError> {
     let mut report = VerifyReport::default();
@@ -152,6 +240,10 @@ pub async fn verify(
             }),
         }
     }
+    report.packs_total = by_pack.len() as u64;
+    let all_packs: Vec<ObjectId> = by_pack.keys().copied().collect();
+    let selected = subset.select(&all_packs);
+    by_pack.retain(|pack, _| selected.contains(pack));
     let users = Arc::new(users);
     let mut checks = futures::stream::iter(by_pack)
         .map(|(pack, blobs)| {

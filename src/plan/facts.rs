@@ -1,6 +1,6 @@
 //! The observed cluster facts the planner works from: plain values, already
 //! reduced from Kubernetes objects to what placement needs (see
-//! [`crate::plan::dump`] for the conversion from `kubectl get -o yaml`).
+//! [`crate::dump`] for the conversion from `kubectl get -o yaml`).
 //!
 //! Facts carry no behaviour beyond small queries (does a node selector match
 //! this node, how many bytes does this claim hold) and builder methods that
@@ -607,6 +607,15 @@ impl NodeSelector {
                     .all(|requirement| requirement.matches(node))
         })
     }
+}
+
+/// The minimum a namespace's LimitRange sets for containers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResourceMinimum {
+    /// Minimum CPU in millicores.
+    pub cpu_millis: Option<u64>,
+    /// Minimum memory in bytes.
+    pub memory_bytes: Option<u64>,
 }
 
 #[cfg(test)]

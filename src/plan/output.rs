@@ -11,9 +11,10 @@ use std::fmt::{self, Write as _};
 
 use bytesize::ByteSize;
 
-use serde::{Serialize, Serializer};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize, Serializer};
 
-use crate::plan::facts::Taint;
+use crate::facts::Taint;
 
 /// The result of planning: where each selected claim is read (backup) or
 /// written (restore).
@@ -43,8 +44,10 @@ impl StagePlan {
     }
 }
 
-/// One stage pod: the claims of one namespace it mounts on one node.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One stage pod: the claims of one namespace it mounts on one node. The
+/// same value goes from the planner into a VolumeBackup's status and from
+/// there into the stage pod's desired objects.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct StagePod {
     /// Namespace of the pod and of every claim it mounts.
@@ -54,6 +57,7 @@ pub struct StagePod {
     /// Names of the claims it mounts, sorted.
     pub volumes: Vec<String>,
     /// Sum of the claims' bytes (measured usage when known, else request).
+    #[serde(default)]
     pub bytes: u64,
 }
 

@@ -21,12 +21,12 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet};
 
-use crate::plan::PlanError;
-use crate::plan::facts::{
+use crate::PlanError;
+use crate::facts::{
     ClaimFacts, ClaimPhase, ClusterFacts, NodeFacts, NodeSelector, PodFacts, PodPhase,
     RequirementSubject, SelectorOperator, StorageClassFacts, TaintEffect, VolumeFacts,
 };
-use crate::plan::output::{
+use crate::output::{
     AttachedNodeProblem, Exclusions, StagePlan, StagePod, UnplaceableClaim, UnplaceableReason,
 };
 

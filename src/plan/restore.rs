@@ -15,10 +15,10 @@
 //! not yet bound is provisional: plan again once it is Bound and its
 //! volume's node affinity decides.
 
-use crate::plan::PlanError;
-use crate::plan::facts::{ClaimPhase, ClusterFacts};
-use crate::plan::output::{StagePlan, UnplaceableReason};
-use crate::plan::placement::{
+use crate::PlanError;
+use crate::facts::{ClaimPhase, ClusterFacts};
+use crate::output::{StagePlan, UnplaceableReason};
+use crate::placement::{
     Constraints, Demand, IndexedCluster, Request, demand_of_existing_claim, place_requests,
 };
 

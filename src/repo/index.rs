@@ -24,7 +24,7 @@ pub const INDEX_MAGIC: &[u8; 8] = b"HLGIDX01";
 const INDEX_ENTRY_BYTES: usize = ID_LENGTH + 1 + 1 + 4 + 4 + 4;
 /// An index file never decompresses to more than this; larger is corrupt or
 /// hostile.
-const MAX_INDEX_DECOMPRESSED_BYTES: u64 = 1 << 30;
+pub(crate) const MAX_INDEX_DECOMPRESSED_BYTES: u64 = 1 << 30;
 
 /// The blobs of some packs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -44,8 +44,16 @@ pub struct IndexError {
 }
 
 impl IndexFile {
-    /// Encode, returning the bytes and their id.
+    /// Encode as format 1, returning the bytes and their id.
     pub fn encode(&self) -> (ObjectId, Vec<u8>) {
+        let body = self.encode_body();
+        let mut bytes = INDEX_MAGIC.to_vec();
+        bytes.extend_from_slice(&zstd::bulk::compress(&body, 3).expect("in-memory compression"));
+        (ObjectId::of(&bytes), bytes)
+    }
+
+    /// The uncompressed records (what both formats compress).
+    pub fn encode_body(&self) -> Vec<u8> {
         let mut body = Vec::new();
         for (pack, entries) in &self.packs {
             body.extend_from_slice(&pack.0);
@@ -59,12 +67,10 @@ impl IndexFile {
                 body.extend_from_slice(&entry.raw_length.to_le_bytes());
             }
         }
-        let mut bytes = INDEX_MAGIC.to_vec();
-        bytes.extend_from_slice(&zstd::bulk::compress(&body, 3).expect("in-memory compression"));
-        (ObjectId::of(&bytes), bytes)
+        body
     }
 
-    /// Decode an index file's bytes; `index` names it in errors.
+    /// Decode a format 1 index file's bytes; `index` names it in errors.
     pub fn decode(bytes: &[u8], index: &str) -> Result<Self, IndexError> {
         let damaged = |reason: String| IndexError {
             index: index.to_string(),
@@ -79,7 +85,16 @@ impl IndexFile {
             .take(MAX_INDEX_DECOMPRESSED_BYTES)
             .read_to_end(&mut body)
             .map_err(|error| damaged(format!("cannot decompress: {error}")))?;
-        let mut rest = body.as_slice();
+        Self::decode_body(&body, index)
+    }
+
+    /// Decode the uncompressed records.
+    pub fn decode_body(body: &[u8], index: &str) -> Result<Self, IndexError> {
+        let damaged = |reason: String| IndexError {
+            index: index.to_string(),
+            reason,
+        };
+        let mut rest = body;
         let mut packs = Vec::new();
         while !rest.is_empty() {
             if rest.len() < ID_LENGTH + 4 {
@@ -136,10 +151,17 @@ pub struct BlobLocation {
 
 /// All known blobs, for dedup and for reading. Packs are interned so an
 /// entry costs about 50 bytes.
+///
+/// A pack can be marked *leaving* (prune has recorded it for deletion): its
+/// blobs are still readable ([`BlobIndex::get`] falls back to them), but a
+/// blob whose only copy is in a leaving pack does not count as stored for
+/// deduplication ([`BlobIndex::contains`]), so a backup stores it again
+/// instead of referencing a pack about to be deleted.
 #[derive(Debug, Default, Clone)]
 pub struct BlobIndex {
     pack_ids: Vec<ObjectId>,
     pack_positions: HashMap<ObjectId, u32>,
+    leaving: Vec<bool>,
     blobs: HashMap<BlobId, BlobLocation>,
 }
 
@@ -149,33 +171,72 @@ impl BlobIndex {
         Self::default()
     }
 
-    /// Record a pack's blobs. A blob already known keeps its first location.
+    /// Record a pack's blobs. A blob already known keeps its first
+    /// location, unless that one is in a leaving pack and this one is not.
     pub fn add_pack(&mut self, pack: ObjectId, entries: &[PackEntry]) {
-        let position = *self.pack_positions.entry(pack).or_insert_with(|| {
-            self.pack_ids.push(pack);
-            (self.pack_ids.len() - 1) as u32
-        });
+        self.add_pack_marked(pack, entries, false);
+    }
+
+    /// Record the blobs of a pack prune has marked for deletion: used only
+    /// where no other pack has the blob, and never for deduplication.
+    pub fn add_leaving_pack(&mut self, pack: ObjectId, entries: &[PackEntry]) {
+        self.add_pack_marked(pack, entries, true);
+    }
+
+    fn add_pack_marked(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
+        let position = match self.pack_positions.get(&pack) {
+            Some(position) => *position,
+            None => {
+                self.pack_ids.push(pack);
+                self.leaving.push(leaving);
+                let position = (self.pack_ids.len() - 1) as u32;
+                self.pack_positions.insert(pack, position);
+                position
+            }
+        };
+        let leaving = self.leaving[position as usize];
         self.blobs.reserve(entries.len());
         for entry in entries {
-            self.blobs.entry(entry.id).or_insert(BlobLocation {
+            let location = BlobLocation {
                 pack: position,
                 offset: entry.offset,
                 stored_length: entry.stored_length,
                 raw_length: entry.raw_length,
                 kind: entry.kind,
                 compression: entry.compression,
-            });
+            };
+            match self.blobs.entry(entry.id) {
+                std::collections::hash_map::Entry::Vacant(slot) => {
+                    slot.insert(location);
+                }
+                std::collections::hash_map::Entry::Occupied(mut slot) => {
+                    if !leaving && self.leaving[slot.get().pack as usize] {
+                        slot.insert(location);
+                    }
+                }
+            }
         }
     }
 
-    /// Where a blob is, if known.
+    /// Where a blob is, if known (in a pack that is not leaving, if any
+    /// has it).
     pub fn get(&self, id: &BlobId) -> Option<&BlobLocation> {
         self.blobs.get(id)
     }
 
-    /// True when the blob is stored.
+    /// True when the blob is stored in a pack that is not leaving: a
+    /// backup may reference it without storing it again.
     pub fn contains(&self, id: &BlobId) -> bool {
-        self.blobs.contains_key(id)
+        self.blobs
+            .get(id)
+            .is_some_and(|location| !self.leaving[location.pack as usize])
+    }
+
+    /// True when prune has marked this pack for deletion.
+    pub fn is_leaving(&self, pack: &ObjectId) -> bool {
+        self.pack_positions
+            .get(pack)
+            .is_some_and(|position| self.leaving[*position as usize])
     }
 
     /// The pack a location points into.
@@ -233,5 +294,27 @@ mod tests {
         }
         let location = index.get(&entry.id).expect("known");
         assert_eq!(index.pack_of(location), ObjectId([1; 32]));
+    }
+
+    #[test]
+    fn a_blob_only_in_a_leaving_pack_is_readable_but_not_deduplicated_against() {
+        let entry = |id: u8| PackEntry {
+            id: BlobId([id; 32]),
+            kind: BlobKind::Data,
+            compression: Compression::None,
+            offset: 8,
+            stored_length: 1,
+            raw_length: 1,
+        };
+        let (leaving, kept) = (ObjectId([1; 32]), ObjectId([2; 32]));
+        let mut index = BlobIndex::new();
+        index.add_leaving_pack(leaving, &[entry(1), entry(2)]);
+        index.add_pack(kept, &[entry(2)]);
+        assert!(!index.contains(&BlobId([1; 32])));
+        assert_eq!(index.pack_of(index.get(&BlobId([1; 32])).unwrap()), leaving);
+        // The kept copy wins, whichever order the packs came in.
+        assert!(index.contains(&BlobId([2; 32])));
+        assert_eq!(index.pack_of(index.get(&BlobId([2; 32])).unwrap()), kept);
+        assert!(index.is_leaving(&leaving) && !index.is_leaving(&kept));
     }
 }

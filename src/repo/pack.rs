@@ -15,7 +15,24 @@
 //!
 //! A blob's offset is implied by the order: 8 plus the stored lengths of the
 //! blobs before it. The pack's name is the BLAKE3 of all its bytes.
+//!
+//! Format 2 (encrypted) packs:
+//!
+//! ```text
+//! "HLGPACK2"                                   8 bytes
+//! sealed blobs, back to back                   each: nonce [12] | ciphertext | tag [16]
+//! sealed trailer                               nonce [12] | sealed (entries ‖ count) | tag [16]
+//! sealed trailer length u32                    4 bytes
+//! "HLGPEND2"                                   8 bytes
+//! ```
+//!
+//! Each blob is sealed on its own (bound to its kind and id), so one ranged
+//! read of its stored bytes still reads one blob; the stored length in the
+//! entries is the sealed length.
 
+use rand_core::CryptoRng;
+
+use super::crypto::{ObjectKey, SEAL_OVERHEAD, Sealed};
 use super::{BlobId, BlobKind, Compression, ID_LENGTH, ObjectId};
 
 /// First bytes of every pack.
@@ -28,6 +45,39 @@ pub const TRAILER_ENTRY_BYTES: usize = ID_LENGTH + 1 + 1 + 4 + 4;
 pub const TRAILER_TAIL_BYTES: usize = 4 + 32 + 8;
 /// Upper bound on blobs in one pack; a trailer claiming more is corrupt.
 pub const MAX_BLOBS_PER_PACK: u32 = 1 << 20;
+/// First bytes of every format 2 pack.
+pub const SEALED_PACK_MAGIC: &[u8; 8] = b"HLGPACK2";
+/// Last bytes of every format 2 pack.
+pub const SEALED_PACK_END_MAGIC: &[u8; 8] = b"HLGPEND2";
+/// Size of the fixed end of a format 2 pack (trailer length, magic).
+pub const SEALED_TRAILER_TAIL_BYTES: usize = 4 + 8;
+
+/// Which pack layout: the repository's format decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackFormat {
+    /// Format 1: plaintext blobs, checksummed trailer.
+    Plain,
+    /// Format 2: sealed blobs, sealed trailer.
+    Sealed,
+}
+
+impl PackFormat {
+    /// The first 8 bytes of a pack of this format.
+    pub fn magic(self) -> &'static [u8; 8] {
+        match self {
+            PackFormat::Plain => PACK_MAGIC,
+            PackFormat::Sealed => SEALED_PACK_MAGIC,
+        }
+    }
+
+    /// How many bytes at the end of a pack say how long its trailer is.
+    pub fn tail_bytes(self) -> usize {
+        match self {
+            PackFormat::Plain => TRAILER_TAIL_BYTES,
+            PackFormat::Sealed => SEALED_TRAILER_TAIL_BYTES,
+        }
+    }
+}
 
 /// One blob of a pack, as the trailer and the index describe it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +111,7 @@ pub struct PackError {
 pub struct PackWriter {
     bytes: Vec<u8>,
     entries: Vec<PackEntry>,
+    format: PackFormat,
 }
 
 impl Default for PackWriter {
@@ -78,15 +129,26 @@ impl PackWriter {
     /// An empty pack whose buffer holds `bytes` without growing, so a pack
     /// filled to its target never doubles its buffer.
     pub fn with_capacity(bytes: usize) -> Self {
+        Self::with_format(bytes, PackFormat::Plain)
+    }
+
+    /// An empty pack of `format` whose buffer holds `bytes` without growing.
+    pub fn with_format(bytes: usize, format: PackFormat) -> Self {
         let mut bytes = Vec::with_capacity(bytes);
-        bytes.extend_from_slice(PACK_MAGIC);
+        bytes.extend_from_slice(format.magic());
         PackWriter {
             bytes,
             entries: Vec::new(),
+            format,
         }
     }
 
-    /// Append a blob's stored bytes.
+    /// The layout this pack is written in.
+    pub fn format(&self) -> PackFormat {
+        self.format
+    }
+
+    /// Append a blob's stored bytes (for a sealed pack: already sealed).
     pub fn add(
         &mut self,
         id: BlobId,
@@ -95,14 +157,31 @@ impl PackWriter {
         stored: &[u8],
         raw_length: u32,
     ) {
+        self.add_parts(id, kind, compression, &[stored], raw_length);
+    }
+
+    /// Append a blob whose stored bytes come in pieces (a sealed blob's
+    /// nonce, then its ciphertext and tag), without joining them first.
+    pub fn add_parts(
+        &mut self,
+        id: BlobId,
+        kind: BlobKind,
+        compression: Compression,
+        parts: &[&[u8]],
+        raw_length: u32,
+    ) {
         let offset = self.bytes.len() as u32;
-        self.bytes.extend_from_slice(stored);
+        let mut stored_length = 0;
+        for part in parts {
+            self.bytes.extend_from_slice(part);
+            stored_length += part.len();
+        }
         self.entries.push(PackEntry {
             id,
             kind,
             compression,
             offset,
-            stored_length: stored.len() as u32,
+            stored_length: stored_length as u32,
             raw_length,
         });
     }
@@ -117,8 +196,41 @@ impl PackWriter {
         self.entries.is_empty()
     }
 
-    /// Append the trailer and name the pack.
+    /// Append the trailer and name the pack: plaintext for a plain pack,
+    /// sealed with `key` for a sealed one.
+    pub fn finish_with(self, key: Option<&ObjectKey>, random: &mut impl CryptoRng) -> FinishedPack {
+        match (self.format, key) {
+            (PackFormat::Sealed, Some(key)) => self.finish_sealed(key, random),
+            (PackFormat::Plain, _) => self.finish(),
+            (PackFormat::Sealed, None) => panic!("a sealed pack needs its key to finish"),
+        }
+    }
+
+    fn finish_sealed(mut self, key: &ObjectKey, random: &mut impl CryptoRng) -> FinishedPack {
+        let mut trailer = Vec::with_capacity(self.entries.len() * TRAILER_ENTRY_BYTES + 4);
+        for entry in &self.entries {
+            encode_entry(entry, &mut trailer);
+        }
+        trailer.extend_from_slice(&(self.entries.len() as u32).to_le_bytes());
+        let sealed = key.seal(random, Sealed::PackTrailer, &[], &trailer);
+        self.bytes.extend_from_slice(&sealed);
+        self.bytes
+            .extend_from_slice(&(sealed.len() as u32).to_le_bytes());
+        self.bytes.extend_from_slice(SEALED_PACK_END_MAGIC);
+        FinishedPack {
+            id: ObjectId::of(&self.bytes),
+            bytes: self.bytes,
+            entries: self.entries,
+        }
+    }
+
+    /// Append the plaintext trailer and name the pack (format 1).
     pub fn finish(mut self) -> FinishedPack {
+        assert_eq!(
+            self.format,
+            PackFormat::Plain,
+            "a sealed pack finishes with finish_with"
+        );
         let trailer_start = self.bytes.len();
         for entry in &self.entries {
             encode_entry(entry, &mut self.bytes);
@@ -205,9 +317,70 @@ pub fn decode_trailer(
         return Err(damaged("trailer checksum mismatch".into()));
     }
     let count = read_u32(&trailer[body_end - 4..body_end]) as usize;
-    let mut entries = Vec::with_capacity(count);
-    let mut offset = PACK_MAGIC.len() as u64;
-    for record in trailer[..count * TRAILER_ENTRY_BYTES].chunks_exact(TRAILER_ENTRY_BYTES) {
+    let entries = decode_entries(
+        &trailer[..count * TRAILER_ENTRY_BYTES],
+        PACK_MAGIC.len() as u64,
+        &damaged,
+    )?;
+    covering_the_pack(
+        entries,
+        PACK_MAGIC.len() as u64,
+        trailer.len(),
+        pack_length,
+        &damaged,
+    )
+}
+
+/// Decode the trailer of a whole pack held in memory.
+pub fn decode_pack(bytes: &[u8], pack: &str) -> Result<Vec<PackEntry>, PackError> {
+    if bytes.len() < PACK_MAGIC.len() + TRAILER_TAIL_BYTES || &bytes[..8] != PACK_MAGIC {
+        return Err(PackError {
+            pack: pack.to_string(),
+            reason: "start marker missing (not a pack)".into(),
+        });
+    }
+    let length = trailer_length(bytes, pack)?;
+    if length > bytes.len() - PACK_MAGIC.len() {
+        return Err(PackError {
+            pack: pack.to_string(),
+            reason: "trailer longer than the pack".into(),
+        });
+    }
+    decode_trailer(&bytes[bytes.len() - length..], bytes.len() as u64, pack)
+}
+
+/// Decode trailer entries, giving each its offset: `first_offset` plus
+/// the stored lengths before it.
+/// `entries` if, after the magic, they and the trailer cover the pack
+/// exactly (no gap, no overlap, nothing after the trailer).
+fn covering_the_pack(
+    entries: Vec<PackEntry>,
+    magic_length: u64,
+    trailer_length: usize,
+    pack_length: u64,
+    damaged: &dyn Fn(String) -> PackError,
+) -> Result<Vec<PackEntry>, PackError> {
+    let end = entries
+        .last()
+        .map(|entry| u64::from(entry.offset) + u64::from(entry.stored_length))
+        .unwrap_or(magic_length);
+    if end + trailer_length as u64 != pack_length {
+        return Err(damaged(format!(
+            "blobs and trailer cover {} bytes but the pack has {pack_length}",
+            end + trailer_length as u64
+        )));
+    }
+    Ok(entries)
+}
+
+fn decode_entries(
+    records: &[u8],
+    first_offset: u64,
+    damaged: &dyn Fn(String) -> PackError,
+) -> Result<Vec<PackEntry>, PackError> {
+    let mut entries = Vec::with_capacity(records.len() / TRAILER_ENTRY_BYTES);
+    let mut offset = first_offset;
+    for record in records.chunks_exact(TRAILER_ENTRY_BYTES) {
         let id = BlobId(record[..32].try_into().expect("32 bytes"));
         let kind = BlobKind::from_code(record[32]).ok_or_else(|| {
             damaged(format!(
@@ -236,31 +409,111 @@ pub fn decode_trailer(
         });
         offset += u64::from(stored_length);
     }
-    if offset + trailer.len() as u64 != pack_length {
-        return Err(damaged(format!(
-            "blobs and trailer cover {} bytes but the pack has {pack_length}",
-            offset + trailer.len() as u64
-        )));
-    }
     Ok(entries)
 }
 
-/// Decode the trailer of a whole pack held in memory.
-pub fn decode_pack(bytes: &[u8], pack: &str) -> Result<Vec<PackEntry>, PackError> {
-    if bytes.len() < PACK_MAGIC.len() + TRAILER_TAIL_BYTES || &bytes[..8] != PACK_MAGIC {
+/// From the last [`SEALED_TRAILER_TAIL_BYTES`] of a format 2 pack, the
+/// length of the sealed trailer plus that tail.
+pub fn sealed_trailer_length(tail: &[u8], pack: &str) -> Result<usize, PackError> {
+    let damaged = |reason: &str| PackError {
+        pack: pack.to_string(),
+        reason: reason.to_string(),
+    };
+    if tail.len() < SEALED_TRAILER_TAIL_BYTES {
+        return Err(damaged("shorter than a trailer"));
+    }
+    let tail = &tail[tail.len() - SEALED_TRAILER_TAIL_BYTES..];
+    if &tail[4..12] != SEALED_PACK_END_MAGIC {
+        return Err(damaged(
+            "end marker missing (truncated, not a pack, or a plaintext pack)",
+        ));
+    }
+    let sealed = read_u32(&tail[..4]) as usize;
+    let most = MAX_BLOBS_PER_PACK as usize * TRAILER_ENTRY_BYTES + 4 + SEAL_OVERHEAD;
+    if sealed < SEAL_OVERHEAD + 4 || sealed > most {
+        return Err(damaged("trailer claims an impossible length"));
+    }
+    Ok(sealed + SEALED_TRAILER_TAIL_BYTES)
+}
+
+/// Open and decode a format 2 trailer (the last [`sealed_trailer_length`]
+/// bytes of a pack of `pack_length` bytes), checking that the blobs exactly
+/// fill the space before it.
+pub fn decode_sealed_trailer(
+    key: &ObjectKey,
+    trailer: &[u8],
+    pack_length: u64,
+    pack: &str,
+) -> Result<Vec<PackEntry>, PackError> {
+    let damaged = |reason: String| PackError {
+        pack: pack.to_string(),
+        reason,
+    };
+    let expected = sealed_trailer_length(trailer, pack)?;
+    if trailer.len() != expected {
+        return Err(damaged(format!(
+            "trailer is {} bytes, its length field says {expected}",
+            trailer.len()
+        )));
+    }
+    let plain = key
+        .open(
+            Sealed::PackTrailer,
+            &[],
+            &trailer[..trailer.len() - SEALED_TRAILER_TAIL_BYTES],
+        )
+        .map_err(|error| damaged(error.to_string()))?;
+    if plain.len() < 4 {
+        return Err(damaged("trailer has no entry count".into()));
+    }
+    let count = read_u32(&plain[plain.len() - 4..]) as usize;
+    if count * TRAILER_ENTRY_BYTES + 4 != plain.len() {
+        return Err(damaged(format!(
+            "trailer holds {} bytes of entries, its count says {count}",
+            plain.len() - 4
+        )));
+    }
+    let entries = decode_entries(
+        &plain[..count * TRAILER_ENTRY_BYTES],
+        SEALED_PACK_MAGIC.len() as u64,
+        &damaged,
+    )?;
+    covering_the_pack(
+        entries,
+        SEALED_PACK_MAGIC.len() as u64,
+        trailer.len(),
+        pack_length,
+        &damaged,
+    )
+}
+
+/// Decode the trailer of a whole format 2 pack held in memory.
+pub fn decode_sealed_pack(
+    key: &ObjectKey,
+    bytes: &[u8],
+    pack: &str,
+) -> Result<Vec<PackEntry>, PackError> {
+    if bytes.len() < SEALED_PACK_MAGIC.len() + SEALED_TRAILER_TAIL_BYTES
+        || &bytes[..8] != SEALED_PACK_MAGIC
+    {
         return Err(PackError {
             pack: pack.to_string(),
-            reason: "start marker missing (not a pack)".into(),
+            reason: "start marker missing (not an encrypted pack)".into(),
         });
     }
-    let length = trailer_length(bytes, pack)?;
-    if length > bytes.len() - PACK_MAGIC.len() {
+    let length = sealed_trailer_length(bytes, pack)?;
+    if length > bytes.len() - SEALED_PACK_MAGIC.len() {
         return Err(PackError {
             pack: pack.to_string(),
             reason: "trailer longer than the pack".into(),
         });
     }
-    decode_trailer(&bytes[bytes.len() - length..], bytes.len() as u64, pack)
+    decode_sealed_trailer(
+        key,
+        &bytes[bytes.len() - length..],
+        bytes.len() as u64,
+        pack,
+    )
 }
 
 #[cfg(test)]
@@ -306,5 +559,37 @@ mod tests {
         bytes[position] ^= 0x40;
         let error = decode_pack(&bytes, "p").expect_err("must fail");
         assert!(error.to_string().contains("checksum"), "{error}");
+    }
+
+    #[test]
+    fn a_sealed_pack_is_described_by_its_sealed_trailer_and_hides_it() {
+        let key = crate::crypto::MasterKey::generate(&mut rand::rng()).object_key();
+        let mut writer = PackWriter::with_format(1024, PackFormat::Sealed);
+        let id = BlobId([1; 32]);
+        let sealed = key.seal(
+            &mut rand::rng(),
+            Sealed::Blob {
+                kind: BlobKind::Data,
+                id: &id,
+            },
+            &[],
+            b"hello",
+        );
+        writer.add(id, BlobKind::Data, Compression::None, &sealed, 5);
+        let pack = writer.finish_with(Some(&key), &mut rand::rng());
+        assert_eq!(&pack.bytes[..8], SEALED_PACK_MAGIC);
+        let entries = decode_sealed_pack(&key, &pack.bytes, "p").expect("decodes");
+        assert_eq!(entries, pack.entries);
+        assert!(
+            !pack.bytes.windows(32).any(|window| window == id.0),
+            "the blob id is visible in the pack"
+        );
+        let mut flipped = pack.bytes.clone();
+        let position = flipped.len() - SEALED_TRAILER_TAIL_BYTES - 3;
+        flipped[position] ^= 1;
+        let error = decode_sealed_pack(&key, &flipped, "p").expect_err("must fail");
+        assert!(error.to_string().contains("authentication"), "{error}");
+        let truncated = &pack.bytes[..pack.bytes.len() - 1];
+        assert!(decode_sealed_pack(&key, truncated, "p").is_err());
     }
 }

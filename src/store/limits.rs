@@ -10,49 +10,31 @@
 //!
 //! The upload cap charges a `put`'s bytes before they are sent, in slices no
 //! larger than the limiter's burst, so over any window longer than one burst
-//! the bytes handed to the backend stay at or below the rate. The burst is a
-//! tenth of a second's worth (at least [`MIN_UPLOAD_BURST_BYTES`]), which keeps
-//! the rate smooth instead of letting a queue of objects leave in a lump.
+//! the bytes handed to the backend stay at or below the rate. The limiter is
+//! the engine's ([`crate::throttle::Throttle`]); its burst is a tenth of a
+//! second's worth (at least [`MIN_UPLOAD_BURST_BYTES`]), which keeps the rate
+//! smooth instead of letting a queue of objects leave in a lump.
 
-use std::num::{NonZeroU32, NonZeroU64};
+use std::num::NonZeroU64;
 use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use tokio::sync::Semaphore;
+
+pub use crate::throttle::WaitTime;
+use crate::throttle::{ByteRate, MAX_BYTES_PER_SECOND, Throttle};
 
 use super::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport};
 
 /// Smallest burst of the upload limiter: below this, the per-slice overhead
 /// of the limiter would dominate.
-pub const MIN_UPLOAD_BURST_BYTES: u32 = 64 * 1024;
+pub const MIN_UPLOAD_BURST_BYTES: usize = 64 * 1024;
 
-/// Largest rate the upload limiter accepts (governor counts in `u32` cells).
-pub const MAX_UPLOAD_BYTES_PER_SECOND: u64 = u32::MAX as u64;
-
-/// Time spent waiting on a rate limiter, summed over every waiter. Clones
-/// share the sum, so a limiter records into it and whoever exports the
-/// figure (the agent's `/metrics`) reads it, without the limiter knowing
-/// about metrics.
-#[derive(Debug, Clone, Default)]
-pub struct WaitTime(Arc<AtomicU64>);
-
-impl WaitTime {
-    /// Add one wait.
-    pub fn add(&self, waited: Duration) {
-        let nanoseconds = u64::try_from(waited.as_nanos()).unwrap_or(u64::MAX);
-        self.0.fetch_add(nanoseconds, Ordering::Relaxed);
-    }
-
-    /// The sum so far.
-    pub fn total(&self) -> Duration {
-        Duration::from_nanos(self.0.load(Ordering::Relaxed))
-    }
-}
+/// Largest rate the upload limiter accepts.
+pub const MAX_UPLOAD_BYTES_PER_SECOND: u64 = MAX_BYTES_PER_SECOND;
 
 /// An [`ObjectStore`] that lets at most a fixed number of operations of
 /// another run at once; the rest wait in FIFO order.
@@ -98,6 +80,16 @@ impl ObjectStore for ConcurrencyLimitStore {
     async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
         let _permit = self.permit().await;
         self.inner.get(key, range).await
+    }
+
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let _permit = self.permit().await;
+        self.inner.get_range_into(key, range, buffer).await
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
@@ -149,10 +141,8 @@ pub enum RateLimitError {
 /// Reads, listings and deletes pass through unthrottled.
 pub struct UploadRateLimitStore {
     inner: DynStore,
-    limiter: DefaultDirectRateLimiter,
-    burst: NonZeroU32,
+    throttle: Throttle,
     bytes_per_second: NonZeroU64,
-    waited: WaitTime,
 }
 
 impl std::fmt::Debug for UploadRateLimitStore {
@@ -160,7 +150,6 @@ impl std::fmt::Debug for UploadRateLimitStore {
         f.debug_struct("UploadRateLimitStore")
             .field("inner", &self.inner)
             .field("bytes_per_second", &self.bytes_per_second)
-            .field("burst", &self.burst)
             .finish()
     }
 }
@@ -168,29 +157,24 @@ impl std::fmt::Debug for UploadRateLimitStore {
 impl UploadRateLimitStore {
     /// Wrap `inner`, uploading at most `bytes_per_second` on average.
     pub fn new(inner: DynStore, bytes_per_second: NonZeroU64) -> Result<Self, RateLimitError> {
-        let rate = u32::try_from(bytes_per_second.get()).map_err(|_| RateLimitError::TooFast {
-            bytes_per_second: bytes_per_second.get(),
-        })?;
-        let rate = NonZeroU32::new(rate).unwrap_or(NonZeroU32::MIN);
-        let burst = NonZeroU32::new(
-            (rate.get() / 10)
-                .max(MIN_UPLOAD_BURST_BYTES)
-                .min(rate.get()),
-        )
-        .unwrap_or(NonZeroU32::MIN);
-        let limiter = RateLimiter::direct(Quota::per_second(rate).allow_burst(burst));
+        if bytes_per_second.get() > MAX_UPLOAD_BYTES_PER_SECOND {
+            return Err(RateLimitError::TooFast {
+                bytes_per_second: bytes_per_second.get(),
+            });
+        }
         Ok(UploadRateLimitStore {
             inner,
-            limiter,
-            burst,
+            throttle: Throttle::with_burst_floor(
+                Some(ByteRate(bytes_per_second.get())),
+                MIN_UPLOAD_BURST_BYTES,
+            ),
             bytes_per_second,
-            waited: WaitTime::default(),
         })
     }
 
     /// Record the time uploads wait for the limiter into `waited`.
     pub fn recording_wait_into(mut self, waited: WaitTime) -> Self {
-        self.waited = waited;
+        self.throttle = self.throttle.recording_wait_into(waited);
         self
     }
 
@@ -200,19 +184,11 @@ impl UploadRateLimitStore {
     }
 
     async fn charge(&self, mut bytes: u64) {
+        let slice_bytes = self.throttle.max_request_bytes() as u64;
         while bytes > 0 {
-            let slice = bytes.min(u64::from(self.burst.get()));
+            let slice = bytes.min(slice_bytes);
             bytes -= slice;
-            let cells = u32::try_from(slice)
-                .ok()
-                .and_then(NonZeroU32::new)
-                .unwrap_or(NonZeroU32::MIN);
-            let started = Instant::now();
-            // `cells` is at most the burst, so capacity is always sufficient.
-            if self.limiter.until_n_ready(cells).await.is_err() {
-                unreachable!("a slice never exceeds the limiter's burst");
-            }
-            self.waited.add(started.elapsed());
+            self.throttle.acquire(slice as usize).await;
         }
     }
 }
@@ -226,6 +202,15 @@ impl ObjectStore for UploadRateLimitStore {
 
     async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
         self.inner.get(key, range).await
+    }
+
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        self.inner.get_range_into(key, range, buffer).await
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {

@@ -88,6 +88,39 @@ async fn blocking<T: Send + 'static>(
     }
 }
 
+/// Read `range` of the file at `path` into `buffer` (replacing what it
+/// held, without zero-filling it first); a range past the end is an error.
+fn read_range_into(path: &Path, range: Range<u64>, mut buffer: Vec<u8>) -> io::Result<Vec<u8>> {
+    let mut file = File::open(path)?;
+    let size = file.metadata()?.len();
+    if range.start > range.end || range.end > size {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "byte range {}..{} is outside the object of {size} bytes",
+                range.start, range.end
+            ),
+        ));
+    }
+    file.seek(SeekFrom::Start(range.start))?;
+    let length = range.end - range.start;
+    buffer.clear();
+    buffer.reserve_exact(length as usize);
+    file.take(length).read_to_end(&mut buffer)?;
+    if buffer.len() as u64 != length {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!(
+                "the object ended {} bytes into the range {}..{}",
+                buffer.len(),
+                range.start,
+                range.end
+            ),
+        ));
+    }
+    Ok(buffer)
+}
+
 fn write_atomically(final_path: &Path, data: &[u8], mode: PutMode) -> io::Result<()> {
     let dir = final_path
         .parent()
@@ -223,34 +256,33 @@ impl ObjectStore for LocalStore {
         let key = key.to_string();
         blocking(move || {
             let read = || -> io::Result<Vec<u8>> {
-                let mut file = File::open(&path)?;
                 match range {
                     None => {
                         let mut buffer = Vec::new();
-                        file.read_to_end(&mut buffer)?;
+                        File::open(&path)?.read_to_end(&mut buffer)?;
                         Ok(buffer)
                     }
-                    Some(range) => {
-                        let size = file.metadata()?.len();
-                        if range.start > range.end || range.end > size {
-                            return Err(io::Error::new(
-                                io::ErrorKind::InvalidInput,
-                                format!(
-                                    "byte range {}..{} is outside the object of {size} bytes",
-                                    range.start, range.end
-                                ),
-                            ));
-                        }
-                        file.seek(SeekFrom::Start(range.start))?;
-                        let mut buffer = vec![0; (range.end - range.start) as usize];
-                        file.read_exact(&mut buffer)?;
-                        Ok(buffer)
-                    }
+                    Some(range) => read_range_into(&path, range, Vec::new()),
                 }
             };
             read()
                 .map(Bytes::from)
                 .map_err(|err| this.classify("get", &key, err))
+        })
+        .await
+    }
+
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let path = self.path_of("get", key)?;
+        let this = self.clone();
+        let key = key.to_string();
+        blocking(move || {
+            read_range_into(&path, range, buffer).map_err(|err| this.classify("get", &key, err))
         })
         .await
     }

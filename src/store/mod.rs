@@ -209,6 +209,25 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
     async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError>;
     /// Read the object, or the byte range of it.
     async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError>;
+    /// Read a byte range of the object into `buffer`, replacing what it
+    /// held, and hand the buffer back: a reader of many large ranges (a
+    /// restore's pack reads) keeps a few buffers and reuses them, where a
+    /// fresh allocation per read leaves freed megabytes cached by the
+    /// allocator of whichever thread made it. Same contract as
+    /// [`ObjectStore::get`] with that range. The default reads with `get`
+    /// and copies; backends read into the buffer directly and wrappers
+    /// forward to their inner store.
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        mut buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let bytes = self.get(key, Some(range)).await?;
+        buffer.clear();
+        buffer.extend_from_slice(&bytes);
+        Ok(buffer)
+    }
     /// Size of the object.
     async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError>;
     /// All objects whose key starts with `prefix`.

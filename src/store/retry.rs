@@ -153,6 +153,22 @@ impl ObjectStore for RetryStore {
         self.run("get", || self.inner.get(key, range.clone())).await
     }
 
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        // The first attempt uses the caller's buffer; a failed attempt
+        // consumed it, so a retry starts with a new one.
+        let mut buffer = Some(buffer);
+        self.run("get", || {
+            self.inner
+                .get_range_into(key, range.clone(), buffer.take().unwrap_or_default())
+        })
+        .await
+    }
+
     async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
         self.run("head", || self.inner.head(key)).await
     }

@@ -801,6 +801,133 @@ impl S3Store {
             .map(drop)
             .map_err(|error| self.classify("put", key, error))
     }
+
+    /// A GET of the object or a range of it, into `buffer` (replacing what
+    /// it held).
+    async fn get_into(
+        &self,
+        key: &str,
+        range: Option<Range<u64>>,
+        mut buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let full_key = self.full_key("get", key)?;
+        let out_of_range = |size: Option<u64>, range: &Range<u64>| {
+            let size = size.map_or_else(
+                || "an object".to_string(),
+                |size| format!("the object of {size} bytes"),
+            );
+            self.permanent(
+                "get",
+                key,
+                format!(
+                    "byte range {}..{} is outside {size}",
+                    range.start, range.end
+                ),
+            )
+        };
+        if let Some(range) = &range {
+            if range.start > range.end {
+                return Err(out_of_range(None, range));
+            }
+            if range.start == range.end {
+                // S3 cannot express an empty range; check the bounds instead.
+                let size = self.head(key).await?.size;
+                return if range.end <= size {
+                    buffer.clear();
+                    Ok(buffer)
+                } else {
+                    Err(out_of_range(Some(size), range))
+                };
+            }
+        }
+        let mut request = self
+            .client
+            .get_object()
+            .bucket(&self.location.bucket)
+            .key(&full_key);
+        if let Some(range) = &range {
+            request = request.range(format!("bytes={}-{}", range.start, range.end - 1));
+        }
+        let output = match request.send().await {
+            Ok(output) => output,
+            Err(error) => {
+                let unsatisfiable = error
+                    .raw_response()
+                    .map(|response| response.status().as_u16())
+                    == Some(416)
+                    || error.code() == Some("InvalidRange");
+                return Err(match &range {
+                    Some(range) if unsatisfiable => {
+                        let size = self.head(key).await.ok().map(|meta| meta.size);
+                        out_of_range(size, range)
+                    }
+                    _ => self.classify("get", key, error),
+                });
+            }
+        };
+        let expected_length = output
+            .content_length()
+            .and_then(|length| u64::try_from(length).ok());
+        let total = output.content_range().and_then(total_from_content_range);
+        let ranged_reply = output.content_range().is_some();
+        // Into one buffer of the announced length as the body arrives
+        // (collecting the pieces and then joining them held a large object
+        // twice), which may be the caller's, reused.
+        let mut body_stream = output.body;
+        // Never more than was asked for, whatever the server announces.
+        let capacity = expected_length.unwrap_or(0).min(
+            range
+                .as_ref()
+                .map_or(u64::MAX, |range| range.end - range.start),
+        );
+        buffer.clear();
+        buffer.reserve_exact(capacity as usize);
+        loop {
+            match body_stream.try_next().await {
+                Ok(Some(piece)) => buffer.extend_from_slice(&piece),
+                Ok(None) => break,
+                Err(error) => {
+                    return Err(self.transient(
+                        "get",
+                        key,
+                        format!("reading the response body failed: {}", error_chain(&error)),
+                    ));
+                }
+            }
+        }
+        let mut body = buffer;
+        if let Some(expected) = expected_length
+            && body.len() as u64 != expected
+        {
+            return Err(self.transient(
+                "get",
+                key,
+                format!(
+                    "the response ended after {} of {expected} bytes",
+                    body.len()
+                ),
+            ));
+        }
+        let Some(range) = range else {
+            return Ok(body);
+        };
+        let wanted = range.end - range.start;
+        if !ranged_reply {
+            // The server ignored the Range header and sent the whole object.
+            return if range.end <= body.len() as u64 {
+                body.truncate(range.end as usize);
+                body.drain(..range.start as usize);
+                Ok(body)
+            } else {
+                Err(out_of_range(Some(body.len() as u64), &range))
+            };
+        }
+        if body.len() as u64 != wanted {
+            // S3 shortens a range that runs past the end instead of failing.
+            return Err(out_of_range(total, &range));
+        }
+        Ok(body)
+    }
 }
 
 /// Aborts a multipart upload unless disarmed: awaited on the error path,
@@ -965,106 +1092,16 @@ impl ObjectStore for S3Store {
     }
 
     async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
-        let full_key = self.full_key("get", key)?;
-        let out_of_range = |size: Option<u64>, range: &Range<u64>| {
-            let size = size.map_or_else(
-                || "an object".to_string(),
-                |size| format!("the object of {size} bytes"),
-            );
-            self.permanent(
-                "get",
-                key,
-                format!(
-                    "byte range {}..{} is outside {size}",
-                    range.start, range.end
-                ),
-            )
-        };
-        if let Some(range) = &range {
-            if range.start > range.end {
-                return Err(out_of_range(None, range));
-            }
-            if range.start == range.end {
-                // S3 cannot express an empty range; check the bounds instead.
-                let size = self.head(key).await?.size;
-                return if range.end <= size {
-                    Ok(Bytes::new())
-                } else {
-                    Err(out_of_range(Some(size), range))
-                };
-            }
-        }
-        let mut request = self
-            .client
-            .get_object()
-            .bucket(&self.location.bucket)
-            .key(&full_key);
-        if let Some(range) = &range {
-            request = request.range(format!("bytes={}-{}", range.start, range.end - 1));
-        }
-        let output = match request.send().await {
-            Ok(output) => output,
-            Err(error) => {
-                let unsatisfiable = error
-                    .raw_response()
-                    .map(|response| response.status().as_u16())
-                    == Some(416)
-                    || error.code() == Some("InvalidRange");
-                return Err(match &range {
-                    Some(range) if unsatisfiable => {
-                        let size = self.head(key).await.ok().map(|meta| meta.size);
-                        out_of_range(size, range)
-                    }
-                    _ => self.classify("get", key, error),
-                });
-            }
-        };
-        let expected_length = output
-            .content_length()
-            .and_then(|length| u64::try_from(length).ok());
-        let total = output.content_range().and_then(total_from_content_range);
-        let ranged_reply = output.content_range().is_some();
-        let body = output
-            .body
-            .collect()
-            .await
-            .map_err(|error| {
-                self.transient(
-                    "get",
-                    key,
-                    format!("reading the response body failed: {}", error_chain(&error)),
-                )
-            })?
-            .into_bytes();
-        if let Some(expected) = expected_length
-            && body.len() as u64 != expected
-        {
-            return Err(self.transient(
-                "get",
-                key,
-                format!(
-                    "the response ended after {} of {expected} bytes",
-                    body.len()
-                ),
-            ));
-        }
-        let Some(range) = range else {
-            return Ok(body);
-        };
-        let wanted = range.end - range.start;
-        if !ranged_reply {
-            // The server ignored the Range header and sent the whole object.
-            return if range.end <= body.len() as u64 {
-                Ok(body.slice(range.start as usize..range.end as usize))
-            } else {
-                Err(out_of_range(Some(body.len() as u64), &range))
-            };
-        }
-        if body.len() as u64 != wanted {
-            // S3 shortens a range that runs past the end instead of failing.
-            return Err(out_of_range(total, &range));
-        }
-        Ok(body)
+        self.get_into(key, range, Vec::new()).await.map(Bytes::from)
+    }
+
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        self.get_into(key, Some(range), buffer).await
     }
 
     async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {

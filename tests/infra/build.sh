@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Build the real test infrastructure (MinIO, etcd, kube-apiserver + kubectl) from
-# their Go modules into a cache outside the repository, keyed by version:
+# Build the real test infrastructure (MinIO, etcd, kube-apiserver + kubectl, and the
+# node: kube-controller-manager, kube-scheduler, kubelet, kube-proxy and the pause
+# binary of the sandbox image) from their Go modules into a cache outside the
+# repository, keyed by version:
 #
 #   ${HAULAGE_INFRA_CACHE:-$HOME/.cache/haulage-infra}/<name>-<version>/bin/<binary>
 #
-# Usage: tests/infra/build.sh [minio|etcd|kube|all]   (default: all)
+# Usage: tests/infra/build.sh [minio|etcd|kube|node|all]   (default: all)
 #
 # Idempotent: a component whose binaries already exist is skipped. Each build runs in
 # a throwaway wrapper module in a temp dir (nothing is written into the repository)
@@ -117,6 +119,42 @@ build_etcd() {
     echo "$bin"
 }
 
+# kube_wrapper NAME CMD... : sets $w to a wrapper module that can build k8s.io/kubernetes'
+# commands CMD... (e.g. cmd/kubelet) at $KUBE_VERSION.
+kube_wrapper() {
+    local name="$1" mod c pkgs=()
+    shift
+    # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
+    # ./staging/... paths, which do not apply to a dependency. Replace every one of them
+    # (the list is read from kubernetes' own go.mod) with its published version.
+    new_wrapper "$name" 1.24.0
+    mod="$(cd "$w" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
+    [[ -f "$mod" ]] || die "$name: could not download k8s.io/kubernetes@$KUBE_VERSION"
+    {
+        printf '\n// as in kubernetes own go.mod\ngodebug default=go1.24\n'
+        printf '\nreplace (\n'
+        sed -n '/^replace (/,/^)/p' "$mod" |
+            awk -v v="$KUBE_STAGING_VERSION" '$2 == "=>" && $3 ~ /^\.\/staging\// { printf "\t%s => %s %s\n", $1, $1, v }'
+        printf ')\n'
+    } >>"$w/go.mod"
+    grep -q 'k8s.io/apiserver => k8s.io/apiserver' "$w/go.mod" || die "$name: no staging replaces found in $mod"
+    for c in "$@"; do pkgs+=("k8s.io/kubernetes/$c@$KUBE_VERSION"); done
+    fetch "$w" "${pkgs[@]}" || die "$name: go get failed"
+}
+
+# kube_ldflags : the -X flags stamping the version, as upstream's hack/lib/version.sh
+# does; without them the binaries report v0.0.0-master+$Format:%H$ (kubectl warns,
+# clients see a bogus /version, the kubelet registers a bogus node version).
+kube_ldflags() {
+    local ld="" vpkg minor="${KUBE_VERSION#v1.}"
+    minor="${minor%%.*}"
+    for vpkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+        ld+=" -X $vpkg.gitVersion=$KUBE_VERSION -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor"
+        ld+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
+    done
+    echo "$ld"
+}
+
 build_kube() {
     local id="kube-$KUBE_VERSION" dir="$CACHE/kube-$KUBE_VERSION/bin"
     if have "$dir/kube-apiserver" "$dir/kubectl"; then
@@ -127,31 +165,9 @@ build_kube() {
         log "kube: built meanwhile by another run"; echo "$dir/kube-apiserver"; echo "$dir/kubectl"; return
     fi
     log "kube: building k8s.io/kubernetes@$KUBE_VERSION kube-apiserver + kubectl (tens of minutes on 2 cores)"
-    local start=$SECONDS w mod
-    # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with
-    # ./staging/... paths, which do not apply to a dependency. Replace every one of them
-    # (the list is read from kubernetes' own go.mod) with its published version.
-    new_wrapper kube 1.24.0
-    mod="$(cd "$w" && go mod download -json "k8s.io/kubernetes@$KUBE_VERSION" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')"
-    [[ -f "$mod" ]] || die "kube: could not download k8s.io/kubernetes@$KUBE_VERSION"
-    {
-        printf '\n// as in kubernetes own go.mod\ngodebug default=go1.24\n'
-        printf '\nreplace (\n'
-        sed -n '/^replace (/,/^)/p' "$mod" |
-            awk -v v="$KUBE_STAGING_VERSION" '$2 == "=>" && $3 ~ /^\.\/staging\// { printf "\t%s => %s %s\n", $1, $1, v }'
-        printf ')\n'
-    } >>"$w/go.mod"
-    grep -q 'k8s.io/apiserver => k8s.io/apiserver' "$w/go.mod" || die "kube: no staging replaces found in $mod"
-    fetch "$w" "k8s.io/kubernetes/cmd/kube-apiserver@$KUBE_VERSION" "k8s.io/kubernetes/cmd/kubectl@$KUBE_VERSION" ||
-        die "kube: go get failed"
-    # Stamp the version as upstream's hack/lib/version.sh does; without it both binaries
-    # report v0.0.0-master+$Format:%H$ (kubectl warns, clients see a bogus /version).
-    local ld="" vpkg minor="${KUBE_VERSION#v1.}"
-    minor="${minor%%.*}"
-    for vpkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-        ld+=" -X $vpkg.gitVersion=$KUBE_VERSION -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$minor"
-        ld+=" -X $vpkg.gitTreeState=clean -X $vpkg.buildDate=1970-01-01T00:00:00Z"
-    done
+    local start=$SECONDS w ld
+    kube_wrapper kube cmd/kube-apiserver cmd/kubectl
+    ld="$(kube_ldflags)"
     mkdir -p "$w/out"
     local s2=$SECONDS
     go_build "$w" "$w/out/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver "$ld" || die "kube: building kube-apiserver failed"
@@ -164,12 +180,47 @@ build_kube() {
     echo "$dir/kube-apiserver"; echo "$dir/kubectl"
 }
 
+# The node: kube-controller-manager, kube-scheduler, kubelet and kube-proxy from the same
+# wrapper as kube-apiserver (the Go build cache makes the shared packages free), and
+# `pause`, the sandbox container's process, compiled from the C source in the same
+# k8s.io/kubernetes module (build/pause/linux/pause.c) with the machine's cc, statically,
+# as upstream's build/pause/Makefile does.
+NODE_BINARIES=(kube-controller-manager kube-scheduler kubelet kube-proxy pause)
+PAUSE_VERSION=3.10.1   # TAG of build/pause/Makefile in k8s.io/kubernetes@$KUBE_VERSION
+
+build_node() {
+    local id="kube-node-$KUBE_VERSION" dir="$CACHE/kube-node-$KUBE_VERSION/bin" b paths=()
+    for b in "${NODE_BINARIES[@]}"; do paths+=("$dir/$b"); done
+    if have "${paths[@]}"; then log "node: cached"; printf '%s\n' "${paths[@]}"; return; fi
+    lock "$id"
+    if have "${paths[@]}"; then log "node: built meanwhile by another run"; printf '%s\n' "${paths[@]}"; return; fi
+    command -v cc >/dev/null 2>&1 || die "node: no C compiler 'cc' for the pause binary (apt-get install gcc libc6-dev)"
+    log "node: building k8s.io/kubernetes@$KUBE_VERSION kube-controller-manager, kube-scheduler, kubelet, kube-proxy"
+    local start=$SECONDS w ld s2 c src
+    kube_wrapper kube-node cmd/kube-controller-manager cmd/kube-scheduler cmd/kubelet cmd/kube-proxy
+    ld="$(kube_ldflags)"
+    mkdir -p "$w/out"
+    for c in kube-controller-manager kube-scheduler kubelet kube-proxy; do
+        s2=$SECONDS
+        go_build "$w" "$w/out/$c" "k8s.io/kubernetes/cmd/$c" "$ld" || die "node: building $c failed"
+        log "node: $c built in $((SECONDS - s2))s"
+    done
+    src="$(cd "$w" && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+    [[ -f "$src" ]] || die "node: $src is missing from the module"
+    nice -n 19 cc -Os -Wall -Werror -static -DVERSION="v$PAUSE_VERSION-haulage" -o "$w/out/pause" "$src" ||
+        die "node: compiling pause.c failed (static libc: apt-get install libc6-dev)"
+    install_bins "$id" "$w/out"
+    log "node: built in $((SECONDS - start))s"
+    printf '%s\n' "${paths[@]}"
+}
+
 what="${1:-all}"
 case "$what" in
     minio) build_minio ;;
     etcd) build_etcd ;;
     kube) build_kube ;;
-    all) build_minio; build_etcd; build_kube ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) die "unknown component '$what' (use minio, etcd, kube or all)" ;;
+    node) build_node ;;
+    all) build_minio; build_etcd; build_kube; build_node ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    *) die "unknown component '$what' (use minio, etcd, kube, node or all)" ;;
 esac

@@ -10,6 +10,15 @@
 # put in its cache (it is run to build them when missing).
 # The admin token is in DIR/admin.token (user "haulage-admin", group system:masters).
 # Extra apiserver flags can be passed in $KUBE_APISERVER_EXTRA_ARGS (word-split).
+#
+# $KUBE_ADDRESS (default 127.0.0.1): the address the apiserver binds and advertises
+# (tests/infra/start-node.sh passes the host side of the node's network, so pods
+# reach it). $KUBE_NODE_NAME (default empty): when set, the apiserver is set up for a
+# real node of that name (tests/infra/start-node.sh): Node,RBAC authorization, the
+# ServiceAccount admission plugin on (a controller-manager creates the default
+# ServiceAccounts), tokens and kubeconfigs DIR/kubeconfig-{kube-controller-manager,
+# kube-scheduler,kubelet,kube-proxy} for the node's components, and a client
+# certificate the apiserver presents to the kubelet (logs, exec).
 set -euo pipefail
 
 die() { echo "start-kube.sh: error: $*" >&2; exit 1; }
@@ -17,6 +26,8 @@ log() { echo "start-kube.sh: $*" >&2; }
 
 [[ $# -eq 1 ]] || die "usage: $0 DIR"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+address="${KUBE_ADDRESS:-127.0.0.1}"
+node="${KUBE_NODE_NAME:-}"
 mkdir -p "$1"
 dir="$(cd "$1" && pwd)"
 for f in etcd.pid kube-apiserver.pid; do
@@ -61,9 +72,18 @@ mkdir -p "$pki"
         -subj "/CN=haulage-test-ca" -keyout ca.key -out ca.crt 2>/dev/null
     openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
         -subj "/CN=kube-apiserver" -keyout apiserver.key -out apiserver.csr 2>/dev/null
-    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,IP:10.0.0.1\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n' >apiserver.ext
+    printf 'subjectAltName=IP:127.0.0.1,IP:%s,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,IP:10.0.0.1\nextendedKeyUsage=serverAuth\nkeyUsage=digitalSignature,keyEncipherment\n' "$address" >apiserver.ext
     openssl x509 -req -in apiserver.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 30 \
         -extfile apiserver.ext -out apiserver.crt 2>/dev/null
+    if [[ -n "$node" ]]; then
+        # what the apiserver presents to the kubelet (system:masters: logs, exec)
+        openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+            -subj "/O=system:masters/CN=kube-apiserver-kubelet-client" \
+            -keyout kubelet-client.key -out kubelet-client.csr 2>/dev/null
+        printf 'extendedKeyUsage=clientAuth\nkeyUsage=digitalSignature\n' >kubelet-client.ext
+        openssl x509 -req -in kubelet-client.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 30 \
+            -extfile kubelet-client.ext -out kubelet-client.crt 2>/dev/null
+    fi
     # service-account token signing key pair
     openssl genrsa -out sa.key 2048 2>/dev/null
     openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
@@ -72,6 +92,20 @@ token="$(openssl rand -hex 24)"
 printf '%s\n' "$token" >"$dir/admin.token"
 # token,user,uid,"group1,group2"
 printf '%s,haulage-admin,haulage-admin,"system:masters"\n' "$token" >"$pki/tokens.csv"
+# The node's components, each as the user its bootstrap RBAC role (for the kubelet:
+# the Node authorizer) is made for.
+declare -A component_tokens=()
+if [[ -n "$node" ]]; then
+    for c in kube-controller-manager kube-scheduler kubelet kube-proxy; do
+        component_tokens[$c]="$(openssl rand -hex 24)"
+    done
+    {
+        printf '%s,system:kube-controller-manager,system:kube-controller-manager\n' "${component_tokens[kube-controller-manager]}"
+        printf '%s,system:kube-scheduler,system:kube-scheduler\n' "${component_tokens[kube-scheduler]}"
+        printf '%s,system:node:%s,system:node:%s,"system:nodes"\n' "${component_tokens[kubelet]}" "$node" "$node"
+        printf '%s,system:kube-proxy,system:kube-proxy\n' "${component_tokens[kube-proxy]}"
+    } >>"$pki/tokens.csv"
+fi
 chmod 600 "$dir/admin.token" "$pki/tokens.csv" "$pki"/*.key
 
 # ---- etcd ----------------------------------------------------------------------------
@@ -100,21 +134,29 @@ log "etcd ready at $etcd_url (pid $etcd_pid)"
 
 # ---- kube-apiserver --------------------------------------------------------------------
 api_port="$(free_port)"
-server="https://127.0.0.1:$api_port"
+server="https://$address:$api_port"
+if [[ -n "$node" ]]; then
+    node_args=(--authorization-mode=Node,RBAC
+        --kubelet-client-certificate="$pki/kubelet-client.crt"
+        --kubelet-client-key="$pki/kubelet-client.key"
+        --kubelet-preferred-address-types=InternalIP)
+else
+    # envtest's set: no controller-manager creates `default` ServiceAccounts
+    node_args=(--authorization-mode=RBAC --disable-admission-plugins=ServiceAccount)
+fi
 # shellcheck disable=SC2086
 setsid "$KUBE_APISERVER_BIN" \
     --etcd-servers="$etcd_url" \
-    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$api_port" \
+    --bind-address="$address" --advertise-address="$address" --secure-port="$api_port" \
     --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
     --token-auth-file="$pki/tokens.csv" \
-    --authorization-mode=RBAC \
+    "${node_args[@]}" \
     --service-account-issuer="https://kubernetes.default.svc.cluster.local" \
     --service-account-key-file="$pki/sa.pub" \
     --service-account-signing-key-file="$pki/sa.key" \
     --api-audiences="https://kubernetes.default.svc.cluster.local" \
     --service-cluster-ip-range=10.0.0.0/24 \
     --allow-privileged=true \
-    --disable-admission-plugins=ServiceAccount \
     ${KUBE_APISERVER_EXTRA_ARGS:-} \
     </dev/null >"$dir/kube-apiserver.log" 2>&1 &
 api_pid=$!
@@ -133,8 +175,10 @@ done
 [[ -n "$ready" ]] || fail "kube-apiserver not ready after 120s"
 log "kube-apiserver ready at $server after $((SECONDS - t0))s (pid $api_pid)"
 
-# ---- kubeconfig -----------------------------------------------------------------------------
-cat >"$dir/kubeconfig" <<EOF
+# ---- kubeconfigs -----------------------------------------------------------------------------
+# write_kubeconfig FILE USER TOKEN
+write_kubeconfig() {
+    cat >"$1" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
@@ -143,15 +187,20 @@ clusters:
     server: $server
     certificate-authority-data: $(base64 -w0 <"$pki/ca.crt")
 users:
-- name: haulage-admin
+- name: $2
   user:
-    token: $token
+    token: $3
 contexts:
 - name: haulage-test
   context:
     cluster: haulage-test
-    user: haulage-admin
+    user: $2
 current-context: haulage-test
 EOF
-chmod 600 "$dir/kubeconfig"
+    chmod 600 "$1"
+}
+write_kubeconfig "$dir/kubeconfig" haulage-admin "$token"
+for c in "${!component_tokens[@]}"; do
+    write_kubeconfig "$dir/kubeconfig-$c" "$c" "${component_tokens[$c]}"
+done
 echo "$dir/kubeconfig"

@@ -6,8 +6,6 @@
 //!
 //! Each test starts its own cluster (~3 s) and covers one area in steps.
 
-use std::path::PathBuf;
-
 use anyhow::{Context, bail};
 use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::condition::{condition_type, reason};
@@ -25,37 +23,10 @@ use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use serde_json::json;
 
-use crate::support::kube::{KubeCluster, UNPRIVILEGED_CONTEXT, UNPRIVILEGED_USER};
+use crate::support::kube::{KubeCluster, UNPRIVILEGED_CONTEXT, UNPRIVILEGED_USER, manifests};
 
 /// The controller's identity, for `kubectl --as`.
 const CONTROLLER: &str = "system:serviceaccount:haulage-system:haulage-controller";
-
-fn manifests() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("manifests")
-}
-
-/// `kubectl apply -k manifests/`, then wait until the CRDs serve.
-async fn install(cluster: &KubeCluster) -> anyhow::Result<()> {
-    let dir = manifests();
-    cluster
-        .kubectl_ok(&["apply", "-k", &dir.to_string_lossy()], None)
-        .await
-        .with_context(|| {
-            format!(
-                "kubectl apply -k manifests/; the end of the apiserver's log:\n{}",
-                cluster.apiserver_log_tail()
-            )
-        })?;
-    cluster
-        .wait_for_crds(&[
-            "crd/backupstoragelocations.haulage.dev",
-            "crd/storagepolicies.haulage.dev",
-            "crd/volumebackups.haulage.dev",
-            "crd/volumetransfers.haulage.dev",
-        ])
-        .await?;
-    Ok(())
-}
 
 /// An untyped API for one of the haulage kinds, to send specs the Rust
 /// types could not even express.
@@ -126,7 +97,7 @@ fn without(mut base: serde_json::Value, key: &str) -> serde_json::Value {
 async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_field()
 -> anyhow::Result<()> {
     let cluster = KubeCluster::start().await?;
-    install(&cluster).await?;
+    cluster.install_manifests().await?;
     // Applying again changes nothing (no object gets a new resourceVersion),
     // so re-running the install is safe. kubectl's own "configured" lines
     // are no guide: it always re-sends a PodDisruptionBudget's selector.
@@ -321,6 +292,42 @@ async fn manifests_install_with_kustomize_and_bad_specs_are_refused_naming_the_f
         ),
         other => bail!("changing a VolumeBackup's spec was not refused: {other:?}"),
     }
+    // Neither can an optional field be added; but what happens after the
+    // backup (deletionPolicy, ttl) may change at any time.
+    let added = backups
+        .patch(
+            "shop-nightly",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"agentUser": 1000}})),
+        )
+        .await;
+    assert!(
+        matches!(&added, Err(kube::Error::Api(status)) if status.message.contains("is immutable")),
+        "adding agentUser was not refused: {added:?}"
+    );
+    let relaxed = backups
+        .patch(
+            "shop-nightly",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"deletionPolicy": "Delete", "ttl": "72h"}})),
+        )
+        .await
+        .context("deletionPolicy and ttl may change")?;
+    assert_eq!(
+        relaxed.spec.deletion_policy,
+        haulage::api::backup::DeletionPolicy::Delete
+    );
+    let bad_ttl = backups
+        .patch(
+            "shop-nightly",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"ttl": "3 days"}})),
+        )
+        .await;
+    assert!(
+        matches!(&bad_ttl, Err(kube::Error::Api(status)) if status.message.contains("must be a duration")),
+        "a ttl that is no duration was not refused: {bad_ttl:?}"
+    );
 
     // Status written through the status subresource shows in `kubectl get`.
     backups
@@ -503,7 +510,7 @@ async fn assert_can(
 #[tokio::test(flavor = "multi_thread")]
 async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::Result<()> {
     let cluster = KubeCluster::start().await?;
-    install(&cluster).await?;
+    cluster.install_manifests().await?;
     cluster
         .kubectl_ok(&["create", "namespace", "shop"], None)
         .await?;
@@ -538,6 +545,12 @@ async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::R
         &["delete", "pods", "-n", "shop"],
         &["watch", "pods", "-A"],
         &["list", "persistentvolumeclaims", "-A"],
+        // A restore creates its destination claims, labels them, and hands
+        // a ReadOnlyMany one back by replacing its ReadWriteOnce claim
+        // (deleted once written) with one bound to the same volume.
+        &["create", "persistentvolumeclaims", "-n", "shop"],
+        &["delete", "persistentvolumeclaims", "-n", "shop"],
+        &["patch", "persistentvolumes"],
         &["watch", "persistentvolumes"],
         &["list", "nodes"],
         &["watch", "storageclasses.storage.k8s.io"],
@@ -577,7 +590,6 @@ async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::R
         &["patch", "secrets", "-n", "shop"],
         &["update", "secrets", "-n", SYSTEM_NAMESPACE],
         &["update", "leases.coordination.k8s.io", "-n", "shop"],
-        &["delete", "persistentvolumeclaims", "-n", "shop"],
         &["create", "persistentvolumes"],
         &["delete", "nodes"],
         &["update", "deployments.apps", "-n", "shop"],

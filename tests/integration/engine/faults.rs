@@ -4,8 +4,6 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use haulage::repo::pack::decode_pack;
-
 use super::support::{TestRepo, assert_same_tree, files_under, haulage, random_bytes};
 
 /// Every blob id in every pack, counting duplicates.
@@ -14,7 +12,7 @@ fn blobs_in_packs(repo: &TestRepo) -> (usize, HashSet<haulage::repo::BlobId>) {
     let mut unique = HashSet::new();
     for (path, _) in files_under(&repo.root().join("data")) {
         let bytes = std::fs::read(&path).unwrap();
-        for entry in decode_pack(&bytes, "test").unwrap() {
+        for entry in repo.repository.codec().decode_pack(&bytes, "test").unwrap() {
             total += 1;
             unique.insert(entry.id);
         }
@@ -141,6 +139,7 @@ fn unreadable_files_become_warnings_and_the_backup_completes_with_exit_code_3() 
             "--clear-groups",
             env!("CARGO_BIN_EXE_haulage"),
         ]);
+        wrapped.env("HAULAGE_PASSWORD", super::support::TEST_PASSWORD);
         wrapped
     } else {
         std::mem::replace(&mut command, haulage())
@@ -177,7 +176,8 @@ fn a_repository_of_a_newer_format_is_refused_and_left_untouched() {
     let config_path = repo.root().join("config");
     let mut config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
-    config["formatVersion"] = 2.into();
+    let newer = haulage::repo::config::FORMAT_VERSION + 1;
+    config["formatVersion"] = newer.into();
     std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
     let before = files_under(&repo.root());
     let source = repo.dir.path().join("source");
@@ -191,7 +191,7 @@ fn a_repository_of_a_newer_format_is_refused_and_left_untouched() {
     assert_eq!(output.status.code(), Some(1));
     let message = String::from_utf8_lossy(&output.stderr);
     assert!(
-        message.contains("format version 2") && message.contains("upgrade haulage"),
+        message.contains(&format!("format version {newer}")) && message.contains("upgrade haulage"),
         "{message}"
     );
     assert_eq!(files_under(&repo.root()), before, "something was written");

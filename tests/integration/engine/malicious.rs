@@ -14,21 +14,37 @@ use serde_bytes::ByteBuf;
 
 use super::support::TestRepo;
 
-/// Stores blobs in one pack with an index, as a hostile writer could.
+/// Stores blobs in one pack with an index, as a hostile writer holding the
+/// repository's key could.
 struct Forger {
     pack: PackWriter,
 }
 
 impl Forger {
+    fn new(repository: &Repository) -> Self {
+        Forger {
+            pack: repository.pack_writer(1 << 20),
+        }
+    }
+
     fn blob(&mut self, repository: &Repository, kind: BlobKind, bytes: &[u8]) -> BlobId {
         let id = repository.keys().blob_id(bytes);
-        self.pack
-            .add(id, kind, Compression::None, bytes, bytes.len() as u32);
+        let mut body = bytes.to_vec();
+        let prefix = repository
+            .codec()
+            .seal_blob_in_place(&mut rand::rng(), kind, &id, &mut body);
+        self.pack.add_parts(
+            id,
+            kind,
+            Compression::None,
+            &[prefix.as_bytes(), &body],
+            bytes.len() as u32,
+        );
         id
     }
 
     async fn finish(self, repository: &Repository, root: BlobId) -> ObjectId {
-        let pack = self.pack.finish();
+        let pack = repository.codec().finish_pack(self.pack, &mut rand::rng());
         repository
             .store()
             .put(
@@ -55,6 +71,7 @@ impl Forger {
                 },
                 parent: None,
                 tags: Default::default(),
+                claim: None,
                 summary: SnapshotSummary::default(),
             })
             .await
@@ -99,9 +116,7 @@ async fn names_that_escape_and_symlink_then_write_sequences_are_refused() {
     let base = repo.dir.path();
     let outside = base.join("outside");
     std::fs::create_dir(&outside).unwrap();
-    let mut forger = Forger {
-        pack: PackWriter::new(),
-    };
+    let mut forger = Forger::new(repository);
     let payload = forger.blob(repository, BlobKind::Data, b"pwned");
 
     // A directory named like the symlink, holding a file: if the symlink

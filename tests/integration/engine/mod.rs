@@ -1,9 +1,13 @@
 //! The backup/restore/verify engine against real directories and a
 //! `file://` repository, through the library and through the `haulage`
-//! binary.
+//! binary; and the tree verification of a restored directory
+//! ([`verify_tree`]).
 
 mod corruption;
+mod encryption;
 mod faults;
 mod malicious;
 mod roundtrip;
+mod scatter;
 pub mod support;
+mod verify_tree;

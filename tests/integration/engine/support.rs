@@ -8,13 +8,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, BackupOutcome, ParentPolicy, backup};
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, RestoreOutcome, restore};
+use haulage::engine::{Encryption, KeySource, Password, Repository};
 use haulage::repo::ObjectId;
-use haulage::store::DynStore;
+use haulage::repo::keyfile::KdfParameters;
 use haulage::store::local::LocalStore;
+use haulage::store::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError};
 use tokio_util::sync::CancellationToken;
 
 /// A fresh repository in its own temp dir.
@@ -23,12 +24,40 @@ pub struct TestRepo {
     pub repository: Repository,
 }
 
+/// The password of every encrypted test repository; [`haulage`] passes it
+/// to the binary in `HAULAGE_PASSWORD`.
+pub const TEST_PASSWORD: &str = "test password";
+
 impl TestRepo {
+    /// An encrypted repository (the default format), with the cheapest KDF.
     pub async fn new() -> Self {
+        Self::with_encryption(Encryption::Password {
+            password: Password::new(TEST_PASSWORD),
+            kdf: KdfParameters::insecure_for_tests(),
+        })
+        .await
+    }
+
+    /// A plaintext (format 1) repository.
+    pub async fn plaintext() -> Self {
+        Self::with_encryption(Encryption::None).await
+    }
+
+    pub async fn with_encryption(encryption: Encryption) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let store: DynStore = Arc::new(LocalStore::new(dir.path().join("repo")));
-        let repository = Repository::init(store).await.expect("init");
+        let repository = Repository::init(store, encryption).await.expect("init");
         TestRepo { dir, repository }
+    }
+
+    /// The repository opened again from its store, as another process would.
+    pub async fn reopen(&self) -> Repository {
+        Repository::open(
+            self.repository.store().clone(),
+            &KeySource::password(TEST_PASSWORD),
+        )
+        .await
+        .expect("reopen")
     }
 
     pub fn root(&self) -> PathBuf {
@@ -244,6 +273,8 @@ pub fn assert_same_tree(source: &Path, restored: &Path) {
 pub fn haulage() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_haulage"));
     command.env_remove("HAULAGE_REPO");
+    command.env_remove("HAULAGE_PASSWORD_FILE");
+    command.env("HAULAGE_PASSWORD", TEST_PASSWORD);
     command
 }
 
@@ -253,4 +284,126 @@ pub fn random_bytes(seed: u64, length: usize) -> Vec<u8> {
     let mut data = vec![0u8; length];
     rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
     data
+}
+
+/// One read a [`CountingStore`] passed on: the key and the bytes asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    pub key: String,
+    pub range: Option<std::ops::Range<u64>>,
+}
+
+/// The real store of a repository, recording every read it passes on (by
+/// `get` or `get_range_into`), so tests can count what a restore fetched.
+#[derive(Debug)]
+pub struct CountingStore {
+    inner: DynStore,
+    reads: std::sync::Mutex<Vec<Read>>,
+}
+
+impl CountingStore {
+    pub fn new(inner: DynStore) -> Arc<Self> {
+        Arc::new(CountingStore {
+            inner,
+            reads: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The reads so far, and forget them.
+    pub fn take_reads(&self) -> Vec<Read> {
+        std::mem::take(&mut *self.reads.lock().expect("reads"))
+    }
+
+    fn record(&self, key: &str, range: Option<std::ops::Range<u64>>) {
+        self.reads.lock().expect("reads").push(Read {
+            key: key.to_string(),
+            range,
+        });
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for CountingStore {
+    async fn put(&self, key: &str, data: bytes::Bytes, mode: PutMode) -> Result<(), StoreError> {
+        self.inner.put(key, data, mode).await
+    }
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<bytes::Bytes, StoreError> {
+        self.record(key, range.clone());
+        self.inner.get(key, range).await
+    }
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        self.record(key, Some(range.clone()));
+        self.inner.get_range_into(key, range, buffer).await
+    }
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        self.inner.head(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.inner.delete(key).await
+    }
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+}
+
+/// How a restore read the packs' data: for each pack, the reads made for
+/// data blobs and their bytes. A read is for data when it starts at a data
+/// blob (the restore's pack reads start and end at the blobs it needs);
+/// tree loads start at a tree blob and are left out, even when they read
+/// through data to reach the next tree. `packs` lists every pack's entries
+/// (its trailer).
+pub fn data_reads_per_pack(
+    reads: &[Read],
+    packs: &BTreeMap<ObjectId, Vec<haulage::repo::pack::PackEntry>>,
+) -> BTreeMap<ObjectId, (usize, u64)> {
+    let mut per_pack = BTreeMap::new();
+    for read in reads {
+        let Some(pack) = haulage::repo::id_from_key(&read.key, haulage::repo::DATA_PREFIX) else {
+            continue;
+        };
+        let range = read.range.clone().unwrap_or(0..u64::MAX);
+        let starts_at_data = packs[&pack].iter().any(|entry| {
+            entry.kind == haulage::repo::BlobKind::Data && u64::from(entry.offset) == range.start
+        });
+        if starts_at_data {
+            let counted: &mut (usize, u64) = per_pack.entry(pack).or_default();
+            counted.0 += 1;
+            counted.1 += range.end - range.start;
+        }
+    }
+    per_pack
+}
+
+/// Every pack of `repository` with its entries, read from the trailers.
+pub async fn pack_entries(
+    repository: &Repository,
+) -> BTreeMap<ObjectId, Vec<haulage::repo::pack::PackEntry>> {
+    let mut packs = BTreeMap::new();
+    for meta in repository
+        .store()
+        .list(haulage::repo::DATA_PREFIX)
+        .await
+        .expect("list packs")
+    {
+        let id =
+            haulage::repo::id_from_key(&meta.key, haulage::repo::DATA_PREFIX).expect("pack key");
+        let entries = repository
+            .read_pack_trailer(&id, meta.size)
+            .await
+            .expect("pack trailer");
+        packs.insert(id, entries);
+    }
+    packs
 }

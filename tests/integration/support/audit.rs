@@ -6,6 +6,7 @@
 //! every request, whichever client library, retry or cache made it.
 
 use std::collections::{BTreeMap, HashMap};
+use std::ops::RangeBounds;
 use std::path::Path;
 
 use anyhow::Context;
@@ -24,6 +25,26 @@ rules:\n\
 /// The user name of a service account's token.
 pub fn service_account(namespace: &str, name: &str) -> String {
     format!("system:serviceaccount:{namespace}:{name}")
+}
+
+/// Whether `user` is an agent's: the `haulage-agent` ServiceAccount of
+/// whichever namespace its stage pod runs in.
+pub fn is_agent(user: &str) -> bool {
+    user.starts_with("system:serviceaccount:") && user.ends_with(":haulage-agent")
+}
+
+/// The requests of the users `user` accepts that were received within
+/// `received` (`created..=finished`, `..created`, `created..`, `..`), in
+/// the log's order.
+pub fn select(
+    requests: &[Request],
+    user: impl Fn(&str) -> bool,
+    received: impl RangeBounds<k8s_openapi::jiff::Timestamp>,
+) -> Vec<&Request> {
+    requests
+        .iter()
+        .filter(|request| user(&request.user) && received.contains(&request.received))
+        .collect()
 }
 
 /// One request as the API server saw it.

@@ -32,6 +32,21 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use super::audit;
 use super::minio::free_port;
 
+/// The repository's `manifests/`: what a user applies with
+/// `kubectl apply -k` (CRDs, RBAC, the controller's Deployment, examples).
+pub fn manifests() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("manifests")
+}
+
+/// The CRDs `manifests/` installs.
+pub const HAULAGE_CRDS: [&str; 5] = [
+    "crd/backupstoragelocations.haulage.dev",
+    "crd/storagepolicies.haulage.dev",
+    "crd/volumebackups.haulage.dev",
+    "crd/volumerestores.haulage.dev",
+    "crd/volumetransfers.haulage.dev",
+];
+
 /// User name of the admin token (group `system:masters`, bypasses RBAC).
 pub const ADMIN_USER: &str = "haulage-admin";
 /// User name of the unprivileged token (no groups beyond
@@ -251,6 +266,14 @@ impl KubeCluster {
     /// (by then the RBAC bootstrap roles exist).
     pub async fn start() -> anyhow::Result<Self> {
         Self::start_with_audit(false).await
+    }
+
+    /// Two independent clusters (each its own etcd, apiserver, PKI,
+    /// tokens and ports), started side by side: the source and the
+    /// destination of a migration.
+    pub async fn start_two() -> anyhow::Result<(Self, Self)> {
+        let (first, second) = tokio::join!(Self::start(), Self::start());
+        Ok((first?, second?))
     }
 
     /// Like [`KubeCluster::start`], with the apiserver writing an audit log
@@ -478,6 +501,21 @@ impl KubeCluster {
         command
     }
 
+    /// Install haulage as a user would, `kubectl apply -k manifests/`, and
+    /// wait until its CRDs ([`HAULAGE_CRDS`]) are Established; a failed
+    /// apply carries the end of the apiserver's log.
+    pub async fn install_manifests(&self) -> anyhow::Result<()> {
+        self.kubectl_ok(&["apply", "-k", &manifests().to_string_lossy()], None)
+            .await
+            .with_context(|| {
+                format!(
+                    "kubectl apply -k manifests/; the end of the apiserver's log:\n{}",
+                    self.apiserver_log_tail()
+                )
+            })?;
+        self.wait_for_crds(&HAULAGE_CRDS).await
+    }
+
     /// Wait until `crds` are Established. `kubectl wait` right after the
     /// CRDs were created can fail with ".status.conditions accessor error"
     /// before the API server wrote any condition; that is retried.
@@ -581,10 +619,61 @@ impl KubeCluster {
         .await
     }
 
+    /// This cluster's admin entries for a kubeconfig holding several
+    /// clusters: (cluster, user, context) YAML values, all named `name`.
+    fn admin_entries(&self, name: &str) -> anyhow::Result<[serde_yaml::Value; 3]> {
+        let config: serde_yaml::Value =
+            serde_yaml::from_str(&std::fs::read_to_string(&self.kubeconfig)?)?;
+        let cluster = config["clusters"][0]["cluster"].clone();
+        let user = config["users"]
+            .as_sequence()
+            .and_then(|users| users.iter().find(|user| user["name"] == ADMIN_USER))
+            .context("the kubeconfig has no admin user")?["user"]
+            .clone();
+        let entry = |key: &str, value: serde_yaml::Value| {
+            let mut map = serde_yaml::Mapping::new();
+            map.insert("name".into(), name.into());
+            map.insert(key.into(), value);
+            serde_yaml::Value::Mapping(map)
+        };
+        let mut context = serde_yaml::Mapping::new();
+        context.insert("cluster".into(), name.into());
+        context.insert("user".into(), name.into());
+        Ok([
+            entry("cluster", cluster),
+            entry("user", user),
+            entry("context", serde_yaml::Value::Mapping(context)),
+        ])
+    }
+
     /// The apiserver's log so far, for a failing test's message.
     pub fn apiserver_log_tail(&self) -> String {
         log_tail(&self.dir.path().join("kube-apiserver.log"))
     }
+}
+
+/// Write one kubeconfig at `path` with the admin context of each cluster
+/// under its name (`kubectl --context NAME`), as a user with access to
+/// several clusters has; the first one is the current context.
+pub fn write_kubeconfig_of(clusters: &[(&str, &KubeCluster)], path: &Path) -> anyhow::Result<()> {
+    let mut entries = [Vec::new(), Vec::new(), Vec::new()];
+    for (name, cluster) in clusters {
+        for (list, entry) in entries.iter_mut().zip(cluster.admin_entries(name)?) {
+            list.push(entry);
+        }
+    }
+    let [cluster_entries, user_entries, context_entries] = entries;
+    let mut config = serde_yaml::Mapping::new();
+    config.insert("apiVersion".into(), "v1".into());
+    config.insert("kind".into(), "Config".into());
+    config.insert("clusters".into(), cluster_entries.into());
+    config.insert("users".into(), user_entries.into());
+    config.insert("contexts".into(), context_entries.into());
+    if let Some((first, _)) = clusters.first() {
+        config.insert("current-context".into(), (*first).into());
+    }
+    std::fs::write(path, serde_yaml::to_string(&config)?)?;
+    Ok(())
 }
 
 /// Write a kubeconfig at `path` for `server` (whose certificate `ca_pem`

@@ -138,6 +138,41 @@ fn pinned_node(pod: &Pod) -> Option<String> {
     })
 }
 
+/// Register `nodes` as Ready, schedulable nodes (what a kubelet does when
+/// it joins): for a cluster whose nodes run no agents, and for the
+/// stand-in's own nodes.
+pub async fn register_nodes(client: &kube::Client, nodes: &[&str]) -> anyhow::Result<()> {
+    let node_api: Api<Node> = Api::all(client.clone());
+    for name in nodes {
+        let node: Node = serde_json::from_value(json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+        }))?;
+        node_api.create(&PostParams::default(), &node).await?;
+        // The TaintNodesByCondition admission plugin taints a new node
+        // not-ready:NoSchedule; the node lifecycle controller (not
+        // running here) would lift it once the node reports Ready.
+        node_api
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"taints": null}})),
+            )
+            .await?;
+        node_api
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"conditions": [
+                    {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                     "message": "kubelet stand-in", "lastHeartbeatTime": null}
+                ]}})),
+            )
+            .await?;
+    }
+    Ok(())
+}
+
 impl Kubelet {
     /// Register `nodes` (Ready) and start watching. `volumes` holds each
     /// claim's data at `<volumes>/<namespace>/<pvc>`.
@@ -157,34 +192,7 @@ impl Kubelet {
             .context("certificate-authority-data")?;
         use base64::Engine;
         let ca_pem = String::from_utf8(base64::engine::general_purpose::STANDARD.decode(ca_data)?)?;
-        let node_api: Api<Node> = Api::all(client.clone());
-        for name in nodes {
-            let node: Node = serde_json::from_value(json!({
-                "apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-            }))?;
-            node_api.create(&PostParams::default(), &node).await?;
-            // The TaintNodesByCondition admission plugin taints a new node
-            // not-ready:NoSchedule; the node lifecycle controller (not
-            // running here) would lift it once the node reports Ready.
-            node_api
-                .patch(
-                    name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"spec": {"taints": null}})),
-                )
-                .await?;
-            node_api
-                .patch_status(
-                    name,
-                    &PatchParams::default(),
-                    &Patch::Merge(json!({"status": {"conditions": [
-                        {"type": "Ready", "status": "True", "reason": "KubeletReady",
-                         "message": "kubelet stand-in", "lastHeartbeatTime": null}
-                    ]}})),
-                )
-                .await?;
-        }
+        register_nodes(&client, nodes).await?;
         let kubelet = Kubelet {
             client,
             server,

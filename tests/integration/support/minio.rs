@@ -6,13 +6,15 @@
 //!
 //! [`MinioServer::start_tls`] serves HTTPS with a certificate for
 //! 127.0.0.1 issued by a throwaway CA, whose PEM file the test hands to the
-//! client as its CA bundle.
+//! client as its CA bundle. [`MinioServer::start_on`] listens on another
+//! local address (the real node's pods reach the host at its side of the
+//! node's network, docs/test-infra.md).
 //!
 //! The binary is `$HAULAGE_MINIO_BIN`, or the newest
 //! `${HAULAGE_INFRA_CACHE:-$HOME/.cache/haulage-infra}/minio-*/bin/minio`.
 
 use std::fs::File;
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -80,6 +82,8 @@ pub struct MinioServer {
     binary: PathBuf,
     data_dir: TempDir,
     log_dir: TempDir,
+    /// The local address it listens on.
+    address: Ipv4Addr,
     port: u16,
     child: Option<Child>,
     starts: u32,
@@ -113,16 +117,22 @@ impl MinioServer {
     /// Start a server on a free port with an empty data directory and wait
     /// until it is ready.
     pub async fn start() -> anyhow::Result<Self> {
-        Self::start_with(false).await
+        Self::start_with(false, Ipv4Addr::LOCALHOST).await
+    }
+
+    /// Like [`MinioServer::start`], listening on `address` (an address of
+    /// this machine) instead of 127.0.0.1.
+    pub async fn start_on(address: Ipv4Addr) -> anyhow::Result<Self> {
+        Self::start_with(false, address).await
     }
 
     /// Like [`MinioServer::start`], serving HTTPS with a certificate from a
     /// throwaway CA ([`MinioServer::ca_bundle`]).
     pub async fn start_tls() -> anyhow::Result<Self> {
-        Self::start_with(true).await
+        Self::start_with(true, Ipv4Addr::LOCALHOST).await
     }
 
-    async fn start_with(tls: bool) -> anyhow::Result<Self> {
+    async fn start_with(tls: bool, address: Ipv4Addr) -> anyhow::Result<Self> {
         let tls = if tls {
             let certs_dir = tempfile::Builder::new()
                 .prefix("haulage-minio-certs")
@@ -140,6 +150,7 @@ impl MinioServer {
             log_dir: tempfile::Builder::new()
                 .prefix("haulage-minio-log")
                 .tempdir()?,
+            address,
             port: free_port()?,
             child: None,
             starts: 0,
@@ -169,9 +180,9 @@ impl MinioServer {
         let child = command
             .arg("--quiet")
             .arg("--address")
-            .arg(format!("127.0.0.1:{}", self.port))
+            .arg(format!("{}:{}", self.address, self.port))
             .arg("--console-address")
-            .arg(format!("127.0.0.1:{}", free_port()?))
+            .arg(format!("{}:{}", self.address, free_port()?))
             .arg(self.data_dir.path())
             .env("MINIO_ROOT_USER", ACCESS_KEY)
             .env("MINIO_ROOT_PASSWORD", SECRET_KEY)
@@ -221,7 +232,7 @@ impl MinioServer {
             );
         }
         let probe = async {
-            let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await?;
+            let mut stream = tokio::net::TcpStream::connect((self.address, self.port)).await?;
             stream
                 .write_all(
                     b"GET /minio/health/ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
@@ -253,14 +264,20 @@ impl MinioServer {
     }
 
     /// The port the server listens on.
+    /// The directory MinIO keeps its objects in (to grep raw bytes).
+    pub fn data_dir(&self) -> &Path {
+        self.data_dir.path()
+    }
+
     pub fn port(&self) -> u16 {
         self.port
     }
 
-    /// `http://127.0.0.1:PORT`, or `https://` with TLS.
+    /// `http://ADDRESS:PORT` (ADDRESS 127.0.0.1 unless started with
+    /// [`MinioServer::start_on`]), or `https://` with TLS.
     pub fn endpoint(&self) -> String {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        format!("{scheme}://127.0.0.1:{}", self.port)
+        format!("{scheme}://{}:{}", self.address, self.port)
     }
 
     /// The root credentials.

@@ -1,0 +1,455 @@
+//! The executor: carries out the [`Action`]s a decision returned, in
+//! order, against the API server. It decides nothing; a failed call stops
+//! the rest and is returned naming the call and the object (the next
+//! reconcile decides again from what then exists, since every action is
+//! idempotent: applies, creates that accept an existing object, deletes
+//! that accept a missing one).
+
+use std::fmt::Debug;
+
+use k8s_openapi::api::core::v1::{
+    Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use kube::{Api, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::{info, warn};
+
+use crate::api::VolumeTransfer;
+use crate::controller::error::{ApiCall, Error, is_conflict, is_not_found, kube_error};
+use crate::controller::{Context, FIELD_MANAGER};
+use crate::reconcile::action::{Action, ClaimChange, Event, EventKind, ObjectName, VolumeChange};
+use crate::reconcile::claims::{RECLAIM_POLICY_ANNOTATION, RESTORE_COMPLETE, RESTORE_STATE_LABEL};
+use crate::reconcile::stage_pod::{StagePodObjects, credentials_copy_name};
+
+/// A stage pod the API server refused (Pod Security admission, a quota, a
+/// LimitRange maximum): not a failure of the reconcile, a fact for its
+/// status.
+#[derive(Debug, Clone)]
+pub struct RefusedPod {
+    /// The pod.
+    pub pod: ObjectName,
+    /// The API server's answer.
+    pub message: String,
+}
+
+/// What carrying out the actions met that the status should say.
+#[derive(Debug, Clone, Default)]
+pub struct Executed {
+    /// Stage pods the API server refused; the other actions went on.
+    pub refused: Vec<RefusedPod>,
+}
+
+impl Executed {
+    /// The refused stage pods as (pod, the API server's answer).
+    pub fn refused_pods(&self) -> Vec<(String, String)> {
+        self.refused
+            .iter()
+            .map(|refusal| (refusal.pod.to_string(), refusal.message.clone()))
+            .collect()
+    }
+}
+
+/// `namespace/name` of an object, as errors and logs name it.
+pub fn namespaced_name(object: &impl ResourceExt) -> String {
+    format!(
+        "{}/{}",
+        object.namespace().unwrap_or_default(),
+        object.name_any()
+    )
+}
+
+/// Write `claim` as the owner of `object` (a VolumeBackup or VolumeRestore),
+/// on the condition that it did not change since it was read (a
+/// resourceVersion precondition): of two replicas racing to claim or adopt
+/// it, exactly one wins. `None` when this one lost, else the object's new
+/// resourceVersion.
+pub async fn take_ownership<K>(
+    object: &K,
+    claim: &crate::api::backup::OwnerClaim,
+    context: &Context,
+    call: ApiCall,
+) -> Result<Option<Option<String>>, Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+{
+    let api: Api<K> = Api::namespaced(
+        context.client.clone(),
+        &object.namespace().unwrap_or_default(),
+    );
+    let patch = serde_json::json!({
+        "metadata": {"resourceVersion": object.resource_version()},
+        "status": {"owner": claim},
+    });
+    match api
+        .patch_status(
+            &object.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(written) => Ok(Some(written.resource_version())),
+        Err(error) if is_conflict(&error) => {
+            info!("another replica claimed it first, or it changed; moving on");
+            Ok(None)
+        }
+        Err(source) => Err(kube_error(call, namespaced_name(object))(source)),
+    }
+}
+
+/// Carry out `actions` in order; Events are recorded on `subject`. A stage
+/// pod the API server refuses (403 or 422) is reported in [`Executed`]
+/// and the rest goes on; any other failure stops there.
+pub async fn execute<K>(
+    actions: Vec<Action>,
+    subject: &K,
+    context: &Context,
+) -> Result<Executed, Error>
+where
+    K: Resource<DynamicType = ()>,
+{
+    let mut executed = Executed::default();
+    for action in actions {
+        match action {
+            Action::CreateStagePod(objects) => match create_stage_pod(&objects, context).await {
+                Ok(()) => {}
+                Err(Error::Kube {
+                    call: ApiCall::ApplyPod,
+                    source: kube::Error::Api(status),
+                    ..
+                }) if status.code == 403 || status.code == 422 => {
+                    let pod = ObjectName::new(
+                        objects.pod.metadata.namespace.clone().unwrap_or_default(),
+                        objects.pod_name(),
+                    );
+                    warn!(pod = %pod, "the API server refused the stage pod: {}", status.message);
+                    executed.refused.push(RefusedPod {
+                        pod,
+                        message: status.message.clone(),
+                    });
+                }
+                Err(error) => return Err(error),
+            },
+            Action::DeletePod { pod, replaced_uid } => {
+                match &replaced_uid {
+                    Some(uid) => context.replaced_pods.record(uid),
+                    None => info!(
+                        pod = %pod.name,
+                        namespace = %pod.namespace,
+                        "every volume of this stage pod is final; stopping it"
+                    ),
+                }
+                delete(&namespaced::<Pod>(context, &pod), &pod, ApiCall::DeletePod).await?;
+            }
+            Action::ReleaseStagePod(pod) => release_stage_pod(&pod, context).await?,
+            Action::WriteTransferStatus { transfer, status } => {
+                let patch = crate::api::status_apply::<VolumeTransfer>(&status);
+                patch_transfer_status(
+                    context,
+                    &transfer,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&patch),
+                    ApiCall::WriteTransferStatus,
+                )
+                .await?;
+            }
+            Action::RecordAttempts { transfer, attempts } => {
+                let patch = serde_json::json!({"status": {"attempts": attempts}});
+                patch_transfer_status(
+                    context,
+                    &transfer,
+                    &PatchParams::default(),
+                    &Patch::Merge(&patch),
+                    ApiCall::RecordAttempts,
+                )
+                .await?;
+            }
+            Action::DeleteTransfer(transfer) => {
+                delete(
+                    &namespaced::<VolumeTransfer>(context, &transfer),
+                    &transfer,
+                    ApiCall::DeleteTransfer,
+                )
+                .await?;
+            }
+            Action::Emit(event) => emit(subject, &event, context).await,
+            Action::CreateNamespace(name) => create_namespace(&name, context).await?,
+            Action::CreateClaim(claim) => create_claim(&claim, context).await?,
+            Action::ChangeClaim { claim, change } => change_claim(&claim, &change, context).await?,
+            Action::ChangeVolume { volume, change } => {
+                change_volume(&volume, &change, context).await?
+            }
+        }
+    }
+    Ok(executed)
+}
+
+/// Record `event` on `subject`, and log it.
+pub async fn emit<K>(subject: &K, event: &Event, context: &Context)
+where
+    K: Resource<DynamicType = ()>,
+{
+    let object = subject.meta().name.as_deref().unwrap_or_default();
+    match event.kind {
+        EventKind::Normal => {
+            info!(object, reason = %event.reason, "{}", event.note);
+            context
+                .events
+                .normal(subject, &event.reason, event.action, &event.note)
+                .await;
+        }
+        EventKind::Warning => {
+            warn!(object, reason = %event.reason, "{}", event.note);
+            context
+                .events
+                .warning(subject, &event.reason, event.action, &event.note)
+                .await;
+        }
+    }
+}
+
+fn namespaced<K>(context: &Context, object: &ObjectName) -> Api<K>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+{
+    Api::namespaced(context.client.clone(), &object.namespace)
+}
+
+/// Server-side apply of a complete desired object.
+async fn apply<K>(api: &Api<K>, object: &K, call: ApiCall) -> Result<K, Error>
+where
+    K: Resource + Clone + DeserializeOwned + Serialize + Debug,
+{
+    let name = object.meta().name.clone().unwrap_or_default();
+    let namespace = object.meta().namespace.clone().unwrap_or_default();
+    api.patch(
+        &name,
+        &PatchParams::apply(FIELD_MANAGER).force(),
+        &Patch::Apply(object),
+    )
+    .await
+    .map_err(kube_error(call, format!("{namespace}/{name}")))
+}
+
+/// Delete one object by name; a missing one is already gone.
+async fn delete<K>(api: &Api<K>, object: &ObjectName, call: ApiCall) -> Result<(), Error>
+where
+    K: Resource + Clone + DeserializeOwned + Debug,
+{
+    match api.delete(&object.name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(error) if is_not_found(&error) => Ok(()),
+        Err(source) => Err(kube_error(call, object.to_string())(source)),
+    }
+}
+
+/// Create a stage pod and what it needs, in the order [`StagePodObjects`]
+/// documents: a stage pod in the cache then means the rest exists.
+async fn create_stage_pod(objects: &StagePodObjects, context: &Context) -> Result<(), Error> {
+    let namespace = objects.pod.metadata.namespace.clone().unwrap_or_default();
+    let client = &context.client;
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), &namespace);
+    apply(
+        &accounts,
+        &objects.service_account,
+        ApiCall::ApplyServiceAccount,
+    )
+    .await?;
+    let roles: Api<Role> = Api::namespaced(client.clone(), &namespace);
+    let role = apply(&roles, &objects.role, ApiCall::ApplyRole).await?;
+    let bindings: Api<RoleBinding> = Api::namespaced(client.clone(), &namespace);
+    apply(&bindings, &objects.role_binding, ApiCall::ApplyRoleBinding).await?;
+    // Created, not applied: the controller may create and delete Secrets
+    // outside its namespace, never patch them.
+    let secret = objects.credentials_owned_by(&role.uid().unwrap_or_default());
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &namespace);
+    match secrets.create(&PostParams::default(), &secret).await {
+        Ok(_) => {}
+        Err(error) if is_conflict(&error) => {}
+        Err(source) => {
+            return Err(kube_error(
+                ApiCall::CreateCredentialsCopy,
+                format!("{namespace}/{}", secret.name_any()),
+            )(source));
+        }
+    }
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), &namespace);
+    for transfer in &objects.transfers {
+        apply(&transfers, transfer, ApiCall::ApplyTransfer).await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    apply(&pods, &objects.pod, ApiCall::ApplyPod).await?;
+    info!(
+        pod = %objects.pod_name(),
+        namespace,
+        volumes = objects.transfers.len(),
+        "stage pod created"
+    );
+    Ok(())
+}
+
+/// Delete a stage pod, its RoleBinding, Role and credentials copy (the
+/// transfers stay: they carry the per-volume results). By name: the
+/// controller's RBAC has no `deletecollection`, and Secrets outside its
+/// namespace it may only create and delete.
+async fn release_stage_pod(pod: &ObjectName, context: &Context) -> Result<(), Error> {
+    delete(&namespaced::<Pod>(context, pod), pod, ApiCall::DeletePod).await?;
+    delete(
+        &namespaced::<RoleBinding>(context, pod),
+        pod,
+        ApiCall::DeleteRoleBinding,
+    )
+    .await?;
+    delete(&namespaced::<Role>(context, pod), pod, ApiCall::DeleteRole).await?;
+    let copy = ObjectName::new(&pod.namespace, credentials_copy_name(&pod.name));
+    delete(
+        &namespaced::<Secret>(context, &copy),
+        &copy,
+        ApiCall::DeleteCredentialsCopy,
+    )
+    .await
+}
+
+/// Patch a transfer's status; a transfer that is gone (its backup was
+/// deleted meanwhile) is nothing left to do.
+async fn patch_transfer_status<P: Serialize + Debug>(
+    context: &Context,
+    transfer: &ObjectName,
+    params: &PatchParams,
+    patch: &Patch<P>,
+    call: ApiCall,
+) -> Result<(), Error> {
+    patch_status::<VolumeTransfer, P>(&context.client, transfer, params, patch)
+        .await
+        .map(|_| ())
+        .map_err(kube_error(call, transfer.to_string()))
+}
+
+/// Patch the status of a namespaced object; `Ok(None)` when it is gone,
+/// which every status writer treats as nothing left to do.
+pub(crate) async fn patch_status<K, P>(
+    client: &kube::Client,
+    object: &ObjectName,
+    params: &PatchParams,
+    patch: &Patch<P>,
+) -> Result<Option<K>, kube::Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + DeserializeOwned
+        + Debug,
+    P: Serialize + Debug,
+{
+    let api: Api<K> = Api::namespaced(client.clone(), &object.namespace);
+    match api.patch_status(&object.name, params, patch).await {
+        Ok(written) => Ok(Some(written)),
+        Err(error) if is_not_found(&error) => Ok(None),
+        Err(error) => Err(error),
+    }
+}
+
+/// Create a namespace; one that exists (made meanwhile) is fine.
+async fn create_namespace(name: &str, context: &Context) -> Result<(), Error> {
+    let api: Api<Namespace> = Api::all(context.client.clone());
+    let namespace = Namespace {
+        metadata: kube::api::ObjectMeta {
+            name: Some(name.to_string()),
+            ..Default::default()
+        },
+        ..Namespace::default()
+    };
+    match api.create(&PostParams::default(), &namespace).await {
+        Ok(_) => {
+            info!(namespace = name, "destination namespace created");
+            Ok(())
+        }
+        Err(error) if is_conflict(&error) => Ok(()),
+        Err(source) => Err(kube_error(ApiCall::CreateNamespace, name)(source)),
+    }
+}
+
+/// Create a claim; one that exists (made meanwhile) is fine.
+async fn create_claim(claim: &PersistentVolumeClaim, context: &Context) -> Result<(), Error> {
+    let namespace = claim.metadata.namespace.clone().unwrap_or_default();
+    let name = claim.name_any();
+    let api: Api<PersistentVolumeClaim> = Api::namespaced(context.client.clone(), &namespace);
+    match api.create(&PostParams::default(), claim).await {
+        Ok(_) => {
+            info!(claim = %name, namespace, "destination claim created");
+            Ok(())
+        }
+        Err(error) if is_conflict(&error) => Ok(()),
+        Err(source) => Err(kube_error(
+            ApiCall::CreateClaim,
+            format!("{namespace}/{name}"),
+        )(source)),
+    }
+}
+
+/// Label a restored claim complete, or delete it (a hand-back).
+async fn change_claim(
+    claim: &ObjectName,
+    change: &ClaimChange,
+    context: &Context,
+) -> Result<(), Error> {
+    let api = namespaced::<PersistentVolumeClaim>(context, claim);
+    match change {
+        ClaimChange::MarkComplete => {
+            let patch = serde_json::json!({
+                "metadata": {"labels": {RESTORE_STATE_LABEL: RESTORE_COMPLETE}},
+            });
+            match api
+                .patch(&claim.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => {
+                    info!(claim = %claim, "restored claim verified: labelled complete");
+                    Ok(())
+                }
+                Err(error) if is_not_found(&error) => Ok(()),
+                Err(source) => Err(kube_error(ApiCall::PatchClaim, claim.to_string())(source)),
+            }
+        }
+        ClaimChange::Delete => {
+            info!(claim = %claim, "replacing the claim the volume was written through by its ReadOnlyMany claim");
+            delete(&api, claim, ApiCall::DeleteClaim).await
+        }
+    }
+}
+
+/// Change a restored claim's volume for its hand-back.
+async fn change_volume(
+    volume: &str,
+    change: &VolumeChange,
+    context: &Context,
+) -> Result<(), Error> {
+    let api: Api<PersistentVolume> = Api::all(context.client.clone());
+    let patch = match change {
+        VolumeChange::Retain { original } => serde_json::json!({
+            "metadata": {"annotations": {RECLAIM_POLICY_ANNOTATION: original}},
+            "spec": {"persistentVolumeReclaimPolicy": "Retain"},
+        }),
+        VolumeChange::FreeForClaim { namespace, name } => serde_json::json!({
+            "spec": {"claimRef": {"namespace": namespace, "name": name,
+                "uid": null, "resourceVersion": null}},
+        }),
+        VolumeChange::RestoreReclaimPolicy(policy) => serde_json::json!({
+            "metadata": {"annotations": {RECLAIM_POLICY_ANNOTATION: null}},
+            "spec": {"persistentVolumeReclaimPolicy": policy},
+        }),
+    };
+    match api
+        .patch(volume, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(error) if is_not_found(&error) => Ok(()),
+        Err(source) => Err(kube_error(ApiCall::PatchVolume, volume)(source)),
+    }
+}

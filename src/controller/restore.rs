@@ -1,0 +1,469 @@
+//! The VolumeRestore reconciler: observe → decide → apply, through the
+//! `haulage.dev/cancel` finalizer, in the shape of the backup's.
+//! [`observe`] reads the caches once; while the restore has no selection
+//! it lists the location's snapshots (the one read of the object store the
+//! controller makes for a restore, with the location's credentials), and
+//! when a stage pod is to be created it reads the credentials to copy.
+//! [`crate::reconcile::restore::decide`] returns the ownership claim, the
+//! actions and the status, which are carried out in that order.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action as Requeue;
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Api, ResourceExt};
+use tracing::{debug, info, instrument, warn};
+
+use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
+use crate::api::{VolumeRestore, VolumeRestoreStatus};
+use crate::clock;
+use crate::controller::error::{ApiCall, Error, kube_error};
+use crate::controller::execute::{emit, execute, namespaced_name, take_ownership};
+use crate::controller::location::{key_source, password_of, read_credentials, s3_options};
+use crate::controller::{Context, FIELD_MANAGER, requeue};
+use crate::engine::Repository;
+use crate::plan::objects::ClusterObjects;
+use crate::reconcile::ownership::{ControllerSettings, Ownership, WaitReason};
+use crate::reconcile::restore::{
+    ListedSnapshot, RestoreActs, RestoreDecision, RestoreObservation, decide, decide_cancel,
+    needs_cluster, needs_credentials, needs_snapshots,
+};
+use crate::reconcile::stage_pod::repository_url;
+use crate::store::open_store;
+
+/// Upper bound on the cancel cleanup; the finalizer is released after it.
+const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
+/// Seconds before a restore reconciled while the caches are still listing
+/// is looked at again.
+const CACHE_SYNC_RETRY_SECONDS: u64 = 1;
+/// Time the listing of a location's snapshots may take.
+const SNAPSHOT_LIST_TIMEOUT_SECONDS: u64 = 120;
+
+/// Reconcile one VolumeRestore through the cancel finalizer.
+#[instrument(skip_all, fields(restore = %restore.name_any()))]
+pub async fn reconcile(
+    restore: Arc<VolumeRestore>,
+    context: Arc<Context>,
+) -> Result<Requeue, Error> {
+    let namespace = restore.namespace().ok_or(Error::MissingField {
+        kind: "VolumeRestore",
+        field: "metadata.namespace",
+    })?;
+    if !context.readiness.caches_synced() {
+        debug!(
+            waiting_for = ?context.readiness.problem(),
+            "caches still listing; looking again in {CACHE_SYNC_RETRY_SECONDS}s"
+        );
+        return Ok(Requeue::requeue(Duration::from_secs(
+            CACHE_SYNC_RETRY_SECONDS,
+        )));
+    }
+    let name = format!("{namespace}/{}", restore.name_any());
+    let api: Api<VolumeRestore> = Api::namespaced(context.client.clone(), &namespace);
+    finalizer(&api, CANCEL_FINALIZER, restore, |event| async {
+        match event {
+            Finalizer::Apply(restore) => apply(restore, &context).await,
+            Finalizer::Cleanup(restore) => cleanup(restore, &context).await,
+        }
+    })
+    .await
+    .map_err(|source| Error::Finalizer {
+        name,
+        source: Box::new(source),
+    })
+}
+
+/// The destination namespaces a restore may write into: those of its
+/// selection, or, before it is made, every namespace (the selection
+/// decides which).
+fn destination_namespaces(restore: &VolumeRestore) -> Option<BTreeSet<String>> {
+    let selection = restore.status.as_ref().map(|status| &status.selection)?;
+    (!selection.is_empty()).then(|| {
+        selection
+            .iter()
+            .map(|volume| volume.namespace.clone())
+            .collect()
+    })
+}
+
+/// Read what deciding on `restore` needs from the caches, once.
+fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObservation {
+    let stores = &context.stores;
+    let config = &context.config;
+    let uid = restore.uid().unwrap_or_default();
+    let namespace = restore.namespace().unwrap_or_default();
+    let owned = |labels: &std::collections::BTreeMap<String, String>| {
+        labels.get(OWNER_UID_LABEL) == Some(&uid)
+    };
+    let pods = stores.pods.state_filter(|pod| owned(pod.labels()));
+    let replaced_pods = pods
+        .iter()
+        .filter_map(|pod| pod.uid())
+        .filter(|pod_uid| context.replaced_pods.contains(pod_uid))
+        .collect();
+    let scope = destination_namespaces(&restore);
+    let in_scope = |object_namespace: Option<String>| match (&scope, object_namespace) {
+        (None, Some(_)) => true,
+        (Some(scope), Some(namespace)) => scope.contains(&namespace),
+        (_, None) => false,
+    };
+    let claims = stores
+        .claims
+        .state_filter(|claim| in_scope(claim.namespace()));
+    let bound_volumes: BTreeSet<String> = claims
+        .iter()
+        .filter_map(|claim| claim.spec.as_ref()?.volume_name.clone())
+        .collect();
+    let volumes = stores.volumes.state_filter(|volume| {
+        bound_volumes.contains(&volume.name_any())
+            || volume
+                .spec
+                .as_ref()
+                .and_then(|spec| spec.claim_ref.as_ref())
+                .and_then(|reference| reference.namespace.clone())
+                .is_some_and(|claim_namespace| in_scope(Some(claim_namespace)))
+    });
+    RestoreObservation {
+        settings: ControllerSettings {
+            identity: config.identity.clone(),
+            agent_image: config.agent_image.clone(),
+            pinning: config.pinning,
+            agent_lost_seconds: config.agent_lost_seconds,
+        },
+        lease_fresh: context.heartbeat.is_fresh(config.replica_lease_seconds),
+        leases: super::replicas::cached(&stores.leases),
+        locations: stores
+            .locations
+            .state_filter(|location| location.namespace().as_deref() == Some(namespace.as_str())),
+        snapshots: None,
+        classes: stores.classes.state(),
+        namespaces: stores
+            .namespaces
+            .state()
+            .iter()
+            .map(|namespace| namespace.name_any())
+            .collect(),
+        claims,
+        volumes,
+        cluster: None,
+        nodes: stores.nodes.state(),
+        transfers: stores
+            .transfers
+            .state_filter(|transfer| owned(transfer.labels())),
+        pods,
+        replaced_pods,
+        since_last_status_write: context.status_writes.since(&uid),
+        credentials: None,
+        password: None,
+        policies: stores.policies.state(),
+        limit_minimums: stores.limit_minimums(),
+        restore,
+    }
+}
+
+/// The cluster's objects a restore's plan is made from: the destination
+/// namespaces' pods and claims, every node, volume and class.
+fn cluster_objects(restore: &VolumeRestore, context: &Context) -> ClusterObjects {
+    let stores = &context.stores;
+    let scope = destination_namespaces(restore).unwrap_or_default();
+    let in_scope =
+        |namespace: Option<String>| namespace.is_some_and(|namespace| scope.contains(&namespace));
+    ClusterObjects {
+        nodes: stores.nodes.state().iter().map(|n| (**n).clone()).collect(),
+        csi_nodes: stores
+            .csi_nodes
+            .state()
+            .iter()
+            .map(|csi_node| (**csi_node).clone())
+            .collect(),
+        pods: stores
+            .pods
+            .state()
+            .iter()
+            .filter(|pod| in_scope(pod.namespace()))
+            .map(|pod| (**pod).clone())
+            .collect(),
+        claims: stores
+            .claims
+            .state()
+            .iter()
+            .filter(|claim| in_scope(claim.namespace()))
+            .map(|claim| (**claim).clone())
+            .collect(),
+        volumes: stores
+            .volumes
+            .state()
+            .iter()
+            .map(|volume| (**volume).clone())
+            .collect(),
+        storage_classes: stores
+            .classes
+            .state()
+            .iter()
+            .map(|class| (**class).clone())
+            .collect(),
+        limit_ranges: Vec::new(),
+    }
+}
+
+/// The observation, with the location's snapshots while there is no
+/// selection, the cluster's objects while there is no plan, and the
+/// credentials when a stage pod is to be created.
+async fn observe(
+    restore: Arc<VolumeRestore>,
+    context: &Context,
+) -> Result<RestoreObservation, Error> {
+    let mut observation = observe_caches(restore, context);
+    let restore = observation.restore.clone();
+    if needs_snapshots(&restore) {
+        observation.snapshots = list_snapshots(&observation, context).await?;
+    }
+    if needs_cluster(&restore) {
+        observation.cluster = Some(cluster_objects(&restore, context));
+    }
+    if needs_credentials(&observation) {
+        observation.credentials = Some(credentials_of(&observation, context).await?.0);
+        let restore = &observation.restore;
+        let (_, location) = crate::reconcile::location::resolve_location(
+            &restore.namespace().unwrap_or_default(),
+            restore.spec.storage_location.as_deref(),
+            &observation.locations,
+        );
+        if let Some(location) = location {
+            observation.password = match password_of(location, &context.client).await? {
+                Ok(password) => password.map(|password| ByteString(password.as_bytes().to_vec())),
+                Err(message) => {
+                    return Err(Error::Credentials {
+                        location: location.name_any(),
+                        message,
+                    });
+                }
+            };
+        }
+    }
+    Ok(observation)
+}
+
+/// The location's credentials file (the bytes under its key) and the
+/// parsed credentials, or `None` when it names no usable location.
+async fn credentials_of(
+    observation: &RestoreObservation,
+    context: &Context,
+) -> Result<(ByteString, Option<crate::store::S3Credentials>), Error> {
+    let restore = &observation.restore;
+    let (_, location) = crate::reconcile::location::resolve_location(
+        &restore.namespace().unwrap_or_default(),
+        restore.spec.storage_location.as_deref(),
+        &observation.locations,
+    );
+    let Some(location) = location else {
+        return Ok((ByteString(Vec::new()), None));
+    };
+    let secrets: Api<Secret> = Api::namespaced(
+        context.client.clone(),
+        &location.namespace().unwrap_or_default(),
+    );
+    match read_credentials(&secrets, &location.spec).await? {
+        Ok((secret, credentials)) => Ok((
+            secret
+                .data
+                .and_then(|mut data| data.remove(&location.spec.credential.key))
+                .unwrap_or_default(),
+            Some(credentials),
+        )),
+        Err(message) => Err(Error::Credentials {
+            location: location.name_any(),
+            message,
+        }),
+    }
+}
+
+/// List the snapshots of the restore's location, when it is Available.
+/// A failure to read is an outcome the decision reports, not an error:
+/// the restore says why and tries again.
+async fn list_snapshots(
+    observation: &RestoreObservation,
+    context: &Context,
+) -> Result<Option<Result<Vec<ListedSnapshot>, String>>, Error> {
+    let restore = &observation.restore;
+    let (state, location) = crate::reconcile::location::resolve_location(
+        &restore.namespace().unwrap_or_default(),
+        restore.spec.storage_location.as_deref(),
+        &observation.locations,
+    );
+    let (Some(location), crate::reconcile::backup_status::StorageState::Available { .. }) =
+        (location, state)
+    else {
+        return Ok(None);
+    };
+    let credentials = match credentials_of(observation, context).await {
+        Ok((_, Some(credentials))) => credentials,
+        Ok((_, None)) => return Ok(None),
+        Err(Error::Credentials { message, .. }) => return Ok(Some(Err(message))),
+        Err(error) => return Err(error),
+    };
+    let key = match password_of(location, &context.client).await? {
+        Ok(password) => key_source(password),
+        Err(message) => return Ok(Some(Err(message))),
+    };
+    let url = repository_url(&location.spec);
+    let listing = async {
+        let store = open_store(&url, &s3_options(&location.spec, credentials))
+            .await
+            .map_err(|error| crate::error_chain(&error))?;
+        let repository = Repository::open(store, &key)
+            .await
+            .map_err(|error| crate::error_chain(&error))?;
+        let (snapshots, unreadable) = repository
+            .list_snapshots()
+            .await
+            .map_err(|error| crate::error_chain(&error))?;
+        for problem in unreadable {
+            warn!(location = %url, "a snapshot cannot be read and is left out: {}", crate::error_chain(&problem));
+        }
+        Ok::<_, String>(
+            snapshots
+                .into_iter()
+                .map(|(id, snapshot)| ListedSnapshot {
+                    id: id.to_hex(),
+                    snapshot,
+                })
+                .collect(),
+        )
+    };
+    Ok(Some(
+        match tokio::time::timeout(Duration::from_secs(SNAPSHOT_LIST_TIMEOUT_SECONDS), listing)
+            .await
+        {
+            Ok(result) => result,
+            Err(_) => Err(format!(
+                "listing the snapshots of {url} took more than {SNAPSHOT_LIST_TIMEOUT_SECONDS}s"
+            )),
+        },
+    ))
+}
+
+/// The status apply, conditional on `resource_version` when given.
+fn status_patch(status: &VolumeRestoreStatus, resource_version: Option<&str>) -> serde_json::Value {
+    let mut patch = crate::api::status_apply::<VolumeRestore>(status);
+    if let Some(version) = resource_version {
+        patch["metadata"] = serde_json::json!({"resourceVersion": version});
+    }
+    patch
+}
+
+async fn apply(restore: Arc<VolumeRestore>, context: &Context) -> Result<Requeue, Error> {
+    let observation = observe(restore, context).await?;
+    let restore = observation.restore.clone();
+    let decision = decide(&observation, &clock::now()).map_err(|source| Error::Restore {
+        name: namespaced_name(restore.as_ref()),
+        source,
+    })?;
+    match decision {
+        RestoreDecision::Wait { why, requeue: next } => {
+            if why == WaitReason::StaleLease {
+                warn!(
+                    "this replica's lease has not been renewed recently; not acting on its restores until it is"
+                );
+            }
+            Ok(requeue(next))
+        }
+        RestoreDecision::Finished { release } => {
+            execute(release, restore.as_ref(), context).await?;
+            Ok(Requeue::await_change())
+        }
+        RestoreDecision::Act(acts) => act(*acts, &restore, context).await,
+    }
+}
+
+async fn act(
+    acts: RestoreActs,
+    restore: &VolumeRestore,
+    context: &Context,
+) -> Result<Requeue, Error> {
+    let RestoreActs {
+        ownership,
+        actions,
+        status,
+        after_status,
+        finished,
+        requeue: next,
+    } = acts;
+    let mut resource_version = restore.resource_version();
+    if let Ownership::Take { claim, event } = &ownership {
+        match take_ownership(restore, claim, context, ApiCall::ClaimRestore).await? {
+            Some(version) => resource_version = version,
+            None => return Ok(Requeue::await_change()),
+        }
+        emit(restore, event, context).await;
+    }
+    let executed = execute(actions, restore, context).await?;
+    let status = if executed.refused.is_empty() {
+        status
+    } else {
+        // What the API server refused goes into the status (and an
+        // Event), so a user sees why nothing runs.
+        let mut noted = status.unwrap_or_else(|| restore.status.clone().unwrap_or_default());
+        let event = crate::reconcile::supervision::note_refused_stage_pods(
+            &mut noted.conditions,
+            &mut noted.message,
+            &executed.refused_pods(),
+            restore.metadata.generation,
+            &clock::now(),
+        );
+        emit(restore, &event, context).await;
+        Some(noted)
+    };
+    let uid = restore.uid().unwrap_or_default();
+    if let Some(status) = &status {
+        let api: Api<VolumeRestore> = Api::namespaced(
+            context.client.clone(),
+            &restore.namespace().unwrap_or_default(),
+        );
+        api.patch_status(
+            &restore.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(status_patch(status, resource_version.as_deref())),
+        )
+        .await
+        .map_err(kube_error(
+            ApiCall::WriteRestoreStatus,
+            namespaced_name(restore),
+        ))?;
+        context.status_writes.record(&uid);
+    }
+    if finished {
+        context.status_writes.forget(&uid);
+        info!(phase = ?status.as_ref().and_then(|status| status.phase), "restore finished");
+    }
+    execute(after_status, restore, context).await?;
+    Ok(requeue(next))
+}
+
+/// Cancel: stop the agents, release the stage pods, delete the transfers,
+/// bounded by [`CLEANUP_TIMEOUT_SECONDS`]. The claims stay.
+async fn cleanup(restore: Arc<VolumeRestore>, context: &Context) -> Result<Requeue, Error> {
+    let uid = restore.uid().unwrap_or_default();
+    context.status_writes.forget(&uid);
+    let observation = observe_caches(restore, context);
+    let restore = observation.restore.clone();
+    let actions = decide_cancel(&observation, &clock::now());
+    let work = execute(actions, restore.as_ref(), context);
+    match tokio::time::timeout(Duration::from_secs(CLEANUP_TIMEOUT_SECONDS), work).await {
+        Ok(result) => {
+            result?;
+        }
+        Err(_) => warn!(
+            "cleanup did not finish in {CLEANUP_TIMEOUT_SECONDS}s; releasing the finalizer, stage pods of this restore may remain"
+        ),
+    }
+    info!(
+        "canceled and cleaned up; restored claims stay (those not verified are labelled incomplete)"
+    );
+    Ok(Requeue::await_change())
+}

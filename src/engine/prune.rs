@@ -1,0 +1,567 @@
+//! Prune: reclaim the space of packs no snapshot needs, safely beside
+//! backups running elsewhere. The decisions are
+//! [`crate::repo::prune::plan_prune`]; this module gathers the facts and
+//! carries the plan out, in an order where an interruption at any point
+//! leaves every referenced blob readable and a re-run finishes the work
+//! (docs/storage.md, "Prune").
+//!
+//! 1. Under a shared lock (backups go on): list packs and index files,
+//!    walk every snapshot's trees to find the referenced blobs, plan.
+//!    Repack: copy the needed blobs of mostly unused packs into new packs
+//!    (sealed bytes are copied as they are: a blob's seal is bound to its
+//!    id, not its pack), write their index, then record the old packs and
+//!    the unused ones as deletion candidates.
+//! 2. Under an exclusive lock (no lock-holding backup runs): gather and
+//!    plan again from scratch; delete only candidates marked at least the
+//!    safety margin ago that are still not needed: first write index files
+//!    for every pack that stays, then delete the old index files, then the
+//!    packs, then update the candidates record.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use super::lock::{RepositoryLock, list_locks, unix_now};
+use super::{EngineError, Repository, run_blocking};
+use crate::repo::index::BlobIndex;
+use crate::repo::lock::LockKind;
+use crate::repo::pack::PackEntry;
+use crate::repo::prune::{Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, plan_prune};
+use crate::repo::tree::{EntryKind, Extent};
+use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
+use crate::store::PutMode;
+
+/// Packs per index file written by prune (about 1 MiB of index each).
+const PACKS_PER_INDEX_FILE: usize = 1024;
+/// Tree blobs fetched per batch while finding what snapshots reference.
+const TREES_PER_BATCH: usize = 256;
+/// The lock purpose prune records, and looks for to refuse a second prune.
+pub const PRUNE_PURPOSE: &str = "prune";
+
+/// How prune runs.
+#[derive(Debug, Clone)]
+pub struct PruneOptions {
+    /// Threshold and margin.
+    pub settings: PruneSettings,
+    /// Plan and report only.
+    pub dry_run: bool,
+    /// How long to wait for the exclusive lock (backups to finish).
+    pub lock_wait: Duration,
+}
+
+/// What prune found and did.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PruneReport {
+    /// Only planned.
+    pub dry_run: bool,
+    /// Snapshots whose data was kept.
+    pub snapshots: usize,
+    /// Packs in the store before.
+    pub packs: usize,
+    /// Their bytes.
+    pub total_bytes: u64,
+    /// Bytes of the blobs the snapshots reference.
+    pub used_bytes: u64,
+    /// Packs rewritten (or, dry run, to rewrite).
+    pub repacked_packs: usize,
+    /// Bytes written into new packs by the repack.
+    pub repacked_bytes_written: u64,
+    /// Packs marked for deletion in this run.
+    pub marked_packs: usize,
+    /// Their bytes (freed once the safety margin has passed).
+    pub marked_bytes: u64,
+    /// Marked packs deleted (or, dry run, to delete now).
+    pub deleted_packs: usize,
+    /// Bytes freed.
+    pub deleted_bytes: u64,
+    /// Index files replaced.
+    pub index_files_replaced: usize,
+    /// Marked packs still within the margin.
+    pub waiting_packs: usize,
+    /// Their bytes.
+    pub waiting_bytes: u64,
+    /// Marked packs that snapshots came to need again.
+    pub unmarked_packs: usize,
+    /// Why the deletion phase did not run, if it did not.
+    pub deletion_deferred: Option<String>,
+    /// Packs whose blobs could not be read (kept, never deleted).
+    pub damaged_packs: Vec<String>,
+}
+
+/// Everything in the store prune decides on.
+#[derive(Debug, Default)]
+struct Inventory {
+    packs: Vec<PackFacts>,
+    index_files: Vec<ObjectId>,
+    damaged_packs: Vec<String>,
+}
+
+impl Inventory {
+    fn blob_index(&self, candidates: &[Candidate]) -> BlobIndex {
+        let leaving: HashSet<ObjectId> = candidates.iter().map(|c| c.pack).collect();
+        let mut index = BlobIndex::new();
+        for pack in &self.packs {
+            if leaving.contains(&pack.id) {
+                index.add_leaving_pack(pack.id, &pack.entries);
+            } else {
+                index.add_pack(pack.id, &pack.entries);
+            }
+        }
+        index
+    }
+
+    fn sizes(&self) -> HashMap<ObjectId, u64> {
+        self.packs.iter().map(|pack| (pack.id, pack.size)).collect()
+    }
+}
+
+async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineError> {
+    let store = repository.store();
+    let mut inventory = Inventory::default();
+    let mut known: HashMap<ObjectId, Vec<PackEntry>> = HashMap::new();
+    let index_objects = store
+        .list(INDEX_PREFIX)
+        .await
+        .map_err(|error| EngineError::store("list index files", error))?;
+    for meta in index_objects {
+        let Some(id) = repo::id_from_key(&meta.key, INDEX_PREFIX) else {
+            continue;
+        };
+        inventory.index_files.push(id);
+        let bytes = match store.get(&meta.key, None).await {
+            Ok(bytes) => bytes,
+            Err(error) if error.is_not_found() => continue,
+            Err(error) => {
+                return Err(EngineError::store(format!("read index file {id}"), error));
+            }
+        };
+        if ObjectId::of(&bytes) != id {
+            continue;
+        }
+        let codec = repository.codec().clone();
+        if let Ok(file) = run_blocking(move || codec.decode_index(&bytes, &id.to_hex())).await {
+            for (pack, entries) in file.packs {
+                known.entry(pack).or_insert(entries);
+            }
+        }
+    }
+    let packs = store
+        .list(DATA_PREFIX)
+        .await
+        .map_err(|error| EngineError::store("list packs", error))?;
+    for meta in packs {
+        let Some(id) = repo::id_from_key(&meta.key, DATA_PREFIX) else {
+            continue;
+        };
+        let entries = match known.remove(&id) {
+            Some(entries) => entries,
+            None => match repository.read_pack_trailer(&id, meta.size).await {
+                Ok(entries) => entries,
+                Err(EngineError::Store { source, .. }) if source.is_not_found() => continue,
+                Err(error) => {
+                    inventory.damaged_packs.push(error.to_string());
+                    continue;
+                }
+            },
+        };
+        inventory.packs.push(PackFacts {
+            id,
+            size: meta.size,
+            entries,
+        });
+    }
+    inventory.packs.sort_by_key(|pack| pack.id);
+    Ok(inventory)
+}
+
+/// Every blob the snapshots reference: their trees and file chunks. Any
+/// snapshot or tree that cannot be read stops prune (it could not know what
+/// that snapshot needs).
+async fn referenced_blobs(
+    repository: &Repository,
+    index: &BlobIndex,
+) -> Result<(usize, HashSet<BlobId>), EngineError> {
+    let (snapshots, damaged) = repository.list_snapshots().await?;
+    if let Some(error) = damaged.into_iter().next() {
+        return Err(error);
+    }
+    let mut referenced = HashSet::new();
+    let mut pending: Vec<BlobId> = Vec::new();
+    for (_, snapshot) in &snapshots {
+        if referenced.insert(snapshot.tree) {
+            pending.push(snapshot.tree);
+        }
+    }
+    while !pending.is_empty() {
+        let take = pending.len().min(TREES_PER_BATCH);
+        let batch: Vec<BlobId> = pending.drain(pending.len() - take..).collect();
+        let trees = repository.load_trees(index, &batch).await;
+        for tree in trees {
+            let tree = tree?;
+            for entry in tree.entries {
+                match entry.kind {
+                    EntryKind::Directory => {
+                        if let Some(subtree) = entry.subtree
+                            && referenced.insert(subtree)
+                        {
+                            pending.push(subtree);
+                        }
+                    }
+                    EntryKind::File => {
+                        for extent in entry.content {
+                            if let Extent::Chunk(blob, _) = extent {
+                                referenced.insert(blob);
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    Ok((snapshots.len(), referenced))
+}
+
+/// Gather the facts and plan.
+async fn gather_and_plan(
+    repository: &Repository,
+    settings: PruneSettings,
+) -> Result<(Inventory, usize, PrunePlan, Vec<Candidate>), EngineError> {
+    let inventory = take_inventory(repository).await?;
+    let candidates = repository.load_deletion_candidates().await?.candidates;
+    let index = inventory.blob_index(&candidates);
+    let (snapshots, referenced) = referenced_blobs(repository, &index).await?;
+    let plan = plan_prune(
+        &inventory.packs,
+        &referenced,
+        &candidates,
+        unix_now(),
+        settings,
+    );
+    if let Some(first) = plan.missing.first() {
+        return Err(EngineError::ReferencedDataMissing {
+            count: plan.missing.len(),
+            first: *first,
+        });
+    }
+    Ok((inventory, snapshots, plan, candidates))
+}
+
+/// Run prune.
+pub async fn prune(
+    repository: &Repository,
+    options: &PruneOptions,
+    cancel: &CancellationToken,
+) -> Result<PruneReport, EngineError> {
+    let shared = RepositoryLock::acquire(
+        repository,
+        LockKind::Shared,
+        PRUNE_PURPOSE,
+        options.lock_wait,
+    )
+    .await?;
+    let result = first_phase(repository, options, &shared, cancel).await;
+    let (mut report, deletion_due) = match result {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            let _ = shared.release().await;
+            return Err(error);
+        }
+    };
+    shared.release().await?;
+    if options.dry_run || !deletion_due {
+        return Ok(report);
+    }
+    let exclusive = match RepositoryLock::acquire(
+        repository,
+        LockKind::Exclusive,
+        PRUNE_PURPOSE,
+        options.lock_wait,
+    )
+    .await
+    {
+        Ok(lock) => lock,
+        Err(EngineError::Locked { holders, .. }) => {
+            report.deletion_deferred = Some(format!(
+                "the repository is in use ({holders}); the marked packs are deleted by a later prune"
+            ));
+            return Ok(report);
+        }
+        Err(error) => return Err(error),
+    };
+    let result = second_phase(repository, options, &exclusive, &mut report, cancel).await;
+    let released = exclusive.release().await;
+    result?;
+    released?;
+    Ok(report)
+}
+
+/// Plan, repack and mark. Returns the report and whether a deletion phase
+/// has anything to do.
+async fn first_phase(
+    repository: &Repository,
+    options: &PruneOptions,
+    lock: &RepositoryLock,
+    cancel: &CancellationToken,
+) -> Result<(PruneReport, bool), EngineError> {
+    let others = list_locks(repository).await?;
+    if let Some(other) = others.iter().find(|other| {
+        other.key != lock.key()
+            && other.is_live()
+            && other
+                .record
+                .as_ref()
+                .is_some_and(|record| record.purpose == PRUNE_PURPOSE)
+    }) {
+        return Err(EngineError::Locked {
+            location: repository.store().location(),
+            holders: format!("another prune is running: {}", other.description),
+        });
+    }
+    let (inventory, snapshots, plan, candidates) =
+        gather_and_plan(repository, options.settings).await?;
+    let sizes = inventory.sizes();
+    let mut report = PruneReport {
+        dry_run: options.dry_run,
+        snapshots,
+        packs: inventory.packs.len(),
+        total_bytes: plan.total_bytes,
+        used_bytes: plan.used_bytes,
+        repacked_packs: plan.repack.len(),
+        repacked_bytes_written: plan
+            .repack
+            .iter()
+            .flat_map(|repack| &repack.keep)
+            .map(|entry| u64::from(entry.stored_length))
+            .sum(),
+        marked_packs: plan.mark.len() + plan.repack.len(),
+        marked_bytes: plan.marked_bytes(&sizes)
+            + plan.repack.iter().map(|repack| repack.size).sum::<u64>(),
+        deleted_packs: plan.delete.len(),
+        deleted_bytes: plan.deleted_bytes(),
+        waiting_packs: plan.waiting.len(),
+        waiting_bytes: plan
+            .waiting
+            .iter()
+            .map(|candidate| sizes.get(&candidate.pack).copied().unwrap_or(0))
+            .sum(),
+        unmarked_packs: plan.unmark.len(),
+        damaged_packs: inventory.damaged_packs.clone(),
+        ..PruneReport::default()
+    };
+    if options.dry_run {
+        if options.settings.safety_margin_seconds <= 0 {
+            // This run would delete what it marks, too.
+            report.deleted_packs += report.marked_packs;
+            report.deleted_bytes += report.marked_bytes;
+        }
+        return Ok((report, false));
+    }
+    let now = unix_now();
+    let repacked = repack(repository, &plan, lock, cancel, &mut report).await?;
+    // Waiting and newly marked packs, the packs due for deletion (still
+    // candidates until the deletion phase removes them, with their first
+    // mark time), and the packs just repacked.
+    let previous: HashMap<ObjectId, Candidate> = candidates
+        .into_iter()
+        .map(|candidate| (candidate.pack, candidate))
+        .collect();
+    let mut marks = plan.remaining_candidates().candidates;
+    marks.extend(plan.delete.iter().map(|(pack, _)| previous[pack]));
+    marks.extend(repacked.into_iter().map(|pack| Candidate {
+        pack,
+        since_seconds: now,
+        reason: MarkReason::Repacked,
+    }));
+    marks.sort_by_key(|candidate| candidate.pack);
+    marks.dedup_by_key(|candidate| candidate.pack);
+    lock.check()?;
+    repository
+        .write_deletion_candidates(&crate::repo::prune::DeletionCandidates {
+            candidates: marks.clone(),
+        })
+        .await?;
+    let margin = options.settings.safety_margin_seconds;
+    let due = marks
+        .iter()
+        .any(|candidate| unix_now() - candidate.since_seconds >= margin);
+    // The counts of the deletion phase replace the first plan's.
+    report.deleted_packs = 0;
+    report.deleted_bytes = 0;
+    Ok((report, due))
+}
+
+/// Copy the needed blobs of the packs to repack into new packs and index
+/// them. Returns the packs fully copied (to be marked).
+async fn repack(
+    repository: &Repository,
+    plan: &PrunePlan,
+    lock: &RepositoryLock,
+    cancel: &CancellationToken,
+    report: &mut PruneReport,
+) -> Result<Vec<ObjectId>, EngineError> {
+    let target = repository.config().pack_target_bytes as usize;
+    let capacity = target + repository.config().chunker.max_bytes as usize + 64 * 1024;
+    let mut writer = repository.pack_writer(capacity);
+    let mut written: Vec<(ObjectId, Vec<PackEntry>)> = Vec::new();
+    let mut copied = Vec::new();
+    report.repacked_bytes_written = 0;
+    for job in &plan.repack {
+        if cancel.is_cancelled() {
+            return Err(EngineError::Cancelled);
+        }
+        lock.check()?;
+        let bytes = repository
+            .store()
+            .get(&repo::pack_key(&job.pack), None)
+            .await
+            .map_err(|error| {
+                EngineError::store(format!("read pack {} to repack", job.pack), error)
+            })?;
+        let mut complete = true;
+        // The locations of this pack's copies (another pack's copy of a
+        // blob may be compressed differently).
+        let mut index = BlobIndex::new();
+        index.add_pack(job.pack, &job.keep);
+        for entry in &job.keep {
+            let start = entry.offset as usize;
+            let Some(stored) = bytes.get(start..start + entry.stored_length as usize) else {
+                complete = false;
+                continue;
+            };
+            let location = index.get(&entry.id).copied();
+            let checked = match location {
+                Some(location) => repository
+                    .decode_blob(&entry.id, &job.pack, &location, stored)
+                    .is_ok(),
+                None => false,
+            };
+            if !checked {
+                report.damaged_packs.push(format!(
+                    "blob {} in pack {} does not decode; pack kept",
+                    entry.id, job.pack
+                ));
+                complete = false;
+                continue;
+            }
+            writer.add(
+                entry.id,
+                entry.kind,
+                entry.compression,
+                stored,
+                entry.raw_length,
+            );
+            report.repacked_bytes_written += u64::from(entry.stored_length);
+            if writer.len() >= target {
+                let full = std::mem::replace(&mut writer, repository.pack_writer(capacity));
+                written.push(upload_pack(repository, full).await?);
+            }
+        }
+        if complete {
+            copied.push(job.pack);
+        }
+    }
+    if !writer.is_empty() {
+        written.push(upload_pack(repository, writer).await?);
+    }
+    if !written.is_empty() {
+        repository.write_index(written).await?;
+    }
+    report.repacked_packs = copied.len();
+    Ok(copied)
+}
+
+async fn upload_pack(
+    repository: &Repository,
+    writer: crate::repo::pack::PackWriter,
+) -> Result<(ObjectId, Vec<PackEntry>), EngineError> {
+    let codec = repository.codec().clone();
+    let pack = run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
+    repository
+        .store()
+        .put(
+            &repo::pack_key(&pack.id),
+            Bytes::from(pack.bytes),
+            PutMode::Overwrite,
+        )
+        .await
+        .map_err(|error| EngineError::store(format!("upload repacked pack {}", pack.id), error))?;
+    Ok((pack.id, pack.entries))
+}
+
+/// Under the exclusive lock: plan again and delete what is due.
+async fn second_phase(
+    repository: &Repository,
+    options: &PruneOptions,
+    lock: &RepositoryLock,
+    report: &mut PruneReport,
+    cancel: &CancellationToken,
+) -> Result<(), EngineError> {
+    let (inventory, _, plan, _) = gather_and_plan(repository, options.settings).await?;
+    report.unmarked_packs += plan.unmark.len();
+    report.waiting_packs = plan.waiting.len();
+    let sizes = inventory.sizes();
+    report.waiting_bytes = plan
+        .waiting
+        .iter()
+        .map(|candidate| sizes.get(&candidate.pack).copied().unwrap_or(0))
+        .sum();
+    if plan.delete.is_empty() {
+        lock.check()?;
+        return repository
+            .write_deletion_candidates(&plan.remaining_candidates())
+            .await;
+    }
+    let deleting: HashSet<ObjectId> = plan.delete.iter().map(|(pack, _)| *pack).collect();
+    // 1. Index files for every pack that stays.
+    let staying: Vec<(ObjectId, Vec<PackEntry>)> = inventory
+        .packs
+        .iter()
+        .filter(|pack| !deleting.contains(&pack.id))
+        .map(|pack| (pack.id, pack.entries.clone()))
+        .collect();
+    let mut new_index_files = HashSet::new();
+    for chunk in staying.chunks(PACKS_PER_INDEX_FILE) {
+        if cancel.is_cancelled() {
+            return Err(EngineError::Cancelled);
+        }
+        lock.check()?;
+        new_index_files.insert(repository.write_index(chunk.to_vec()).await?);
+    }
+    // 2. The old index files (those this phase read; one written since by
+    // a backup without a lock names only its own packs, which stay).
+    for id in &inventory.index_files {
+        if new_index_files.contains(id) {
+            continue;
+        }
+        lock.check()?;
+        repository
+            .store()
+            .delete(&repo::index_key(id))
+            .await
+            .map_err(|error| EngineError::store(format!("delete index file {id}"), error))?;
+        report.index_files_replaced += 1;
+    }
+    // 3. The packs.
+    for (pack, size) in &plan.delete {
+        if cancel.is_cancelled() {
+            return Err(EngineError::Cancelled);
+        }
+        lock.check()?;
+        repository
+            .store()
+            .delete(&repo::pack_key(pack))
+            .await
+            .map_err(|error| EngineError::store(format!("delete pack {pack}"), error))?;
+        report.deleted_packs += 1;
+        report.deleted_bytes += size;
+    }
+    // 4. The record.
+    repository
+        .write_deletion_candidates(&plan.remaining_candidates())
+        .await
+}

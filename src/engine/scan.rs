@@ -1,0 +1,84 @@
+//! The lstat-only walk of a directory tree: every regular file under a
+//! root with its size, symlinks not followed, unreadable directories
+//! skipped. The backup's progress totals and `haulage bench`'s view of a
+//! source are both this walk.
+
+use std::fs;
+use std::io;
+use std::path::Path;
+
+use tokio_util::sync::CancellationToken;
+
+/// Call `on_file` with the path and size of every regular file under
+/// `root`, until `cancel` (when given) is cancelled. Only an unreadable
+/// `root` is an error; a directory below it that cannot be read is
+/// skipped (the backup reports it as a warning when it gets there).
+pub fn scan_regular_files(
+    root: &Path,
+    cancel: Option<&CancellationToken>,
+    mut on_file: impl FnMut(&Path, u64),
+) -> io::Result<()> {
+    let mut stack = vec![fs::read_dir(root)?];
+    while let Some(entries) = stack.pop() {
+        for entry in entries.flatten() {
+            if cancel.is_some_and(CancellationToken::is_cancelled) {
+                return Ok(());
+            }
+            let Ok(file_type) = entry.file_type() else {
+                continue;
+            };
+            if file_type.is_dir() {
+                if let Ok(below) = fs::read_dir(entry.path()) {
+                    stack.push(below);
+                }
+            } else if file_type.is_file()
+                && let Ok(metadata) = entry.metadata()
+            {
+                on_file(&entry.path(), metadata.len());
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_regular_file_is_seen_once_and_symlinks_are_not_followed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        fs::create_dir_all(root.join("a/b")).expect("dirs");
+        fs::write(root.join("top"), b"12345").expect("file");
+        fs::write(root.join("a/b/deep"), b"123").expect("file");
+        std::os::unix::fs::symlink(root.join("a"), root.join("loop")).expect("symlink");
+        let mut seen = Vec::new();
+        scan_regular_files(root, None, |path, size| {
+            seen.push((path.strip_prefix(root).expect("below").to_path_buf(), size));
+        })
+        .expect("readable");
+        seen.sort();
+        assert_eq!(
+            seen,
+            [
+                (Path::new("a/b/deep").to_path_buf(), 3),
+                (Path::new("top").to_path_buf(), 5)
+            ]
+        );
+        assert!(scan_regular_files(&root.join("missing"), None, |_, _| {}).is_err());
+    }
+
+    #[test]
+    fn a_cancelled_scan_stops() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for index in 0..10 {
+            fs::write(dir.path().join(format!("f{index}")), b"x").expect("file");
+        }
+        let cancel = CancellationToken::new();
+        cancel.cancel();
+        let mut count = 0;
+        scan_regular_files(dir.path(), Some(&cancel), |_, _| count += 1).expect("readable");
+        assert_eq!(count, 0);
+    }
+}

@@ -1,0 +1,198 @@
+//! What a decision asks the controller to do: the actions it returns, the
+//! Kubernetes Events it wants recorded and when to look again. Plain
+//! values; `haulage::controller` executes them in the order given.
+
+use std::time::Duration;
+
+use haulage_api::VolumeTransferStatus;
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+
+use crate::stage_pod::StagePodObjects;
+
+/// When to reconcile an object again (besides its own events).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Requeue {
+    /// After this long.
+    After(Duration),
+    /// Only when the object or something it watches changes.
+    OnChange,
+}
+
+impl Requeue {
+    /// The sooner of two requeues.
+    pub fn sooner(self, other: Requeue) -> Requeue {
+        match (self, other) {
+            (Requeue::After(a), Requeue::After(b)) => Requeue::After(a.min(b)),
+            (Requeue::After(a), Requeue::OnChange) | (Requeue::OnChange, Requeue::After(a)) => {
+                Requeue::After(a)
+            }
+            (Requeue::OnChange, Requeue::OnChange) => Requeue::OnChange,
+        }
+    }
+}
+
+/// Normal or Warning, as Kubernetes Events are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventKind {
+    /// Something went as it should.
+    Normal,
+    /// Something a person may have to look at.
+    Warning,
+}
+
+/// A Kubernetes Event about the reconciled object (`kubectl describe`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// Normal or Warning.
+    pub kind: EventKind,
+    /// The reason, one CamelCase word.
+    pub reason: String,
+    /// What the controller was doing (`Claim`, `SuperviseStagePod`, ...).
+    pub action: &'static str,
+    /// The sentence shown to the user.
+    pub note: String,
+}
+
+impl Event {
+    /// A Normal event.
+    pub fn normal(
+        reason: impl Into<String>,
+        action: &'static str,
+        note: impl Into<String>,
+    ) -> Self {
+        Event {
+            kind: EventKind::Normal,
+            reason: reason.into(),
+            action,
+            note: note.into(),
+        }
+    }
+
+    /// A Warning event.
+    pub fn warning(
+        reason: impl Into<String>,
+        action: &'static str,
+        note: impl Into<String>,
+    ) -> Self {
+        Event {
+            kind: EventKind::Warning,
+            reason: reason.into(),
+            action,
+            note: note.into(),
+        }
+    }
+}
+
+/// A namespaced object, by name.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ObjectName {
+    /// Its namespace.
+    pub namespace: String,
+    /// Its name.
+    pub name: String,
+}
+
+impl ObjectName {
+    /// `namespace/name`.
+    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+        ObjectName {
+            namespace: namespace.into(),
+            name: name.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for ObjectName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One step a decision asks for, on objects other than the reconciled one
+/// (whose status is written separately, last).
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Create a stage pod and everything it needs, in the order
+    /// [`StagePodObjects`] documents.
+    CreateStagePod(Box<StagePodObjects>),
+    /// Delete a stage pod (its volumes are final, or it is replaced: a
+    /// replaced pod's UID is remembered so a lagging cache does not get it
+    /// judged twice).
+    DeletePod {
+        /// The pod.
+        pod: ObjectName,
+        /// Its UID, when it is deleted to be replaced.
+        replaced_uid: Option<String>,
+    },
+    /// Delete a stage pod with its Role, RoleBinding and credentials copy.
+    ReleaseStagePod(ObjectName),
+    /// Apply this status to a VolumeTransfer (fail or cancel it); a
+    /// transfer that is gone is fine.
+    WriteTransferStatus {
+        /// The transfer.
+        transfer: ObjectName,
+        /// Its new status.
+        status: Box<VolumeTransferStatus>,
+    },
+    /// Record on a transfer how many stage pods were made for it before
+    /// the next one (survives the pod's deletion; the agent does not write
+    /// it).
+    RecordAttempts {
+        /// The transfer.
+        transfer: ObjectName,
+        /// Stage pods made so far.
+        attempts: i32,
+    },
+    /// Delete a VolumeTransfer.
+    DeleteTransfer(ObjectName),
+    /// Create a namespace (a restore's destination, when its spec asks).
+    CreateNamespace(String),
+    /// Create a claim, complete (a restore's destination); one that exists
+    /// already is fine.
+    CreateClaim(Box<PersistentVolumeClaim>),
+    /// Change a claim a restore wrote.
+    ChangeClaim {
+        /// The claim.
+        claim: ObjectName,
+        /// What to change.
+        change: ClaimChange,
+    },
+    /// Change the volume bound to a claim a restore wrote.
+    ChangeVolume {
+        /// The PersistentVolume's name.
+        volume: String,
+        /// What to change.
+        change: VolumeChange,
+    },
+    /// Record an Event on the reconciled object.
+    Emit(Event),
+}
+
+/// A change to a claim a restore wrote.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimChange {
+    /// Label it `complete`: its data is written and verified.
+    MarkComplete,
+    /// Delete it (the ReadWriteOnce claim a ReadOnlyMany one replaces).
+    Delete,
+}
+
+/// A change to the volume of a claim being handed back ReadOnlyMany.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeChange {
+    /// Keep it when its claim goes (`Retain`), remembering `original`.
+    Retain {
+        /// The reclaim policy to give back afterwards.
+        original: String,
+    },
+    /// Let the claim of this name bind it (its old claim's UID removed
+    /// from `spec.claimRef`).
+    FreeForClaim {
+        /// The new claim's namespace.
+        namespace: String,
+        /// The new claim's name.
+        name: String,
+    },
+    /// Give it back its reclaim policy (the claim is bound again).
+    RestoreReclaimPolicy(String),
+}

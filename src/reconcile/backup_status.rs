@@ -1,0 +1,599 @@
+//! The VolumeBackup status as a pure function: what the reconciler
+//! observed (storage location, plan, transfers) and the old status go in,
+//! the next status comes out. No client, no clock: `now` is an argument, so
+//! every phase change is a plain unit test.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+use haulage_api::backup::{BackupPlan, VolumeCounts, VolumeResult};
+use haulage_api::condition::{Condition, ConditionStatus, condition_type, reason, set_condition};
+use haulage_api::{Progress, VolumeBackupPhase, VolumeBackupStatus, VolumeTransferPhase};
+
+/// What the reconciler found about the backup's storage location.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StorageState {
+    /// No BackupStorageLocation of that name (or no default one).
+    Missing {
+        /// The name looked for, or a description of the default.
+        name: String,
+    },
+    /// The location exists but its last probe failed (or none ran yet).
+    Unavailable {
+        /// Its name.
+        name: String,
+        /// Why, from its status.
+        message: String,
+    },
+    /// The location's last probe succeeded.
+    Available {
+        /// Its name.
+        name: String,
+    },
+}
+
+/// One VolumeTransfer of the backup, as observed in the cache.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransferObservation {
+    /// Namespace of the claim.
+    pub namespace: String,
+    /// Claim name.
+    pub pvc: String,
+    /// Phase of the transfer (`New` when its status is still empty).
+    pub phase: VolumeTransferPhase,
+    /// Its progress, if the agent reported any.
+    pub progress: Option<Progress>,
+    /// The snapshot written, once Completed.
+    pub snapshot_id: Option<String>,
+    /// Why it failed, or its warnings.
+    pub message: Option<String>,
+}
+
+/// Everything the next status depends on besides the old one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observed {
+    /// The VolumeBackup's `metadata.generation`.
+    pub generation: Option<i64>,
+    /// The replica that owns the backup (this one, once claimed).
+    pub replica: String,
+    /// The replica it was adopted from, when its lease expired.
+    pub adopted_from: Option<String>,
+    /// The storage location's state.
+    pub storage: StorageState,
+    /// The spec's `failAfterUnavailableSeconds`.
+    pub fail_after_unavailable_seconds: Option<i64>,
+    /// The stage-pod plan, once made.
+    pub plan: Option<BackupPlan>,
+    /// The backup's transfers (any order).
+    pub transfers: Vec<TransferObservation>,
+    /// Why there is no plan yet, when it waits for something (a claim
+    /// still binding).
+    pub waiting: Option<String>,
+}
+
+/// The next status of a VolumeBackup.
+///
+/// A final phase is never left. Otherwise: an unusable storage location
+/// means `WaitingForStorage` (or `Failed` once `failAfterUnavailableSeconds`
+/// have passed since the start), no plan yet means `Planning`, and with a
+/// plan the phase follows the volumes: all final gives `Completed` (every
+/// volume has a snapshot), `Failed` (none has) or `PartiallyFailed`;
+/// anything else is `InProgress`. Unplaceable volumes count as failed with
+/// the planner's reason. A plan selecting no volume fails the backup, since
+/// that is almost always a wrong selector or namespace.
+pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> VolumeBackupStatus {
+    let mut status = old.clone();
+    if old.phase.is_some_and(VolumeBackupPhase::is_final) {
+        return status;
+    }
+    let generation = observed.generation;
+    let start = status.start_time.clone().unwrap_or_else(|| now.clone());
+    status.start_time = Some(start.clone());
+    status.observed_generation = generation;
+    let conditions = Conditions {
+        generation,
+        now: now.clone(),
+    };
+    let set = |status: &mut VolumeBackupStatus, type_, state, why, message: &str| {
+        conditions.set(status, type_, state, why, message);
+    };
+    match &observed.adopted_from {
+        None => set(
+            &mut status,
+            condition_type::CLAIMED,
+            ConditionStatus::True,
+            reason::CLAIMED_BY_REPLICA,
+            &format!("claimed by replica {}", observed.replica),
+        ),
+        Some(previous) => set(
+            &mut status,
+            condition_type::CLAIMED,
+            ConditionStatus::True,
+            reason::ADOPTED_FROM_REPLICA,
+            &format!(
+                "claimed by replica {}, adopted from replica {previous} after its lease expired",
+                observed.replica
+            ),
+        ),
+    }
+
+    let (storage_reason, storage_message) = match &observed.storage {
+        StorageState::Available { name } => {
+            set(
+                &mut status,
+                condition_type::STORAGE_AVAILABLE,
+                ConditionStatus::True,
+                reason::STORAGE_LOCATION_AVAILABLE,
+                &format!("BackupStorageLocation {name} is Available"),
+            );
+            (None, String::new())
+        }
+        StorageState::Missing { name } => (
+            Some(reason::STORAGE_LOCATION_NOT_FOUND),
+            format!("BackupStorageLocation {name} does not exist"),
+        ),
+        StorageState::Unavailable { name, message } => (
+            Some(reason::STORAGE_LOCATION_UNAVAILABLE),
+            format!("BackupStorageLocation {name} is Unavailable: {message}"),
+        ),
+    };
+    if let Some(storage_reason) = storage_reason {
+        // Once planned, the agents talk to the storage themselves and
+        // report their own failures; only a backup that has not started
+        // waits for the location.
+        if observed.plan.is_none() {
+            let waited = now.0.as_second() - start.0.as_second();
+            let timed_out = observed
+                .fail_after_unavailable_seconds
+                .is_some_and(|limit| waited >= limit);
+            set(
+                &mut status,
+                condition_type::STORAGE_AVAILABLE,
+                ConditionStatus::False,
+                storage_reason,
+                &storage_message,
+            );
+            if timed_out {
+                let message = format!("{storage_message}; gave up after {waited}s");
+                set(
+                    &mut status,
+                    condition_type::FAILED,
+                    ConditionStatus::True,
+                    reason::STORAGE_UNAVAILABLE_TIMEOUT,
+                    &message,
+                );
+                status.phase = Some(VolumeBackupPhase::Failed);
+                status.message = Some(haulage_api::condition::bounded_message(&message));
+                status.completion_time = Some(now.clone());
+            } else {
+                status.phase = Some(VolumeBackupPhase::WaitingForStorage);
+                status.message = Some(haulage_api::condition::bounded_message(&storage_message));
+            }
+            return status;
+        }
+        set(
+            &mut status,
+            condition_type::STORAGE_AVAILABLE,
+            ConditionStatus::False,
+            storage_reason,
+            &storage_message,
+        );
+    }
+
+    let Some(plan) = &observed.plan else {
+        status.phase = Some(VolumeBackupPhase::Planning);
+        status.message = observed
+            .waiting
+            .as_deref()
+            .map(crate::backup_status::bounded);
+        return status;
+    };
+    status.plan = Some(plan.clone());
+    let placed_count: usize = plan
+        .stage_pods
+        .iter()
+        .map(|pod| pod.stage.volumes.len())
+        .sum();
+    set(
+        &mut status,
+        condition_type::PLANNED,
+        ConditionStatus::True,
+        if plan.unplaceable.is_empty() {
+            reason::PLAN_COMPLETE
+        } else {
+            reason::VOLUMES_UNPLACEABLE
+        },
+        &format!(
+            "{placed_count} volumes in {} stage pods, {} unplaceable",
+            plan.stage_pods.len(),
+            plan.unplaceable.len()
+        ),
+    );
+
+    let (results, progress) = volume_results(plan, &observed.transfers);
+    let counts = VolumeCounts::from_phases(results.iter().map(|result| result.phase));
+    status.progress = Some(Progress::sum(&progress));
+    status.results = results;
+
+    let phase = final_phase(&counts);
+    status.volumes = Some(counts.clone());
+    match phase {
+        Some((phase, why, message)) => {
+            let succeeded = phase == VolumeBackupPhase::Completed;
+            set(
+                &mut status,
+                condition_type::PROGRESSING,
+                ConditionStatus::False,
+                why,
+                &message,
+            );
+            set(
+                &mut status,
+                condition_type::COMPLETE,
+                if succeeded {
+                    ConditionStatus::True
+                } else {
+                    ConditionStatus::False
+                },
+                why,
+                &message,
+            );
+            set(
+                &mut status,
+                condition_type::FAILED,
+                if succeeded {
+                    ConditionStatus::False
+                } else {
+                    ConditionStatus::True
+                },
+                why,
+                &message,
+            );
+            status.phase = Some(phase);
+            status.message = Some(haulage_api::condition::bounded_message(&message));
+            status.completion_time = Some(now.clone());
+        }
+        None => {
+            let message = format!(
+                "{} of {} volumes done, {} running, {} pending",
+                counts.completed + counts.failed + counts.canceled,
+                counts.total,
+                counts.in_progress,
+                counts.pending
+            );
+            set(
+                &mut status,
+                condition_type::PROGRESSING,
+                ConditionStatus::True,
+                reason::TRANSFERS_RUNNING,
+                &message,
+            );
+            status.phase = Some(VolumeBackupPhase::InProgress);
+            status.message = None;
+        }
+    }
+    status
+}
+
+/// A message bounded for a status.
+fn bounded(message: &str) -> String {
+    haulage_api::condition::bounded_message(message)
+}
+
+/// Sets conditions with one generation and time.
+struct Conditions {
+    generation: Option<i64>,
+    now: Time,
+}
+
+impl Conditions {
+    fn set(
+        &self,
+        status: &mut VolumeBackupStatus,
+        type_: &str,
+        state: ConditionStatus,
+        why: &str,
+        message: &str,
+    ) {
+        set_condition(
+            &mut status.conditions,
+            Condition::new(
+                type_,
+                state,
+                why,
+                message,
+                self.generation,
+                self.now.clone(),
+            ),
+            self.now.clone(),
+        );
+    }
+}
+
+/// Each volume's result (placed ones from their transfers, unplaceable
+/// ones failed with the planner's reason), sorted by namespace and claim,
+/// and the progress of those that reported any.
+fn volume_results(
+    plan: &BackupPlan,
+    transfers: &[TransferObservation],
+) -> (Vec<VolumeResult>, Vec<Progress>) {
+    let placed_count: usize = plan
+        .stage_pods
+        .iter()
+        .map(|pod| pod.stage.volumes.len())
+        .sum();
+    let mut results = Vec::with_capacity(placed_count + plan.unplaceable.len());
+    let mut progress = Vec::new();
+    for pod in plan.stage_pods.iter().map(|planned| &planned.stage) {
+        for pvc in &pod.volumes {
+            let transfer = transfers
+                .iter()
+                .find(|transfer| transfer.namespace == pod.namespace && &transfer.pvc == pvc);
+            results.push(VolumeResult {
+                namespace: pod.namespace.clone(),
+                pvc: pvc.clone(),
+                phase: transfer.map_or(VolumeTransferPhase::New, |transfer| transfer.phase),
+                snapshot_id: transfer.and_then(|transfer| transfer.snapshot_id.clone()),
+                message: transfer.and_then(|transfer| transfer.message.clone()),
+            });
+            if let Some(part) = transfer.and_then(|transfer| transfer.progress.as_ref()) {
+                progress.push(part.clone());
+            }
+        }
+    }
+    for volume in &plan.unplaceable {
+        results.push(VolumeResult {
+            namespace: volume.namespace.clone(),
+            pvc: volume.pvc.clone(),
+            phase: VolumeTransferPhase::Failed,
+            snapshot_id: None,
+            message: Some(volume.reason.clone()),
+        });
+    }
+    results.sort_by(|a, b| (&a.namespace, &a.pvc).cmp(&(&b.namespace, &b.pvc)));
+    (results, progress)
+}
+
+/// The final phase the volume counts give, with its reason and message:
+/// `None` while some volume is not final. A plan selecting no volume fails
+/// the backup, since that is almost always a wrong selector or namespace.
+fn final_phase(counts: &VolumeCounts) -> Option<(VolumeBackupPhase, &'static str, String)> {
+    let all_final =
+        counts.total > 0 && counts.completed + counts.failed + counts.canceled == counts.total;
+    if counts.total == 0 {
+        Some((
+            VolumeBackupPhase::Failed,
+            reason::NO_VOLUMES_SELECTED,
+            "no PersistentVolumeClaim matches the namespaces and selector".to_string(),
+        ))
+    } else if all_final && counts.completed == counts.total {
+        Some((
+            VolumeBackupPhase::Completed,
+            reason::ALL_VOLUMES_COMPLETED,
+            format!("all {} volumes have a snapshot", counts.total),
+        ))
+    } else if all_final && counts.completed == 0 {
+        Some((
+            VolumeBackupPhase::Failed,
+            reason::ALL_VOLUMES_FAILED,
+            format!("none of the {} volumes has a snapshot", counts.total),
+        ))
+    } else if all_final {
+        Some((
+            VolumeBackupPhase::PartiallyFailed,
+            reason::SOME_VOLUMES_FAILED,
+            format!(
+                "{} of {} volumes have a snapshot, {} failed, {} canceled",
+                counts.completed, counts.total, counts.failed, counts.canceled
+            ),
+        ))
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use haulage_api::backup::{PlannedStagePod, UnplaceableVolume};
+    use haulage_api::condition::find_condition;
+
+    fn at(seconds: i64) -> Time {
+        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
+    }
+
+    fn observed(storage: StorageState) -> Observed {
+        Observed {
+            generation: Some(1),
+            replica: "controller-0".to_string(),
+            adopted_from: None,
+            storage,
+            fail_after_unavailable_seconds: None,
+            plan: None,
+            transfers: Vec::new(),
+            waiting: None,
+        }
+    }
+
+    fn available() -> StorageState {
+        StorageState::Available {
+            name: "s3".to_string(),
+        }
+    }
+
+    fn plan(volumes: &[&str], unplaceable: &[&str]) -> BackupPlan {
+        BackupPlan {
+            stage_pods: vec![PlannedStagePod {
+                pod_name: "haulage-backup-nightly-node-a".to_string(),
+                stage: haulage_plan::StagePod {
+                    namespace: "shop".to_string(),
+                    node: "node-a".to_string(),
+                    volumes: volumes.iter().map(|v| v.to_string()).collect(),
+                    bytes: 10,
+                },
+            }],
+            unplaceable: unplaceable
+                .iter()
+                .map(|pvc| UnplaceableVolume {
+                    namespace: "shop".to_string(),
+                    pvc: pvc.to_string(),
+                    reason: "claim is Pending".to_string(),
+                })
+                .collect(),
+        }
+    }
+
+    fn transfer(pvc: &str, phase: VolumeTransferPhase, done: i64) -> TransferObservation {
+        TransferObservation {
+            namespace: "shop".to_string(),
+            pvc: pvc.to_string(),
+            phase,
+            progress: Some(Progress {
+                total_bytes: 100,
+                bytes_done: done,
+                ..Progress::default()
+            }),
+            snapshot_id: (phase == VolumeTransferPhase::Completed).then(|| format!("snap-{pvc}")),
+            message: None,
+        }
+    }
+
+    #[test]
+    fn an_unavailable_location_makes_the_backup_wait_with_a_condition() {
+        let seen = observed(StorageState::Unavailable {
+            name: "s3".to_string(),
+            message: "connection refused".to_string(),
+        });
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::WaitingForStorage));
+        let condition =
+            find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE).expect("set");
+        assert_eq!(condition.status, ConditionStatus::False);
+        assert_eq!(condition.reason, reason::STORAGE_LOCATION_UNAVAILABLE);
+        assert!(condition.message.contains("connection refused"));
+    }
+
+    #[test]
+    fn waiting_longer_than_fail_after_unavailable_seconds_fails_the_backup() {
+        let mut seen = observed(StorageState::Missing {
+            name: "s3".to_string(),
+        });
+        seen.fail_after_unavailable_seconds = Some(60);
+        let waiting = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        let still = next_status(&waiting, &seen, at(59));
+        assert_eq!(still.phase, Some(VolumeBackupPhase::WaitingForStorage));
+        let failed = next_status(&still, &seen, at(60));
+        assert_eq!(failed.phase, Some(VolumeBackupPhase::Failed));
+        assert_eq!(
+            find_condition(&failed.conditions, condition_type::FAILED).map(|c| c.reason.as_str()),
+            Some(reason::STORAGE_UNAVAILABLE_TIMEOUT)
+        );
+    }
+
+    #[test]
+    fn an_available_location_without_a_plan_is_planning() {
+        let status = next_status(
+            &VolumeBackupStatus::default(),
+            &observed(available()),
+            at(0),
+        );
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Planning));
+    }
+
+    #[test]
+    fn running_transfers_roll_up_into_progress_and_counts() {
+        let mut seen = observed(available());
+        seen.plan = Some(plan(&["a", "b", "c"], &[]));
+        seen.transfers = vec![
+            transfer("a", VolumeTransferPhase::Completed, 100),
+            transfer("b", VolumeTransferPhase::InProgress, 50),
+        ];
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::InProgress));
+        let counts = status.volumes.expect("counts");
+        assert_eq!((counts.total, counts.completed), (3, 1));
+        assert_eq!((counts.in_progress, counts.pending), (1, 1));
+        let progress = status.progress.expect("progress");
+        assert_eq!((progress.bytes_done, progress.total_bytes), (150, 200));
+        assert_eq!(status.results[0].snapshot_id.as_deref(), Some("snap-a"));
+    }
+
+    #[test]
+    fn every_volume_completed_completes_the_backup() {
+        let mut seen = observed(available());
+        seen.plan = Some(plan(&["a", "b"], &[]));
+        seen.transfers = vec![
+            transfer("a", VolumeTransferPhase::Completed, 100),
+            transfer("b", VolumeTransferPhase::Completed, 100),
+        ];
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(5));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
+        assert_eq!(status.completion_time, Some(at(5)));
+        assert_eq!(
+            find_condition(&status.conditions, condition_type::COMPLETE).map(|c| c.status),
+            Some(ConditionStatus::True)
+        );
+    }
+
+    #[test]
+    fn an_unplaceable_volume_makes_the_backup_partially_failed_with_its_reason() {
+        let mut seen = observed(available());
+        seen.plan = Some(plan(&["a"], &["pending"]));
+        seen.transfers = vec![transfer("a", VolumeTransferPhase::Completed, 100)];
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::PartiallyFailed));
+        let failed = status
+            .results
+            .iter()
+            .find(|result| result.pvc == "pending")
+            .expect("listed");
+        assert_eq!(failed.phase, VolumeTransferPhase::Failed);
+        assert_eq!(failed.message.as_deref(), Some("claim is Pending"));
+    }
+
+    #[test]
+    fn no_volume_with_a_snapshot_fails_the_backup() {
+        let mut seen = observed(available());
+        seen.plan = Some(plan(&["a"], &[]));
+        seen.transfers = vec![transfer("a", VolumeTransferPhase::Failed, 10)];
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Failed));
+    }
+
+    #[test]
+    fn a_plan_that_selects_nothing_fails_the_backup() {
+        let mut seen = observed(available());
+        seen.plan = Some(BackupPlan::default());
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Failed));
+        assert_eq!(
+            find_condition(&status.conditions, condition_type::FAILED).map(|c| c.reason.as_str()),
+            Some(reason::NO_VOLUMES_SELECTED)
+        );
+    }
+
+    #[test]
+    fn a_final_phase_is_never_left() {
+        let done = VolumeBackupStatus {
+            phase: Some(VolumeBackupPhase::Completed),
+            ..VolumeBackupStatus::default()
+        };
+        let seen = observed(StorageState::Missing {
+            name: "s3".to_string(),
+        });
+        assert_eq!(next_status(&done, &seen, at(0)), done);
+    }
+
+    #[test]
+    fn an_unchanged_condition_keeps_its_transition_time() {
+        let mut seen = observed(available());
+        seen.plan = Some(plan(&["a"], &[]));
+        let first = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        let second = next_status(&first, &seen, at(30));
+        let time = |status: &VolumeBackupStatus| {
+            find_condition(&status.conditions, condition_type::PROGRESSING)
+                .map(|c| c.last_transition_time.clone())
+        };
+        assert_eq!(time(&first), time(&second));
+        assert_eq!(time(&second), Some(at(0)));
+    }
+}

@@ -1,0 +1,364 @@
+//! VolumeBackups end to end: every selected claim moved and restorable
+//! byte-identical (the happy path, with `haulage plan` and `haulage
+//! describe`), a killed agent resuming without sending stored packs again
+//! (incremental), and a backup deleted mid-transfer (cancel) leaving
+//! nothing behind.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::labels::SYSTEM_NAMESPACE;
+use haulage::api::{VolumeBackup, VolumeTransfer, VolumeTransferPhase};
+use haulage::engine::Repository;
+use haulage::engine::progress::Progress;
+use haulage::engine::restore::{RestoreOptions, restore};
+use kube::api::{Api, DeleteParams, ListParams};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::support::assert_same_tree;
+use crate::support::fixture::{
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup, create_backup_of, eventually,
+    final_backup, leftovers,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() -> anyhow::Result<()>
+{
+    let fixture = Fixture::builder().volume_bytes(2 << 20).start().await?;
+    let Fixture {
+        client,
+        kubelet,
+        volumes,
+        store,
+        minio,
+        work,
+        ..
+    } = &fixture;
+    // `haulage plan` against the live cluster (the current kubeconfig
+    // context), before the backup: read-only lists, the same planner.
+    let planned = std::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args(["plan", "-n", "shop", "-n", "web", "-o", "json"])
+        .env("KUBECONFIG", fixture.cluster.kubeconfig())
+        .output()?;
+    assert!(
+        planned.status.success(),
+        "haulage plan: {}",
+        String::from_utf8_lossy(&planned.stderr)
+    );
+    let live_plan: serde_json::Value = serde_json::from_slice(&planned.stdout)?;
+    create_backup(client, "nightly").await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = final_backup(&backups, kubelet, "nightly", BACKUP_DEADLINE).await?;
+    let status = backup.status.clone().context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{status:#?}\n{}",
+        kubelet.all_agent_logs()
+    );
+
+    // The plan: the RWO claim in use on node-a is read there, the RWX one
+    // by exactly one stage pod, every claim placed.
+    let plan = status.plan.clone().context("plan in status")?;
+    assert!(plan.unplaceable.is_empty(), "{plan:#?}");
+    let pod_of = |namespace: &str, pvc: &str| {
+        plan.stage_pods
+            .iter()
+            .filter(|pod| {
+                pod.stage.namespace == namespace && pod.stage.volumes.iter().any(|v| v == pvc)
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(pod_of("shop", "db").len(), 1);
+    assert_eq!(pod_of("shop", "db")[0].stage.node, "node-a");
+    assert_eq!(pod_of("shop", "uploads").len(), 1);
+    assert!(["node-b", "node-c"].contains(&pod_of("shop", "uploads")[0].stage.node.as_str()));
+    // The CLI's plan of the live cluster is the controller's plan.
+    let placements = |pods: Vec<(String, String, Vec<String>)>| {
+        pods.into_iter()
+            .map(|(namespace, node, mut volumes)| {
+                volumes.sort();
+                (namespace, node, volumes)
+            })
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    let from_cli = placements(
+        live_plan["stagePods"]
+            .as_array()
+            .context("stagePods")?
+            .iter()
+            .map(|pod| {
+                (
+                    pod["namespace"].as_str().unwrap_or_default().to_string(),
+                    pod["node"].as_str().unwrap_or_default().to_string(),
+                    pod["volumes"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|volume| volume.as_str().map(str::to_string))
+                        .collect(),
+                )
+            })
+            .collect(),
+    );
+    let from_controller = placements(
+        plan.stage_pods
+            .iter()
+            .map(|pod| {
+                (
+                    pod.stage.namespace.clone(),
+                    pod.stage.node.clone(),
+                    pod.stage.volumes.clone(),
+                )
+            })
+            .collect(),
+    );
+    assert_eq!(from_cli, from_controller, "{live_plan:#}");
+
+    let counts = status.volumes.clone().context("volume counts")?;
+    assert_eq!((counts.total, counts.completed, counts.failed), (5, 5, 0));
+    let progress = status.progress.clone().context("progress")?;
+    assert!(
+        progress.total_bytes > 0 && progress.bytes_done == progress.total_bytes,
+        "{progress:?}"
+    );
+    assert_eq!(status.results.len(), 5);
+
+    // `haulage describe backup` shows the plan and every volume, from status.
+    let described = std::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
+        .args(["describe", "backup", "nightly"])
+        .env("KUBECONFIG", fixture.cluster.kubeconfig())
+        .output()?;
+    let text = String::from_utf8_lossy(&described.stdout);
+    assert!(
+        described.status.success(),
+        "{}",
+        String::from_utf8_lossy(&described.stderr)
+    );
+    assert!(text.contains("Phase:     Completed"), "{text}");
+    assert!(text.contains("5 total: 5 completed"), "{text}");
+    for (namespace, pvc) in [("shop", "db"), ("shop", "uploads"), ("web", "logs")] {
+        assert!(
+            text.lines().any(|line| line.starts_with(namespace)
+                && line.contains(pvc)
+                && line.contains("100%")),
+            "{pvc} missing:\n{text}"
+        );
+    }
+
+    // Every snapshot restores byte-identical.
+    let repository =
+        Repository::open(store.clone(), &haulage::engine::KeySource::PlaintextOnly).await?;
+    for result in &status.results {
+        let snapshot_text = result.snapshot_id.as_deref().context("snapshot id")?;
+        let snapshot = repository.resolve_snapshot(snapshot_text).await?;
+        let target = work
+            .path()
+            .join("restored")
+            .join(&result.namespace)
+            .join(&result.pvc);
+        restore(
+            &repository,
+            &snapshot,
+            RestoreOptions::new(&target),
+            Arc::new(Progress::default()),
+            CancellationToken::new(),
+        )
+        .await?;
+        assert_same_tree(&volumes.join(&result.namespace).join(&result.pvc), &target);
+    }
+
+    // Nothing left behind: stage pods, credentials copies, uploads.
+    eventually(Duration::from_secs(60), || async {
+        Ok((leftovers(client).await? == (0, 0)).then_some(()))
+    })
+    .await
+    .context("stage pods or credentials copies remain")?;
+    assert!(minio.multipart_uploads(BUCKET, "").await?.is_empty());
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deleting_a_volume_backup_mid_transfer_stops_its_agents_and_leaves_nothing_behind()
+-> anyhow::Result<()> {
+    // Slow uploads (256 KiB/s per agent) keep the transfers running.
+    let fixture = Fixture::builder()
+        .upload_bytes_per_second(256 << 10)
+        .volume_bytes(4 << 20)
+        .start()
+        .await?;
+    let client = &fixture.client;
+    create_backup(client, "doomed").await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    eventually(Duration::from_secs(120), || async {
+        let list = transfers.list(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .iter()
+            .any(|transfer| {
+                let status = transfer.status.clone().unwrap_or_default();
+                status.phase == Some(VolumeTransferPhase::InProgress)
+                    && status
+                        .progress
+                        .is_some_and(|progress| progress.bytes_done > 0)
+            })
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "no transfer got going:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert!(fixture.kubelet.running_agents() > 0, "agents already done");
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    backups.delete("doomed", &DeleteParams::default()).await?;
+    eventually(Duration::from_secs(60), || async {
+        Ok(backups.get_opt("doomed").await?.is_none().then_some(()))
+    })
+    .await
+    .context("the finalizer was not released")?;
+
+    eventually(Duration::from_secs(60), || async {
+        let remaining = transfers.list(&ListParams::default()).await?.items.len();
+        Ok((remaining == 0
+            && leftovers(client).await? == (0, 0)
+            && fixture.kubelet.running_agents() == 0)
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "transfers, stage pods, credentials copies or agents remain:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert!(
+        fixture
+            .minio
+            .multipart_uploads(BUCKET, "")
+            .await?
+            .is_empty()
+    );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_again()
+-> anyhow::Result<()> {
+    // 12 MiB of random data per claim in 1 MiB packs, uploaded at 1 MiB/s:
+    // the kill lands well before the snapshot is written.
+    let fixture = Fixture::builder()
+        .upload_bytes_per_second(1 << 20)
+        .volume_bytes(12 << 20)
+        .random_data_in_small_packs()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    // One claim only, so every pack in the bucket is this transfer's.
+    create_backup_of(
+        client,
+        "resumed",
+        json!({"matchLabels": {"claim": "archive"}}),
+    )
+    .await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let s3 = fixture.minio.admin_client();
+    let packs_stored = || async {
+        let listed = s3
+            .list_objects_v2()
+            .bucket(BUCKET)
+            .prefix(format!("{PREFIX}/{}", haulage::repo::DATA_PREFIX))
+            .send()
+            .await?;
+        anyhow::Ok(listed.contents().len())
+    };
+    // A pack object exists only once fully uploaded: kill after two.
+    eventually(Duration::from_secs(120), || async {
+        Ok((packs_stored().await? >= 2).then_some(()))
+    })
+    .await
+    .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let victim = transfers
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .next()
+        .context("no transfer")?;
+    let phase = victim.status.clone().and_then(|status| status.phase);
+    assert_eq!(
+        phase,
+        Some(VolumeTransferPhase::InProgress),
+        "finished before the kill"
+    );
+    let namespace = victim.metadata.namespace.clone().context("namespace")?;
+    let starts_before = fixture
+        .kubelet
+        .starts
+        .load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        fixture.kubelet.kill(&namespace, &victim.spec.stage_pod),
+        "the agent had already exited"
+    );
+
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = final_backup(&backups, &fixture.kubelet, "resumed", BACKUP_DEADLINE).await?;
+    let status = backup.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeBackupPhase::Completed),
+        "{status:#?}\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+    assert!(
+        fixture
+            .kubelet
+            .starts
+            .load(std::sync::atomic::Ordering::SeqCst)
+            > starts_before,
+        "the killed agent was not restarted"
+    );
+    // The transfers are kept until the backup is deleted.
+    let resumed = Api::<VolumeTransfer>::namespaced(client.clone(), &namespace)
+        .get(&victim.metadata.name.clone().context("name")?)
+        .await?;
+    let final_status = resumed.status.context("transfer status")?;
+    let bytes_read = final_status.bytes_read.context("bytesRead")?;
+    let bytes_new = final_status.bytes_new.context("bytesNew")?;
+    assert!(
+        bytes_new + (1 << 20) <= bytes_read,
+        "the restarted agent sent stored data again: {bytes_new} new of {bytes_read} read\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+
+    let repository = Repository::open(
+        fixture.store.clone(),
+        &haulage::engine::KeySource::PlaintextOnly,
+    )
+    .await?;
+    let snapshot_text = final_status.snapshot_id.context("snapshot id")?;
+    let snapshot = repository.resolve_snapshot(&snapshot_text).await?;
+    let target = fixture.work.path().join("restored-victim");
+    restore(
+        &repository,
+        &snapshot,
+        RestoreOptions::new(&target),
+        Arc::new(Progress::default()),
+        CancellationToken::new(),
+    )
+    .await?;
+    assert_same_tree(
+        &fixture.volumes.join(&namespace).join(&resumed.spec.pvc),
+        &target,
+    );
+    fixture.stop().await;
+    Ok(())
+}

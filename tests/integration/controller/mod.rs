@@ -1,0 +1,42 @@
+//! The controller and the mover agent end to end on a real kube-apiserver
+//! and a real MinIO: manifests applied as a user would, a BSL and a
+//! VolumeBackup created, the controller running with its own
+//! ServiceAccount's token (so its RBAC is the real one), stage pods run by
+//! the kubelet stand-in as real `mover-agent` processes with their own
+//! TokenRequest tokens; every snapshot restores byte-identical, and nothing
+//! is left behind.
+//!
+//! One module per concern; the fixture they share (cluster, MinIO, claims,
+//! kubelet stand-in, BSL, controller) is `support::fixture`, started with
+//! `Fixture::builder()...start()`. Run them all with
+//! `cargo test --test integration controller::`, one concern with e.g.
+//! `cargo test --test integration controller::supervision::`.
+//!
+//! - [`backup`]: the happy path, resuming after a killed agent, cancel.
+//! - [`deletion_policy`]: `deletionPolicy: Delete` forgets a deleted
+//!   backup's snapshots (a failed forget keeps the finalizer), `ttl`.
+//! - [`encrypted_locations`]: a BSL with `spec.encryption` (the
+//!   repository sealed with its Secret's password, a wrong one named).
+//! - [`restore`]: a VolumeRestore of a backup into new claims (verified,
+//!   identical), resuming after a killed restore agent.
+//! - [`storage_policies`]: admission under a StoragePolicy, the bandwidth
+//!   split.
+//! - [`replicas`]: two replicas, adoption of a crashed one's backup, the
+//!   admission lease.
+//! - [`supervision`]: evicted, crash-looping and hung stage pods.
+//! - [`storage_locations`]: BSL validation, waiting for storage, defaults,
+//!   `haulage status`, TLS.
+//! - [`health_and_metrics`]: `/metrics` and `/readyz`.
+//!
+//! The measurements behind docs/benchmarks.md are not here: they are in
+//! `crate::measurements`, ignored by `cargo test`.
+
+mod backup;
+mod deletion_policy;
+mod encrypted_locations;
+mod health_and_metrics;
+mod replicas;
+mod restore;
+mod storage_locations;
+mod storage_policies;
+mod supervision;

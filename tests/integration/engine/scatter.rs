@@ -1,0 +1,346 @@
+//! Restore reads each pack once and scatters its blobs to every file that
+//! needs them: counted through a wrapper over the real local store, with
+//! shared and repeated chunks, hard links, sparse files, damaged and
+//! missing data, sync mode and snapshots larger than one batch.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use haulage::engine::Repository;
+use haulage::engine::restore::{RestoreOptions, RestoreOutcome, restore};
+use haulage::repo::index::BlobIndex;
+use haulage::repo::tree::{EntryKind, Extent};
+use haulage::repo::{BlobId, ObjectId};
+use haulage::store::DynStore;
+use haulage::store::local::LocalStore;
+
+use super::support::{
+    CountingStore, TestRepo, assert_same_tree, data_reads_per_pack, pack_entries, random_bytes,
+};
+
+/// The repository of `repo`, opened again through a [`CountingStore`].
+async fn counted(repo: &TestRepo) -> (Arc<CountingStore>, Repository) {
+    let store: DynStore = Arc::new(LocalStore::new(repo.root()));
+    let counter = CountingStore::new(store);
+    let repository = Repository::open(
+        counter.clone(),
+        &haulage::engine::KeySource::password(super::support::TEST_PASSWORD),
+    )
+    .await
+    .expect("open");
+    (counter, repository)
+}
+
+async fn restore_with(
+    repository: &Repository,
+    snapshot: &ObjectId,
+    options: RestoreOptions,
+) -> RestoreOutcome {
+    restore(
+        repository,
+        snapshot,
+        options,
+        Default::default(),
+        Default::default(),
+    )
+    .await
+    .expect("restore")
+}
+
+/// Every regular file of a snapshot (relative path) with its chunks.
+async fn files_of(
+    repository: &Repository,
+    index: &BlobIndex,
+    snapshot: &ObjectId,
+) -> BTreeMap<String, Vec<BlobId>> {
+    let snapshot = repository.load_snapshot(snapshot).await.expect("snapshot");
+    let mut files = BTreeMap::new();
+    let mut pending = vec![(String::new(), snapshot.tree)];
+    while let Some((prefix, tree)) = pending.pop() {
+        let tree = repository.load_tree(index, &tree).await.expect("tree");
+        for entry in tree.entries {
+            let path = format!("{prefix}{}", String::from_utf8_lossy(&entry.name));
+            match entry.kind {
+                EntryKind::Directory => {
+                    pending.push((format!("{path}/"), entry.subtree.expect("subtree")))
+                }
+                EntryKind::File => {
+                    let chunks = entry
+                        .content
+                        .iter()
+                        .filter_map(|extent| match extent {
+                            Extent::Chunk(id, _) => Some(*id),
+                            Extent::Hole(_) => None,
+                        })
+                        .collect();
+                    files.insert(path, chunks);
+                }
+                _ => {}
+            }
+        }
+    }
+    files
+}
+
+/// A tree of the shapes a scatter must get right: many small files, large
+/// files over several packs, 40 copies of one file (chunks shared by many
+/// files), a file repeating one block (a chunk at several offsets of one
+/// file), hard links and a sparse file.
+fn write_shared_chunk_tree(source: &Path) {
+    haulage::sample::generate(&source.join("sample"), 40 << 20, 21).expect("sample");
+    std::fs::write(source.join("random.bin"), random_bytes(4, 24 << 20)).expect("random");
+    let shared = random_bytes(5, 3 << 20);
+    std::fs::create_dir_all(source.join("copies")).expect("mkdir");
+    for copy in 0..40 {
+        std::fs::write(source.join(format!("copies/copy-{copy:02}.bin")), &shared).expect("copy");
+    }
+    let block = random_bytes(6, 3 << 20);
+    std::fs::write(source.join("repeated.bin"), block.repeat(5)).expect("repeated");
+    std::fs::write(source.join("copies/linked"), random_bytes(8, 70_000)).expect("linked");
+    std::fs::hard_link(source.join("copies/linked"), source.join("also-linked")).expect("link");
+    let sparse = std::fs::File::create(source.join("sparse.img")).expect("sparse");
+    sparse.set_len(256 << 20).expect("set_len");
+    std::os::unix::fs::FileExt::write_all_at(&sparse, &random_bytes(9, 100_000), 100 << 20)
+        .expect("sparse data");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_reads_each_pack_once_however_many_files_and_offsets_share_its_blobs() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    write_shared_chunk_tree(&source);
+    let backup = repo.backup(&source).await;
+    assert!(repo.pack_count() >= 3, "{} packs", repo.pack_count());
+
+    let (counter, repository) = counted(&repo).await;
+    let packs = pack_entries(&repository).await;
+    counter.take_reads();
+    let target = repo.dir.path().join("restored");
+    let outcome = restore_with(
+        &repository,
+        &backup.snapshot_id,
+        RestoreOptions::new(&target),
+    )
+    .await;
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_same_tree(&source, &target);
+    let restored_sparse = std::fs::metadata(target.join("sparse.img")).expect("sparse");
+    assert!(
+        restored_sparse.blocks() * 512 < 4 << 20,
+        "sparse file restored dense"
+    );
+    assert_eq!(
+        std::fs::metadata(target.join("also-linked"))
+            .expect("link")
+            .ino(),
+        std::fs::metadata(target.join("copies/linked"))
+            .expect("linked")
+            .ino()
+    );
+
+    let reads = counter.take_reads();
+    let per_pack = data_reads_per_pack(&reads, &packs);
+    assert_eq!(
+        per_pack.len(),
+        packs.len(),
+        "every pack holds data of the tree"
+    );
+    for (pack, (count, bytes)) in &per_pack {
+        assert_eq!(
+            *count, 1,
+            "pack {pack} was read {count} times ({bytes} bytes) for one restore"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_chunk_shared_by_many_files_removes_exactly_those_files() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(source.join("copies")).expect("mkdir");
+    let shared = random_bytes(11, 600_000);
+    for copy in 0..25 {
+        std::fs::write(source.join(format!("copies/copy-{copy:02}")), &shared).expect("copy");
+    }
+    for other in 0..25 {
+        std::fs::write(
+            source.join(format!("other-{other:02}")),
+            random_bytes(100 + other, 50_000),
+        )
+        .expect("other");
+    }
+    let backup = repo.backup(&source).await;
+
+    let loaded = repo.repository.load_index().await.expect("index");
+    let files = files_of(&repo.repository, &loaded.index, &backup.snapshot_id).await;
+    let victim = files["copies/copy-00"][0];
+    let location = *loaded.index.get(&victim).expect("located");
+    let pack = loaded.index.pack_of(&location);
+    let pack_path = repo.root().join(haulage::repo::pack_key(&pack));
+    let mut bytes = std::fs::read(&pack_path).expect("pack");
+    bytes[location.offset as usize + location.stored_length as usize / 2] ^= 0x40;
+    std::fs::write(&pack_path, bytes).expect("damage");
+
+    let target = repo.dir.path().join("restored");
+    let outcome = repo.restore(&backup.snapshot_id, &target).await;
+    let failed: BTreeSet<String> = outcome
+        .problems
+        .iter()
+        .map(|problem| problem.path.clone())
+        .collect();
+    let expected: BTreeSet<String> = files
+        .iter()
+        .filter(|(_, chunks)| chunks.contains(&victim))
+        .map(|(path, _)| path.clone())
+        .collect();
+    assert_eq!(expected.len(), 25, "the chunk is shared by every copy");
+    assert_eq!(failed, expected, "{:?}", outcome.problems);
+    for problem in &outcome.problems {
+        assert!(
+            problem.message.contains("damaged") && problem.message.contains(&victim.to_string()),
+            "{problem:?}"
+        );
+        assert!(
+            !target.join(&problem.path).exists(),
+            "{} was left behind",
+            problem.path
+        );
+    }
+    for other in 0..25u64 {
+        assert_eq!(
+            std::fs::read(target.join(format!("other-{other:02}"))).expect("restored"),
+            random_bytes(100 + other, 50_000)
+        );
+    }
+    assert_eq!(outcome.files, 25);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_pack_fails_only_the_files_with_chunks_in_it() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).expect("mkdir");
+    for file in 0..4u64 {
+        std::fs::write(
+            source.join(format!("volume-{file}.img")),
+            random_bytes(200 + file, 12 << 20),
+        )
+        .expect("write");
+    }
+    let backup = repo.backup(&source).await;
+    let loaded = repo.repository.load_index().await.expect("index");
+    let files = files_of(&repo.repository, &loaded.index, &backup.snapshot_id).await;
+    let packs = pack_entries(&repo.repository).await;
+    // A pack of data only (the tree is in the last one written).
+    let (lost, _) = packs
+        .iter()
+        .find(|(_, entries)| {
+            entries
+                .iter()
+                .all(|entry| entry.kind == haulage::repo::BlobKind::Data)
+        })
+        .expect("a pack without trees");
+    std::fs::remove_file(repo.root().join(haulage::repo::pack_key(lost))).expect("remove pack");
+    let expected: BTreeSet<String> = files
+        .iter()
+        .filter(|(_, chunks)| {
+            chunks.iter().any(|chunk| {
+                loaded
+                    .index
+                    .pack_of(loaded.index.get(chunk).expect("known"))
+                    == *lost
+            })
+        })
+        .map(|(path, _)| path.clone())
+        .collect();
+    assert!(!expected.is_empty() && expected.len() < files.len());
+
+    let target = repo.dir.path().join("restored");
+    let outcome = repo.restore(&backup.snapshot_id, &target).await;
+    let failed: BTreeSet<String> = outcome
+        .problems
+        .iter()
+        .map(|problem| problem.path.clone())
+        .collect();
+    assert_eq!(failed, expected, "{:?}", outcome.problems);
+    for problem in &outcome.problems {
+        assert!(
+            problem.message.contains("could not be read")
+                && problem.message.contains(&lost.to_string()),
+            "{problem:?}"
+        );
+        assert!(!target.join(&problem.path).exists());
+    }
+    for file in 0..4u64 {
+        let name = format!("volume-{file}.img");
+        if !expected.contains(&name) {
+            assert_eq!(
+                std::fs::read(target.join(&name)).expect("restored"),
+                random_bytes(200 + file, 12 << 20)
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_restore_reads_only_the_chunks_that_differ() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    write_shared_chunk_tree(&source);
+    let first = repo.backup(&source).await;
+    let target = repo.dir.path().join("restored");
+    repo.restore(&first.snapshot_id, &target).await;
+
+    // The target drifts: one copy is overwritten in its middle.
+    let mut drifted = std::fs::read(target.join("copies/copy-07.bin")).expect("read");
+    drifted[1 << 20] ^= 0xff;
+    std::fs::write(target.join("copies/copy-07.bin"), drifted).expect("write");
+
+    let (counter, repository) = counted(&repo).await;
+    let packs = pack_entries(&repository).await;
+    counter.take_reads();
+    let mut options = RestoreOptions::new(&target);
+    options.sync = true;
+    let outcome = restore_with(&repository, &first.snapshot_id, options).await;
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_same_tree(&source, &target);
+    assert!(outcome.bytes_written > 0 && outcome.bytes_written <= 4 << 20);
+    let per_pack = data_reads_per_pack(&counter.take_reads(), &packs);
+    let (reads, bytes) = per_pack
+        .values()
+        .fold((0, 0), |(reads, bytes), (r, b)| (reads + r, bytes + b));
+    // One chunk (at most 4 MiB) and the neighbours read through a gap.
+    assert_eq!(reads, 1, "{per_pack:?}");
+    assert!(
+        bytes <= 6 << 20,
+        "read {bytes} bytes of packs for one chunk"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_of_more_files_than_one_batch_restores_with_links_across_batches() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    // 5,200 files in 130 directories: more than one batch's files (4,096)
+    // and directories (128).
+    for directory in 0..130 {
+        let path = source.join(format!("d{directory:03}"));
+        std::fs::create_dir_all(&path).expect("mkdir");
+        for file in 0..40 {
+            std::fs::write(
+                path.join(format!("f{file:02}")),
+                format!("{directory}/{file}"),
+            )
+            .expect("write");
+        }
+    }
+    std::fs::hard_link(source.join("d000/f00"), source.join("d129/z-link")).expect("link");
+    let backup = repo.backup(&source).await;
+    let target = repo.dir.path().join("restored");
+    let outcome = repo.restore(&backup.snapshot_id, &target).await;
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_eq!(outcome.files, 5_200);
+    assert_same_tree(&source, &target);
+}

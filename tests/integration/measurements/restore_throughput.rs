@@ -1,0 +1,309 @@
+//! Restore throughput of one volume in the cluster (a VolumeRestore, the
+//! controller, the real agent in a stage pod run by the kubelet stand-in)
+//! against `haulage restore` of the same snapshot from the same MinIO on
+//! the same machine, the agent's peak memory while it restores, and the
+//! cutover pass (`existingClaim: Sync` after 1 % of the files changed)
+//! against the full restore (docs/benchmarks.md, "Restore in the cluster
+//! and the cutover").
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::labels::SYSTEM_NAMESPACE;
+use haulage::api::restore::VolumeRestorePhase;
+use haulage::api::{VolumeBackup, VolumeRestore};
+use kube::api::Api;
+use serde_json::json;
+
+use crate::support::fixture::{
+    BUCKET, Fixture, Layout, PREFIX, create, create_backup_in, final_backup, final_restore,
+};
+use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
+
+/// The `seconds=` figure of the agent log line containing `marker` (the
+/// log's colour codes removed).
+fn logged_seconds(log: &str, marker: &str) -> Option<f64> {
+    let mut plain = String::with_capacity(log.len());
+    let mut characters = log.chars();
+    while let Some(character) = characters.next() {
+        if character == '\u{1b}' {
+            for code in characters.by_ref() {
+                if code.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            plain.push(character);
+        }
+    }
+    let line = plain.lines().rev().find(|line| line.contains(marker))?;
+    let value = line.split("seconds=").nth(1)?;
+    value.split_whitespace().next()?.parse().ok()
+}
+
+/// One claim of 1 GiB of sample data (a quarter small files, the rest
+/// random, log-like and duplicated) backed up once, then restored in
+/// turns, three times each: by a VolumeRestore into a new claim (the
+/// agent's restore phase and its verification are read from its log; the
+/// restore's own `durationSeconds` is the same clock `haulage restore`
+/// reports), and by `haulage restore` into an empty directory. Both run
+/// as root, restore owners, write into the same filesystem and read from
+/// the same MinIO; no StoragePolicy caps the agent. Then 1 % of the
+/// source's files are rewritten, backed up again and restored with
+/// `existingClaim: Sync` into the last round's claim (the cutover), its
+/// restore and verification phases set beside the full restore's. The binaries are the
+/// debug builds next to the test unless `$HAULAGE_AGENT_BIN` and
+/// `$HAULAGE_BIN` name others (release builds, for the figures). Run with
+/// `cargo test --test integration measurements::restore_throughput --
+/// --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a measurement for docs/benchmarks.md (~5 min with release builds, 4 GiB of temporary disk), not a check"]
+async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cli()
+-> anyhow::Result<()> {
+    const VOLUME_BYTES: u64 = 1 << 30;
+    const RUNS: usize = 3;
+    let layout = Layout {
+        namespaces: vec!["solo".to_string()],
+        claims: vec![(
+            "solo".to_string(),
+            "data".to_string(),
+            "ReadWriteOnce",
+            4242,
+        )],
+        nodes: vec!["node-0".to_string()],
+        app_pods: Vec::new(),
+    };
+    let fixture = Fixture::builder()
+        .layout(layout)
+        .volume_bytes(VOLUME_BYTES)
+        .provisioning()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    create_backup_in(
+        client,
+        "source",
+        &["solo"],
+        json!({"matchLabels": {"claim": "data"}}),
+    )
+    .await?;
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let backup = final_backup(
+        &backups,
+        &fixture.kubelet,
+        "source",
+        Duration::from_secs(900),
+    )
+    .await?;
+    let backup_status = backup.status.context("status")?;
+    assert_eq!(backup_status.phase, Some(VolumeBackupPhase::Completed));
+    let snapshot = backup_status.results[0]
+        .snapshot_id
+        .clone()
+        .context("snapshot")?;
+    let cli = std::env::var_os("HAULAGE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_haulage")));
+    let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let mut rows = Vec::new();
+    for run in 0..RUNS {
+        // In the cluster.
+        let name = format!("run-{run}");
+        let namespace = format!("solo-r{run}");
+        create::<VolumeRestore>(
+            client,
+            Some(SYSTEM_NAMESPACE),
+            json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeRestore",
+                "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+                "spec": {"source": {"snapshots": [snapshot]},
+                    "namespaceMap": {"solo": namespace}, "createNamespaces": true}}),
+        )
+        .await?;
+        let restore =
+            final_restore(&restores, &fixture.kubelet, &name, Duration::from_secs(900)).await?;
+        let status = restore.status.context("status")?;
+        assert_eq!(
+            status.phase,
+            Some(VolumeRestorePhase::Completed),
+            "{status:#?}"
+        );
+        let pod = status
+            .plan
+            .as_ref()
+            .and_then(|plan| plan.stage_pods.first())
+            .map(|pod| pod.pod_name.clone())
+            .context("stage pod")?;
+        let log = std::fs::read_to_string(
+            fixture
+                .work
+                .path()
+                .join("kubelet/pods")
+                .join(&namespace)
+                .join(&pod)
+                .join("agent.log"),
+        )?;
+        let restored = logged_seconds(&log, "restored; verifying").context("restore seconds")?;
+        let verified = logged_seconds(&log, "verified").context("verify seconds")?;
+        let peak = fixture
+            .kubelet
+            .agent_peak_memory()
+            .get(&(namespace.clone(), pod.clone()))
+            .copied()
+            .unwrap_or(0);
+        // The CLI, from the same location, into the same filesystem.
+        let target = fixture.work.path().join(format!("cli-{run}"));
+        let output = std::process::Command::new(&cli)
+            .args(["restore", &snapshot])
+            .arg(&target)
+            .args([
+                "--repo",
+                &format!("s3://{BUCKET}/{PREFIX}"),
+                "--no-progress",
+                "--json",
+            ])
+            .env("AWS_ENDPOINT_URL", fixture.minio.endpoint())
+            .env("AWS_REGION", REGION)
+            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .env_remove("AWS_PROFILE")
+            .env_remove("HAULAGE_REPO")
+            .output()?;
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let outcome: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        let cli_seconds = outcome["durationSeconds"]
+            .as_f64()
+            .context("durationSeconds")?;
+        let mib = VOLUME_BYTES as f64 / f64::from(1 << 20);
+        println!(
+            "run {run}: agent restore {restored:.2} s ({:.0} MiB/s), verify {verified:.2} s, \
+             restore+verify {:.0} MiB/s, agent peak RSS {:.1} MiB; haulage restore {cli_seconds:.2} s \
+             ({:.0} MiB/s); agent/cli restore rate {:.2}",
+            mib / restored,
+            mib / (restored + verified),
+            peak as f64 / f64::from(1 << 20),
+            mib / cli_seconds,
+            cli_seconds / restored
+        );
+        rows.push((restored, verified, cli_seconds));
+        std::fs::remove_dir_all(&target)?;
+        if run + 1 < RUNS {
+            std::fs::remove_dir_all(fixture.volumes.join(&namespace))?;
+        }
+    }
+    let median = |mut values: Vec<f64>| {
+        values.sort_by(f64::total_cmp);
+        values[values.len() / 2]
+    };
+    let restored = median(rows.iter().map(|row| row.0).collect());
+    let verified = median(rows.iter().map(|row| row.1).collect());
+    let cli_seconds = median(rows.iter().map(|row| row.2).collect());
+    println!(
+        "medians of {RUNS}: agent restore {restored:.2} s, verify {verified:.2} s, haulage restore \
+         {cli_seconds:.2} s; agent restore rate / cli rate = {:.2}; with verification {:.2}",
+        cli_seconds / restored,
+        cli_seconds / (restored + verified)
+    );
+
+    // The cutover: 1 % of the source's files (those of at most 16 MiB, so
+    // that 1 % of the files is about 1 % of the bytes) rewritten with new
+    // bytes of the same length, backed up again, and restored with
+    // `existingClaim: Sync` into the last round's claim.
+    let source = fixture.volumes.join("solo/data");
+    let mut files: Vec<_> = crate::engine::support::files_under(&source)
+        .into_iter()
+        .filter(|(_, size)| *size <= 16 << 20)
+        .collect();
+    files.sort();
+    let mut changed = 0u64;
+    for (index, (path, size)) in files.iter().enumerate().step_by(100) {
+        std::fs::write(
+            path,
+            crate::engine::support::random_bytes(index as u64, *size as usize),
+        )?;
+        changed += size;
+    }
+    create_backup_in(
+        client,
+        "changed",
+        &["solo"],
+        json!({"matchLabels": {"claim": "data"}}),
+    )
+    .await?;
+    let changed_backup = final_backup(
+        &backups,
+        &fixture.kubelet,
+        "changed",
+        Duration::from_secs(900),
+    )
+    .await?;
+    let changed_snapshot = changed_backup
+        .status
+        .context("status")?
+        .results
+        .first()
+        .and_then(|result| result.snapshot_id.clone())
+        .context("snapshot")?;
+    let namespace = format!("solo-r{}", RUNS - 1);
+    create::<VolumeRestore>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeRestore",
+            "metadata": {"name": "cutover", "namespace": SYSTEM_NAMESPACE},
+            "spec": {"source": {"snapshots": [changed_snapshot]},
+                "namespaceMap": {"solo": namespace}, "existingClaim": "Sync"}}),
+    )
+    .await?;
+    let cutover = final_restore(
+        &restores,
+        &fixture.kubelet,
+        "cutover",
+        Duration::from_secs(900),
+    )
+    .await?;
+    let status = cutover.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeRestorePhase::Completed),
+        "{status:#?}"
+    );
+    let pod = status
+        .plan
+        .as_ref()
+        .and_then(|plan| plan.stage_pods.first())
+        .map(|pod| pod.pod_name.clone())
+        .context("stage pod")?;
+    let log = std::fs::read_to_string(
+        fixture
+            .work
+            .path()
+            .join("kubelet/pods")
+            .join(&namespace)
+            .join(&pod)
+            .join("agent.log"),
+    )?;
+    let synced = logged_seconds(&log, "restored; verifying").context("restore seconds")?;
+    let synced_verified = logged_seconds(&log, "verified").context("verify seconds")?;
+    println!(
+        "cutover: {} of {} files ({:.1} MiB) changed; agent sync {synced:.2} s, verify \
+         {synced_verified:.2} s; against the full restore's median {restored:.2} s + {verified:.2} s: \
+         {:.1} % (sync alone {:.1} %)",
+        files.len().div_ceil(100),
+        files.len(),
+        changed as f64 / f64::from(1 << 20),
+        100.0 * (synced + synced_verified) / (restored + verified),
+        100.0 * synced / restored
+    );
+    println!(
+        "agent {}, cli {}",
+        crate::support::kubelet::agent_binary()?.display(),
+        cli.display()
+    );
+    fixture.stop().await;
+    Ok(())
+}

@@ -1,0 +1,852 @@
+//! The controller's end-to-end fixture: a real kube-apiserver with the
+//! manifests applied, MinIO with an initialised repository, claims with data
+//! on nodes run by the kubelet stand-in, an Available BSL and the controller
+//! running in-process with its own ServiceAccount's token; and the helpers
+//! the controller's tests share (creating objects, waiting for a backup,
+//! what is left behind).
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
+use haulage::api::{
+    BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeRestore,
+};
+use haulage::engine::Repository;
+use haulage::store::open_store;
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+use crate::engine::support::random_bytes;
+use crate::support::health::http_status;
+use crate::support::kube::KubeCluster;
+use crate::support::kubelet::Kubelet;
+use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::provisioner::Provisioner;
+
+pub const BUCKET: &str = "haulage-e2e";
+/// The StorageClass of every fixture claim, and its provisioner.
+pub const STORAGE_CLASS: &str = "haulage-test";
+pub const PROVISIONER: &str = "test.csi.haulage.dev";
+pub const PREFIX: &str = "cluster-a";
+/// Generous: two cores shared with other builds, debug binaries.
+pub const BACKUP_DEADLINE: Duration = Duration::from_secs(240);
+
+pub async fn create<K>(
+    client: &kube::Client,
+    namespace: Option<&str>,
+    value: serde_json::Value,
+) -> anyhow::Result<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + serde::Serialize
+        + std::fmt::Debug,
+{
+    let object: K = serde_json::from_value(value)?;
+    let resource = kube::core::ApiResource::erase::<K>(&());
+    let api: Api<kube::core::DynamicObject> = match namespace {
+        Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
+        None => Api::all_with(client.clone(), &resource),
+    };
+    let dynamic: kube::core::DynamicObject =
+        serde_json::from_value(serde_json::to_value(&object)?)?;
+    let created = api
+        .create(&PostParams::default(), &dynamic)
+        .await
+        .with_context(|| format!("create {:?}", object.meta().name))?;
+    Ok(serde_json::from_value(serde_json::to_value(created)?)?)
+}
+
+/// A bound claim with its volume; `mode` is the access mode.
+pub async fn bound_claim(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    mode: &str,
+) -> anyhow::Result<()> {
+    let volume = format!("pv-{namespace}-{name}");
+    create::<PersistentVolume>(
+        client,
+        None,
+        json!({"apiVersion": "v1", "kind": "PersistentVolume",
+            "metadata": {"name": volume},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode],
+                "persistentVolumeReclaimPolicy": "Retain", "storageClassName": STORAGE_CLASS,
+                "csi": {"driver": PROVISIONER, "volumeHandle": volume},
+                "claimRef": {"namespace": namespace, "name": name}}}),
+    )
+    .await?;
+    create::<PersistentVolumeClaim>(
+        client,
+        Some(namespace),
+        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": namespace,
+                "labels": {"backup": "yes", "claim": name}},
+            "spec": {"accessModes": [mode], "volumeName": volume,
+                "storageClassName": STORAGE_CLASS,
+                "resources": {"requests": {"storage": "1Gi"}}}}),
+    )
+    .await?;
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
+    claims
+        .patch_status(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"phase": "Bound", "accessModes": [mode],
+                "capacity": {"storage": "1Gi"}}})),
+        )
+        .await?;
+    Ok(())
+}
+
+/// A running application pod on `node` mounting `claim`.
+pub async fn app_pod(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    node: &str,
+    claim: &str,
+) -> anyhow::Result<()> {
+    create::<Pod>(
+        client,
+        Some(namespace),
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"nodeName": node,
+                "containers": [{"name": "app", "image": "app:1",
+                    "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]}}),
+    )
+    .await?;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    pods.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Running"}})),
+    )
+    .await?;
+    Ok(())
+}
+
+pub async fn client_from(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
+    let kubeconfig = Kubeconfig::read_from(kubeconfig)?;
+    let config =
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default()).await?;
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// `binary` (a `haulage` build) running `haulage controller` as the
+/// Deployment runs it: with `kubeconfig`, as pod `pod_name` of the
+/// controller's namespace, health and metrics on 127.0.0.1:`port`, its log
+/// (at `info`) in `log`; killed when dropped.
+pub fn controller_process(
+    binary: &Path,
+    kubeconfig: &Path,
+    pod_name: &str,
+    port: u16,
+    log: &Path,
+) -> anyhow::Result<tokio::process::Child> {
+    Ok(tokio::process::Command::new(binary)
+        .args([
+            "controller",
+            "--health-address",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .env("KUBECONFIG", kubeconfig)
+        .env("POD_NAME", pod_name)
+        .env("POD_NAMESPACE", SYSTEM_NAMESPACE)
+        .env("HAULAGE_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log)?)
+        .kill_on_drop(true)
+        .spawn()?)
+}
+
+/// Poll `check` until it returns `Some`, failing with `describe` after the
+/// deadline.
+pub async fn eventually<T, F, Fut>(deadline: Duration, mut check: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Option<T>>>,
+{
+    let start = Instant::now();
+    // An error of one look (the API server slow to answer under load) is
+    // not the answer: look again until the deadline, then say what the
+    // last look saw.
+    loop {
+        let last_error = match check().await {
+            Ok(Some(value)) => return Ok(value),
+            Ok(None) => None,
+            Err(error) => Some(error),
+        };
+        if start.elapsed() > deadline {
+            match last_error {
+                Some(error) => {
+                    bail!("not reached within {deadline:?}; the last look failed: {error:#}")
+                }
+                None => bail!("not reached within {deadline:?}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The namespaces, claims, nodes and application pods of a [`Fixture`]
+/// ([`FixtureBuilder::layout`]).
+pub struct Layout {
+    pub namespaces: Vec<String>,
+    /// (namespace, name, access mode, seed of its data).
+    pub claims: Vec<(String, String, &'static str, u64)>,
+    pub nodes: Vec<String>,
+    /// Running pods mounting claims: (namespace, pod, node, claim).
+    pub app_pods: Vec<(String, String, String, String)>,
+}
+
+impl Layout {
+    /// Two namespaces, five claims, three nodes, three application pods
+    /// (one claim mounted on node-a, an RWX one on node-b and node-c).
+    pub fn five_claims() -> Self {
+        let owned = |values: &[&str]| values.iter().map(|v| v.to_string()).collect();
+        Layout {
+            namespaces: owned(&["shop", "web"]),
+            claims: [
+                ("shop", "db", "ReadWriteOnce", 3_u64),
+                ("shop", "uploads", "ReadWriteMany", 4),
+                ("shop", "archive", "ReadWriteOnce", 5),
+                ("web", "content", "ReadWriteOnce", 6),
+                ("web", "logs", "ReadWriteOnce", 7),
+            ]
+            .into_iter()
+            .map(|(namespace, name, mode, seed)| {
+                (namespace.to_string(), name.to_string(), mode, seed)
+            })
+            .collect(),
+            nodes: owned(&["node-a", "node-b", "node-c"]),
+            app_pods: [
+                ("shop", "db-0", "node-a", "db"),
+                ("shop", "uploader-b", "node-b", "uploads"),
+                ("shop", "uploader-c", "node-c", "uploads"),
+            ]
+            .into_iter()
+            .map(|(namespace, pod, node, claim)| {
+                (
+                    namespace.to_string(),
+                    pod.to_string(),
+                    node.to_string(),
+                    claim.to_string(),
+                )
+            })
+            .collect(),
+        }
+    }
+
+    /// `claims` unmounted RWO claims `data-NNN`, dealt round-robin over
+    /// `namespaces` namespaces `team-N`, and `nodes` nodes `node-N` for
+    /// the planner to spread them over.
+    pub fn many(claims: usize, namespaces: usize, nodes: usize) -> Self {
+        Layout {
+            namespaces: (0..namespaces).map(|n| format!("team-{n}")).collect(),
+            claims: (0..claims)
+                .map(|index| {
+                    (
+                        format!("team-{}", index % namespaces),
+                        format!("data-{index:03}"),
+                        "ReadWriteOnce",
+                        1000 + index as u64,
+                    )
+                })
+                .collect(),
+            nodes: (0..nodes).map(|n| format!("node-{n}")).collect(),
+            app_pods: Vec::new(),
+        }
+    }
+}
+
+/// A cluster with the manifests applied, MinIO with an initialised
+/// repository, claims with data on nodes run by the kubelet stand-in (the
+/// [`Layout`]: five claims on three nodes unless said otherwise), an
+/// Available BSL `minio` (the default one) and the controller running.
+/// Made by [`Fixture::builder`].
+pub struct Fixture {
+    /// The kube-apiserver and etcd.
+    pub cluster: KubeCluster,
+    /// The S3 server the BSL `minio` points at.
+    pub minio: MinioServer,
+    /// The admin client (`system:masters`) the test acts with.
+    pub client: kube::Client,
+    /// The kubelet stand-in running the stage pods' agents on the nodes.
+    pub kubelet: Kubelet,
+    /// The provisioner stand-in binding new claims of the fixture's class
+    /// to volumes and directories, when asked for
+    /// ([`FixtureBuilder::provisioning`]).
+    pub provisioner: Option<Provisioner>,
+    /// Scratch directory of the test: claims' data, kubeconfigs, restores.
+    pub work: tempfile::TempDir,
+    /// The claims' data: `volumes/<namespace>/<claim>`.
+    pub volumes: PathBuf,
+    /// The repository behind the BSL `minio` (`s3://haulage-e2e/cluster-a`).
+    pub store: haulage::store::DynStore,
+    /// Cancels the in-process controller `controller-0`.
+    pub shutdown: CancellationToken,
+    /// The in-process controller `controller-0`.
+    pub controller: tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
+    /// Where the in-process controller serves `/healthz`, `/readyz` and
+    /// `/metrics`.
+    pub health_address: std::net::SocketAddr,
+}
+
+/// The options of a [`Fixture`]; each one has the default most tests use,
+/// so a test names only what it needs:
+///
+/// ```ignore
+/// let fixture = Fixture::builder()
+///     .upload_bytes_per_second(1 << 20)
+///     .volume_bytes(12 << 20)
+///     .random_data_in_small_packs()
+///     .start()
+///     .await?;
+/// ```
+pub struct FixtureBuilder {
+    layout: Layout,
+    volume_bytes: u64,
+    random_data_in_small_packs: bool,
+    upload_bytes_per_second: Option<u64>,
+    secret_key: String,
+    objects: Vec<serde_json::Value>,
+    tls: bool,
+    audited: bool,
+    provisioning: bool,
+}
+
+impl FixtureBuilder {
+    /// The namespaces, claims, nodes and application pods to create.
+    /// Default: [`Layout::five_claims`].
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The bytes of data in each claim: a sample tree
+    /// (`haulage::sample::generate`, seeded per claim), or random files
+    /// with [`random_data_in_small_packs`](Self::random_data_in_small_packs).
+    /// Default: 1 MiB.
+    pub fn volume_bytes(mut self, bytes: u64) -> Self {
+        self.volume_bytes = bytes;
+        self
+    }
+
+    /// Each claim holds four files of incompressible random data (a quarter
+    /// of [`volume_bytes`](Self::volume_bytes) each) instead of a sample
+    /// tree, and the repository is initialised with 1 MiB packs, so a
+    /// transfer stores several packs and can be interrupted between two.
+    /// Default: a sample tree, the repository's default pack size.
+    pub fn random_data_in_small_packs(mut self) -> Self {
+        self.random_data_in_small_packs = true;
+        self
+    }
+
+    /// The BSL's `uploadBytesPerSecond`, the upload cap of each agent: slow
+    /// transfers, to interrupt or scrape them while they run. Default: no
+    /// cap.
+    pub fn upload_bytes_per_second(mut self, bytes_per_second: u64) -> Self {
+        self.upload_bytes_per_second = Some(bytes_per_second);
+        self
+    }
+
+    /// The secret access key in the BSL's credentials Secret
+    /// (`s3-credentials`). With a key other than MinIO's the BSL turns
+    /// Unavailable, and [`start`](Self::start) does not wait for it to be
+    /// Available. Default: MinIO's key.
+    pub fn secret_key(mut self, secret_key: &str) -> Self {
+        self.secret_key = secret_key.to_string();
+        self
+    }
+
+    /// One more object (a BSL, a Secret) applied with kubectl in the
+    /// controller's namespace after the fixture's BSL and before the
+    /// controller starts; may be given several times. Default: none.
+    pub fn object(mut self, object: serde_json::Value) -> Self {
+        self.objects.push(object);
+        self
+    }
+
+    /// MinIO serves HTTPS with a certificate of a throwaway CA that only the
+    /// BSL's `caBundle` carries. Default: plain HTTP.
+    pub fn tls(mut self) -> Self {
+        self.tls = true;
+        self
+    }
+
+    /// New claims of the fixture's StorageClass (those a VolumeRestore
+    /// creates) are given a directory under `volumes/<namespace>/<claim>`
+    /// and a bound volume by the provisioner stand-in
+    /// ([`crate::support::provisioner`]). Default: nothing binds them.
+    pub fn provisioning(mut self) -> Self {
+        self.provisioning = true;
+        self
+    }
+
+    /// The API server writes an audit log of every request
+    /// ([`KubeCluster::start_audited`]), read with
+    /// [`KubeCluster::audit_requests`]. Default: no audit log.
+    pub fn audited(mut self) -> Self {
+        self.audited = true;
+        self
+    }
+
+    /// Start everything, in this order: cluster and MinIO, the manifests,
+    /// the repository, the StorageClass, namespaces, claims and their data,
+    /// the kubelet stand-in, application pods, the BSL `minio` with its
+    /// Secret, the extra [`object`](Self::object)s, and the controller
+    /// `controller-0`; then wait for the BSL to be Available (unless its
+    /// [`secret_key`](Self::secret_key) is a wrong one).
+    pub async fn start(self) -> anyhow::Result<Fixture> {
+        let FixtureBuilder {
+            layout,
+            volume_bytes,
+            random_data_in_small_packs: small_packs,
+            upload_bytes_per_second,
+            secret_key,
+            objects: extra_objects,
+            tls,
+            audited,
+            provisioning,
+        } = self;
+        let cluster = if audited {
+            KubeCluster::start_audited().await?
+        } else {
+            KubeCluster::start().await?
+        };
+        let minio = if tls {
+            MinioServer::start_tls().await?
+        } else {
+            MinioServer::start().await?
+        };
+        let ca_bundle = match minio.ca_bundle() {
+            Some(path) => Some(std::fs::read_to_string(path)?),
+            None => None,
+        };
+        minio.create_bucket(BUCKET).await?;
+        let client = cluster.client().await?;
+        cluster.install_manifests().await?;
+
+        // The repository, initialised as a user would with `haulage repo init`.
+        let repository_url = format!("s3://{BUCKET}/{PREFIX}");
+        let mut store_options = minio.store_options();
+        store_options.s3.ca_bundle = minio.ca_bundle().map(Path::to_path_buf);
+        let store = open_store(&repository_url, &store_options).await?;
+        if small_packs {
+            let mut config = haulage::repo::config::RepoConfig::generate(&mut rand::rng());
+            config.pack_target_bytes = 1 << 20;
+            store
+                .put(
+                    haulage::repo::CONFIG_KEY,
+                    config.to_json().into(),
+                    haulage::store::PutMode::Create,
+                )
+                .await?;
+        } else {
+            Repository::init(store.clone(), haulage::engine::Encryption::None).await?;
+        }
+
+        create::<k8s_openapi::api::storage::v1::StorageClass>(
+            &client,
+            None,
+            json!({"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+                "metadata": {"name": STORAGE_CLASS}, "provisioner": PROVISIONER}),
+        )
+        .await?;
+
+        let work = tempfile::tempdir()?;
+        let volumes = work.path().join("volumes");
+        for namespace in &layout.namespaces {
+            create::<Namespace>(
+                &client,
+                None,
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}),
+            )
+            .await?;
+        }
+        for (namespace, name, mode, seed) in &layout.claims {
+            bound_claim(&client, namespace, name, mode).await?;
+            let directory = volumes.join(namespace).join(name);
+            if small_packs {
+                std::fs::create_dir_all(&directory)?;
+                for part in 0..4 {
+                    let bytes = random_bytes(seed * 10 + part, (volume_bytes / 4) as usize);
+                    std::fs::write(directory.join(format!("part{part}.bin")), bytes)?;
+                }
+            } else {
+                haulage::sample::generate(&directory, volume_bytes, *seed)?;
+            }
+        }
+        let nodes: Vec<&str> = layout.nodes.iter().map(String::as_str).collect();
+        let kubelet = Kubelet::start(
+            client.clone(),
+            cluster.kubeconfig(),
+            &nodes,
+            &volumes,
+            &work.path().join("kubelet"),
+        )
+        .await?;
+        for (namespace, pod, node, claim) in &layout.app_pods {
+            app_pod(&client, namespace, pod, node, claim).await?;
+        }
+        let provisioner = provisioning
+            .then(|| Provisioner::start(client.clone(), &volumes, STORAGE_CLASS, PROVISIONER));
+
+        // The BSL, pointing at MinIO, with its credentials Secret.
+        create::<Secret>(
+        &client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
+            "stringData": {"cloud": format!(
+                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
+    )
+    .await?;
+        create::<BackupStorageLocation>(
+            &client,
+            Some(SYSTEM_NAMESPACE),
+            json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
+            "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
+                "region": REGION, "s3ForcePathStyle": true, "default": true,
+                "credential": {"name": "s3-credentials", "key": "cloud"}, "caBundle": ca_bundle,
+                "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
+        )
+        .await?;
+        if !extra_objects.is_empty() {
+            let list = json!({"apiVersion": "v1", "kind": "List", "items": extra_objects});
+            cluster
+                .kubectl_ok(
+                    &["apply", "-n", SYSTEM_NAMESPACE, "-f", "-"],
+                    Some(&list.to_string()),
+                )
+                .await?;
+        }
+
+        // The controller, in-process, with its own ServiceAccount's token.
+        let controller_kubeconfig = kubelet
+            .service_account_kubeconfig(
+                SYSTEM_NAMESPACE,
+                "haulage-controller",
+                &work.path().join("controller.kubeconfig"),
+            )
+            .await?;
+        let controller_client = client_from(&controller_kubeconfig).await?;
+        let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let health_address = health.local_addr()?;
+        let config = haulage::controller::Config {
+            health_address,
+            ..Fixture::controller_config("controller-0")?
+        };
+        let shutdown = CancellationToken::new();
+        crate::support::logs::capture();
+        let controller = tokio::spawn(haulage::controller::run_with_listener(
+            config,
+            controller_client,
+            health,
+            shutdown.clone(),
+        ));
+
+        let locations: Api<BackupStorageLocation> =
+            Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+        eventually(Duration::from_secs(60), || async {
+            if secret_key != SECRET_KEY {
+                return Ok(Some(()));
+            }
+            let location = locations.get("minio").await?;
+            Ok((location.status.and_then(|s| s.phase)
+                == Some(BackupStorageLocationPhase::Available))
+            .then_some(()))
+        })
+        .await
+        .context("the BSL never became Available")?;
+
+        Ok(Fixture {
+            cluster,
+            minio,
+            client,
+            kubelet,
+            provisioner,
+            work,
+            volumes,
+            store,
+            shutdown,
+            controller,
+            health_address,
+        })
+    }
+}
+
+impl Fixture {
+    /// The options of a fixture, each at its default; `.start()` starts it.
+    pub fn builder() -> FixtureBuilder {
+        FixtureBuilder {
+            layout: Layout::five_claims(),
+            volume_bytes: 1 << 20,
+            random_data_in_small_packs: false,
+            upload_bytes_per_second: None,
+            secret_key: SECRET_KEY.to_string(),
+            objects: Vec::new(),
+            tls: false,
+            audited: false,
+            provisioning: false,
+        }
+    }
+
+    /// The test configuration of an in-process controller replica named
+    /// `identity` (health on an ephemeral port, short replica lease).
+    pub fn controller_config(identity: &str) -> anyhow::Result<haulage::controller::Config> {
+        Ok(haulage::controller::Config {
+            agent_image: "mover-agent:test".to_string(),
+            health_address: "127.0.0.1:0".parse()?,
+            concurrency: 4,
+            replica_lease_seconds: haulage::controller::MIN_LEASE_SECONDS,
+            ..haulage::controller::Config::new(SYSTEM_NAMESPACE, identity)
+        })
+    }
+
+    /// Start another in-process controller replica with `config`, on the
+    /// controller ServiceAccount's token; cancel the token to stop it.
+    pub async fn spawn_controller(
+        &self,
+        config: haulage::controller::Config,
+    ) -> anyhow::Result<(
+        CancellationToken,
+        tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
+    )> {
+        let kubeconfig = self
+            .kubelet
+            .service_account_kubeconfig(
+                SYSTEM_NAMESPACE,
+                "haulage-controller",
+                &self
+                    .work
+                    .path()
+                    .join(format!("{}.kubeconfig", config.identity)),
+            )
+            .await?;
+        let shutdown = CancellationToken::new();
+        crate::support::logs::capture();
+        let controller = tokio::spawn(haulage::controller::run(
+            config,
+            client_from(&kubeconfig).await?,
+            shutdown.clone(),
+        ));
+        Ok((shutdown, controller))
+    }
+
+    /// The controller is Ready and its task still runs.
+    pub async fn assert_controller_up(&self, when: &str) {
+        assert!(
+            !self.controller.is_finished(),
+            "{when}: the controller task exited"
+        );
+        assert_eq!(
+            http_status(self.health_address.port(), "/readyz").await,
+            Some(200),
+            "{when}: /readyz"
+        );
+    }
+
+    /// Stop the controller `controller-0` (waiting up to 10 s), the
+    /// provisioner stand-in, the kubelet stand-in with its agents, and the
+    /// cluster.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.controller).await;
+        drop(self.provisioner);
+        drop(self.kubelet);
+        drop(self.cluster);
+    }
+}
+
+/// Wait up to `deadline` for VolumeBackup `name` to reach a final phase;
+/// a timeout names it with its last status and every agent's log.
+pub async fn final_backup(
+    backups: &Api<VolumeBackup>,
+    kubelet: &Kubelet,
+    name: &str,
+    deadline: Duration,
+) -> anyhow::Result<VolumeBackup> {
+    let finished = eventually(deadline, || async {
+        let backup = backups.get(name).await?;
+        let phase = backup.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(backup))
+    })
+    .await;
+    match finished {
+        Ok(backup) => Ok(backup),
+        Err(error) => {
+            let status = backups
+                .get(name)
+                .await
+                .ok()
+                .and_then(|backup| backup.status);
+            bail!(
+                "VolumeBackup {name} never finished ({error}): status {status:#?}\nagent logs:\n{}",
+                kubelet.all_agent_logs()
+            )
+        }
+    }
+}
+
+/// Wait up to `deadline` for VolumeRestore `name` to reach a final phase;
+/// a timeout names it with its last status and every agent's log.
+pub async fn final_restore(
+    restores: &Api<VolumeRestore>,
+    kubelet: &Kubelet,
+    name: &str,
+    deadline: Duration,
+) -> anyhow::Result<VolumeRestore> {
+    let finished = eventually(deadline, || async {
+        let restore = restores.get(name).await?;
+        let phase = restore.status.as_ref().and_then(|status| status.phase);
+        Ok(phase
+            .is_some_and(|phase| phase.is_final())
+            .then_some(restore))
+    })
+    .await;
+    match finished {
+        Ok(restore) => Ok(restore),
+        Err(error) => {
+            let status = restores
+                .get(name)
+                .await
+                .ok()
+                .and_then(|restore| restore.status);
+            bail!(
+                "VolumeRestore {name} never finished ({error}): status {status:#?}\nagent logs:\n{}",
+                kubelet.all_agent_logs()
+            )
+        }
+    }
+}
+
+/// Create the VolumeRestore `name` (in the controller's namespace, from
+/// the default location) of the snapshots VolumeBackup `backup` wrote,
+/// each source namespace `ns` restored into `ns-b` (created).
+pub async fn create_restore_of_backup(
+    client: &kube::Client,
+    name: &str,
+    backup: &str,
+) -> anyhow::Result<()> {
+    create_restore_of_backup_into(client, name, backup, &["shop", "web"]).await
+}
+
+/// Like [`create_restore_of_backup`], of the source `namespaces`: each
+/// one `ns` restored into `ns-b` (created).
+pub async fn create_restore_of_backup_into(
+    client: &kube::Client,
+    name: &str,
+    backup: &str,
+    namespaces: &[&str],
+) -> anyhow::Result<()> {
+    let namespace_map: serde_json::Map<String, serde_json::Value> = namespaces
+        .iter()
+        .map(|namespace| (namespace.to_string(), json!(format!("{namespace}-b"))))
+        .collect();
+    create::<VolumeRestore>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeRestore",
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+            "spec": {"source": {"backup": backup},
+                "namespaceMap": namespace_map,
+                "createNamespaces": true}}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Create the VolumeBackup `name` of both namespaces' labelled claims.
+pub async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    create_backup_of(client, name, json!({"matchLabels": {"backup": "yes"}})).await
+}
+
+/// Create the VolumeBackup `name` of the claims `selector` picks.
+pub async fn create_backup_of(
+    client: &kube::Client,
+    name: &str,
+    selector: serde_json::Value,
+) -> anyhow::Result<()> {
+    create_backup_in(client, name, &["shop", "web"], selector).await
+}
+
+/// Create the VolumeBackup `name` of the claims `selector` picks in
+/// `namespaces`.
+pub async fn create_backup_in(
+    client: &kube::Client,
+    name: &str,
+    namespaces: &[&str],
+    selector: serde_json::Value,
+) -> anyhow::Result<()> {
+    create::<VolumeBackup>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+            "spec": {"namespaces": namespaces, "selector": selector}}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Stage pods and credentials copies left in the cluster.
+pub async fn leftovers(client: &kube::Client) -> anyhow::Result<(usize, usize)> {
+    let stage_pods: Api<Pod> = Api::all(client.clone());
+    let pods = stage_pods
+        .list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
+        .await?;
+    let secrets: Api<Secret> = Api::all(client.clone());
+    let copies = secrets
+        .list(&ListParams::default().labels(&format!("{CREDENTIALS_COPY_LABEL}=true")))
+        .await?;
+    Ok((pods.items.len(), copies.items.len()))
+}
+
+/// Create a VolumeBackup of the claim labelled `claim` into `location`.
+pub async fn create_backup_to(
+    client: &kube::Client,
+    name: &str,
+    claim: &str,
+    location: &str,
+) -> anyhow::Result<()> {
+    create::<VolumeBackup>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
+            "spec": {"namespaces": ["shop", "web"], "storageLocation": location,
+                "selector": {"matchLabels": {"claim": claim}}}}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The stage pods (namespace, name) that exist now.
+pub async fn stage_pods(client: &kube::Client) -> anyhow::Result<Vec<(String, String)>> {
+    let pods: Api<Pod> = Api::all(client.clone());
+    Ok(pods
+        .list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
+        .await?
+        .items
+        .iter()
+        .map(|pod| {
+            (
+                pod.metadata.namespace.clone().unwrap_or_default(),
+                pod.metadata.name.clone().unwrap_or_default(),
+            )
+        })
+        .collect())
+}
