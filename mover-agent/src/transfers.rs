@@ -794,6 +794,7 @@ async fn restore_volume(
         repository,
         name,
         transfer.spec.snapshot.as_deref(),
+        transfer.spec.since_snapshot.as_deref(),
         &volume,
         &run,
     )
@@ -829,11 +830,14 @@ async fn restore_volume(
 /// what differs and removes what the snapshot does not have. Owners are
 /// restored (the restore stage pod runs as root with `CHOWN`, `FOWNER`,
 /// `DAC_OVERRIDE` and `FSETID`), every chunk is checked before it is
-/// written, and the grant limits the writes.
+/// written, and the grant limits the writes. `since` (the snapshot a
+/// claim being synced holds completely) spares reading the files both
+/// snapshots hold unchanged, in the sync and in its verification.
 async fn restore_and_verify(
     repository: &Repository,
     name: &str,
     snapshot: Option<&str>,
+    since: Option<&str>,
     volume: &std::path::Path,
     run: &VolumeRun,
 ) -> Result<(RestoreFigures, RestoreVerdict), String> {
@@ -857,6 +861,18 @@ async fn restore_and_verify(
     };
     let mut options = RestoreOptions::new(volume);
     options.sync = !empty;
+    if let Some(since) = since.filter(|_| options.sync) {
+        // One that cannot be found only costs comparing every file.
+        match repository.resolve_snapshot(since).await {
+            Ok(id) => options.since = Some(id),
+            Err(error) => warn!(
+                transfer = name,
+                since,
+                "comparing every file: the claim's earlier snapshot cannot be used: {}",
+                haulage::error_chain(&error)
+            ),
+        }
+    }
     options.restore_owners = true;
     options.write_throttle = run.throttle.clone();
     let verify_options = TreeVerifyOptions::for_restore(&options);
@@ -864,6 +880,7 @@ async fn restore_and_verify(
         transfer = name,
         snapshot = %snapshot,
         sync = options.sync,
+        since = options.since.map(|id| id.to_hex()).as_deref().unwrap_or("-"),
         "restoring"
     );
     let outcome = restore(
@@ -880,14 +897,19 @@ async fn restore_and_verify(
         files = outcome.files,
         bytes_written = outcome.bytes_written,
         files_unchanged = outcome.files_unchanged,
+        files_not_read = outcome.files_not_read,
         entries_removed = outcome.entries_removed,
         problems = outcome.problems.len(),
         seconds = outcome.duration_seconds,
         "restored; verifying the written tree"
     );
+    if let Some(reason) = &outcome.since_not_used {
+        warn!(transfer = name, "{reason}");
+    }
     for problem in outcome.problems.iter().take(MAX_PROBLEMS_LOGGED) {
         warn!(transfer = name, path = %problem.path, "{}", problem.message);
     }
+    let verify_options = verify_options.after(&outcome);
     let verification = verify_tree(
         repository,
         &snapshot,
@@ -902,6 +924,7 @@ async fn restore_and_verify(
         root_tree = %verification.root_tree,
         entries = verification.entries,
         bytes_verified = verification.bytes_verified,
+        files_not_read = verification.files_not_read,
         mismatches = verification.mismatches.len(),
         seconds = verification.duration_seconds,
         "verified"

@@ -129,6 +129,7 @@ impl VolumeTransfer {
                 },
                 stage_pod: "stage-a".to_string(),
                 parent_snapshot: None,
+                since_snapshot: None,
                 snapshot: None,
                 granted_bytes_per_second: None,
                 claim: None,

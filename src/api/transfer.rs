@@ -95,6 +95,13 @@ pub struct VolumeTransferSpec {
     #[schemars(length(max = 128))]
     #[x_kube(validation = Rule::new("self == oldSelf").message("is immutable"))]
     pub snapshot: Option<String>,
+    /// Download into a claim that holds an earlier restore: the snapshot
+    /// that restore wrote completely. Files both snapshots hold unchanged,
+    /// still as that restore left them on disk, are not read (the
+    /// cutover's quick check); every file is compared when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1, max = 128))]
+    pub since_snapshot: Option<String>,
     /// Bandwidth this transfer may use now, bytes per second; the
     /// controller changes it while the transfer runs and the agent follows.
     /// Unlimited when absent.

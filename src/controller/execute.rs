@@ -21,7 +21,10 @@ use crate::api::VolumeTransfer;
 use crate::controller::error::{ApiCall, Error, is_conflict, is_not_found, kube_error};
 use crate::controller::{Context, FIELD_MANAGER};
 use crate::reconcile::action::{Action, ClaimChange, Event, EventKind, ObjectName, VolumeChange};
-use crate::reconcile::claims::{RECLAIM_POLICY_ANNOTATION, RESTORE_COMPLETE, RESTORE_STATE_LABEL};
+use crate::reconcile::claims::{
+    RECLAIM_POLICY_ANNOTATION, RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL,
+    RESTORED_FROM_ANNOTATION,
+};
 use crate::reconcile::stage_pod::{StagePodObjects, credentials_copy_name};
 
 /// A stage pod the API server refused (Pod Security admission, a quota, a
@@ -392,34 +395,45 @@ async fn create_claim(claim: &PersistentVolumeClaim, context: &Context) -> Resul
     }
 }
 
-/// Label a restored claim complete, or delete it (a hand-back).
+/// Label a restored claim complete or being synced, or delete it (a
+/// hand-back).
 async fn change_claim(
     claim: &ObjectName,
     change: &ClaimChange,
     context: &Context,
 ) -> Result<(), Error> {
     let api = namespaced::<PersistentVolumeClaim>(context, claim);
-    match change {
-        ClaimChange::MarkComplete => {
-            let patch = serde_json::json!({
+    let (patch, done) = match change {
+        ClaimChange::MarkComplete => (
+            serde_json::json!({
                 "metadata": {"labels": {RESTORE_STATE_LABEL: RESTORE_COMPLETE}},
-            });
-            match api
-                .patch(&claim.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-            {
-                Ok(_) => {
-                    info!(claim = %claim, "restored claim verified: labelled complete");
-                    Ok(())
-                }
-                Err(error) if is_not_found(&error) => Ok(()),
-                Err(source) => Err(kube_error(ApiCall::PatchClaim, claim.to_string())(source)),
-            }
-        }
+            }),
+            "restored claim verified: labelled complete".to_string(),
+        ),
+        ClaimChange::BeginSync { snapshot } => (
+            serde_json::json!({
+                "metadata": {
+                    "labels": {RESTORE_STATE_LABEL: RESTORE_INCOMPLETE},
+                    "annotations": {RESTORED_FROM_ANNOTATION: snapshot},
+                },
+            }),
+            format!("syncing snapshot {snapshot} into the claim: labelled incomplete"),
+        ),
         ClaimChange::Delete => {
             info!(claim = %claim, "replacing the claim the volume was written through by its ReadOnlyMany claim");
-            delete(&api, claim, ApiCall::DeleteClaim).await
+            return delete(&api, claim, ApiCall::DeleteClaim).await;
         }
+    };
+    match api
+        .patch(&claim.name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+    {
+        Ok(_) => {
+            info!(claim = %claim, "{done}");
+            Ok(())
+        }
+        Err(error) if is_not_found(&error) => Ok(()),
+        Err(source) => Err(kube_error(ApiCall::PatchClaim, claim.to_string())(source)),
     }
 }
 

@@ -28,6 +28,7 @@ pub mod prune;
 pub mod repository;
 pub mod restore;
 pub mod scan;
+pub mod since;
 pub mod verify;
 pub mod verify_tree;
 

@@ -53,6 +53,9 @@ use self::plan::{ChunkNeed, PackRead, PlanLimits, PlannedBlob, Target, Unrestora
 use super::EngineError;
 use super::progress::Progress;
 use super::repository::Repository;
+use super::since::{
+    ChangeMark, SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored, since_root,
+};
 use super::throttle::Throttle;
 use crate::repo::index::BlobIndex;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
@@ -146,6 +149,12 @@ pub struct RestoreOptions {
     pub target: PathBuf,
     /// Update an existing copy in place, writing only what differs.
     pub sync: bool,
+    /// Sync mode: the snapshot the target was last restored or synced
+    /// from, completely. A file both snapshots hold unchanged, which the
+    /// disk still shows as that restore wrote it, is not read (see
+    /// [`super::since`]). One that cannot be loaded is reported in the
+    /// outcome and every file is compared.
+    pub since: Option<ObjectId>,
     /// Limit on writing to the target.
     pub write_throttle: Throttle,
     /// Restore owners (needs root or CAP_CHOWN); default: when running as root.
@@ -163,6 +172,7 @@ impl RestoreOptions {
         RestoreOptions {
             target: target.into(),
             sync: false,
+            since: None,
             write_throttle: Throttle::unlimited(),
             restore_owners: rustix::process::geteuid().is_root(),
             allow_devices: false,
@@ -198,6 +208,21 @@ pub struct RestoreOutcome {
     pub files_unchanged: u64,
     /// Sync mode: entries removed because the snapshot does not have them.
     pub entries_removed: u64,
+    /// Sync mode: the since snapshot used, when one was given and loaded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+    /// Sync mode: why the since snapshot given was not used (every file
+    /// was compared instead; not a problem of the restored data).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since_not_used: Option<String>,
+    /// Sync mode: files not read, the since snapshot's restore having left
+    /// them as this snapshot has them.
+    pub files_not_read: u64,
+    /// Sync mode with a since snapshot used: what the verification after
+    /// it needs to skip the same files
+    /// ([`super::verify_tree::TreeVerifyOptions::after`]).
+    #[serde(skip)]
+    pub since_check: Option<SinceCheck>,
     /// Wall time in seconds.
     pub duration_seconds: f64,
     /// Entries not restored, or restored with a problem.
@@ -231,6 +256,11 @@ pub async fn restore(
     progress.totals_known.store(true, Ordering::Release);
     let root_fd = Arc::new(open_target(&options)?);
     let root_tree = repository.load_tree(&index, &snapshot.tree).await?;
+    let since_id = options.since.filter(|_| options.sync);
+    let since = match since_id {
+        Some(since) => load_since_root(repository, &index, &since, &snapshot.tree).await,
+        None => Ok(None),
+    };
 
     let shared = Arc::new(Shared {
         repository: repository.clone(),
@@ -239,6 +269,18 @@ pub async fn restore(
         cancel,
         outcome: Mutex::new(RestoreOutcome {
             snapshot_id: snapshot_id.to_hex(),
+            since: match &since {
+                Ok(Some(_)) => since_id.map(|id| id.to_hex()),
+                _ => None,
+            },
+            since_not_used: since.as_ref().err().cloned(),
+            // Taken before anything is written: what the sync writes changes later.
+            since_check: match (&since, since_id) {
+                (Ok(Some(_)), Some(snapshot)) => {
+                    ChangeMark::take(&root_fd).map(|mark| SinceCheck { snapshot, mark })
+                }
+                _ => None,
+            },
             ..RestoreOutcome::default()
         }),
         first_links: Mutex::new(HashMap::new()),
@@ -257,8 +299,12 @@ pub async fn restore(
         deferred_symlinks: Vec::new(),
         directories: Vec::new(),
     };
+    let since = since.unwrap_or_else(|reason| {
+        tracing::warn!("{reason}");
+        None
+    });
     let mut walked = walker
-        .restore_directory(root_fd, Vec::new(), root_tree)
+        .restore_directory(root_fd, Vec::new(), root_tree, since)
         .await;
     if walked.is_ok() {
         walked = walker.send_batch().await;
@@ -276,6 +322,34 @@ pub async fn restore(
     let mut outcome = shared.outcome.lock().expect("outcome").clone();
     outcome.duration_seconds = started.elapsed().as_secs_f64();
     Ok(outcome)
+}
+
+/// The since snapshot's root for a sync of the snapshot whose root tree
+/// is `root`; an error is the problem to report (every file is then
+/// compared).
+async fn load_since_root(
+    repository: &Repository,
+    index: &BlobIndex,
+    since: &ObjectId,
+    root: &repo::BlobId,
+) -> Result<Option<SinceDirectory>, String> {
+    let not_used = |error: EngineError| {
+        format!(
+            "the since snapshot {} is not used, every file is compared instead: {}",
+            since.to_hex(),
+            crate::error_chain(&error)
+        )
+    };
+    let earlier = repository.load_snapshot(since).await.map_err(not_used)?;
+    match since_root(&earlier.tree, root) {
+        SinceSubdirectory::Same => Ok(Some(SinceDirectory::Same)),
+        SinceSubdirectory::Load(tree) => repository
+            .load_tree(index, &tree)
+            .await
+            .map(|tree| Some(SinceDirectory::Tree(tree)))
+            .map_err(not_used),
+        SinceSubdirectory::Nothing => Ok(None),
+    }
 }
 
 /// Create or check the target directory and open it.
@@ -392,6 +466,8 @@ struct BatchFile {
     /// Position of its directory in [`Batch::directories`].
     directory: u32,
     entry: Entry,
+    /// The since snapshot holds the same file (sync mode).
+    unchanged_since: bool,
 }
 
 impl Batch {
@@ -401,7 +477,13 @@ impl Batch {
             || self.directories.len() >= MAX_BATCH_DIRECTORIES
     }
 
-    fn add(&mut self, directory_fd: &Arc<OwnedFd>, directory: &[ByteBuf], entry: Entry) {
+    fn add(
+        &mut self,
+        directory_fd: &Arc<OwnedFd>,
+        directory: &[ByteBuf],
+        entry: Entry,
+        unchanged_since: bool,
+    ) {
         let same_directory = self
             .directories
             .last()
@@ -416,6 +498,7 @@ impl Batch {
         self.files.push(BatchFile {
             directory: (self.directories.len() - 1) as u32,
             entry,
+            unchanged_since,
         });
     }
 }
@@ -432,12 +515,35 @@ struct Subtrees {
 
 impl Subtrees {
     fn of(entries: &[Entry]) -> Self {
-        Subtrees {
-            ids: entries
+        Self::load(
+            entries
                 .iter()
                 .filter(|entry| entry.kind == EntryKind::Directory)
                 .filter_map(|entry| entry.subtree)
                 .collect(),
+        )
+    }
+
+    /// The since snapshot's trees of `entries`' subdirectories that are
+    /// neither the same as the snapshot's nor missing.
+    fn since_of(entries: &[Entry], since: Option<&SinceDirectory>) -> Self {
+        let ids = match since {
+            Some(since) => entries
+                .iter()
+                .filter(|entry| entry.kind == EntryKind::Directory)
+                .filter_map(|entry| match since.subdirectory(entry) {
+                    SinceSubdirectory::Load(id) => Some(id),
+                    SinceSubdirectory::Same | SinceSubdirectory::Nothing => None,
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        Self::load(ids)
+    }
+
+    fn load(ids: Vec<crate::repo::BlobId>) -> Self {
+        Subtrees {
+            ids,
             loaded_until: 0,
             loaded: std::collections::VecDeque::new(),
         }
@@ -511,6 +617,7 @@ impl Walker {
         directory_fd: Arc<OwnedFd>,
         components: Components,
         tree: Tree,
+        since: Option<SinceDirectory>,
     ) -> futures::future::BoxFuture<'a, Result<(), EngineError>> {
         Box::pin(async move {
             if self.shared.cancel.is_cancelled() {
@@ -538,6 +645,7 @@ impl Walker {
                 self.remove_extra_entries(&directory_fd, &components, &names_seen);
             }
             let mut subtrees = Subtrees::of(&entries);
+            let mut since_subtrees = Subtrees::since_of(&entries, since.as_ref());
             for entry in entries {
                 let mut path = components.clone();
                 path.push(entry.name.clone());
@@ -547,6 +655,14 @@ impl Walker {
                             Some(_) => subtrees.next(self).await,
                             None => Ok(Tree::default()),
                         };
+                        let since_subtree = match since.as_ref().map(|s| s.subdirectory(&entry)) {
+                            Some(SinceSubdirectory::Same) => Some(SinceDirectory::Same),
+                            // One that cannot be read only costs reading the files.
+                            Some(SinceSubdirectory::Load(_)) => {
+                                since_subtrees.next(self).await.ok().map(SinceDirectory::Tree)
+                            }
+                            Some(SinceSubdirectory::Nothing) | None => None,
+                        };
                         let Some(child_fd) = self.prepare_directory(&directory_fd, &path, &entry)
                         else {
                             continue;
@@ -555,8 +671,13 @@ impl Walker {
                         self.directories.push((path.clone(), entry));
                         match subtree {
                             Ok(subtree) => {
-                                self.restore_directory(Arc::new(child_fd), path, subtree)
-                                    .await?
+                                self.restore_directory(
+                                    Arc::new(child_fd),
+                                    path,
+                                    subtree,
+                                    since_subtree,
+                                )
+                                .await?
                             }
                             Err(error) => self.problem(
                                 display(&path),
@@ -576,7 +697,10 @@ impl Walker {
                             // Reserve; the real path is recorded once written.
                             first.insert(key, Vec::new());
                         }
-                        self.batch.add(&directory_fd, &components, entry);
+                        let unchanged_since =
+                            since.as_ref().is_some_and(|since| since.file_unchanged(&entry));
+                        self.batch
+                            .add(&directory_fd, &components, entry, unchanged_since);
                         if self.batch.is_full() {
                             self.send_batch().await?;
                         }
@@ -1358,6 +1482,7 @@ fn new_files(shared: &Shared, files: Vec<BatchFile>) -> (Vec<FileSlot>, Vec<Chun
         BatchFile {
             directory,
             mut entry,
+            ..
         },
     ) in files.into_iter().enumerate()
     {
@@ -1447,12 +1572,13 @@ fn compare_existing_file(
     BatchFile {
         directory,
         mut entry,
+        unchanged_since,
     }: BatchFile,
     needs: &mut Vec<ChunkNeed>,
 ) -> FileSlot {
     let content = std::mem::take(&mut entry.content);
     let first_need = needs.len();
-    match compare_with_target(shared, dir, file, &entry, &content, needs) {
+    match compare_with_target(shared, dir, file, &entry, &content, unchanged_since, needs) {
         Ok((existing, written)) => FileSlot::new(directory, entry, existing, written),
         Err(failure) => {
             needs.truncate(first_need);
@@ -1464,12 +1590,17 @@ fn compare_existing_file(
 }
 
 /// What [`compare_existing_file`] found on disk, and the bytes it changed.
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one file's comparison and where its needs go, named"
+)]
 fn compare_with_target(
     shared: &Shared,
     dir: &OwnedFd,
     file: u32,
     entry: &Entry,
     content: &[Extent],
+    unchanged_since: bool,
     needs: &mut Vec<ChunkNeed>,
 ) -> Result<(Option<ExistingFile>, u64), FileFailure> {
     let name = entry.name.as_slice();
@@ -1494,6 +1625,17 @@ fn compare_with_target(
         }
         Err(error) => return Err(FileFailure::Io("inspect the existing entry", error)),
     };
+    if unchanged_since && on_disk_as_restored(&stat, entry, shared.options.restore_owners) {
+        Progress::add(&shared.progress.bytes_done, entry.size);
+        shared.outcome.lock().expect("outcome").files_not_read += 1;
+        return Ok((
+            Some(ExistingFile {
+                size: entry.size,
+                metadata_matches: true,
+            }),
+            0,
+        ));
+    }
     let fd = rustix::fs::openat(
         dir,
         name,

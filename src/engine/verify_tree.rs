@@ -42,6 +42,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::repository::Repository;
 use super::restore::RestoreOptions;
+use super::restore::RestoreOutcome;
+use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory};
 use super::{EngineError, run_blocking};
 use crate::repo::ObjectId;
 use crate::repo::config::RepoKeys;
@@ -71,6 +73,12 @@ pub struct TreeVerifyOptions {
     pub devices_restored: bool,
     /// Stop after this many mismatches.
     pub max_mismatches: usize,
+    /// After a sync restore with a since snapshot ([`super::since`]): a
+    /// file both snapshots hold unchanged, whose metadata on disk matches
+    /// and which last changed before the sync began, is not re-read (the
+    /// sync neither read nor wrote it); everything else is compared as
+    /// always.
+    pub since: Option<SinceCheck>,
 }
 
 impl TreeVerifyOptions {
@@ -81,7 +89,14 @@ impl TreeVerifyOptions {
             xattr_prefixes: options.xattr_prefixes.clone(),
             devices_restored: options.allow_devices,
             max_mismatches: MAX_MISMATCHES,
+            since: None,
         }
+    }
+
+    /// The same, after `outcome`: skip what the sync did not read.
+    pub fn after(mut self, outcome: &RestoreOutcome) -> Self {
+        self.since = outcome.since_check;
+        self
     }
 }
 
@@ -262,6 +277,9 @@ pub struct TreeVerification {
     pub files: u64,
     /// Bytes of content re-read.
     pub bytes_verified: u64,
+    /// Regular files whose metadata was compared but not their content:
+    /// the since snapshot holds them unchanged.
+    pub files_not_read: u64,
     /// Entries of the snapshot a restore does not create (sockets, device
     /// nodes when not restored) and the target does not have.
     pub not_restorable: u64,
@@ -643,8 +661,21 @@ pub async fn verify_tree(
     });
     let slots = Arc::new(Semaphore::new(PARALLEL_FILE_CHECKS));
     let mut file_checks = JoinSet::new();
-    let mut pending = vec![(Vec::new(), snapshot.root_attributes(), Some(snapshot.tree))];
-    while let Some((path, entry, subtree)) = pending.pop() {
+    let since_root = match &options.since {
+        // One that cannot be loaded only costs reading every file.
+        Some(since) => match repository.load_snapshot(&since.snapshot).await {
+            Ok(earlier) => super::since::since_root(&earlier.tree, &snapshot.tree),
+            Err(_) => SinceSubdirectory::Nothing,
+        },
+        None => SinceSubdirectory::Nothing,
+    };
+    let mut pending = vec![(
+        Vec::new(),
+        snapshot.root_attributes(),
+        Some(snapshot.tree),
+        since_root,
+    )];
+    while let Some((path, entry, subtree, since)) = pending.pop() {
         if findings.stop.is_cancelled() {
             break;
         }
@@ -663,14 +694,23 @@ pub async fn verify_tree(
             },
             None => Some(Tree::default()),
         };
+        let since = match since {
+            SinceSubdirectory::Same => Some(SinceDirectory::Same),
+            SinceSubdirectory::Load(id) => repository
+                .load_tree(&index, &id)
+                .await
+                .ok()
+                .map(SinceDirectory::Tree),
+            SinceSubdirectory::Nothing => None,
+        };
         let visit = {
             let checker = checker.clone();
-            run_blocking(move || checker.visit_directory(path, &entry, tree)).await
+            run_blocking(move || checker.visit_directory(path, &entry, tree, since.as_ref())).await
         };
         let Some(visit) = visit else {
             continue;
         };
-        for (path, entry) in visit.files {
+        for (path, entry, unchanged_since) in visit.files {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 break;
             };
@@ -680,7 +720,7 @@ pub async fn verify_tree(
             let checker = checker.clone();
             let directory = visit.directory.clone();
             file_checks.spawn_blocking(move || {
-                checker.check_file(&directory, &path, &entry);
+                checker.check_file(&directory, &path, &entry, unchanged_since);
                 drop(slot);
             });
             while let Some(joined) = file_checks.try_join_next() {
@@ -704,10 +744,17 @@ pub async fn verify_tree(
 struct Visit {
     /// The directory, for its files' checks.
     directory: Arc<OwnedFd>,
-    /// Its regular files present in the target.
-    files: Vec<(Components, Entry)>,
-    /// Its subdirectories present in the target, with their trees.
-    directories: Vec<(Components, Entry, Option<crate::repo::BlobId>)>,
+    /// Its regular files present in the target, and whether the since
+    /// snapshot holds them unchanged.
+    files: Vec<(Components, Entry, bool)>,
+    /// Its subdirectories present in the target, with their trees and
+    /// what the since snapshot holds there.
+    directories: Vec<(
+        Components,
+        Entry,
+        Option<crate::repo::BlobId>,
+        SinceSubdirectory,
+    )>,
 }
 
 /// The blocking half of the walk.
@@ -736,6 +783,7 @@ impl Checker {
         path: Components,
         entry: &Entry,
         tree: Option<Tree>,
+        since: Option<&SinceDirectory>,
     ) -> Option<Visit> {
         let directory = match open_directory_at(&self.root_fd, &path) {
             Ok(fd) => fd,
@@ -822,11 +870,17 @@ impl Checker {
                 continue;
             }
             match entry.kind {
-                EntryKind::File => visit.files.push((entry_path, entry)),
+                EntryKind::File => {
+                    let unchanged = since.is_some_and(|since| since.file_unchanged(&entry));
+                    visit.files.push((entry_path, entry, unchanged));
+                }
                 EntryKind::Directory => match self.observe(&directory, &entry_path, &entry) {
                     Some(observed) if observed.kind == Some(EntryKind::Directory) => {
                         let subtree = entry.subtree;
-                        visit.directories.push((entry_path, entry, subtree));
+                        let since = since.map_or(SinceSubdirectory::Nothing, |since| {
+                            since.subdirectory(&entry)
+                        });
+                        visit.directories.push((entry_path, entry, subtree, since));
                     }
                     Some(observed) => {
                         self.findings.count_entry();
@@ -916,7 +970,13 @@ impl Checker {
 
     /// Everything about one regular file: kind, metadata, extended
     /// attributes, hard links, and its content chunk by chunk.
-    fn check_file(&self, directory: &OwnedFd, path: &[Vec<u8>], entry: &Entry) {
+    fn check_file(
+        &self,
+        directory: &OwnedFd,
+        path: &[Vec<u8>],
+        entry: &Entry,
+        unchanged_since: bool,
+    ) {
         if self.findings.stop.is_cancelled() {
             return;
         }
@@ -939,10 +999,11 @@ impl Checker {
             Ok(fd) => fd,
             Err(error) => return self.unreadable(path, "open the file", error),
         };
-        let observed = match rustix::fs::fstat(&fd) {
-            Ok(stat) => Observed::from_stat(&stat),
+        let stat = match rustix::fs::fstat(&fd) {
+            Ok(stat) => stat,
             Err(error) => return self.unreadable(path, "stat the file", error),
         };
+        let observed = Observed::from_stat(&stat);
         if (observed.device, observed.inode) != (listed.device, listed.inode)
             || observed.kind != Some(EntryKind::File)
         {
@@ -953,10 +1014,9 @@ impl Checker {
                 },
             );
         }
-        self.findings.record_all(
-            path,
-            metadata_differences(entry, &observed, self.options.check_owners),
-        );
+        let differences = metadata_differences(entry, &observed, self.options.check_owners);
+        let as_restored = differences.is_empty();
+        self.findings.record_all(path, differences);
         self.compare_xattrs(&fd, path, &entry.xattrs);
         let group = (entry.links > 1).then_some((entry.device, entry.inode));
         let linked = self.findings.links.lock().expect("links").check(
@@ -982,6 +1042,14 @@ impl Checker {
         }
         if observed.size != entry.size {
             // Already reported; the chunks cannot line up.
+            return;
+        }
+        let untouched_by_the_sync = self
+            .options
+            .since
+            .is_some_and(|since| since.mark.changed_before(&stat));
+        if unchanged_since && as_restored && untouched_by_the_sync {
+            self.findings.report.lock().expect("report").files_not_read += 1;
             return;
         }
         match self.compare_content(&fd, entry) {

@@ -173,6 +173,13 @@ pub enum Action {
 pub enum ClaimChange {
     /// Label it `complete`: its data is written and verified.
     MarkComplete,
+    /// A sync is about to write into it: label it `incomplete`, naming the
+    /// snapshot it will hold, so a pass cut off half-way is never taken
+    /// for a complete copy of any snapshot.
+    BeginSync {
+        /// The snapshot the sync writes.
+        snapshot: String,
+    },
     /// Delete it (the ReadWriteOnce claim a ReadOnlyMany one replaces).
     Delete,
 }

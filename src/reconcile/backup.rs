@@ -559,6 +559,7 @@ fn stage_pods_to_create(
                                 pvc.clone(),
                                 TransferDetails {
                                     snapshot: None,
+                                    since_snapshot: None,
                                     claim,
                                     parent_policy: observation.backup.spec.parent_policy,
                                     tags: observation.backup.spec.snapshot_tags(),

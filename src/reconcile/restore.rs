@@ -54,7 +54,8 @@ use crate::action::{Action, ClaimChange, Event, ObjectName, Requeue};
 use crate::backup::{PROGRESS_WRITE_INTERVAL, RECHECK_SECONDS, label_selector_of};
 use crate::backup_status::StorageState;
 use crate::claims::{
-    RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, destination_claim, destination_of,
+    RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION,
+    destination_claim, destination_of,
 };
 use crate::location::resolve_location;
 use crate::ownership::{ControllerSettings, Decision, OwnerActs, OwnershipFacts, decide_ownership};
@@ -624,9 +625,9 @@ fn stage_pods_to_create(
         location_credentials,
         observation.password.clone(),
     );
-    missing
-        .into_iter()
-        .map(|planned| {
+    let mut actions = Vec::new();
+    for planned in missing {
+        {
             let node = observation
                 .nodes
                 .iter()
@@ -637,22 +638,24 @@ fn stage_pods_to_create(
                 .volumes
                 .iter()
                 .map(|pvc| {
-                    let snapshot = selection
-                        .iter()
-                        .find(|volume| {
-                            volume.namespace == planned.stage.namespace && &volume.pvc == pvc
-                        })
-                        .map(|volume| volume.snapshot_id.clone());
+                    let volume = selection.iter().find(|volume| {
+                        volume.namespace == planned.stage.namespace && &volume.pvc == pvc
+                    });
+                    let (since_snapshot, begin_sync) = volume
+                        .map(|volume| sync_start(observation, volume))
+                        .unwrap_or_default();
+                    actions.extend(begin_sync);
                     (
                         pvc.clone(),
                         TransferDetails {
-                            snapshot,
+                            snapshot: volume.map(|volume| volume.snapshot_id.clone()),
+                            since_snapshot,
                             ..TransferDetails::default()
                         },
                     )
                 })
                 .collect();
-            Action::CreateStagePod(Box::new(desired_stage_pod(
+            actions.push(Action::CreateStagePod(Box::new(desired_stage_pod(
                 &template,
                 &planned.stage,
                 StagePodInputs {
@@ -690,9 +693,45 @@ fn stage_pods_to_create(
                     credentials: credentials.clone(),
                     volumes,
                 },
-            )))
-        })
-        .collect()
+            ))));
+        }
+    }
+    actions
+}
+
+/// A sync's since snapshot — the one its claim holds completely
+/// (`restore-state: complete`, `restored-from`), or the one its transfer
+/// already names — and the change that marks the claim as being synced
+/// before anything is written into it. Nothing for a claim the restore
+/// creates.
+fn sync_start(
+    observation: &RestoreObservation,
+    volume: &RestoreVolume,
+) -> (Option<String>, Option<Action>) {
+    if volume.action != ClaimAction::Sync {
+        return (None, None);
+    }
+    if let Some(transfer) = transfer_for(observation, &volume.namespace, &volume.pvc) {
+        return (transfer.spec.since_snapshot.clone(), None);
+    }
+    let Some(claim) = claim_of(observation, &volume.namespace, &volume.pvc) else {
+        return (None, None);
+    };
+    let state = claim.labels().get(RESTORE_STATE_LABEL).map(String::as_str);
+    let holds = claim
+        .annotations()
+        .get(RESTORED_FROM_ANNOTATION)
+        .filter(|snapshot| !snapshot.is_empty());
+    let since = holds.filter(|_| state == Some(RESTORE_COMPLETE)).cloned();
+    let marked = state == Some(RESTORE_INCOMPLETE)
+        && holds.map(String::as_str) == Some(volume.snapshot_id.as_str());
+    let begin = (!marked).then(|| Action::ChangeClaim {
+        claim: ObjectName::new(&volume.namespace, &volume.pvc),
+        change: ClaimChange::BeginSync {
+            snapshot: volume.snapshot_id.clone(),
+        },
+    });
+    (since, begin)
 }
 
 fn transfer_for<'a>(
@@ -1959,6 +1998,91 @@ mod tests {
                 .filter_map(|v| v.persistent_volume_claim.as_ref())
                 .all(|c| c.read_only == Some(false))
         );
+    }
+
+    #[test]
+    fn a_sync_names_the_snapshot_its_claim_holds_completely_and_marks_the_claim_first() {
+        let mut restore = restore_of("nightly");
+        restore.spec.existing_claim = ExistingClaimPolicy::Sync;
+        let earlier = |name: &str, state: &str, holds: &str| {
+            let mut claim = (*claim("shop", name, "Pending", "ceph-block")).clone();
+            claim.metadata.labels =
+                Some([(RESTORE_STATE_LABEL.to_string(), state.to_string())].into());
+            claim.metadata.annotations =
+                Some([(RESTORED_FROM_ANNOTATION.to_string(), holds.to_string())].into());
+            Arc::new(claim)
+        };
+        // db holds a1 completely (the first pass); logs was cut off while
+        // being synced to some other snapshot.
+        let claims = vec![
+            earlier("db", RESTORE_COMPLETE, "a1"),
+            earlier("logs", RESTORE_INCOMPLETE, "zz"),
+        ];
+        let mut seen = observation(restore.clone());
+        seen.claims = claims.clone();
+        let first = acts(decide(&seen, &at(0)).expect("decided"));
+        let restore = after(&restore, &first);
+        let mut seen = observation(restore.clone());
+        seen.snapshots = None;
+        seen.claims = claims;
+        let planned = acts(decide(&seen, &at(1)).expect("decided"));
+        seen.restore = Arc::new(after(&restore, &planned));
+        let acts = acts(decide(&seen, &at(2)).expect("decided"));
+        let pod_at = acts
+            .actions
+            .iter()
+            .position(|action| matches!(action, Action::CreateStagePod(_)))
+            .expect("a stage pod");
+        let Action::CreateStagePod(objects) = &acts.actions[pod_at] else {
+            unreachable!()
+        };
+        let since_of = |pvc: &str| {
+            objects
+                .transfers
+                .iter()
+                .find(|transfer| transfer.spec.pvc == pvc)
+                .expect("a transfer")
+                .spec
+                .since_snapshot
+                .clone()
+        };
+        assert_eq!(since_of("db").as_deref(), Some("a1"));
+        assert_eq!(
+            since_of("logs"),
+            None,
+            "a claim cut off mid-sync holds no snapshot completely"
+        );
+        for (pvc, snapshot) in [("db", "a2"), ("logs", "b1")] {
+            let begin = acts
+                .actions
+                .iter()
+                .position(|action| {
+                    matches!(action, Action::ChangeClaim { claim, change: ClaimChange::BeginSync { snapshot: s } }
+                        if claim.name == pvc && s.starts_with(snapshot))
+                })
+                .unwrap_or_else(|| panic!("{pvc} is not marked as being synced: {:?}", acts.actions));
+            assert!(
+                begin < pod_at,
+                "{pvc} is marked before its stage pod can write"
+            );
+        }
+
+        // Once its transfer exists, the transfer says; the claim is not
+        // marked again.
+        let mut transfer = objects.transfers[0].clone();
+        transfer.status = None;
+        let pvc = transfer.spec.pvc.clone();
+        let volume = seen
+            .restore
+            .status
+            .as_ref()
+            .and_then(|status| status.selection.iter().find(|v| v.pvc == pvc))
+            .expect("selected")
+            .clone();
+        seen.transfers = vec![Arc::new(transfer.clone())];
+        let (since, begin) = sync_start(&seen, &volume);
+        assert_eq!(since, transfer.spec.since_snapshot);
+        assert!(begin.is_none(), "marked again: {begin:?}");
     }
 
     #[test]

@@ -522,6 +522,8 @@ impl StagePodObjects {
 pub struct TransferDetails {
     /// Download: the snapshot to restore.
     pub snapshot: Option<String>,
+    /// Download into a claim holding an earlier restore: its snapshot.
+    pub since_snapshot: Option<String>,
     /// Upload: the claim's record, for the snapshot.
     pub claim: Option<haulage_repo::snapshot::ClaimRecord>,
     /// Upload: whether every file is read again.
@@ -555,6 +557,7 @@ fn desired_transfer(
             stage_pod: pod_name.to_string(),
             parent_snapshot: None,
             snapshot: details.snapshot,
+            since_snapshot: details.since_snapshot,
             granted_bytes_per_second: None,
             claim: details.claim,
             parent_policy: details.parent_policy,

@@ -154,6 +154,27 @@ pub enum TreeError {
     Malformed(String),
 }
 
+impl Entry {
+    /// Whether this regular file and `earlier` (the same path in an
+    /// earlier snapshot) would be restored as the same file: same content,
+    /// size, permissions, owner, modification time and extended
+    /// attributes. A sync from the earlier snapshot's copy need not read
+    /// such a file when the disk still shows what that restore wrote
+    /// (its inode and change time belong to the source and do not count).
+    pub fn restores_as(&self, earlier: &Entry) -> bool {
+        self.kind == EntryKind::File
+            && earlier.kind == EntryKind::File
+            && self.size == earlier.size
+            && self.mode == earlier.mode
+            && self.uid == earlier.uid
+            && self.gid == earlier.gid
+            && self.mtime_seconds == earlier.mtime_seconds
+            && self.mtime_nanos == earlier.mtime_nanos
+            && self.content == earlier.content
+            && self.xattrs == earlier.xattrs
+    }
+}
+
 impl Tree {
     /// Encode as CBOR.
     pub fn encode(&self) -> Vec<u8> {
@@ -193,6 +214,64 @@ mod tests {
             "ünïcode".as_bytes(),
         ] {
             assert!(validate_name(good).is_ok(), "{good:?}");
+        }
+    }
+
+    fn file(content: Vec<Extent>) -> Entry {
+        Entry {
+            name: ByteBuf::from(b"data.bin".to_vec()),
+            kind: EntryKind::File,
+            mode: 0o644,
+            uid: 1000,
+            gid: 1000,
+            mtime_seconds: 1_700_000_000,
+            mtime_nanos: 5,
+            ctime_seconds: 1_700_000_001,
+            ctime_nanos: 6,
+            inode: 42,
+            device: 7,
+            links: 1,
+            size: content.iter().map(Extent::length).sum(),
+            content,
+            subtree: None,
+            link_target: None,
+            rdev: 0,
+            xattrs: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_file_restores_as_its_earlier_self_only_with_the_same_content_and_attributes() {
+        let chunk = |byte: u8| Extent::Chunk(BlobId([byte; 32]), 10);
+        let earlier = file(vec![chunk(1), Extent::Hole(4)]);
+        let mut moved = earlier.clone();
+        // Inode, device and change time are the source's, not the copy's.
+        moved.inode = 43;
+        moved.device = 8;
+        moved.ctime_seconds += 60;
+        assert!(moved.restores_as(&earlier));
+
+        // Same size and time, other bytes (a `touch -r` after a rewrite).
+        let rewritten = file(vec![chunk(2), Extent::Hole(4)]);
+        assert_eq!(rewritten.size, earlier.size);
+        assert!(!rewritten.restores_as(&earlier));
+        let changes: [fn(&mut Entry); 6] = [
+            |entry| entry.mode = 0o600,
+            |entry| entry.uid = 0,
+            |entry| entry.gid = 0,
+            |entry| entry.mtime_nanos = 6,
+            |entry| {
+                entry.xattrs = vec![Xattr {
+                    name: ByteBuf::from(b"user.tag".to_vec()),
+                    value: ByteBuf::from(b"x".to_vec()),
+                }]
+            },
+            |entry| entry.kind = EntryKind::Symlink,
+        ];
+        for change in changes {
+            let mut changed = earlier.clone();
+            change(&mut changed);
+            assert!(!changed.restores_as(&earlier), "{changed:?}");
         }
     }
 }

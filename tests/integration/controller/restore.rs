@@ -22,7 +22,7 @@ use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::restore::VolumeRestorePhase;
 use haulage::api::{VolumeBackup, VolumeRestore, VolumeTransfer, VolumeTransferPhase};
 use haulage::engine::Repository;
-use haulage::reconcile::claims::{RESTORE_COMPLETE, RESTORE_STATE_LABEL};
+use haulage::reconcile::claims::{RESTORE_COMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION};
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::{Api, ListParams};
 use serde_json::json;
@@ -362,9 +362,31 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     final_backup(&backups, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
     create_restore_of_backup(client, "first", "first").await?;
     let first = final_restore(&restores, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
+    let first = first.status.context("the first restore's status")?;
+    assert_eq!(first.phase, Some(VolumeRestorePhase::Completed));
+    let first_snapshot = first.selection[0].snapshot_id.clone();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), "shop-b");
+    let holds = |claim: &PersistentVolumeClaim| {
+        (
+            claim
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(RESTORE_STATE_LABEL).cloned()),
+            claim
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(RESTORED_FROM_ANNOTATION).cloned()),
+        )
+    };
     assert_eq!(
-        first.status.and_then(|status| status.phase),
-        Some(VolumeRestorePhase::Completed)
+        holds(&claims.get("db").await?),
+        (
+            Some(RESTORE_COMPLETE.to_string()),
+            Some(first_snapshot.clone())
+        ),
+        "the restored claim says which snapshot it holds completely"
     );
 
     // The application goes on writing on the source side: one file added,
@@ -429,8 +451,55 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     );
     assert!(transfer_status.verified_tree.is_some());
     assert_same_tree(&source, &fixture.volumes.join("shop-b/db"));
+    // The pass read only what changed: the agent was told the snapshot the
+    // claim held, skipped the rest in the sync and in its verification, and
+    // the claim now says it holds the cutover's snapshot.
+    assert_eq!(
+        transfer.spec.since_snapshot.as_deref(),
+        Some(first_snapshot.as_str())
+    );
+    let logs = without_colours(&fixture.kubelet.all_agent_logs());
+    let unread: Vec<u64> = logs
+        .match_indices("files_not_read=")
+        .filter_map(|(at, key)| {
+            logs[at + key.len()..]
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert!(
+        unread.iter().filter(|files| **files > 10).count() >= 2,
+        "the sync and its verification read every file ({unread:?}):\n{logs}"
+    );
+    assert_eq!(
+        holds(&claims.get("db").await?),
+        (
+            Some(RESTORE_COMPLETE.to_string()),
+            Some(status.selection[0].snapshot_id.clone())
+        )
+    );
     fixture.stop().await;
     Ok(())
+}
+
+/// Log text without its ANSI colour sequences (`ESC [ ... m`).
+fn without_colours(text: &str) -> String {
+    let mut plain = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            plain.push(c);
+        }
+    }
+    plain
 }
 
 /// The phases in which a transfer holds a slot of its StoragePolicy.

@@ -281,6 +281,100 @@ async fn sync_restore_leaves_identical_files_untouched_and_rewrites_only_what_di
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_since_the_earlier_snapshot_reads_only_what_changed_and_still_finds_every_change() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    haulage::sample::generate(&source, 4 << 20, 9).unwrap();
+    let first = repo.backup(&source).await;
+    let target = repo.dir.path().join("restored");
+    repo.restore(&first.snapshot_id, &target).await;
+    let files = super::support::files_under(&source).len() as u64;
+
+    // At the source: one file rewritten with its size and time put back
+    // (`touch -r`: only its ctime tells, and only the snapshots' content
+    // can tell the restore), one changed the usual way.
+    let small = super::support::files_under(&source)
+        .into_iter()
+        .map(|(path, _)| path)
+        .find(|path| path.extension().is_some_and(|e| e == "txt"))
+        .expect("a small text file");
+    let modified = std::fs::metadata(&small).unwrap().modified().unwrap();
+    let mut bytes = std::fs::read(&small).unwrap();
+    for byte in bytes.iter_mut().take(8) {
+        *byte ^= 0x55;
+    }
+    std::fs::write(&small, &bytes).unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&small)
+        .unwrap()
+        .set_modified(modified)
+        .unwrap();
+    std::fs::write(source.join("large/app.log"), b"rotated").unwrap();
+    // In the target, a file written since the first restore (its time
+    // moves): compared and put right although the snapshots agree on it.
+    std::fs::write(target.join("duplicates/random-copy.bin"), b"scribbled").unwrap();
+    let second = repo.backup(&source).await;
+
+    let mut options = RestoreOptions::new(&target);
+    options.sync = true;
+    options.since = Some(first.snapshot_id);
+    let verify_options = haulage::engine::verify_tree::TreeVerifyOptions::for_restore(&options);
+    let outcome = repo.restore_with(&second.snapshot_id, options).await;
+    let verify_options = verify_options.after(&outcome);
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_eq!(
+        outcome.since.as_deref(),
+        Some(first.snapshot_id.to_hex().as_str())
+    );
+    assert_same_tree(&source, &target);
+    assert_eq!(
+        outcome.files_not_read,
+        files - 3,
+        "all but the three changed files are left unread"
+    );
+    let verification = haulage::engine::verify_tree::verify_tree(
+        &repo.repository,
+        &second.snapshot_id,
+        &target,
+        &verify_options,
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        verification.mismatches.is_empty(),
+        "{:?}",
+        verification.mismatches
+    );
+    assert_eq!(verification.files_not_read, files - 3);
+    assert_eq!(
+        verification.files, 3,
+        "what the sync wrote is re-read, the file put right in the target included"
+    );
+
+    // A since snapshot that is not there only costs a full comparison.
+    std::fs::write(source.join("large/app.log"), b"rotated again").unwrap();
+    let third = repo.backup(&source).await;
+    let mut options = RestoreOptions::new(&target);
+    options.sync = true;
+    options.since = Some(haulage::repo::ObjectId::of(b"no such snapshot"));
+    let outcome = repo.restore_with(&third.snapshot_id, options).await;
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_eq!(outcome.since, None);
+    assert!(
+        outcome
+            .since_not_used
+            .as_deref()
+            .is_some_and(|reason| reason.contains("every file is compared")),
+        "{:?}",
+        outcome.since_not_used
+    );
+    assert_eq!(outcome.files_not_read, 0);
+    assert_same_tree(&source, &target);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_into_a_non_empty_directory_is_refused_without_sync() {
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
