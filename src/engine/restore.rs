@@ -127,7 +127,7 @@ const BATCH_BOOKKEEPING_BYTES: u64 = 24 * MIB;
 /// Encoded bytes of the subtrees one directory level loads at once (at
 /// least one tree): neighbouring tree blobs come in one request, and a
 /// walk holds at most this much of loaded trees per level of depth.
-const TREE_PREFETCH_BYTES: u64 = MIB;
+pub(crate) const TREE_PREFETCH_BYTES: u64 = MIB;
 /// Batches the walker fills ahead of the one being written.
 const BATCHES_AHEAD: usize = 1;
 /// Files kept open between two of their writes; beyond this a file is
@@ -244,9 +244,13 @@ pub async fn restore(
     cancel: CancellationToken,
 ) -> Result<RestoreOutcome, EngineError> {
     let started = Instant::now();
-    let snapshot = repository.load_snapshot(snapshot_id).await?;
-    let loaded = repository.load_index().await?;
-    let index = Arc::new(loaded.index);
+    // Independent requests: together, not one after the other.
+    let (snapshot, loaded) = tokio::join!(
+        repository.load_snapshot(snapshot_id),
+        repository.load_index()
+    );
+    let snapshot = snapshot?;
+    let index = Arc::new(loaded?.index);
     progress
         .total_bytes
         .store(snapshot.summary.total_bytes, Ordering::Relaxed);
@@ -255,12 +259,15 @@ pub async fn restore(
         .store(snapshot.summary.files, Ordering::Relaxed);
     progress.totals_known.store(true, Ordering::Release);
     let root_fd = Arc::new(open_target(&options)?);
-    let root_tree = repository.load_tree(&index, &snapshot.tree).await?;
     let since_id = options.since.filter(|_| options.sync);
-    let since = match since_id {
-        Some(since) => load_since_root(repository, &index, &since, &snapshot.tree).await,
-        None => Ok(None),
+    let since = async {
+        match since_id {
+            Some(since) => load_since_root(repository, &index, &since, &snapshot.tree).await,
+            None => Ok(None),
+        }
     };
+    let (root_tree, since) = tokio::join!(repository.load_tree(&index, &snapshot.tree), since);
+    let root_tree = root_tree?;
 
     let shared = Arc::new(Shared {
         repository: repository.clone(),

@@ -43,11 +43,13 @@ use tokio_util::sync::CancellationToken;
 use super::repository::Repository;
 use super::restore::RestoreOptions;
 use super::restore::RestoreOutcome;
+use super::restore::TREE_PREFETCH_BYTES;
 use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory};
 use super::{EngineError, run_blocking};
-use crate::repo::ObjectId;
 use crate::repo::config::RepoKeys;
+use crate::repo::index::BlobIndex;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, Xattr, validate_name};
+use crate::repo::{BlobId, ObjectId};
 
 /// Mismatches recorded before verification stops.
 pub const MAX_MISMATCHES: usize = 100;
@@ -55,6 +57,10 @@ pub const MAX_MISMATCHES: usize = 100;
 /// core busy while another file waits on its reads, few enough that the
 /// read buffers ([`READ_BYTES`] each at most) stay small.
 const PARALLEL_FILE_CHECKS: usize = 4;
+/// Most files one blocking job checks.
+const FILES_PER_CHECK: usize = 64;
+/// Content one blocking job may re-read beyond its first file, bytes.
+const BYTES_PER_CHECK: u64 = 8 * 1024 * 1024;
 /// Largest read of a hole's data regions, bytes.
 const READ_BYTES: usize = 4 * 1024 * 1024;
 /// Names of entries that cannot be restored kept in the report.
@@ -632,8 +638,19 @@ pub async fn verify_tree(
     cancel: CancellationToken,
 ) -> Result<TreeVerification, EngineError> {
     let started = Instant::now();
-    let snapshot = repository.load_snapshot(snapshot_id).await?;
-    let index = Arc::new(repository.load_index().await?.index);
+    // Independent requests: together, not one after the other.
+    let since_snapshot = async {
+        match &options.since {
+            Some(since) => repository.load_snapshot(&since.snapshot).await.ok(),
+            None => None,
+        }
+    };
+    let (snapshot, loaded, since_snapshot) = tokio::join!(
+        repository.load_snapshot(snapshot_id),
+        repository.load_index(),
+        since_snapshot
+    );
+    let (snapshot, index) = (snapshot?, Arc::new(loaded?.index));
     let root_fd = rustix::fs::open(
         target,
         OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
@@ -661,26 +678,33 @@ pub async fn verify_tree(
     });
     let slots = Arc::new(Semaphore::new(PARALLEL_FILE_CHECKS));
     let mut file_checks = JoinSet::new();
-    let since_root = match &options.since {
-        // One that cannot be loaded only costs reading every file.
-        Some(since) => match repository.load_snapshot(&since.snapshot).await {
-            Ok(earlier) => super::since::since_root(&earlier.tree, &snapshot.tree),
-            Err(_) => SinceSubdirectory::Nothing,
-        },
-        None => SinceSubdirectory::Nothing,
-    };
+    // One that cannot be loaded only costs reading every file.
+    let since_root = since_snapshot.map_or(SinceSubdirectory::Nothing, |earlier| {
+        super::since::since_root(&earlier.tree, &snapshot.tree)
+    });
     let mut pending = vec![(
         Vec::new(),
         snapshot.root_attributes(),
         Some(snapshot.tree),
         since_root,
     )];
+    // Trees loaded a window at a time (one request for neighbouring
+    // blobs) until their directory is visited.
+    let mut preloaded = HashMap::new();
     while let Some((path, entry, subtree, since)) = pending.pop() {
         if findings.stop.is_cancelled() {
             break;
         }
+        load_window(
+            repository,
+            &index,
+            (subtree, since),
+            &pending,
+            &mut preloaded,
+        )
+        .await;
         let tree = match subtree {
-            Some(id) => match repository.load_tree(&index, &id).await {
+            Some(id) => match tree_of(repository, &index, &mut preloaded, &id).await {
                 Ok(tree) => Some(tree),
                 Err(error) => {
                     findings.record(
@@ -696,8 +720,7 @@ pub async fn verify_tree(
         };
         let since = match since {
             SinceSubdirectory::Same => Some(SinceDirectory::Same),
-            SinceSubdirectory::Load(id) => repository
-                .load_tree(&index, &id)
+            SinceSubdirectory::Load(id) => tree_of(repository, &index, &mut preloaded, &id)
                 .await
                 .ok()
                 .map(SinceDirectory::Tree),
@@ -710,7 +733,7 @@ pub async fn verify_tree(
         let Some(visit) = visit else {
             continue;
         };
-        for (path, entry, unchanged_since) in visit.files {
+        for group in file_groups(visit.files) {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 break;
             };
@@ -720,7 +743,9 @@ pub async fn verify_tree(
             let checker = checker.clone();
             let directory = visit.directory.clone();
             file_checks.spawn_blocking(move || {
-                checker.check_file(&directory, &path, &entry, unchanged_since);
+                for (path, entry, unchanged_since) in group {
+                    checker.check_file(&directory, &path, &entry, unchanged_since);
+                }
                 drop(slot);
             });
             while let Some(joined) = file_checks.try_join_next() {
@@ -740,6 +765,98 @@ pub async fn verify_tree(
     Ok(report)
 }
 
+/// A directory's files in groups checked by one blocking job each: at
+/// most [`FILES_PER_CHECK`] files and, past the first, [`BYTES_PER_CHECK`]
+/// of content that may be re-read. A job per file would spend more on
+/// handing it to a thread than on checking a small file.
+fn file_groups(
+    files: Vec<(Components, Entry, bool)>,
+) -> impl Iterator<Item = Vec<(Components, Entry, bool)>> {
+    let mut groups: Vec<Vec<(Components, Entry, bool)>> = Vec::new();
+    let mut bytes = 0u64;
+    for file in files {
+        let to_read = if file.2 { 0 } else { file.1.size };
+        let full = groups.last().is_none_or(|group| {
+            group.len() >= FILES_PER_CHECK
+                || (bytes + to_read > BYTES_PER_CHECK && !group.is_empty())
+        });
+        if full {
+            groups.push(Vec::new());
+            bytes = 0;
+        }
+        bytes += to_read;
+        groups.last_mut().expect("a group").push(file);
+    }
+    groups.into_iter()
+}
+
+/// A tree loaded with its siblings', or loaded now.
+async fn tree_of(
+    repository: &Repository,
+    index: &BlobIndex,
+    preloaded: &mut HashMap<BlobId, Result<Tree, String>>,
+    id: &BlobId,
+) -> Result<Tree, String> {
+    match preloaded.remove(id) {
+        Some(tree) => tree,
+        None => repository
+            .load_tree(index, id)
+            .await
+            .map_err(|error| error.to_string()),
+    }
+}
+
+/// A directory still to visit: its path, entry, tree and what the since
+/// snapshot holds there.
+type PendingDirectory = (Components, Entry, Option<BlobId>, SinceSubdirectory);
+
+/// Unless they are loaded already, load the trees the directory about to
+/// be visited needs (its own, and the since snapshot's there) together with
+/// those of the directories visited after it (the top of `pending`), up to
+/// [`TREE_PREFETCH_BYTES`]: neighbouring tree blobs come in one request
+/// instead of one each.
+async fn load_window(
+    repository: &Repository,
+    index: &BlobIndex,
+    current: (Option<BlobId>, SinceSubdirectory),
+    pending: &[PendingDirectory],
+    preloaded: &mut HashMap<BlobId, Result<Tree, String>>,
+) {
+    let trees_of = |(subtree, since): (Option<BlobId>, SinceSubdirectory)| {
+        let since = match since {
+            SinceSubdirectory::Load(id) => Some(id),
+            SinceSubdirectory::Same | SinceSubdirectory::Nothing => None,
+        };
+        subtree.into_iter().chain(since)
+    };
+    if trees_of(current).all(|id| preloaded.contains_key(&id)) {
+        return;
+    }
+    let next = pending
+        .iter()
+        .rev()
+        .flat_map(|(_, _, subtree, since)| trees_of((*subtree, *since)));
+    let mut ids = Vec::new();
+    let mut chosen = std::collections::HashSet::new();
+    let mut bytes = 0u64;
+    for id in trees_of(current).chain(next) {
+        if bytes >= TREE_PREFETCH_BYTES {
+            break;
+        }
+        if preloaded.contains_key(&id) || !chosen.insert(id) {
+            continue;
+        }
+        bytes += index
+            .get(&id)
+            .map_or(0, |location| u64::from(location.raw_length));
+        ids.push(id);
+    }
+    let trees = repository.load_trees(index, &ids).await;
+    for (id, tree) in ids.into_iter().zip(trees) {
+        preloaded.insert(id, tree.map_err(|error| error.to_string()));
+    }
+}
+
 /// What visiting one directory leaves to do.
 struct Visit {
     /// The directory, for its files' checks.
@@ -749,12 +866,7 @@ struct Visit {
     files: Vec<(Components, Entry, bool)>,
     /// Its subdirectories present in the target, with their trees and
     /// what the since snapshot holds there.
-    directories: Vec<(
-        Components,
-        Entry,
-        Option<crate::repo::BlobId>,
-        SinceSubdirectory,
-    )>,
+    directories: Vec<PendingDirectory>,
 }
 
 /// The blocking half of the walk.
@@ -923,8 +1035,14 @@ impl Checker {
 
     /// `lstat` of an entry of `directory`.
     fn observe(&self, directory: &OwnedFd, path: &[Vec<u8>], entry: &Entry) -> Option<Observed> {
+        self.lstat(directory, path, entry)
+            .map(|stat| Observed::from_stat(&stat))
+    }
+
+    /// `lstat` of an entry of `directory`, its absence or failure recorded.
+    fn lstat(&self, directory: &OwnedFd, path: &[Vec<u8>], entry: &Entry) -> Option<Stat> {
         match rustix::fs::statat(directory, entry.name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
-            Ok(stat) => Some(Observed::from_stat(&stat)),
+            Ok(stat) => Some(stat),
             Err(Errno::NOENT) => {
                 self.findings.record(
                     path,
@@ -981,10 +1099,21 @@ impl Checker {
             return;
         }
         let name = entry.name.as_slice();
-        let Some(listed) = self.observe(directory, path, entry) else {
+        let Some(listed_stat) = self.lstat(directory, path, entry) else {
             return;
         };
+        let listed = Observed::from_stat(&listed_stat);
         self.findings.count_entry();
+        if unchanged_since
+            && entry.links <= 1
+            && self.untouched_as_restored(entry, &listed, &listed_stat)
+        {
+            // Neither read nor written by the sync, as the since
+            // snapshot's verified restore left it: its content and
+            // extended attributes are that restore's.
+            self.findings.report.lock().expect("report").files_not_read += 1;
+            return;
+        }
         if listed.kind != Some(EntryKind::File) {
             self.findings
                 .record_all(path, metadata_differences(entry, &listed, false));
@@ -1014,9 +1143,10 @@ impl Checker {
                 },
             );
         }
-        let differences = metadata_differences(entry, &observed, self.options.check_owners);
-        let as_restored = differences.is_empty();
-        self.findings.record_all(path, differences);
+        self.findings.record_all(
+            path,
+            metadata_differences(entry, &observed, self.options.check_owners),
+        );
         self.compare_xattrs(&fd, path, &entry.xattrs);
         let group = (entry.links > 1).then_some((entry.device, entry.inode));
         let linked = self.findings.links.lock().expect("links").check(
@@ -1044,14 +1174,6 @@ impl Checker {
             // Already reported; the chunks cannot line up.
             return;
         }
-        let untouched_by_the_sync = self
-            .options
-            .since
-            .is_some_and(|since| since.mark.changed_before(&stat));
-        if unchanged_since && as_restored && untouched_by_the_sync {
-            self.findings.report.lock().expect("report").files_not_read += 1;
-            return;
-        }
         match self.compare_content(&fd, entry) {
             Ok(Some(difference)) => self.findings.record(path, difference),
             Ok(None) => {
@@ -1062,6 +1184,18 @@ impl Checker {
             Err(Stopped::Io(error)) => self.unreadable(path, "read the file", error),
             Err(Stopped::Cancelled) => {}
         }
+    }
+
+    /// Whether a regular file the since snapshot holds unchanged shows on
+    /// disk exactly what the restore wrote and last changed before the
+    /// sync began (so the sync neither wrote it nor set its attributes).
+    fn untouched_as_restored(&self, entry: &Entry, observed: &Observed, stat: &Stat) -> bool {
+        self.options.since.is_some_and(|since| {
+            observed.kind == Some(EntryKind::File)
+                && observed.size == entry.size
+                && metadata_differences(entry, observed, self.options.check_owners).is_empty()
+                && since.mark.changed_before(stat)
+        })
     }
 
     /// The first chunk or hole of `entry` that the file's bytes do not
@@ -1258,6 +1392,30 @@ mod tests {
             rdev: 0,
             xattrs: Vec::new(),
         }
+    }
+
+    #[test]
+    fn files_are_checked_in_groups_bounded_by_count_and_by_bytes_to_read() {
+        let file = |size: u64, unchanged: bool| {
+            let mut entry = entry(EntryKind::File);
+            entry.size = size;
+            (Vec::new(), entry, unchanged)
+        };
+        let sizes = |groups: Vec<Vec<(Components, Entry, bool)>>| -> Vec<usize> {
+            groups.iter().map(Vec::len).collect()
+        };
+        let small: Vec<_> = (0..200).map(|_| file(10, false)).collect();
+        assert_eq!(sizes(file_groups(small).collect()), [64, 64, 64, 8]);
+        let mixed = vec![
+            file(BYTES_PER_CHECK * 2, false),
+            file(10, false),
+            file(BYTES_PER_CHECK, false),
+            file(BYTES_PER_CHECK * 4, true),
+            file(10, false),
+        ];
+        // A large file goes alone; one the sync left unread costs nothing.
+        assert_eq!(sizes(file_groups(mixed).collect()), [1, 1, 2, 1]);
+        assert_eq!(file_groups(Vec::new()).count(), 0);
     }
 
     fn observed_as(entry: &Entry) -> Observed {
