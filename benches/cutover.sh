@@ -4,9 +4,12 @@
 # (the first pass), then CHANGE_PERCENT of its files rewritten (the same
 # length, new random bytes) and a few removed and added, backed up again
 # (incremental) and restored with `--sync` into the first pass's directory
-# (the cutover: only what differs is written, extras removed). The agent's
-# Download mode runs the same engine code for a VolumeRestore with
-# `existingClaim: Sync`. Wall time, CPU (user+sys) and peak RSS from
+# (the cutover: only what differs is written, extras removed), once
+# comparing every file and once with `--since` the first pass's snapshot
+# (into a second copy of the first pass: only the files that changed
+# between the snapshots are read). The agent's Download mode runs the same
+# engine code for a VolumeRestore with `existingClaim: Sync` (with the
+# claim's snapshot as `--since`). Wall time, CPU (user+sys) and peak RSS from
 # /usr/bin/time -v, RUNS rounds, medians; each result is compared with the
 # source tree (diff -r). Prints a Markdown table; docs/benchmarks.md records
 # runs.
@@ -48,6 +51,7 @@ median() { sort -n | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] 
 
 full_rows=()
 sync_rows=()
+since_rows=()
 for run in $(seq 1 "$RUNS"); do
     rm -rf "$WORK" "$RESTORE_ROOT"
     mkdir -p "$WORK" "$RESTORE_ROOT"
@@ -58,6 +62,7 @@ for run in $(seq 1 "$RUNS"); do
     first=$("$HAULAGE" snapshots --repo "$repo" | awk 'NR == 2 { print $1 }')
     find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null
     full_rows+=("$(measure "$HAULAGE" restore "$first" "$RESTORE_ROOT/claim" --no-progress --repo "$repo")")
+    "$HAULAGE" restore "$first" "$RESTORE_ROOT/claim-since" --no-progress --repo "$repo" >/dev/null
 
     # The change between the passes: CHANGE_PERCENT of the files rewritten
     # in place with new bytes of the same length, one in a thousand removed,
@@ -81,17 +86,22 @@ for run in $(seq 1 "$RUNS"); do
     "$HAULAGE" backup "$WORK/data" --label pass --no-progress --repo "$repo" >/dev/null
     second=$("$HAULAGE" snapshots --repo "$repo" | awk 'NR == 3 { print $1 }')
     sync_rows+=("$(measure "$HAULAGE" restore "$second" "$RESTORE_ROOT/claim" --sync --no-progress --repo "$repo")")
-    diff -r "$WORK/data" "$RESTORE_ROOT/claim" >/dev/null || { echo "cutover.sh: the synced tree differs from the source" >&2; exit 1; }
-    echo "run $run: $total files of at most $((MAX_CHANGED_FILE_BYTES >> 20)) MiB, $((changed_bytes / 1048576)) MiB rewritten; full ${full_rows[-1]}; sync ${sync_rows[-1]}" >&2
+    since_rows+=("$(measure "$HAULAGE" restore "$second" "$RESTORE_ROOT/claim-since" --sync --since "$first" --no-progress --repo "$repo")")
+    for claim in claim claim-since; do
+        diff -r "$WORK/data" "$RESTORE_ROOT/$claim" >/dev/null || { echo "cutover.sh: the synced tree $claim differs from the source" >&2; exit 1; }
+    done
+    echo "run $run: $total files of at most $((MAX_CHANGED_FILE_BYTES >> 20)) MiB, $((changed_bytes / 1048576)) MiB rewritten; full ${full_rows[-1]}; sync ${sync_rows[-1]}; sync --since ${since_rows[-1]}" >&2
 done
 
 column() { local n=$1; shift; printf '%s\n' "$@" | awk -v n="$n" '{ print $n }' | median; }
 full_wall=$(column 1 "${full_rows[@]}")
 sync_wall=$(column 1 "${sync_rows[@]}")
+since_wall=$(column 1 "${since_rows[@]}")
 echo "| pass | wall s (median of $RUNS) | CPU s | peak RSS MiB |"
 echo "| --- | --- | --- | --- |"
 mib() { awk '{ printf "%.0f", $1 / 1024 }'; }
 echo "| full restore into an empty directory | $full_wall | $(column 2 "${full_rows[@]}") | $(column 3 "${full_rows[@]}" | mib) |"
 echo "| cutover: restore --sync after ${CHANGE_PERCENT} % of the files changed | $sync_wall | $(column 2 "${sync_rows[@]}") | $(column 3 "${sync_rows[@]}" | mib) |"
-awk -v a="$sync_wall" -v b="$full_wall" 'BEGIN { printf "\ncutover / full restore: %.1f %%\n", 100 * a / b }'
+echo "| cutover: restore --sync --since the first pass's snapshot | $since_wall | $(column 2 "${since_rows[@]}") | $(column 3 "${since_rows[@]}" | mib) |"
+awk -v a="$sync_wall" -v c="$since_wall" -v b="$full_wall" 'BEGIN { printf "\ncutover / full restore: %.1f %% comparing every file, %.1f %% with --since\n", 100 * a / b, 100 * c / b }'
 rm -rf "$WORK" "$RESTORE_ROOT"

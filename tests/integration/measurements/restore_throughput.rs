@@ -287,6 +287,12 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
             .join(&pod)
             .join("agent.log"),
     )?;
+    for line in log
+        .lines()
+        .filter(|line| line.contains("restored; verifying") || line.contains("verified"))
+    {
+        println!("cutover agent: {line}");
+    }
     let synced = logged_seconds(&log, "restored; verifying").context("restore seconds")?;
     let synced_verified = logged_seconds(&log, "verified").context("verify seconds")?;
     println!(
