@@ -17,6 +17,12 @@
 //! there: a claim that differs in thousands of entries needs the same
 //! answer as one that differs in a hundred).
 //!
+//! After a sync restore given its since snapshot ([`super::since`]),
+//! [`TreeVerifyOptions::after`] lets the walk skip, from its `lstat` alone,
+//! the files the sync neither read nor wrote (both snapshots hold them
+//! unchanged, the disk shows them as restored, and they last changed before
+//! the sync began); everything the sync wrote is re-read as above.
+//!
 //! Entries a restore never creates — Unix sockets, and device nodes when
 //! the restore does not create them — are expected to be absent; they are
 //! counted in [`TreeVerification::not_restorable`], not as mismatches.
@@ -44,7 +50,7 @@ use super::repository::Repository;
 use super::restore::RestoreOptions;
 use super::restore::RestoreOutcome;
 use super::restore::TREE_PREFETCH_BYTES;
-use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory};
+use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored};
 use super::{EngineError, run_blocking};
 use crate::repo::config::RepoKeys;
 use crate::repo::index::BlobIndex;
@@ -1104,10 +1110,7 @@ impl Checker {
         };
         let listed = Observed::from_stat(&listed_stat);
         self.findings.count_entry();
-        if unchanged_since
-            && entry.links <= 1
-            && self.untouched_as_restored(entry, &listed, &listed_stat)
-        {
+        if unchanged_since && entry.links <= 1 && self.untouched_as_restored(entry, &listed_stat) {
             // Neither read nor written by the sync, as the since
             // snapshot's verified restore left it: its content and
             // extended attributes are that restore's.
@@ -1189,11 +1192,9 @@ impl Checker {
     /// Whether a regular file the since snapshot holds unchanged shows on
     /// disk exactly what the restore wrote and last changed before the
     /// sync began (so the sync neither wrote it nor set its attributes).
-    fn untouched_as_restored(&self, entry: &Entry, observed: &Observed, stat: &Stat) -> bool {
+    fn untouched_as_restored(&self, entry: &Entry, stat: &Stat) -> bool {
         self.options.since.is_some_and(|since| {
-            observed.kind == Some(EntryKind::File)
-                && observed.size == entry.size
-                && metadata_differences(entry, observed, self.options.check_owners).is_empty()
+            on_disk_as_restored(stat, entry, self.options.check_owners)
                 && since.mark.changed_before(stat)
         })
     }
