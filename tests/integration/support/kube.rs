@@ -247,6 +247,15 @@ async fn etcd_healthy(port: u16) -> bool {
     )
 }
 
+/// Starts of a server whose port was taken before it bound it.
+const PORT_ATTEMPTS: u32 = 5;
+
+/// Whether a server failed to start because its port was in use.
+fn lost_its_port(error: &anyhow::Error) -> bool {
+    let text = format!("{error:#}");
+    text.contains("address already in use") && text.contains("before it was ready")
+}
+
 /// Fail with the process's log when it has exited.
 fn check_running(child: &mut Option<Child>, what: &str, log: &Path) -> anyhow::Result<()> {
     if let Some(process) = child.as_mut()
@@ -334,10 +343,40 @@ impl KubeCluster {
             cluster.audit_log = Some(cluster.dir.path().join("audit.log"));
         }
         let started = Instant::now();
-        cluster.start_etcd(etcd_port, peer_port).await?;
-        cluster
+        // A port found free can be taken by another process before the
+        // server binds it (the other tests start servers all the time):
+        // then the server exits saying so, and is started again on another.
+        let (mut etcd_port, mut peer_port) = (etcd_port, peer_port);
+        let mut attempts = 0;
+        while let Err(error) = cluster.start_etcd(etcd_port, peer_port).await {
+            attempts += 1;
+            if attempts >= PORT_ATTEMPTS || !lost_its_port(&error) {
+                return Err(error);
+            }
+            eprintln!("etcd's port was taken meanwhile; starting it on others");
+            let _ = std::fs::remove_dir_all(cluster.dir.path().join("etcd-data"));
+            (etcd_port, peer_port) = (free_port()?, free_port()?);
+        }
+        let mut api_port = api_port;
+        let mut attempts = 0;
+        while let Err(error) = cluster
             .start_apiserver(api_port, etcd_port, &pki, &tokens)
-            .await?;
+            .await
+        {
+            attempts += 1;
+            if attempts >= PORT_ATTEMPTS || !lost_its_port(&error) {
+                return Err(error);
+            }
+            eprintln!(
+                "kube-apiserver's port {api_port} was taken meanwhile; starting it on another"
+            );
+            api_port = free_port()?;
+            cluster.server = format!("https://127.0.0.1:{api_port}");
+            std::fs::write(
+                &cluster.kubeconfig,
+                kubeconfig_yaml(&cluster.server, &pki.ca_pem, &admin_token, &user_token),
+            )?;
+        }
         eprintln!(
             "kube-apiserver ready at {} after {:.1}s",
             cluster.server,
