@@ -30,7 +30,7 @@ use tempfile::TempDir;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::audit;
-use super::minio::free_port;
+use super::minio::{PORT_ATTEMPTS, free_port, lost_its_port};
 
 /// The repository's `manifests/`: what a user applies with
 /// `kubectl apply -k` (CRDs, RBAC, the controller's Deployment, examples).
@@ -245,15 +245,6 @@ async fn etcd_healthy(port: u16) -> bool {
         tokio::time::timeout(Duration::from_secs(2), probe).await,
         Ok(Ok(true))
     )
-}
-
-/// Starts of a server whose port was taken before it bound it.
-const PORT_ATTEMPTS: u32 = 5;
-
-/// Whether a server failed to start because its port was in use.
-fn lost_its_port(error: &anyhow::Error) -> bool {
-    let text = format!("{error:#}");
-    text.contains("address already in use") && text.contains("before it was ready")
 }
 
 /// Fail with the process's log when it has exited.

@@ -77,6 +77,16 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// Starts of a server whose port was taken before it bound it.
+pub const PORT_ATTEMPTS: u32 = 5;
+
+/// Whether a server failed to start because the port [`free_port`] found
+/// was taken before it bound it (the server exited saying so).
+pub fn lost_its_port(error: &anyhow::Error) -> bool {
+    let text = format!("{error:#}");
+    text.contains("already in use") && text.contains("before it was ready")
+}
+
 /// One running (or stopped) MinIO server.
 pub struct MinioServer {
     binary: PathBuf,
@@ -156,7 +166,20 @@ impl MinioServer {
             starts: 0,
             tls,
         };
-        server.spawn_and_wait().await?;
+        // A port found free can be taken by another process before MinIO
+        // binds it: then it exits saying so, and is started on another.
+        let mut attempts = 0;
+        while let Err(error) = server.spawn_and_wait().await {
+            attempts += 1;
+            if attempts >= PORT_ATTEMPTS || !lost_its_port(&error) {
+                return Err(error);
+            }
+            eprintln!(
+                "minio's port {} was taken meanwhile; starting it on another",
+                server.port
+            );
+            server.port = free_port()?;
+        }
         Ok(server)
     }
 
