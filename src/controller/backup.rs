@@ -29,10 +29,10 @@ use kube::{Api, ResourceExt};
 use tracing::{debug, info, instrument, warn};
 
 use crate::api::labels::{CANCEL_FINALIZER, FORGET_FINALIZER};
-use crate::api::{BackupStorageLocation, VolumeBackup, VolumeBackupStatus};
+use crate::api::{BackupStorageLocation, VolumeBackup};
 use crate::clock;
 use crate::controller::error::{ApiCall, Error, is_conflict, kube_error};
-use crate::controller::execute::{emit, execute, namespaced_name, take_ownership};
+use crate::controller::execute::{OwnerCalls, act, emit, execute, namespaced_name, status_patch};
 use crate::controller::location::{
     key_source, password_of, read_credentials, read_password, s3_options,
 };
@@ -43,13 +43,13 @@ use crate::engine::lock::RepositoryLock;
 use crate::plan::objects::ClusterObjects;
 use crate::reconcile::action::Action;
 use crate::reconcile::backup::{
-    BackupActs, BackupDecision, BackupObservation, FORGET_RETRY_SECONDS, Lifecycle, decide,
-    decide_cancel, decide_lifecycle, forget_failed, needs_cluster, needs_credentials, owns_pod,
-    owns_transfer, resolve_location,
+    BackupDecision, BackupObservation, FORGET_RETRY_SECONDS, Lifecycle, decide, decide_cancel,
+    decide_lifecycle, forget_failed, needs_cluster, needs_credentials, owns_pod, owns_transfer,
+    resolve_location,
 };
 use crate::reconcile::claims::claim_record;
 use crate::reconcile::location::sanitize_message;
-use crate::reconcile::ownership::{ControllerSettings, Ownership, WaitReason};
+use crate::reconcile::ownership::{ControllerSettings, WaitReason};
 use crate::reconcile::stage_pod::repository_url;
 use crate::repo::lock::LockKind;
 use crate::repo::snapshot::ClaimRecord;
@@ -244,7 +244,7 @@ async fn report_forget_failure(
         api.patch_status(
             &backup.name_any(),
             &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(status_patch(&status, None)),
+            &Patch::Apply(status_patch::<VolumeBackup>(&status, None)),
         )
         .await
         .map_err(kube_error(
@@ -525,15 +525,6 @@ async fn credentials_of(
     }
 }
 
-/// The status apply, conditional on `resource_version` when given.
-fn status_patch(status: &VolumeBackupStatus, resource_version: Option<&str>) -> serde_json::Value {
-    let mut patch = crate::api::status_apply::<VolumeBackup>(status);
-    if let Some(version) = resource_version {
-        patch["metadata"] = serde_json::json!({"resourceVersion": version});
-    }
-    patch
-}
-
 /// Observe, decide, and carry out the decision.
 async fn apply(backup: Arc<VolumeBackup>, context: &Context) -> Result<Requeue, Error> {
     let observation = observe(backup, context).await?;
@@ -552,75 +543,15 @@ async fn apply(backup: Arc<VolumeBackup>, context: &Context) -> Result<Requeue, 
             execute(release, backup.as_ref(), context).await?;
             Ok(Requeue::await_change())
         }
-        BackupDecision::Act(acts) => act(*acts, &backup, context).await,
-    }
-}
-
-/// Carry out an owner's decision: claim first (stop when another replica
-/// won), then the actions, the status, and what follows it.
-async fn act(acts: BackupActs, backup: &VolumeBackup, context: &Context) -> Result<Requeue, Error> {
-    let BackupActs {
-        ownership,
-        actions,
-        status,
-        after_status,
-        finished,
-        requeue: next,
-    } = acts;
-    // Status writes carry the resourceVersion this replica last saw: a
-    // replica acting on a stale cache (back from a network partition after
-    // another adopted its backups) gets a conflict instead of taking the
-    // backup back.
-    let mut resource_version = backup.resource_version();
-    if let Ownership::Take { claim, event } = &ownership {
-        match take_ownership(backup, claim, context, ApiCall::ClaimBackup).await? {
-            Some(version) => resource_version = version,
-            None => return Ok(Requeue::await_change()),
+        BackupDecision::Act(acts) => {
+            let calls = OwnerCalls {
+                claim: ApiCall::ClaimBackup,
+                write_status: ApiCall::WriteBackupStatus,
+                noun: "backup",
+            };
+            act(*acts, backup.as_ref(), context, calls).await
         }
-        emit(backup, event, context).await;
     }
-    let executed = execute(actions, backup, context).await?;
-    let status = if executed.refused.is_empty() {
-        status
-    } else {
-        // What the API server refused goes into the status (and an
-        // Event), so a user sees why nothing runs.
-        let mut noted = status.unwrap_or_else(|| backup.status.clone().unwrap_or_default());
-        let event = crate::reconcile::supervision::note_refused_stage_pods(
-            &mut noted.conditions,
-            &mut noted.message,
-            &executed.refused_pods(),
-            backup.metadata.generation,
-            &clock::now(),
-        );
-        emit(backup, &event, context).await;
-        Some(noted)
-    };
-    let uid = backup.uid().unwrap_or_default();
-    if let Some(status) = &status {
-        let api: Api<VolumeBackup> = Api::namespaced(
-            context.client.clone(),
-            &backup.namespace().unwrap_or_default(),
-        );
-        api.patch_status(
-            &backup.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(status_patch(status, resource_version.as_deref())),
-        )
-        .await
-        .map_err(kube_error(
-            ApiCall::WriteBackupStatus,
-            namespaced_name(backup),
-        ))?;
-        context.status_writes.record(&uid);
-    }
-    if finished {
-        context.status_writes.forget(&uid);
-        let phase = status.as_ref().and_then(|status| status.phase);
-        info!(?phase, "backup finished");
-    }
-    execute(after_status, backup, context).await?;
-    Ok(requeue(next))
 }
 
 /// Cancel: carry out [`decide_cancel`] (open transfers Canceled, stage

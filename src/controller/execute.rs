@@ -467,3 +467,154 @@ async fn change_volume(
         Err(source) => Err(kube_error(ApiCall::PatchVolume, volume)(source)),
     }
 }
+
+/// The status of an object with an owner (VolumeBackup, VolumeRestore): the
+/// parts [`act`] writes a refused stage pod into.
+pub trait OwnerStatus: Clone + Default + Serialize {
+    /// Its conditions and message.
+    fn conditions_and_message(&mut self) -> (&mut Vec<crate::api::Condition>, &mut Option<String>);
+    /// Its phase, for the log line of a finished object.
+    fn phase_text(&self) -> Option<String>;
+}
+
+impl OwnerStatus for crate::api::VolumeBackupStatus {
+    fn conditions_and_message(&mut self) -> (&mut Vec<crate::api::Condition>, &mut Option<String>) {
+        (&mut self.conditions, &mut self.message)
+    }
+    fn phase_text(&self) -> Option<String> {
+        self.phase.map(|phase| format!("{phase:?}"))
+    }
+}
+
+impl OwnerStatus for crate::api::VolumeRestoreStatus {
+    fn conditions_and_message(&mut self) -> (&mut Vec<crate::api::Condition>, &mut Option<String>) {
+        (&mut self.conditions, &mut self.message)
+    }
+    fn phase_text(&self) -> Option<String> {
+        self.phase.map(|phase| format!("{phase:?}"))
+    }
+}
+
+/// An object with an owner and its status.
+pub trait Owned:
+    Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + DeserializeOwned
+    + Debug
+{
+    /// Its status type.
+    type Status: OwnerStatus;
+    /// Its status, when it has one.
+    fn status(&self) -> Option<&Self::Status>;
+}
+
+impl Owned for crate::api::VolumeBackup {
+    type Status = crate::api::VolumeBackupStatus;
+    fn status(&self) -> Option<&Self::Status> {
+        self.status.as_ref()
+    }
+}
+
+impl Owned for crate::api::VolumeRestore {
+    type Status = crate::api::VolumeRestoreStatus;
+    fn status(&self) -> Option<&Self::Status> {
+        self.status.as_ref()
+    }
+}
+
+/// The server-side apply of `status`, conditional on `resource_version`
+/// when given.
+pub fn status_patch<K>(status: &impl Serialize, resource_version: Option<&str>) -> serde_json::Value
+where
+    K: Resource<DynamicType = ()>,
+{
+    let mut patch = crate::api::status_apply::<K>(status);
+    if let Some(version) = resource_version {
+        patch["metadata"] = serde_json::json!({"resourceVersion": version});
+    }
+    patch
+}
+
+/// The API calls [`act`] makes, for its errors' labels.
+pub struct OwnerCalls {
+    /// Claiming or adopting the object.
+    pub claim: ApiCall,
+    /// Writing its status.
+    pub write_status: ApiCall,
+    /// What it is called in the log (`backup`, `restore`).
+    pub noun: &'static str,
+}
+
+/// Carry out an owner's decision on `object`: claim first (stop when
+/// another replica won), then the actions, the status (with what the API
+/// server refused noted in it), and what follows the status.
+pub async fn act<K: Owned>(
+    acts: crate::reconcile::ownership::OwnerActs<K::Status>,
+    object: &K,
+    context: &Context,
+    calls: OwnerCalls,
+) -> Result<kube::runtime::controller::Action, Error> {
+    let crate::reconcile::ownership::OwnerActs {
+        ownership,
+        actions,
+        status,
+        after_status,
+        finished,
+        requeue: next,
+    } = acts;
+    // Status writes carry the resourceVersion this replica last saw: a
+    // replica acting on a stale cache (back from a network partition after
+    // another adopted its objects) gets a conflict instead of taking the
+    // object back.
+    let mut resource_version = object.resource_version();
+    if let crate::reconcile::ownership::Ownership::Take { claim, event } = &ownership {
+        match take_ownership(object, claim, context, calls.claim).await? {
+            Some(version) => resource_version = version,
+            None => return Ok(kube::runtime::controller::Action::await_change()),
+        }
+        emit(object, event, context).await;
+    }
+    let executed = execute(actions, object, context).await?;
+    let status = if executed.refused.is_empty() {
+        status
+    } else {
+        // What the API server refused goes into the status (and an
+        // Event), so a user sees why nothing runs.
+        let mut noted = status.unwrap_or_else(|| object.status().cloned().unwrap_or_default());
+        let (conditions, message) = noted.conditions_and_message();
+        let event = crate::reconcile::supervision::note_refused_stage_pods(
+            conditions,
+            message,
+            &executed.refused_pods(),
+            object.meta().generation,
+            &crate::clock::now(),
+        );
+        emit(object, &event, context).await;
+        Some(noted)
+    };
+    let uid = object.uid().unwrap_or_default();
+    if let Some(status) = &status {
+        let api: Api<K> = Api::namespaced(
+            context.client.clone(),
+            &object.namespace().unwrap_or_default(),
+        );
+        api.patch_status(
+            &object.name_any(),
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(status_patch::<K>(status, resource_version.as_deref())),
+        )
+        .await
+        .map_err(kube_error(calls.write_status, namespaced_name(object)))?;
+        context.status_writes.record(&uid);
+    }
+    if finished {
+        context.status_writes.forget(&uid);
+        let phase = status.as_ref().and_then(OwnerStatus::phase_text);
+        info!(
+            phase = phase.as_deref().unwrap_or("-"),
+            "{} finished", calls.noun
+        );
+    }
+    execute(after_status, object, context).await?;
+    Ok(crate::controller::requeue(next))
+}

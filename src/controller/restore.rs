@@ -13,25 +13,24 @@ use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Patch, PatchParams};
 use kube::runtime::controller::Action as Requeue;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, ResourceExt};
 use tracing::{debug, info, instrument, warn};
 
+use crate::api::VolumeRestore;
 use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
-use crate::api::{VolumeRestore, VolumeRestoreStatus};
 use crate::clock;
-use crate::controller::error::{ApiCall, Error, kube_error};
-use crate::controller::execute::{emit, execute, namespaced_name, take_ownership};
+use crate::controller::error::{ApiCall, Error};
+use crate::controller::execute::{OwnerCalls, act, execute, namespaced_name};
 use crate::controller::location::{key_source, password_of, read_credentials, s3_options};
-use crate::controller::{Context, FIELD_MANAGER, requeue};
+use crate::controller::{Context, requeue};
 use crate::engine::Repository;
 use crate::plan::objects::ClusterObjects;
-use crate::reconcile::ownership::{ControllerSettings, Ownership, WaitReason};
+use crate::reconcile::ownership::{ControllerSettings, WaitReason};
 use crate::reconcile::restore::{
-    ListedSnapshot, RestoreActs, RestoreDecision, RestoreObservation, decide, decide_cancel,
-    needs_cluster, needs_credentials, needs_snapshots,
+    ListedSnapshot, RestoreDecision, RestoreObservation, decide, decide_cancel, needs_cluster,
+    needs_credentials, needs_snapshots,
 };
 use crate::reconcile::stage_pod::repository_url;
 use crate::store::open_store;
@@ -348,15 +347,6 @@ async fn list_snapshots(
     ))
 }
 
-/// The status apply, conditional on `resource_version` when given.
-fn status_patch(status: &VolumeRestoreStatus, resource_version: Option<&str>) -> serde_json::Value {
-    let mut patch = crate::api::status_apply::<VolumeRestore>(status);
-    if let Some(version) = resource_version {
-        patch["metadata"] = serde_json::json!({"resourceVersion": version});
-    }
-    patch
-}
-
 async fn apply(restore: Arc<VolumeRestore>, context: &Context) -> Result<Requeue, Error> {
     let observation = observe(restore, context).await?;
     let restore = observation.restore.clone();
@@ -377,72 +367,15 @@ async fn apply(restore: Arc<VolumeRestore>, context: &Context) -> Result<Requeue
             execute(release, restore.as_ref(), context).await?;
             Ok(Requeue::await_change())
         }
-        RestoreDecision::Act(acts) => act(*acts, &restore, context).await,
-    }
-}
-
-async fn act(
-    acts: RestoreActs,
-    restore: &VolumeRestore,
-    context: &Context,
-) -> Result<Requeue, Error> {
-    let RestoreActs {
-        ownership,
-        actions,
-        status,
-        after_status,
-        finished,
-        requeue: next,
-    } = acts;
-    let mut resource_version = restore.resource_version();
-    if let Ownership::Take { claim, event } = &ownership {
-        match take_ownership(restore, claim, context, ApiCall::ClaimRestore).await? {
-            Some(version) => resource_version = version,
-            None => return Ok(Requeue::await_change()),
+        RestoreDecision::Act(acts) => {
+            let calls = OwnerCalls {
+                claim: ApiCall::ClaimRestore,
+                write_status: ApiCall::WriteRestoreStatus,
+                noun: "restore",
+            };
+            act(*acts, restore.as_ref(), context, calls).await
         }
-        emit(restore, event, context).await;
     }
-    let executed = execute(actions, restore, context).await?;
-    let status = if executed.refused.is_empty() {
-        status
-    } else {
-        // What the API server refused goes into the status (and an
-        // Event), so a user sees why nothing runs.
-        let mut noted = status.unwrap_or_else(|| restore.status.clone().unwrap_or_default());
-        let event = crate::reconcile::supervision::note_refused_stage_pods(
-            &mut noted.conditions,
-            &mut noted.message,
-            &executed.refused_pods(),
-            restore.metadata.generation,
-            &clock::now(),
-        );
-        emit(restore, &event, context).await;
-        Some(noted)
-    };
-    let uid = restore.uid().unwrap_or_default();
-    if let Some(status) = &status {
-        let api: Api<VolumeRestore> = Api::namespaced(
-            context.client.clone(),
-            &restore.namespace().unwrap_or_default(),
-        );
-        api.patch_status(
-            &restore.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(status_patch(status, resource_version.as_deref())),
-        )
-        .await
-        .map_err(kube_error(
-            ApiCall::WriteRestoreStatus,
-            namespaced_name(restore),
-        ))?;
-        context.status_writes.record(&uid);
-    }
-    if finished {
-        context.status_writes.forget(&uid);
-        info!(phase = ?status.as_ref().and_then(|status| status.phase), "restore finished");
-    }
-    execute(after_status, restore, context).await?;
-    Ok(requeue(next))
 }
 
 /// Cancel: stop the agents, release the stage pods, delete the transfers,
