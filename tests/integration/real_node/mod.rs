@@ -465,8 +465,14 @@ fn sample_stage_pods(
                         continue;
                     }
                     running.push((name.clone(), id.clone()));
-                    if let Some(cgroup) = node.container_memory_cgroup(&id) {
+                    // Sampled only while its process is there to read (a
+                    // short container can exit between its status and this
+                    // read, leaving an empty cgroup that says nothing).
+                    if let Some(cgroup) = node.container_memory_cgroup(&id)
+                        && let Some(hwm) = cgroup_vm_hwm(&cgroup)
+                    {
                         let entry = guard.containers.entry(id).or_default();
+                        entry.vm_hwm_bytes = entry.vm_hwm_bytes.max(hwm);
                         entry.pod = name.clone();
                         entry.spec_limit_bytes = spec_limit;
                         if let Ok(peak) = cgroup_value(&cgroup, "memory.max_usage_in_bytes") {
@@ -477,9 +483,6 @@ fn sample_stage_pods(
                         }
                         if let Some(rss) = cgroup_rss(&cgroup) {
                             entry.rss_bytes = entry.rss_bytes.max(rss);
-                        }
-                        if let Some(hwm) = cgroup_vm_hwm(&cgroup) {
-                            entry.vm_hwm_bytes = entry.vm_hwm_bytes.max(hwm);
                         }
                         if let Ok(limit) = cgroup_value(&cgroup, "memory.limit_in_bytes") {
                             entry.limit_bytes = limit;
