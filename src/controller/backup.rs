@@ -32,24 +32,25 @@ use crate::api::labels::{CANCEL_FINALIZER, FORGET_FINALIZER};
 use crate::api::{BackupStorageLocation, VolumeBackup};
 use crate::clock;
 use crate::controller::error::{ApiCall, Error, is_conflict, kube_error};
-use crate::controller::execute::{OwnerCalls, act, emit, execute, namespaced_name, status_patch};
+use crate::controller::execute::{
+    OwnerCalls, carry_out, emit, execute, namespaced_name, status_patch,
+};
 use crate::controller::location::{
     key_source, password_of, read_credentials, read_password, s3_options,
 };
-use crate::controller::{Context, FIELD_MANAGER, requeue};
+use crate::controller::{Context, FIELD_MANAGER};
 use crate::engine::Repository;
 use crate::engine::forget::forget_snapshots;
 use crate::engine::lock::RepositoryLock;
 use crate::plan::objects::ClusterObjects;
 use crate::reconcile::action::Action;
 use crate::reconcile::backup::{
-    BackupDecision, BackupObservation, FORGET_RETRY_SECONDS, Lifecycle, decide, decide_cancel,
-    decide_lifecycle, forget_failed, needs_cluster, needs_credentials, owns_pod, owns_transfer,
-    resolve_location,
+    BackupObservation, FORGET_RETRY_SECONDS, Lifecycle, decide, decide_cancel, decide_lifecycle,
+    forget_failed, needs_cluster, needs_credentials, owns_pod, owns_transfer, resolve_location,
 };
 use crate::reconcile::claims::claim_record;
 use crate::reconcile::location::sanitize_message;
-use crate::reconcile::ownership::{ControllerSettings, WaitReason};
+use crate::reconcile::ownership::ControllerSettings;
 use crate::reconcile::stage_pod::repository_url;
 use crate::repo::lock::LockKind;
 use crate::repo::snapshot::ClaimRecord;
@@ -530,28 +531,12 @@ async fn apply(backup: Arc<VolumeBackup>, context: &Context) -> Result<Requeue, 
     let observation = observe(backup, context).await?;
     let backup = observation.backup.clone();
     let decision = decide(&observation, &clock::now()).map_err(decision_error(&backup))?;
-    match decision {
-        BackupDecision::Wait { why, requeue: next } => {
-            if why == WaitReason::StaleLease {
-                warn!(
-                    "this replica's lease has not been renewed recently (API server unreachable?); not acting on its backups until it is, since another replica may adopt them"
-                );
-            }
-            Ok(requeue(next))
-        }
-        BackupDecision::Finished { release } => {
-            execute(release, backup.as_ref(), context).await?;
-            Ok(Requeue::await_change())
-        }
-        BackupDecision::Act(acts) => {
-            let calls = OwnerCalls {
-                claim: ApiCall::ClaimBackup,
-                write_status: ApiCall::WriteBackupStatus,
-                noun: "backup",
-            };
-            act(*acts, backup.as_ref(), context, calls).await
-        }
-    }
+    let calls = OwnerCalls {
+        claim: ApiCall::ClaimBackup,
+        write_status: ApiCall::WriteBackupStatus,
+        noun: "backup",
+    };
+    carry_out(decision, backup.as_ref(), context, calls).await
 }
 
 /// Cancel: carry out [`decide_cancel`] (open transfers Canceled, stage

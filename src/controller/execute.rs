@@ -545,10 +545,37 @@ pub struct OwnerCalls {
     pub noun: &'static str,
 }
 
+/// Carry out a decision about `object` (a VolumeBackup or VolumeRestore):
+/// wait, release what is left of a finished one, or act as its owner.
+pub async fn carry_out<K: Owned>(
+    decision: crate::reconcile::ownership::Decision<K::Status>,
+    object: &K,
+    context: &Context,
+    calls: OwnerCalls,
+) -> Result<kube::runtime::controller::Action, Error> {
+    use crate::reconcile::ownership::{Decision, WaitReason};
+    match decision {
+        Decision::Wait { why, requeue: next } => {
+            if why == WaitReason::StaleLease {
+                warn!(
+                    "this replica's lease has not been renewed recently (API server unreachable?); not acting on its {}s until it is, since another replica may adopt them",
+                    calls.noun
+                );
+            }
+            Ok(crate::controller::requeue(next))
+        }
+        Decision::Finished { release } => {
+            execute(release, object, context).await?;
+            Ok(kube::runtime::controller::Action::await_change())
+        }
+        Decision::Act(acts) => act(*acts, object, context, calls).await,
+    }
+}
+
 /// Carry out an owner's decision on `object`: claim first (stop when
 /// another replica won), then the actions, the status (with what the API
 /// server refused noted in it), and what follows the status.
-pub async fn act<K: Owned>(
+async fn act<K: Owned>(
     acts: crate::reconcile::ownership::OwnerActs<K::Status>,
     object: &K,
     context: &Context,

@@ -21,16 +21,16 @@ use tracing::{debug, info, instrument, warn};
 use crate::api::VolumeRestore;
 use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
 use crate::clock;
+use crate::controller::Context;
 use crate::controller::error::{ApiCall, Error};
-use crate::controller::execute::{OwnerCalls, act, execute, namespaced_name};
+use crate::controller::execute::{OwnerCalls, carry_out, execute, namespaced_name};
 use crate::controller::location::{key_source, password_of, read_credentials, s3_options};
-use crate::controller::{Context, requeue};
 use crate::engine::Repository;
 use crate::plan::objects::ClusterObjects;
-use crate::reconcile::ownership::{ControllerSettings, WaitReason};
+use crate::reconcile::ownership::ControllerSettings;
 use crate::reconcile::restore::{
-    ListedSnapshot, RestoreDecision, RestoreObservation, decide, decide_cancel, needs_cluster,
-    needs_credentials, needs_snapshots,
+    ListedSnapshot, RestoreObservation, decide, decide_cancel, needs_cluster, needs_credentials,
+    needs_snapshots,
 };
 use crate::reconcile::stage_pod::repository_url;
 use crate::store::open_store;
@@ -354,28 +354,12 @@ async fn apply(restore: Arc<VolumeRestore>, context: &Context) -> Result<Requeue
         name: namespaced_name(restore.as_ref()),
         source,
     })?;
-    match decision {
-        RestoreDecision::Wait { why, requeue: next } => {
-            if why == WaitReason::StaleLease {
-                warn!(
-                    "this replica's lease has not been renewed recently; not acting on its restores until it is"
-                );
-            }
-            Ok(requeue(next))
-        }
-        RestoreDecision::Finished { release } => {
-            execute(release, restore.as_ref(), context).await?;
-            Ok(Requeue::await_change())
-        }
-        RestoreDecision::Act(acts) => {
-            let calls = OwnerCalls {
-                claim: ApiCall::ClaimRestore,
-                write_status: ApiCall::WriteRestoreStatus,
-                noun: "restore",
-            };
-            act(*acts, restore.as_ref(), context, calls).await
-        }
-    }
+    let calls = OwnerCalls {
+        claim: ApiCall::ClaimRestore,
+        write_status: ApiCall::WriteRestoreStatus,
+        noun: "restore",
+    };
+    carry_out(decision, restore.as_ref(), context, calls).await
 }
 
 /// Cancel: stop the agents, release the stage pods, delete the transfers,
