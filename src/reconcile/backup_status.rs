@@ -353,42 +353,67 @@ fn volume_results(
     (results, progress)
 }
 
+/// What the volume counts of a backup or a restore say once every volume
+/// is final (one rule for both; each names the phases in its own words).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinalCounts {
+    /// No volume was selected.
+    NoVolumes,
+    /// Every volume completed.
+    AllCompleted,
+    /// None completed.
+    NoneCompleted,
+    /// Some completed, some failed or were canceled.
+    SomeCompleted,
+}
+
+impl FinalCounts {
+    /// `None` while some volume is not final.
+    pub fn of(counts: &VolumeCounts) -> Option<FinalCounts> {
+        let all_final = counts.completed + counts.failed + counts.canceled == counts.total;
+        if counts.total == 0 {
+            Some(FinalCounts::NoVolumes)
+        } else if !all_final {
+            None
+        } else if counts.completed == counts.total {
+            Some(FinalCounts::AllCompleted)
+        } else if counts.completed == 0 {
+            Some(FinalCounts::NoneCompleted)
+        } else {
+            Some(FinalCounts::SomeCompleted)
+        }
+    }
+}
+
 /// The final phase the volume counts give, with its reason and message:
 /// `None` while some volume is not final. A plan selecting no volume fails
 /// the backup, since that is almost always a wrong selector or namespace.
 fn final_phase(counts: &VolumeCounts) -> Option<(VolumeBackupPhase, &'static str, String)> {
-    let all_final =
-        counts.total > 0 && counts.completed + counts.failed + counts.canceled == counts.total;
-    if counts.total == 0 {
-        Some((
+    Some(match FinalCounts::of(counts)? {
+        FinalCounts::NoVolumes => (
             VolumeBackupPhase::Failed,
             reason::NO_VOLUMES_SELECTED,
             "no PersistentVolumeClaim matches the namespaces and selector".to_string(),
-        ))
-    } else if all_final && counts.completed == counts.total {
-        Some((
+        ),
+        FinalCounts::AllCompleted => (
             VolumeBackupPhase::Completed,
             reason::ALL_VOLUMES_COMPLETED,
             format!("all {} volumes have a snapshot", counts.total),
-        ))
-    } else if all_final && counts.completed == 0 {
-        Some((
+        ),
+        FinalCounts::NoneCompleted => (
             VolumeBackupPhase::Failed,
             reason::ALL_VOLUMES_FAILED,
             format!("none of the {} volumes has a snapshot", counts.total),
-        ))
-    } else if all_final {
-        Some((
+        ),
+        FinalCounts::SomeCompleted => (
             VolumeBackupPhase::PartiallyFailed,
             reason::SOME_VOLUMES_FAILED,
             format!(
                 "{} of {} volumes have a snapshot, {} failed, {} canceled",
                 counts.completed, counts.total, counts.failed, counts.canceled
             ),
-        ))
-    } else {
-        None
-    }
+        ),
+    })
 }
 
 #[cfg(test)]
@@ -396,6 +421,38 @@ mod tests {
     use super::*;
     use haulage_api::backup::{PlannedStagePod, UnplaceableVolume};
     use haulage_api::condition::find_condition;
+
+    #[test]
+    fn the_final_counts_are_read_the_same_for_backups_and_restores() {
+        let counts = |total, completed, failed, canceled| VolumeCounts {
+            total,
+            completed,
+            failed,
+            canceled,
+            ..VolumeCounts::default()
+        };
+        assert_eq!(
+            FinalCounts::of(&counts(0, 0, 0, 0)),
+            Some(FinalCounts::NoVolumes)
+        );
+        assert_eq!(
+            FinalCounts::of(&counts(3, 2, 0, 0)),
+            None,
+            "one is not final"
+        );
+        assert_eq!(
+            FinalCounts::of(&counts(3, 3, 0, 0)),
+            Some(FinalCounts::AllCompleted)
+        );
+        assert_eq!(
+            FinalCounts::of(&counts(3, 0, 2, 1)),
+            Some(FinalCounts::NoneCompleted)
+        );
+        assert_eq!(
+            FinalCounts::of(&counts(3, 1, 1, 1)),
+            Some(FinalCounts::SomeCompleted)
+        );
+    }
 
     fn at(seconds: i64) -> Time {
         Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))

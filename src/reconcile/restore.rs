@@ -52,7 +52,7 @@ use kube::ResourceExt;
 
 use crate::action::{Action, ClaimChange, Event, ObjectName, Requeue};
 use crate::backup::{PROGRESS_WRITE_INTERVAL, RECHECK_SECONDS, label_selector_of};
-use crate::backup_status::StorageState;
+use crate::backup_status::{FinalCounts, StorageState};
 use crate::claims::{
     RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION,
     destination_claim, destination_of,
@@ -1077,37 +1077,31 @@ fn roll_up(
     status.progress = Some(Progress::sum(&progress));
     status.results = results;
     status.volumes = Some(counts.clone());
-    let all_final = counts.completed + counts.failed + counts.canceled == counts.total;
-    let outcome = if counts.total == 0 {
-        Some((
+    let outcome = FinalCounts::of(&counts).map(|verdict| match verdict {
+        FinalCounts::NoVolumes => (
             VolumeRestorePhase::Completed,
             reason::ALL_VOLUMES_COMPLETED,
             "every selected claim exists and is left alone (spec.existingClaim: Skip)".to_string(),
-        ))
-    } else if all_final && counts.completed == counts.total {
-        Some((
+        ),
+        FinalCounts::AllCompleted => (
             VolumeRestorePhase::Completed,
             reason::ALL_VOLUMES_COMPLETED,
             format!("all {} volumes restored and verified", counts.total),
-        ))
-    } else if all_final && counts.completed == 0 {
-        Some((
+        ),
+        FinalCounts::NoneCompleted => (
             VolumeRestorePhase::Failed,
             reason::ALL_VOLUMES_FAILED,
             format!("none of the {} volumes was restored", counts.total),
-        ))
-    } else if all_final {
-        Some((
+        ),
+        FinalCounts::SomeCompleted => (
             VolumeRestorePhase::PartiallyFailed,
             reason::SOME_VOLUMES_FAILED,
             format!(
                 "{} of {} volumes restored and verified, {} failed, {} canceled",
                 counts.completed, counts.total, counts.failed, counts.canceled
             ),
-        ))
-    } else {
-        None
-    };
+        ),
+    });
     match outcome {
         Some((phase, why, message)) => {
             let succeeded = phase == VolumeRestorePhase::Completed;
