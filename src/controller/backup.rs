@@ -389,46 +389,10 @@ pub async fn observe(
 /// namespaces' pods and claims (one malformed object elsewhere must not
 /// stop it).
 fn cluster_objects(backup: &VolumeBackup, context: &Context) -> ClusterObjects {
-    let stores = &context.stores;
     let in_scope = |object_namespace: Option<String>| {
         object_namespace.is_some_and(|namespace| backup.spec.namespaces.contains(&namespace))
     };
-    ClusterObjects {
-        nodes: stores.nodes.state().iter().map(|n| (**n).clone()).collect(),
-        csi_nodes: stores
-            .csi_nodes
-            .state()
-            .iter()
-            .map(|csi_node| (**csi_node).clone())
-            .collect(),
-        pods: stores
-            .pods
-            .state()
-            .iter()
-            .filter(|pod| in_scope(pod.namespace()))
-            .map(|pod| (**pod).clone())
-            .collect(),
-        claims: stores
-            .claims
-            .state()
-            .iter()
-            .filter(|claim| in_scope(claim.namespace()))
-            .map(|claim| (**claim).clone())
-            .collect(),
-        volumes: stores
-            .volumes
-            .state()
-            .iter()
-            .map(|volume| (**volume).clone())
-            .collect(),
-        storage_classes: stores
-            .classes
-            .state()
-            .iter()
-            .map(|class| (**class).clone())
-            .collect(),
-        limit_ranges: Vec::new(),
-    }
+    context.stores.cluster_objects_in(in_scope)
 }
 
 /// The record of each claim in `backup`'s namespaces, for the snapshots of

@@ -291,6 +291,53 @@ pub struct Stores {
 }
 
 impl Stores {
+    /// The cluster's objects a plan is made from: every node, CSI node,
+    /// volume and class, and the pods and claims of the namespaces
+    /// `in_scope` accepts (one malformed object elsewhere must not stop a
+    /// plan).
+    pub fn cluster_objects_in(
+        &self,
+        in_scope: impl Fn(Option<String>) -> bool,
+    ) -> crate::plan::objects::ClusterObjects {
+        let stores = self;
+        crate::plan::objects::ClusterObjects {
+            nodes: stores.nodes.state().iter().map(|n| (**n).clone()).collect(),
+            csi_nodes: stores
+                .csi_nodes
+                .state()
+                .iter()
+                .map(|csi_node| (**csi_node).clone())
+                .collect(),
+            pods: stores
+                .pods
+                .state()
+                .iter()
+                .filter(|pod| in_scope(pod.namespace()))
+                .map(|pod| (**pod).clone())
+                .collect(),
+            claims: stores
+                .claims
+                .state()
+                .iter()
+                .filter(|claim| in_scope(claim.namespace()))
+                .map(|claim| (**claim).clone())
+                .collect(),
+            volumes: stores
+                .volumes
+                .state()
+                .iter()
+                .map(|volume| (**volume).clone())
+                .collect(),
+            storage_classes: stores
+                .classes
+                .state()
+                .iter()
+                .map(|class| (**class).clone())
+                .collect(),
+            limit_ranges: Vec::new(),
+        }
+    }
+
     /// The LimitRange minimum of each namespace that has one (the largest
     /// of its LimitRanges'); a LimitRange that cannot be read is left out
     /// with a warning.

@@ -168,46 +168,10 @@ fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObse
 /// The cluster's objects a restore's plan is made from: the destination
 /// namespaces' pods and claims, every node, volume and class.
 fn cluster_objects(restore: &VolumeRestore, context: &Context) -> ClusterObjects {
-    let stores = &context.stores;
     let scope = destination_namespaces(restore).unwrap_or_default();
     let in_scope =
         |namespace: Option<String>| namespace.is_some_and(|namespace| scope.contains(&namespace));
-    ClusterObjects {
-        nodes: stores.nodes.state().iter().map(|n| (**n).clone()).collect(),
-        csi_nodes: stores
-            .csi_nodes
-            .state()
-            .iter()
-            .map(|csi_node| (**csi_node).clone())
-            .collect(),
-        pods: stores
-            .pods
-            .state()
-            .iter()
-            .filter(|pod| in_scope(pod.namespace()))
-            .map(|pod| (**pod).clone())
-            .collect(),
-        claims: stores
-            .claims
-            .state()
-            .iter()
-            .filter(|claim| in_scope(claim.namespace()))
-            .map(|claim| (**claim).clone())
-            .collect(),
-        volumes: stores
-            .volumes
-            .state()
-            .iter()
-            .map(|volume| (**volume).clone())
-            .collect(),
-        storage_classes: stores
-            .classes
-            .state()
-            .iter()
-            .map(|class| (**class).clone())
-            .collect(),
-        limit_ranges: Vec::new(),
-    }
+    context.stores.cluster_objects_in(in_scope)
 }
 
 /// The observation, with the location's snapshots while there is no
