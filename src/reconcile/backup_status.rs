@@ -94,7 +94,7 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
         now: now.clone(),
     };
     let set = |status: &mut VolumeBackupStatus, type_, state, why, message: &str| {
-        conditions.set(status, type_, state, why, message);
+        conditions.set(&mut status.conditions, type_, state, why, message);
     };
     match &observed.adopted_from {
         None => set(
@@ -280,22 +280,25 @@ fn bounded(message: &str) -> String {
 }
 
 /// Sets conditions with one generation and time.
-struct Conditions {
-    generation: Option<i64>,
-    now: Time,
+/// The generation and time every condition of one status write carries;
+/// backups and restores write their conditions through it.
+pub(crate) struct Conditions {
+    pub(crate) generation: Option<i64>,
+    pub(crate) now: Time,
 }
 
 impl Conditions {
-    fn set(
+    /// Set condition `type_` in `conditions`.
+    pub(crate) fn set(
         &self,
-        status: &mut VolumeBackupStatus,
+        conditions: &mut Vec<Condition>,
         type_: &str,
         state: ConditionStatus,
         why: &str,
         message: &str,
     ) {
         set_condition(
-            &mut status.conditions,
+            conditions,
             Condition::new(
                 type_,
                 state,

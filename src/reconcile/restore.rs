@@ -28,8 +28,7 @@ use std::time::Duration;
 
 use haulage_api::backup::{BackupPlan, PlannedStagePod, VolumeCounts};
 use haulage_api::condition::{
-    Condition, ConditionStatus, bounded_message, condition_type, find_condition, reason,
-    set_condition,
+    ConditionStatus, bounded_message, condition_type, find_condition, reason,
 };
 use haulage_api::restore::{
     ClaimAction, ExistingClaimPolicy, RestoreResult, RestoreVolume, VolumeRestore,
@@ -52,7 +51,7 @@ use kube::ResourceExt;
 
 use crate::action::{Action, ClaimChange, Event, ObjectName, Requeue};
 use crate::backup::{PROGRESS_WRITE_INTERVAL, RECHECK_SECONDS, label_selector_of};
-use crate::backup_status::{FinalCounts, StorageState};
+use crate::backup_status::{Conditions, FinalCounts, StorageState};
 use crate::claims::{
     RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION,
     destination_claim, destination_of,
@@ -988,41 +987,12 @@ fn is_progress_only(old: &VolumeRestoreStatus, status: &VolumeRestoreStatus) -> 
 }
 
 /// Sets conditions with one generation and time.
-struct Conditions<'a> {
-    generation: Option<i64>,
-    now: &'a Time,
-}
-
-impl Conditions<'_> {
-    fn set(
-        &self,
-        status: &mut VolumeRestoreStatus,
-        type_: &str,
-        state: ConditionStatus,
-        why: &str,
-        message: &str,
-    ) {
-        set_condition(
-            &mut status.conditions,
-            Condition::new(
-                type_,
-                state,
-                why,
-                message,
-                self.generation,
-                self.now.clone(),
-            ),
-            self.now.clone(),
-        );
-    }
-}
-
 /// The status's phase and its conditions from the volumes, once planned.
 fn roll_up(
     status: &mut VolumeRestoreStatus,
     observation: &RestoreObservation,
     unfinished: &BTreeSet<(String, String)>,
-    conditions: &Conditions<'_>,
+    conditions: &Conditions,
 ) {
     let selection = status.selection.clone();
     let plan = status.plan.clone().unwrap_or_default();
@@ -1106,14 +1076,14 @@ fn roll_up(
         Some((phase, why, message)) => {
             let succeeded = phase == VolumeRestorePhase::Completed;
             conditions.set(
-                status,
+                &mut status.conditions,
                 condition_type::PROGRESSING,
                 ConditionStatus::False,
                 why,
                 &message,
             );
             conditions.set(
-                status,
+                &mut status.conditions,
                 condition_type::COMPLETE,
                 if succeeded {
                     ConditionStatus::True
@@ -1124,7 +1094,7 @@ fn roll_up(
                 &message,
             );
             conditions.set(
-                status,
+                &mut status.conditions,
                 condition_type::FAILED,
                 if succeeded {
                     ConditionStatus::False
@@ -1147,7 +1117,7 @@ fn roll_up(
                 counts.pending
             );
             conditions.set(
-                status,
+                &mut status.conditions,
                 condition_type::PROGRESSING,
                 ConditionStatus::True,
                 reason::TRANSFERS_RUNNING,
@@ -1228,14 +1198,17 @@ pub fn decide(
     };
     let claim = ownership.claim().clone();
     let generation = restore.metadata.generation;
-    let conditions = Conditions { generation, now };
+    let conditions = Conditions {
+        generation,
+        now: now.clone(),
+    };
     let mut status = old.clone();
     status.owner = Some(claim.clone());
     status.observed_generation = generation;
     let start = status.start_time.clone().unwrap_or_else(|| now.clone());
     status.start_time = Some(start.clone());
     conditions.set(
-        &mut status,
+        &mut status.conditions,
         condition_type::CLAIMED,
         ConditionStatus::True,
         if claim.adopted_from.is_some() {
@@ -1263,7 +1236,7 @@ pub fn decide(
     let storage_problem = match &storage {
         StorageState::Available { name } => {
             conditions.set(
-                &mut status,
+                &mut status.conditions,
                 condition_type::STORAGE_AVAILABLE,
                 ConditionStatus::True,
                 reason::STORAGE_LOCATION_AVAILABLE,
@@ -1282,7 +1255,7 @@ pub fn decide(
     };
     if let Some((why, message)) = &storage_problem {
         conditions.set(
-            &mut status,
+            &mut status.conditions,
             condition_type::STORAGE_AVAILABLE,
             ConditionStatus::False,
             why,
@@ -1292,7 +1265,7 @@ pub fn decide(
 
     let fail = |status: &mut VolumeRestoreStatus, why: &str, message: &str| {
         conditions.set(
-            status,
+            &mut status.conditions,
             condition_type::FAILED,
             ConditionStatus::True,
             why,
@@ -1330,7 +1303,7 @@ pub fn decide(
                     "cannot read the storage location's snapshots: {message}; trying again in {SNAPSHOT_LIST_RETRY_SECONDS}s"
                 );
                 conditions.set(
-                    &mut status,
+                    &mut status.conditions,
                     condition_type::SELECTED,
                     ConditionStatus::False,
                     reason::REPOSITORY_UNREADABLE,
@@ -1343,7 +1316,7 @@ pub fn decide(
             (None, Some(Ok(listed))) => match make_selection(observation, listed, &owner) {
                 Err(refusal) => {
                     conditions.set(
-                        &mut status,
+                        &mut status.conditions,
                         condition_type::SELECTED,
                         ConditionStatus::False,
                         refusal.reason,
@@ -1357,7 +1330,7 @@ pub fn decide(
                         .filter(|volume| volume.action == ClaimAction::Skip)
                         .count();
                     conditions.set(
-                        &mut status,
+                        &mut status.conditions,
                         condition_type::SELECTED,
                         ConditionStatus::True,
                         reason::SNAPSHOTS_SELECTED,
@@ -1391,7 +1364,7 @@ pub fn decide(
                     .map(|pod| pod.stage.volumes.len())
                     .sum();
                 conditions.set(
-                    &mut status,
+                    &mut status.conditions,
                     condition_type::PLANNED,
                     ConditionStatus::True,
                     if plan.unplaceable.is_empty() {
