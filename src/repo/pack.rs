@@ -274,14 +274,8 @@ fn read_u32(bytes: &[u8]) -> u32 {
 /// From the last [`TRAILER_TAIL_BYTES`] of a pack, the length of the whole
 /// trailer (entries plus tail), so a reader can fetch exactly that range.
 pub fn trailer_length(tail: &[u8], pack: &str) -> Result<usize, PackError> {
-    let damaged = |reason: &str| PackError {
-        pack: pack.to_string(),
-        reason: reason.to_string(),
-    };
-    if tail.len() < TRAILER_TAIL_BYTES {
-        return Err(damaged("shorter than a trailer"));
-    }
-    let tail = &tail[tail.len() - TRAILER_TAIL_BYTES..];
+    let damaged = damaged_pack(pack);
+    let tail = last_bytes(tail, TRAILER_TAIL_BYTES, pack)?;
     if &tail[36..44] != PACK_END_MAGIC {
         return Err(damaged("end marker missing (truncated or not a pack)"));
     }
@@ -300,21 +294,12 @@ pub fn decode_trailer(
     pack_length: u64,
     pack: &str,
 ) -> Result<Vec<PackEntry>, PackError> {
-    let damaged = |reason: String| PackError {
-        pack: pack.to_string(),
-        reason,
-    };
-    let expected = trailer_length(trailer, pack)?;
-    if trailer.len() != expected {
-        return Err(damaged(format!(
-            "trailer is {} bytes, its count says {expected}",
-            trailer.len()
-        )));
-    }
+    let damaged = damaged_pack(pack);
+    exactly_the_trailer(trailer, trailer_length(trailer, pack)?, "its count", pack)?;
     let body_end = trailer.len() - 40;
     let checksum = &trailer[body_end..body_end + 32];
     if blake3::hash(&trailer[..body_end]).as_bytes() != checksum {
-        return Err(damaged("trailer checksum mismatch".into()));
+        return Err(damaged("trailer checksum mismatch"));
     }
     let count = read_u32(&trailer[body_end - 4..body_end]) as usize;
     let entries = decode_entries(
@@ -333,20 +318,14 @@ pub fn decode_trailer(
 
 /// Decode the trailer of a whole pack held in memory.
 pub fn decode_pack(bytes: &[u8], pack: &str) -> Result<Vec<PackEntry>, PackError> {
-    if bytes.len() < PACK_MAGIC.len() + TRAILER_TAIL_BYTES || &bytes[..8] != PACK_MAGIC {
-        return Err(PackError {
-            pack: pack.to_string(),
-            reason: "start marker missing (not a pack)".into(),
-        });
-    }
-    let length = trailer_length(bytes, pack)?;
-    if length > bytes.len() - PACK_MAGIC.len() {
-        return Err(PackError {
-            pack: pack.to_string(),
-            reason: "trailer longer than the pack".into(),
-        });
-    }
-    decode_trailer(&bytes[bytes.len() - length..], bytes.len() as u64, pack)
+    let trailer = trailer_of_whole_pack(
+        bytes,
+        (PACK_MAGIC, "not a pack"),
+        TRAILER_TAIL_BYTES,
+        trailer_length,
+        pack,
+    )?;
+    decode_trailer(trailer, bytes.len() as u64, pack)
 }
 
 /// Decode trailer entries, giving each its offset: `first_offset` plus
@@ -358,14 +337,14 @@ fn covering_the_pack(
     magic_length: u64,
     trailer_length: usize,
     pack_length: u64,
-    damaged: &dyn Fn(String) -> PackError,
+    damaged: &dyn Fn(&str) -> PackError,
 ) -> Result<Vec<PackEntry>, PackError> {
     let end = entries
         .last()
         .map(|entry| u64::from(entry.offset) + u64::from(entry.stored_length))
         .unwrap_or(magic_length);
     if end + trailer_length as u64 != pack_length {
-        return Err(damaged(format!(
+        return Err(damaged(&format!(
             "blobs and trailer cover {} bytes but the pack has {pack_length}",
             end + trailer_length as u64
         )));
@@ -376,21 +355,21 @@ fn covering_the_pack(
 fn decode_entries(
     records: &[u8],
     first_offset: u64,
-    damaged: &dyn Fn(String) -> PackError,
+    damaged: &dyn Fn(&str) -> PackError,
 ) -> Result<Vec<PackEntry>, PackError> {
     let mut entries = Vec::with_capacity(records.len() / TRAILER_ENTRY_BYTES);
     let mut offset = first_offset;
     for record in records.chunks_exact(TRAILER_ENTRY_BYTES) {
         let id = BlobId(record[..32].try_into().expect("32 bytes"));
         let kind = BlobKind::from_code(record[32]).ok_or_else(|| {
-            damaged(format!(
+            damaged(&format!(
                 "blob {} has unknown kind {}",
                 id.short(),
                 record[32]
             ))
         })?;
         let compression = Compression::from_code(record[33]).ok_or_else(|| {
-            damaged(format!(
+            damaged(&format!(
                 "blob {} has unknown compression {}",
                 id.short(),
                 record[33]
@@ -402,8 +381,7 @@ fn decode_entries(
             id,
             kind,
             compression,
-            offset: u32::try_from(offset)
-                .map_err(|_| damaged("blob offsets exceed 4 GiB".into()))?,
+            offset: u32::try_from(offset).map_err(|_| damaged("blob offsets exceed 4 GiB"))?,
             stored_length,
             raw_length,
         });
@@ -415,14 +393,8 @@ fn decode_entries(
 /// From the last [`SEALED_TRAILER_TAIL_BYTES`] of a format 2 pack, the
 /// length of the sealed trailer plus that tail.
 pub fn sealed_trailer_length(tail: &[u8], pack: &str) -> Result<usize, PackError> {
-    let damaged = |reason: &str| PackError {
-        pack: pack.to_string(),
-        reason: reason.to_string(),
-    };
-    if tail.len() < SEALED_TRAILER_TAIL_BYTES {
-        return Err(damaged("shorter than a trailer"));
-    }
-    let tail = &tail[tail.len() - SEALED_TRAILER_TAIL_BYTES..];
+    let damaged = damaged_pack(pack);
+    let tail = last_bytes(tail, SEALED_TRAILER_TAIL_BYTES, pack)?;
     if &tail[4..12] != SEALED_PACK_END_MAGIC {
         return Err(damaged(
             "end marker missing (truncated, not a pack, or a plaintext pack)",
@@ -445,30 +417,26 @@ pub fn decode_sealed_trailer(
     pack_length: u64,
     pack: &str,
 ) -> Result<Vec<PackEntry>, PackError> {
-    let damaged = |reason: String| PackError {
-        pack: pack.to_string(),
-        reason,
-    };
-    let expected = sealed_trailer_length(trailer, pack)?;
-    if trailer.len() != expected {
-        return Err(damaged(format!(
-            "trailer is {} bytes, its length field says {expected}",
-            trailer.len()
-        )));
-    }
+    let damaged = damaged_pack(pack);
+    exactly_the_trailer(
+        trailer,
+        sealed_trailer_length(trailer, pack)?,
+        "its length field",
+        pack,
+    )?;
     let plain = key
         .open(
             Sealed::PackTrailer,
             &[],
             &trailer[..trailer.len() - SEALED_TRAILER_TAIL_BYTES],
         )
-        .map_err(|error| damaged(error.to_string()))?;
+        .map_err(|error| damaged(&error.to_string()))?;
     if plain.len() < 4 {
-        return Err(damaged("trailer has no entry count".into()));
+        return Err(damaged("trailer has no entry count"));
     }
     let count = read_u32(&plain[plain.len() - 4..]) as usize;
     if count * TRAILER_ENTRY_BYTES + 4 != plain.len() {
-        return Err(damaged(format!(
+        return Err(damaged(&format!(
             "trailer holds {} bytes of entries, its count says {count}",
             plain.len() - 4
         )));
@@ -493,27 +461,67 @@ pub fn decode_sealed_pack(
     bytes: &[u8],
     pack: &str,
 ) -> Result<Vec<PackEntry>, PackError> {
-    if bytes.len() < SEALED_PACK_MAGIC.len() + SEALED_TRAILER_TAIL_BYTES
-        || &bytes[..8] != SEALED_PACK_MAGIC
-    {
-        return Err(PackError {
-            pack: pack.to_string(),
-            reason: "start marker missing (not an encrypted pack)".into(),
-        });
-    }
-    let length = sealed_trailer_length(bytes, pack)?;
-    if length > bytes.len() - SEALED_PACK_MAGIC.len() {
-        return Err(PackError {
-            pack: pack.to_string(),
-            reason: "trailer longer than the pack".into(),
-        });
-    }
-    decode_sealed_trailer(
-        key,
-        &bytes[bytes.len() - length..],
-        bytes.len() as u64,
+    let trailer = trailer_of_whole_pack(
+        bytes,
+        (SEALED_PACK_MAGIC, "not an encrypted pack"),
+        SEALED_TRAILER_TAIL_BYTES,
+        sealed_trailer_length,
         pack,
-    )
+    )?;
+    decode_sealed_trailer(key, trailer, bytes.len() as u64, pack)
+}
+
+/// A [`PackError`] for `pack` from a reason.
+fn damaged_pack(pack: &str) -> impl Fn(&str) -> PackError + '_ {
+    move |reason| PackError {
+        pack: pack.to_string(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The last `length` bytes of `tail`, or an error when it is shorter.
+fn last_bytes<'a>(tail: &'a [u8], length: usize, pack: &str) -> Result<&'a [u8], PackError> {
+    if tail.len() < length {
+        return Err(damaged_pack(pack)("shorter than a trailer"));
+    }
+    Ok(&tail[tail.len() - length..])
+}
+
+/// An error unless `trailer` is the `expected` length that `field` gave.
+fn exactly_the_trailer(
+    trailer: &[u8],
+    expected: usize,
+    field: &str,
+    pack: &str,
+) -> Result<(), PackError> {
+    if trailer.len() != expected {
+        return Err(damaged_pack(pack)(&format!(
+            "trailer is {} bytes, {field} says {expected}",
+            trailer.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The trailer of a whole pack in memory: after its start marker `magic`
+/// (`not_one` says what it is without), the last bytes `trailer_length`
+/// reads from its tail of `tail_bytes`.
+fn trailer_of_whole_pack<'a>(
+    bytes: &'a [u8],
+    (magic, not_one): (&[u8], &str),
+    tail_bytes: usize,
+    trailer_length: fn(&[u8], &str) -> Result<usize, PackError>,
+    pack: &str,
+) -> Result<&'a [u8], PackError> {
+    let damaged = damaged_pack(pack);
+    if bytes.len() < magic.len() + tail_bytes || &bytes[..magic.len()] != magic {
+        return Err(damaged(&format!("start marker missing ({not_one})")));
+    }
+    let length = trailer_length(bytes, pack)?;
+    if length > bytes.len() - magic.len() {
+        return Err(damaged("trailer longer than the pack"));
+    }
+    Ok(&bytes[bytes.len() - length..])
 }
 
 #[cfg(test)]
