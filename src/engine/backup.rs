@@ -27,7 +27,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use bytes::Bytes;
 use futures::StreamExt;
 use serde_bytes::ByteBuf;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
@@ -46,8 +45,7 @@ use crate::repo::snapshot::{
     FileWarning, MAX_RECORDED_WARNINGS, RootAttributes, Snapshot, SnapshotSummary,
 };
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, Xattr};
-use crate::repo::{self, BlobId, BlobKind, Compression, ObjectId};
-use crate::store::PutMode;
+use crate::repo::{BlobId, BlobKind, Compression, ObjectId};
 
 /// Walk items buffered between the walker and the hashing stage. Small:
 /// the chunk-bytes semaphore is what bounds memory; this only keeps the
@@ -1274,20 +1272,8 @@ impl Packer {
                 .pack_writer(pack_buffer_bytes(&self.repository)),
         );
         let repository = self.repository.clone();
-        self.uploads.spawn(async move {
-            let codec = repository.codec().clone();
-            let pack = run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
-            repository
-                .store()
-                .put(
-                    &repo::pack_key(&pack.id),
-                    Bytes::from(pack.bytes),
-                    PutMode::Overwrite,
-                )
-                .await
-                .map_err(|error| EngineError::store(format!("upload pack {}", pack.id), error))?;
-            Ok((pack.id, pack.entries))
-        });
+        self.uploads
+            .spawn(async move { repository.upload_pack(writer, "pack").await });
         Ok(())
     }
 

@@ -20,7 +20,6 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
@@ -32,7 +31,6 @@ use crate::repo::pack::PackEntry;
 use crate::repo::prune::{Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, plan_prune};
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
-use crate::store::PutMode;
 
 /// Packs per index file written by prune (about 1 MiB of index each).
 const PACKS_PER_INDEX_FILE: usize = 1024;
@@ -458,7 +456,7 @@ async fn repack(
             report.repacked_bytes_written += u64::from(entry.stored_length);
             if writer.len() >= target {
                 let full = std::mem::replace(&mut writer, repository.pack_writer(capacity));
-                written.push(upload_pack(repository, full).await?);
+                written.push(repository.upload_pack(full, "repacked pack").await?);
             }
         }
         if complete {
@@ -466,31 +464,13 @@ async fn repack(
         }
     }
     if !writer.is_empty() {
-        written.push(upload_pack(repository, writer).await?);
+        written.push(repository.upload_pack(writer, "repacked pack").await?);
     }
     if !written.is_empty() {
         repository.write_index(written).await?;
     }
     report.repacked_packs = copied.len();
     Ok(copied)
-}
-
-async fn upload_pack(
-    repository: &Repository,
-    writer: crate::repo::pack::PackWriter,
-) -> Result<(ObjectId, Vec<PackEntry>), EngineError> {
-    let codec = repository.codec().clone();
-    let pack = run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
-    repository
-        .store()
-        .put(
-            &repo::pack_key(&pack.id),
-            Bytes::from(pack.bytes),
-            PutMode::Overwrite,
-        )
-        .await
-        .map_err(|error| EngineError::store(format!("upload repacked pack {}", pack.id), error))?;
-    Ok((pack.id, pack.entries))
 }
 
 /// Under the exclusive lock: plan again and delete what is due.

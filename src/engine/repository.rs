@@ -215,14 +215,10 @@ impl Repository {
                     source,
                 })?;
                 let (id, bytes) = file.encode();
-                store
-                    .put(
-                        &keyfile::key_file_key(&id),
-                        Bytes::from(bytes),
-                        PutMode::Overwrite,
-                    )
-                    .await
-                    .map_err(|error| EngineError::store(format!("write key file {id}"), error))?;
+                put_object(&store, &keyfile::key_file_key(&id), bytes, || {
+                    format!("write key file {id}")
+                })
+                .await?;
                 (config, Some((id, master)))
             }
         };
@@ -372,14 +368,10 @@ impl Repository {
             source,
         })?;
         let (id, bytes) = file.encode();
-        self.store
-            .put(
-                &keyfile::key_file_key(&id),
-                Bytes::from(bytes),
-                PutMode::Overwrite,
-            )
-            .await
-            .map_err(|error| EngineError::store(format!("write key file {id}"), error))?;
+        put_object(&self.store, &keyfile::key_file_key(&id), bytes, || {
+            format!("write key file {id}")
+        })
+        .await?;
         Ok(id)
     }
 
@@ -604,14 +596,10 @@ impl Repository {
             &candidates.to_json(),
             &mut rand::rng(),
         );
-        self.store
-            .put(
-                DELETION_CANDIDATES_KEY,
-                Bytes::from(bytes),
-                PutMode::Overwrite,
-            )
-            .await
-            .map_err(|error| EngineError::store("write prune's deletion candidates", error))
+        put_object(&self.store, DELETION_CANDIDATES_KEY, bytes, || {
+            "write prune's deletion candidates".into()
+        })
+        .await
     }
 
     /// Read a pack's blob list from its trailer (two ranged reads).
@@ -853,28 +841,37 @@ impl Repository {
         let codec = self.codec.clone();
         let (id, bytes) =
             super::run_blocking(move || codec.encode_index(&file, &mut rand::rng())).await;
-        self.store
-            .put(
-                &repo::index_key(&id),
-                Bytes::from(bytes),
-                PutMode::Overwrite,
-            )
-            .await
-            .map_err(|error| EngineError::store(format!("write index file {id}"), error))?;
+        put_object(&self.store, &repo::index_key(&id), bytes, || {
+            format!("write index file {id}")
+        })
+        .await?;
         Ok(id)
+    }
+
+    /// Seal the blobs of `writer` into a pack (on the blocking pool) and
+    /// store it; `what` names it in an error ("pack", "repacked pack").
+    pub async fn upload_pack(
+        &self,
+        writer: PackWriter,
+        what: &str,
+    ) -> Result<(ObjectId, Vec<PackEntry>), EngineError> {
+        let codec = self.codec.clone();
+        let pack = super::run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
+        let id = pack.id;
+        put_object(&self.store, &repo::pack_key(&id), pack.bytes, || {
+            format!("upload {what} {id}")
+        })
+        .await?;
+        Ok((id, pack.entries))
     }
 
     /// Write a snapshot manifest.
     pub async fn write_snapshot(&self, snapshot: &Snapshot) -> Result<ObjectId, EngineError> {
         let (id, bytes) = self.codec.encode_snapshot(snapshot, &mut rand::rng());
-        self.store
-            .put(
-                &repo::snapshot_key(&id),
-                Bytes::from(bytes),
-                PutMode::Overwrite,
-            )
-            .await
-            .map_err(|error| EngineError::store(format!("write snapshot {id}"), error))?;
+        put_object(&self.store, &repo::snapshot_key(&id), bytes, || {
+            format!("write snapshot {id}")
+        })
+        .await?;
         Ok(id)
     }
 
@@ -1030,4 +1027,18 @@ fn decompress_with_thread_context(frame: &[u8], out: &mut Vec<u8>) -> std::io::R
         };
         decompressor.decompress_to_buffer(frame, out).map(|_| ())
     })
+}
+
+/// Store an object that may be overwritten (named by its content, or
+/// replaced whole); `action` says what was being done, for the error.
+async fn put_object(
+    store: &DynStore,
+    key: &str,
+    bytes: Vec<u8>,
+    action: impl FnOnce() -> String,
+) -> Result<(), EngineError> {
+    store
+        .put(key, Bytes::from(bytes), PutMode::Overwrite)
+        .await
+        .map_err(|error| EngineError::store(action(), error))
 }
