@@ -53,6 +53,7 @@ use self::plan::{ChunkNeed, PackRead, PlanLimits, PlannedBlob, Target, Unrestora
 use super::EngineError;
 use super::progress::Progress;
 use super::repository::Repository;
+use super::scan;
 use super::since::{
     ChangeMark, SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored, since_root,
 };
@@ -733,7 +734,7 @@ impl Walker {
         components: &[ByteBuf],
         keep: &HashSet<ByteBuf>,
     ) {
-        let names = match list_directory(directory_fd) {
+        let names = match scan::list_directory(directory_fd) {
             Ok(names) => names,
             Err(error) => {
                 self.problem(
@@ -999,26 +1000,6 @@ fn apply_metadata_fd(fd: &OwnedFd, entry: &Entry, options: &RestoreOptions) -> R
     rustix::fs::futimens(fd, &timestamps(entry))
 }
 
-/// Names in a directory, without `.` and `..`.
-fn list_directory(fd: &OwnedFd) -> Result<Vec<Vec<u8>>, Errno> {
-    let dup = rustix::fs::openat(
-        fd,
-        ".",
-        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let mut dir = rustix::fs::Dir::read_from(&dup)?;
-    let mut names = Vec::new();
-    while let Some(entry) = dir.read() {
-        let entry = entry?;
-        let name = entry.file_name().to_bytes();
-        if name != b"." && name != b".." {
-            names.push(name.to_vec());
-        }
-    }
-    Ok(names)
-}
-
 /// Remove an entry of `dir`, recursively for directories, never following
 /// a symlink.
 fn remove_entry(dir: &OwnedFd, name: &[u8]) -> Result<(), Errno> {
@@ -1033,7 +1014,7 @@ fn remove_entry(dir: &OwnedFd, name: &[u8]) -> Result<(), Errno> {
         OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     )?;
-    for child_name in list_directory(&child)? {
+    for child_name in scan::list_directory(&child)? {
         remove_entry(&child, &child_name)?;
     }
     rustix::fs::unlinkat(dir, name, AtFlags::REMOVEDIR)

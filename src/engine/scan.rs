@@ -1,7 +1,8 @@
 //! The lstat-only walk of a directory tree: every regular file under a
 //! root with its size, symlinks not followed, unreadable directories
 //! skipped. The backup's progress totals and `haulage bench`'s view of a
-//! source are both this walk.
+//! source are both this walk; a restore and a verification list a
+//! directory they hold open with [`list_directory`].
 
 use std::fs;
 use std::io;
@@ -39,6 +40,28 @@ pub fn scan_regular_files(
         }
     }
     Ok(())
+}
+
+/// The names in the open directory `fd`, without `.` and `..`: what a
+/// restore and a verification compare with the snapshot's tree.
+pub(crate) fn list_directory(fd: &std::os::fd::OwnedFd) -> Result<Vec<Vec<u8>>, rustix::io::Errno> {
+    use rustix::fs::{Mode, OFlags};
+    let dup = rustix::fs::openat(
+        fd,
+        ".",
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let mut dir = rustix::fs::Dir::read_from(&dup)?;
+    let mut names = Vec::new();
+    while let Some(entry) = dir.read() {
+        let entry = entry?;
+        let name = entry.file_name().to_bytes();
+        if name != b"." && name != b".." {
+            names.push(name.to_vec());
+        }
+    }
+    Ok(names)
 }
 
 #[cfg(test)]

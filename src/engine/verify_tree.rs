@@ -50,6 +50,7 @@ use super::repository::Repository;
 use super::restore::RestoreOptions;
 use super::restore::RestoreOutcome;
 use super::restore::TREE_PREFETCH_BYTES;
+use super::scan;
 use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored};
 use super::{EngineError, run_blocking};
 use crate::repo::config::RepoKeys;
@@ -923,7 +924,7 @@ impl Checker {
         }
         self.compare_xattrs(&directory, &path, &entry.xattrs);
         let tree = tree?;
-        let found = match list_directory(&directory) {
+        let found = match scan::list_directory(&directory) {
             Ok(names) => names,
             Err(error) => {
                 self.unreadable(&path, "list the directory", error);
@@ -1314,26 +1315,6 @@ fn open_directory_at(root: &OwnedFd, components: &[Vec<u8>]) -> Result<OwnedFd, 
         )?;
     }
     Ok(current)
-}
-
-/// Names in a directory, without `.` and `..`.
-fn list_directory(fd: &OwnedFd) -> Result<Vec<Vec<u8>>, Errno> {
-    let dup = rustix::fs::openat(
-        fd,
-        ".",
-        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    let mut dir = rustix::fs::Dir::read_from(&dup)?;
-    let mut names = Vec::new();
-    while let Some(entry) = dir.read() {
-        let entry = entry?;
-        let name = entry.file_name().to_bytes();
-        if name != b"." && name != b".." {
-            names.push(name.to_vec());
-        }
-    }
-    Ok(names)
 }
 
 /// The extended attributes of an open file or directory; `None` when its
