@@ -152,7 +152,12 @@ fn write_atomically(final_path: &Path, data: &[u8], mode: PutMode) -> io::Result
     File::open(dir)?.sync_all()
 }
 
-fn list_into(root: &Path, dir: &Path, out: &mut Vec<ObjectMeta>) -> io::Result<()> {
+/// Call `on_file` with every regular file under `dir`, depth first; a
+/// directory that is gone (removed meanwhile, or never made) holds none.
+fn each_file(
+    dir: &Path,
+    on_file: &mut impl FnMut(&fs::DirEntry) -> io::Result<()>,
+) -> io::Result<()> {
     let entries = match fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -160,34 +165,46 @@ fn list_into(root: &Path, dir: &Path, out: &mut Vec<ObjectMeta>) -> io::Result<(
     };
     for entry in entries {
         let entry = entry?;
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        if name.starts_with(TEMP_PREFIX) {
-            continue;
-        }
         let file_type = entry.file_type()?;
-        let path = entry.path();
         if file_type.is_dir() {
-            list_into(root, &path, out)?;
+            each_file(&entry.path(), on_file)?;
         } else if file_type.is_file() {
-            let size = match entry.metadata() {
-                Ok(meta) => meta.len(),
-                Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
-                Err(err) => return Err(err),
-            };
-            let Ok(relative) = path.strip_prefix(root) else {
-                continue;
-            };
-            let Some(key) = relative.to_str() else {
-                continue;
-            };
-            out.push(ObjectMeta {
-                key: key.to_string(),
-                size,
-            });
+            on_file(&entry)?;
         }
     }
     Ok(())
+}
+
+/// The entry's metadata; `None` when the file went meanwhile.
+fn metadata_if_present(entry: &fs::DirEntry) -> io::Result<Option<fs::Metadata>> {
+    match entry.metadata() {
+        Ok(meta) => Ok(Some(meta)),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
+fn list_into(root: &Path, dir: &Path, out: &mut Vec<ObjectMeta>) -> io::Result<()> {
+    each_file(dir, &mut |entry| {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else {
+            return Ok(());
+        };
+        if name.starts_with(TEMP_PREFIX) {
+            return Ok(());
+        }
+        let Some(meta) = metadata_if_present(entry)? else {
+            return Ok(());
+        };
+        let path = entry.path();
+        if let Some(key) = path.strip_prefix(root).ok().and_then(Path::to_str) {
+            out.push(ObjectMeta {
+                key: key.to_string(),
+                size: meta.len(),
+            });
+        }
+        Ok(())
+    })
 }
 
 /// Remove the temporary files of interrupted writes under `dir` that were
@@ -199,43 +216,32 @@ fn sweep_temp_files(
     now: SystemTime,
     report: &mut SweepReport,
 ) -> io::Result<()> {
-    let entries = match fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(err) => return Err(err),
-    };
-    for entry in entries {
-        let entry = entry?;
-        let file_type = entry.file_type()?;
-        let path = entry.path();
-        if file_type.is_dir() {
-            sweep_temp_files(root, &path, older_than, now, report)?;
-            continue;
-        }
-        if !file_type.is_file() || !entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
-            continue;
+    each_file(dir, &mut |entry| {
+        if !entry.file_name().to_string_lossy().starts_with(TEMP_PREFIX) {
+            return Ok(());
         }
         report.found += 1;
-        let modified = match entry.metadata() {
-            Ok(meta) => meta.modified()?,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
-            Err(err) => return Err(err),
+        let Some(meta) = metadata_if_present(entry)? else {
+            return Ok(());
         };
         // A modification time in the future counts as age zero.
-        let age = now.duration_since(modified).unwrap_or(Duration::ZERO);
+        let age = now
+            .duration_since(meta.modified()?)
+            .unwrap_or(Duration::ZERO);
         if age < older_than {
             report.kept_recent += 1;
-            continue;
+            return Ok(());
         }
+        let path = entry.path();
         match fs::remove_file(&path) {
             Ok(()) => {}
-            Err(err) if err.kind() == io::ErrorKind::NotFound => continue,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(()),
             Err(err) => return Err(err),
         }
         let relative = path.strip_prefix(root).unwrap_or(&path);
         report.removed.push(relative.to_string_lossy().into_owned());
-    }
-    Ok(())
+        Ok(())
+    })
 }
 
 #[async_trait]

@@ -642,6 +642,12 @@ impl S3Store {
         }
     }
 
+    /// `If-None-Match: *` for a create-only put, when the server honours
+    /// it (otherwise the store checks with a HEAD first).
+    fn if_none_match(&self, mode: PutMode) -> Option<String> {
+        (mode == PutMode::Create && self.upload.conditional_create).then(|| "*".to_string())
+    }
+
     async fn put_single(
         &self,
         key: &str,
@@ -649,17 +655,13 @@ impl S3Store {
         data: Bytes,
         mode: PutMode,
     ) -> Result<(), StoreError> {
-        let mut request = self
-            .client
+        self.client
             .put_object()
             .bucket(&self.location.bucket)
             .key(full_key)
             .content_length(data.len() as i64)
-            .body(ByteStream::from(data));
-        if mode == PutMode::Create && self.upload.conditional_create {
-            request = request.if_none_match("*");
-        }
-        request
+            .body(ByteStream::from(data))
+            .set_if_none_match(self.if_none_match(mode))
             .send()
             .await
             .map(drop)
@@ -781,8 +783,7 @@ impl S3Store {
             .try_collect()
             .await?;
         completed.sort_by_key(|part| part.part_number());
-        let mut request = self
-            .client
+        self.client
             .complete_multipart_upload()
             .bucket(&self.location.bucket)
             .key(full_key)
@@ -791,11 +792,8 @@ impl S3Store {
                 CompletedMultipartUpload::builder()
                     .set_parts(Some(completed))
                     .build(),
-            );
-        if mode == PutMode::Create && self.upload.conditional_create {
-            request = request.if_none_match("*");
-        }
-        request
+            )
+            .set_if_none_match(self.if_none_match(mode))
             .send()
             .await
             .map(drop)
