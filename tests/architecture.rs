@@ -90,7 +90,7 @@ fn dependency_names(crate_name: &str) -> Vec<String> {
         .collect()
 }
 
-/// Every `.rs` file under `dir`.
+/// Every `.rs` file under `dir`, but for a `tests/` directory (test code).
 fn sources(dir: &Path) -> Vec<PathBuf> {
     let mut files = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
@@ -98,7 +98,11 @@ fn sources(dir: &Path) -> Vec<PathBuf> {
         for entry in std::fs::read_dir(&dir).expect("readable source directory") {
             let path = entry.expect("readable entry").path();
             if path.is_dir() {
-                stack.push(path);
+                // A crate's own tests/ (its integration tests) is test code,
+                // like its `#[cfg(test)]` modules.
+                if path.file_name().is_some_and(|name| name != "tests") {
+                    stack.push(path);
+                }
             } else if path.extension().is_some_and(|ext| ext == "rs") {
                 files.push(path);
             }
