@@ -38,6 +38,24 @@ pub enum DumpError {
         #[source]
         source: serde_yaml::Error,
     },
+    /// A YAML alias (`*name`): kubectl never writes one, and an alias of
+    /// aliases expands without bound when read (the "billion laughs"), so a
+    /// dump that has one is refused before it is expanded.
+    #[error(
+        "the dump uses a YAML alias at line {line}, which kubectl never writes: give the unedited output of `kubectl get ... -o yaml` (or `-o json`)"
+    )]
+    Alias {
+        /// Line of the alias, from 1.
+        line: usize,
+    },
+    /// Nested deeper than [`MAX_DUMP_DEPTH`].
+    #[error(
+        "the dump nests deeper than {MAX_DUMP_DEPTH} levels at line {line}, which no Kubernetes object list does"
+    )]
+    TooDeep {
+        /// Line where it went too deep, from 1.
+        line: usize,
+    },
     /// Valid YAML, but not a list of objects.
     #[error(
         "the dump is {found}, not a v1 List (expected the output of `kubectl get nodes,pods,pvc,pv,storageclasses,csinodes -A -o yaml`)"
@@ -120,6 +138,7 @@ pub fn parse_dump(text: &str) -> Result<ClusterFacts, DumpError> {
 /// Parse the text of a dump into typed objects, skipping kinds the planner
 /// does not use.
 pub fn parse_objects(text: &str) -> Result<ClusterObjects, DumpError> {
+    refuse_aliases_and_depth(text)?;
     let document: serde_yaml::Value =
         serde_yaml::from_str(text).map_err(|source| DumpError::Syntax { source })?;
     let list_kind = document
@@ -182,6 +201,37 @@ pub fn parse_objects(text: &str) -> Result<ClusterObjects, DumpError> {
     }
     Ok(objects)
 }
+
+/// An error at the first YAML alias in `text`, or where it nests deeper
+/// than any dump does. Read event by event (no recursion, so no depth of
+/// input overflows the stack); syntax errors are left to the parser that
+/// reads the dump, which names them better.
+fn refuse_aliases_and_depth(text: &str) -> Result<(), DumpError> {
+    use yaml_rust2::Event;
+    let mut parser = yaml_rust2::parser::Parser::new_from_str(text);
+    let mut depth = 0usize;
+    loop {
+        let Ok((event, mark)) = parser.next_token() else {
+            return Ok(());
+        };
+        match event {
+            Event::Alias(_) => return Err(DumpError::Alias { line: mark.line() }),
+            Event::SequenceStart(..) | Event::MappingStart(..) => {
+                depth += 1;
+                if depth > MAX_DUMP_DEPTH {
+                    return Err(DumpError::TooDeep { line: mark.line() });
+                }
+            }
+            Event::SequenceEnd | Event::MappingEnd => depth = depth.saturating_sub(1),
+            Event::StreamEnd => return Ok(()),
+            _ => {}
+        }
+    }
+}
+
+/// Nesting no Kubernetes object list comes near (a pod spec is about 12
+/// levels deep); serde_yaml refuses deeper than 128 too.
+const MAX_DUMP_DEPTH: usize = 100;
 
 fn item_name(item: &serde_yaml::Value) -> String {
     let metadata = item.get("metadata");
@@ -718,6 +768,20 @@ pub fn limit_range_minimum(limit_range: &LimitRange) -> Result<ResourceMinimum, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dump_with_a_yaml_alias_or_absurd_nesting_is_refused_naming_the_line() {
+        let aliased = "apiVersion: v1\nkind: List\nbase: &base {a: 1}\nitems:\n- *base\n";
+        let error = parse_dump(aliased).expect_err("an alias");
+        assert!(matches!(error, DumpError::Alias { line: 5 }), "{error:?}");
+        assert!(error.to_string().contains("line 5"), "{error}");
+        let deep = format!("items: {}{}", "[".repeat(120), "]".repeat(120));
+        let error = parse_dump(&deep).expect_err("too deep");
+        assert!(matches!(error, DumpError::TooDeep { line: 1 }), "{error:?}");
+        // `*` and `&` inside quoted values are text, not aliases.
+        let quoted = "apiVersion: v1\nkind: List\nitems: []\nnote: \"*not-an-alias &nor-anchor\"\n";
+        assert!(parse_dump(quoted).is_ok());
+    }
 
     #[test]
     fn limit_range_minimum_takes_the_largest_container_minimum() {
