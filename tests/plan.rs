@@ -12,7 +12,8 @@ use haulage::plan::facts::{
 };
 use haulage::plan::objects::{DumpError, parse_dump};
 use haulage::plan::{
-    LabelSelector, RestoreClaim, Selection, StagePlan, plan_restore, plan_stage_pods,
+    LabelSelector, RestoreClaim, Selection, StagePlan, UnplaceableClaim, plan_restore,
+    plan_stage_pods,
 };
 use proptest::prelude::*;
 
@@ -57,6 +58,33 @@ fn ebs_claim(namespace: &str, name: &str, bytes: u64) -> (ClaimFacts, VolumeFact
     )
 }
 
+/// A claim and its CSI volume, as `ebs_claim`, with the one access mode.
+fn ebs_claim_with_access(
+    namespace: &str,
+    name: &str,
+    bytes: u64,
+    mode: AccessMode,
+) -> (ClaimFacts, VolumeFacts) {
+    let (claim, volume) = ebs_claim(namespace, name, bytes);
+    (claim.with_access_modes([mode]), volume)
+}
+
+/// Asserts the plan places the claim on the node.
+fn assert_placed_on(plan: &StagePlan, namespace: &str, claim: &str, node: &str) {
+    assert_eq!(
+        node_of(plan, namespace, claim).as_deref(),
+        Some(node),
+        "{namespace}/{claim}"
+    );
+}
+
+/// Asserts the plan leaves the claim unplaceable for a reason that says `words`.
+fn assert_unplaceable_because(plan: &StagePlan, namespace: &str, claim: &str, words: &str) {
+    let reason = reason_of(plan, namespace, claim)
+        .unwrap_or_else(|| panic!("{namespace}/{claim} is placed"));
+    assert!(reason.contains(words), "{namespace}/{claim}: {reason}");
+}
+
 fn facts_with(
     nodes: Vec<NodeFacts>,
     pairs: Vec<(ClaimFacts, VolumeFacts)>,
@@ -79,49 +107,43 @@ fn read_write_once_volume_in_use_stays_on_its_cordoned_node() {
         vec![ebs_claim("shop", "db", 10 * GIB)],
         vec![PodFacts::running("shop", "db-0", "busy").mounting("db")],
     );
-    assert_eq!(
-        node_of(&plan(&facts), "shop", "db").as_deref(),
-        Some("busy")
-    );
+    assert_placed_on(&plan(&facts), "shop", "db", "busy");
+}
+
+/// Node `a` and the ReadWriteOncePod claim shop/queue, which pod
+/// shop/queue-0 on `a` mounts in the given phase.
+fn single_pod_queue_mounted_in(phase: PodPhase) -> ClusterFacts {
+    facts_with(
+        vec![NodeFacts::new("a")],
+        vec![ebs_claim_with_access(
+            "shop",
+            "queue",
+            GIB,
+            AccessMode::ReadWriteOncePod,
+        )],
+        vec![
+            PodFacts::running("shop", "queue-0", "a")
+                .mounting("queue")
+                .with_phase(phase),
+        ],
+    )
 }
 
 #[test]
 fn read_write_once_pod_volume_in_use_asks_to_quiesce_first() {
-    let (claim, volume) = ebs_claim("shop", "queue", GIB);
-    let claim = claim.with_access_modes([AccessMode::ReadWriteOncePod]);
-    let facts = facts_with(
-        vec![NodeFacts::new("a")],
-        vec![(claim, volume)],
-        vec![PodFacts::running("shop", "queue-0", "a").mounting("queue")],
-    );
-    let reason = reason_of(&plan(&facts), "shop", "queue").expect("unplaceable");
-    assert!(reason.contains("quiesce"), "{reason}");
-    assert!(reason.contains("shop/queue-0"), "{reason}");
+    let plan = plan(&single_pod_queue_mounted_in(PodPhase::Running));
+    assert_unplaceable_because(&plan, "shop", "queue", "quiesce");
+    assert_unplaceable_because(&plan, "shop", "queue", "shop/queue-0");
 }
 
 #[test]
 fn read_write_once_pod_volume_not_in_use_is_placed() {
-    let (claim, volume) = ebs_claim("shop", "queue", GIB);
-    let claim = claim.with_access_modes([AccessMode::ReadWriteOncePod]);
-    let facts = facts_with(
-        vec![NodeFacts::new("a")],
-        vec![(claim, volume)],
-        vec![
-            PodFacts::running("shop", "queue-0", "a")
-                .mounting("queue")
-                .with_phase(PodPhase::Succeeded),
-        ],
-    );
-    assert_eq!(
-        node_of(&plan(&facts), "shop", "queue").as_deref(),
-        Some("a")
-    );
+    let facts = single_pod_queue_mounted_in(PodPhase::Succeeded);
+    assert_placed_on(&plan(&facts), "shop", "queue", "a");
 }
 
 #[test]
 fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() {
-    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
-    let shared = shared.with_access_modes([AccessMode::ReadWriteMany]);
     let facts = facts_with(
         vec![
             NodeFacts::new("a"),
@@ -129,7 +151,7 @@ fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() 
             NodeFacts::new("c"),
         ],
         vec![
-            (shared, shared_volume),
+            ebs_claim_with_access("shop", "uploads", GIB, AccessMode::ReadWriteMany),
             ebs_claim("shop", "big-a", 100 * GIB),
             ebs_claim("shop", "big-c", 100 * GIB),
         ],
@@ -144,7 +166,7 @@ fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() 
         ],
     );
     let plan = plan(&facts);
-    assert_eq!(node_of(&plan, "shop", "uploads").as_deref(), Some("b"));
+    assert_placed_on(&plan, "shop", "uploads", "b");
     let mounts = plan
         .stage_pods
         .iter()
@@ -155,14 +177,15 @@ fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() 
 
 #[test]
 fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
-    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
-    let shared = shared.with_access_modes([AccessMode::ReadOnlyMany]);
     let facts = facts_with(
         vec![
             NodeFacts::new("a-sick").not_ready(),
             NodeFacts::new("b-well"),
         ],
-        vec![(shared, shared_volume), ebs_claim("shop", "busy", 50 * GIB)],
+        vec![
+            ebs_claim_with_access("shop", "uploads", GIB, AccessMode::ReadOnlyMany),
+            ebs_claim("shop", "busy", 50 * GIB),
+        ],
         vec![
             PodFacts::running("shop", "reader-a", "a-sick").mounting("uploads"),
             PodFacts::running("shop", "reader-b", "b-well")
@@ -170,37 +193,36 @@ fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
                 .mounting("busy"),
         ],
     );
-    assert_eq!(
-        node_of(&plan(&facts), "shop", "uploads").as_deref(),
-        Some("b-well")
-    );
+    assert_placed_on(&plan(&facts), "shop", "uploads", "b-well");
 }
 
 #[test]
 fn shared_volume_attached_only_to_an_unready_node_moves_to_a_healthy_one() {
-    let (shared, shared_volume) = ebs_claim("shop", "uploads", GIB);
-    let shared = shared.with_access_modes([AccessMode::ReadWriteMany]);
     let facts = facts_with(
         vec![
             NodeFacts::new("a-sick").not_ready(),
             NodeFacts::new("b-well"),
         ],
-        vec![(shared, shared_volume)],
+        vec![ebs_claim_with_access(
+            "shop",
+            "uploads",
+            GIB,
+            AccessMode::ReadWriteMany,
+        )],
         vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
     );
-    assert_eq!(
-        node_of(&plan(&facts), "shop", "uploads").as_deref(),
-        Some("b-well")
-    );
+    assert_placed_on(&plan(&facts), "shop", "uploads", "b-well");
     let stuck = facts_with(
         vec![
             NodeFacts::new("a-sick").not_ready(),
             NodeFacts::new("b-cordoned").cordoned(),
         ],
-        vec![{
-            let (claim, volume) = ebs_claim("shop", "uploads", GIB);
-            (claim.with_access_modes([AccessMode::ReadWriteMany]), volume)
-        }],
+        vec![ebs_claim_with_access(
+            "shop",
+            "uploads",
+            GIB,
+            AccessMode::ReadWriteMany,
+        )],
         vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
     );
     assert_eq!(
@@ -220,7 +242,7 @@ fn local_volume_goes_to_its_node_only() {
         )],
         Vec::new(),
     );
-    assert_eq!(node_of(&plan(&facts), "db", "fast").as_deref(), Some("b"));
+    assert_placed_on(&plan(&facts), "db", "fast", "b");
 }
 
 #[test]
@@ -242,13 +264,14 @@ fn attach_limit_counts_volumes_already_attached() {
     );
     let plan = plan(&facts);
     // a holds vol-other and vol-used: full. b takes one new volume.
-    assert_eq!(node_of(&plan, "shop", "used").as_deref(), Some("a"));
-    assert_eq!(node_of(&plan, "shop", "one").as_deref(), Some("b"));
+    assert_placed_on(&plan, "shop", "used", "a");
+    assert_placed_on(&plan, "shop", "one", "b");
     for claim in ["two", "three"] {
-        let reason = reason_of(&plan, "shop", claim).expect("no room left");
-        assert!(
-            reason.contains("2 nodes at the attach limit of ebs.csi.aws.com"),
-            "{reason}"
+        assert_unplaceable_because(
+            &plan,
+            "shop",
+            claim,
+            "2 nodes at the attach limit of ebs.csi.aws.com",
         );
     }
 }
@@ -264,8 +287,8 @@ fn node_without_the_csi_driver_takes_none_of_its_volumes() {
         Vec::new(),
     );
     let plan = plan(&facts);
-    assert_eq!(node_of(&plan, "shop", "one").as_deref(), Some("b"));
-    assert_eq!(node_of(&plan, "shop", "two").as_deref(), Some("b"));
+    assert_placed_on(&plan, "shop", "one", "b");
+    assert_placed_on(&plan, "shop", "two", "b");
 }
 
 #[test]
@@ -287,7 +310,7 @@ fn unmounted_volumes_balance_by_bytes_then_count() {
         .map(|pod| (pod.node.clone(), pod.bytes))
         .collect();
     assert_eq!(loads.values().copied().max(), Some(8 * GIB));
-    assert_eq!(node_of(&plan, "shop", "large").as_deref(), Some("a"));
+    assert_placed_on(&plan, "shop", "large", "a");
 }
 
 #[test]
@@ -333,15 +356,9 @@ fn unavailable_nodes_take_only_volumes_already_attached() {
         vec![PodFacts::running("shop", "holder", "not-ready").mounting("held")],
     );
     let plan = plan(&facts);
-    assert_eq!(
-        node_of(&plan, "shop", "free-1").as_deref(),
-        Some("preferred")
-    );
-    assert_eq!(
-        node_of(&plan, "shop", "free-2").as_deref(),
-        Some("preferred")
-    );
-    assert_eq!(node_of(&plan, "shop", "held").as_deref(), Some("not-ready"));
+    assert_placed_on(&plan, "shop", "free-1", "preferred");
+    assert_placed_on(&plan, "shop", "free-2", "preferred");
+    assert_placed_on(&plan, "shop", "held", "not-ready");
 }
 
 #[test]
@@ -355,11 +372,8 @@ fn volume_attached_to_a_no_execute_node_is_unplaceable_with_the_taint() {
         vec![PodFacts::running("shop", "db-0", "draining").mounting("db")],
     );
     let plan = plan(&facts);
-    let reason = reason_of(&plan, "shop", "db").expect("unplaceable");
-    assert!(
-        reason.contains("draining") && reason.contains("drain:NoExecute"),
-        "{reason}"
-    );
+    assert_unplaceable_because(&plan, "shop", "db", "draining");
+    assert_unplaceable_because(&plan, "shop", "db", "drain:NoExecute");
     assert!(plan.stage_pods.is_empty());
 }
 
@@ -380,16 +394,8 @@ fn pending_and_lost_claims_say_so() {
         Vec::new(),
     );
     let plan = plan(&facts);
-    assert!(
-        reason_of(&plan, "shop", "new")
-            .expect("pending")
-            .contains("Pending")
-    );
-    assert!(
-        reason_of(&plan, "shop", "gone")
-            .expect("lost")
-            .contains("Lost")
-    );
+    assert_unplaceable_because(&plan, "shop", "new", "Pending");
+    assert_unplaceable_because(&plan, "shop", "gone", "Lost");
 }
 
 #[test]
@@ -406,7 +412,7 @@ fn measured_usage_outweighs_the_request() {
     let plan = plan(&facts);
     let total: u64 = plan.stage_pods.iter().map(|pod| pod.bytes).sum();
     assert_eq!(total, 11 * GIB);
-    assert_eq!(node_of(&plan, "shop", "full").as_deref(), Some("a"));
+    assert_placed_on(&plan, "shop", "full", "a");
 }
 
 #[test]
@@ -477,16 +483,8 @@ fn restore_spreads_new_claims_over_the_zones_the_class_allows() {
         loads,
         BTreeMap::from([("a".to_string(), 2), ("b".to_string(), 2)])
     );
-    assert!(
-        reason_of(&plan, "shop", "orphan")
-            .expect("missing class")
-            .contains("storage class gone")
-    );
-    assert!(
-        reason_of(&plan, "shop", "defaulted")
-            .expect("no default")
-            .contains("default")
-    );
+    assert_unplaceable_because(&plan, "shop", "orphan", "storage class gone");
+    assert_unplaceable_because(&plan, "shop", "defaulted", "default");
 }
 
 #[test]
@@ -497,7 +495,7 @@ fn restore_into_an_existing_bound_claim_follows_its_attachment() {
         vec![PodFacts::running("shop", "db-0", "b").mounting("db")],
     );
     let plan = plan_restore(&facts, &[RestoreClaim::new("shop", "db", GIB)]).expect("plan");
-    assert_eq!(node_of(&plan, "shop", "db").as_deref(), Some("b"));
+    assert_placed_on(&plan, "shop", "db", "b");
 }
 
 const FIXTURE: &str = concat!(
@@ -534,11 +532,7 @@ fn fixture_dump_plans_as_documented() {
         unplaceable,
         BTreeSet::from(["cache", "fast", "old", "queue", "scratch"])
     );
-    assert!(
-        reason_of(&plan, "analytics", "scratch")
-            .expect("full")
-            .contains("attach limit")
-    );
+    assert_unplaceable_because(&plan, "analytics", "scratch", "attach limit");
 }
 
 fn fixture_plan(selection: &Selection) -> StagePlan {
@@ -1061,6 +1055,45 @@ fn claim_by_key<'f>(facts: &'f ClusterFacts, namespace: &str, name: &str) -> &'f
         .expect("planned claims exist")
 }
 
+/// What a property check returns: `Err` names the broken rule.
+type Property = Result<(), TestCaseError>;
+
+/// A generated cluster planned in full, with the oracle's view of it: what
+/// each property check of a whole-cluster plan reads.
+struct PlannedCluster<'f> {
+    facts: &'f ClusterFacts,
+    oracle: Oracle<'f>,
+    plan: StagePlan,
+}
+
+impl<'f> PlannedCluster<'f> {
+    fn new(facts: &'f ClusterFacts) -> Self {
+        PlannedCluster {
+            facts,
+            oracle: Oracle::new(facts),
+            plan: plan(facts),
+        }
+    }
+
+    /// Each placed claim with the node of its stage pod, by namespace and name.
+    fn placed_claims(&self) -> Vec<(&'f ClaimFacts, String)> {
+        placements(&self.plan)
+            .into_iter()
+            .map(|((namespace, name), node)| (claim_by_key(self.facts, &namespace, &name), node))
+            .collect()
+    }
+
+    /// Each entry of the plan's unplaceable list with its claim.
+    fn unplaceable_claims(&self) -> impl Iterator<Item = (&UnplaceableClaim, &'f ClaimFacts)> {
+        self.plan.unplaceable.iter().map(|entry| {
+            (
+                entry,
+                claim_by_key(self.facts, &entry.namespace, &entry.pvc),
+            )
+        })
+    }
+}
+
 /// New attachments per (node, driver) made by the plan, and whether each
 /// node still has room for one more of that driver afterwards.
 fn new_attachments(oracle: &Oracle, plan: &StagePlan) -> HashMap<(String, String), u32> {
@@ -1157,27 +1190,22 @@ fn every_selected_claim_appears_once(
     Ok(())
 }
 
-fn exclusive_attached_volumes_stay_on_their_node(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    for ((namespace, name), node_name) in &placements(plan) {
-        let claim = claim_by_key(facts, namespace, name);
+fn exclusive_attached_volumes_stay_on_their_node(cluster: &PlannedCluster) -> Property {
+    let oracle = &cluster.oracle;
+    for (claim, node_name) in cluster.placed_claims() {
         let attached = oracle.attached_nodes(claim);
         if !claim.is_shared() && !attached.is_empty() {
             prop_assert!(
-                attached.contains(node_name),
+                attached.contains(&node_name),
                 "exclusive {}/{} moved off its node",
-                namespace,
-                name
+                claim.namespace,
+                claim.name
             );
         }
     }
     // A volume attached to a node a stage pod can use is never left out
     // (unless ReadWriteOncePod in use).
-    for entry in &plan.unplaceable {
-        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
+    for (entry, claim) in cluster.unplaceable_claims() {
         if claim.phase == ClaimPhase::Bound
             && oracle.volume(claim).is_some()
             && !claim.is_single_pod()
@@ -1200,13 +1228,9 @@ fn exclusive_attached_volumes_stay_on_their_node(
     Ok(())
 }
 
-fn single_pod_volumes_in_use_ask_to_quiesce(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    for (namespace, name) in placements(plan).keys() {
-        let claim = claim_by_key(facts, namespace, name);
+fn single_pod_volumes_in_use_ask_to_quiesce(cluster: &PlannedCluster) -> Property {
+    let oracle = &cluster.oracle;
+    for (claim, _) in cluster.placed_claims() {
         if claim.is_single_pod() {
             prop_assert!(
                 oracle.live_users(claim).is_empty(),
@@ -1214,8 +1238,7 @@ fn single_pod_volumes_in_use_ask_to_quiesce(
             );
         }
     }
-    for entry in &plan.unplaceable {
-        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
+    for (entry, claim) in cluster.unplaceable_claims() {
         if claim.phase == ClaimPhase::Bound
             && claim.is_single_pod()
             && oracle.volume(claim).is_some()
@@ -1231,13 +1254,9 @@ fn single_pod_volumes_in_use_ask_to_quiesce(
     Ok(())
 }
 
-fn shared_volumes_prefer_a_ready_node_they_are_attached_to(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    for ((namespace, name), node_name) in &placements(plan) {
-        let claim = claim_by_key(facts, namespace, name);
+fn shared_volumes_prefer_a_ready_node_they_are_attached_to(cluster: &PlannedCluster) -> Property {
+    let oracle = &cluster.oracle;
+    for (claim, node_name) in cluster.placed_claims() {
         if !claim.is_shared() {
             continue;
         }
@@ -1250,30 +1269,26 @@ fn shared_volumes_prefer_a_ready_node_they_are_attached_to(
         });
         if ready_attached {
             prop_assert!(
-                attached.contains(node_name) && node.ready,
+                attached.contains(&node_name) && node.ready,
                 "shared {}/{} not on a ready attached node",
-                namespace,
-                name
+                claim.namespace,
+                claim.name
             );
-        } else if attached.contains(node_name) {
+        } else if attached.contains(&node_name) {
             prop_assert!(
-                oracle.usable_for_attached(claim, node_name),
+                oracle.usable_for_attached(claim, &node_name),
                 "shared {}/{} on an unusable attached node",
-                namespace,
-                name
+                claim.namespace,
+                claim.name
             );
         }
     }
     Ok(())
 }
 
-fn placed_volumes_are_on_nodes_they_may_use(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    for ((namespace, name), node_name) in &placements(plan) {
-        let claim = claim_by_key(facts, namespace, name);
+fn placed_volumes_are_on_nodes_they_may_use(cluster: &PlannedCluster) -> Property {
+    let oracle = &cluster.oracle;
+    for (claim, node_name) in cluster.placed_claims() {
         let node = oracle.nodes.get(node_name.as_str()).copied();
         prop_assert!(node.is_some(), "stage pod on unknown node {}", node_name);
         let node = node.expect("checked");
@@ -1284,8 +1299,8 @@ fn placed_volumes_are_on_nodes_they_may_use(
             prop_assert!(
                 affinity.matches(node),
                 "{}/{} outside its node affinity on {}",
-                namespace,
-                name,
+                claim.namespace,
+                claim.name,
                 node_name
             );
         }
@@ -1295,7 +1310,7 @@ fn placed_volumes_are_on_nodes_they_may_use(
         ) {
             prop_assert!(
                 drivers.contains_key(&csi.driver)
-                    || oracle.attached_nodes(claim).contains(node_name),
+                    || oracle.attached_nodes(claim).contains(&node_name),
                 "new {} volume on a node without the driver",
                 csi.driver
             );
@@ -1304,12 +1319,9 @@ fn placed_volumes_are_on_nodes_they_may_use(
     Ok(())
 }
 
-fn unavailable_nodes_take_only_attached_volumes(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    for ((namespace, name), node_name) in &placements(plan) {
+fn unavailable_nodes_take_only_attached_volumes(cluster: &PlannedCluster) -> Property {
+    let oracle = &cluster.oracle;
+    for (claim, node_name) in cluster.placed_claims() {
         let node = oracle.nodes[node_name.as_str()];
         prop_assert!(
             node.taint_with_effect(TaintEffect::NoExecute).is_none(),
@@ -1317,12 +1329,11 @@ fn unavailable_nodes_take_only_attached_volumes(
             node_name
         );
         if !Oracle::takes_new_volumes(node) {
-            let claim = claim_by_key(facts, namespace, name);
             prop_assert!(
-                oracle.attached_nodes(claim).contains(node_name),
+                oracle.attached_nodes(claim).contains(&node_name),
                 "{}/{} is new on unavailable node {}",
-                namespace,
-                name,
+                claim.namespace,
+                claim.name,
                 node_name
             );
         }
@@ -1330,11 +1341,11 @@ fn unavailable_nodes_take_only_attached_volumes(
     Ok(())
 }
 
-fn attach_limits_hold(facts: &ClusterFacts, plan: &StagePlan) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
+fn attach_limits_hold(cluster: &PlannedCluster) -> Property {
+    let oracle = &cluster.oracle;
     // A node that got new volumes of a driver stays within its limit,
     // counting what was attached before.
-    for ((node_name, driver), added) in &new_attachments(&oracle, plan) {
+    for ((node_name, driver), added) in &new_attachments(oracle, &cluster.plan) {
         let node = oracle.nodes[node_name.as_str()];
         if let Some(limit) = node
             .csi_drivers
@@ -1360,12 +1371,8 @@ fn attach_limits_hold(facts: &ClusterFacts, plan: &StagePlan) -> Result<(), Test
     Ok(())
 }
 
-fn pending_and_lost_claims_name_their_phase(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    for entry in &plan.unplaceable {
-        let claim = claim_by_key(facts, &entry.namespace, &entry.pvc);
+fn pending_and_lost_claims_name_their_phase(cluster: &PlannedCluster) -> Property {
+    for (entry, claim) in cluster.unplaceable_claims() {
         let reason = entry.reason.to_string();
         match claim.phase {
             ClaimPhase::Pending => prop_assert!(reason.contains("Pending"), "{}", reason),
@@ -1379,26 +1386,18 @@ fn pending_and_lost_claims_name_their_phase(
 /// The last movable volume placed on a node (smallest, then last by
 /// namespace and name) could not go to any other node it was allowed on
 /// without that node ending at least as loaded.
-fn no_single_move_lowers_the_peak(
-    facts: &ClusterFacts,
-    plan: &StagePlan,
-) -> Result<(), TestCaseError> {
-    let oracle = Oracle::new(facts);
-    let counts = new_attachments(&oracle, plan);
+fn no_single_move_lowers_the_peak(cluster: &PlannedCluster) -> Property {
+    let (facts, oracle, plan) = (cluster.facts, &cluster.oracle, &cluster.plan);
+    let counts = new_attachments(oracle, plan);
     let mut loads: HashMap<&str, u64> = HashMap::new();
     for pod in &plan.stage_pods {
         *loads.entry(pod.node.as_str()).or_default() += pod.bytes;
     }
-    let placed = placements(plan);
-    let mut movable_by_node: BTreeMap<&str, Vec<&ClaimFacts>> = BTreeMap::new();
-    for ((namespace, name), node_name) in &placed {
-        let claim = claim_by_key(facts, namespace, name);
+    let mut movable_by_node: BTreeMap<String, Vec<&ClaimFacts>> = BTreeMap::new();
+    for (claim, node_name) in cluster.placed_claims() {
         let pinned = !claim.is_shared() && !oracle.attached_nodes(claim).is_empty();
         if !pinned {
-            movable_by_node
-                .entry(node_name.as_str())
-                .or_default()
-                .push(claim);
+            movable_by_node.entry(node_name).or_default().push(claim);
         }
     }
     for (node_name, claims) in movable_by_node {
@@ -1411,7 +1410,7 @@ fn no_single_move_lowers_the_peak(
         };
         let attached = oracle.attached_nodes(last);
         let volume = oracle.volume(last).expect("placed claims have volumes");
-        let candidates: Vec<&NodeFacts> = if attached.contains(node_name) {
+        let candidates: Vec<&NodeFacts> = if attached.contains(&node_name) {
             let usable: Vec<&NodeFacts> = attached
                 .iter()
                 .filter(|node| oracle.usable_for_attached(last, node))
@@ -1438,13 +1437,13 @@ fn no_single_move_lowers_the_peak(
                 .filter(|node| match (&volume.csi, &node.csi_drivers) {
                     (Some(csi), Some(drivers)) => {
                         drivers.contains_key(&csi.driver)
-                            && room_left(&oracle, &counts, node, &csi.driver)
+                            && room_left(oracle, &counts, node, &csi.driver)
                     }
                     _ => true,
                 })
                 .collect()
         };
-        let load_here = loads[node_name];
+        let load_here = loads[node_name.as_str()];
         for other in candidates
             .into_iter()
             .filter(|other| other.name != node_name)
@@ -1485,6 +1484,33 @@ fn shuffled(facts: ClusterFacts) -> impl Strategy<Value = ClusterFacts> {
         )
 }
 
+/// One property test a rule of whole-cluster plans: each plans a generated
+/// cluster in full and runs the named check on it.
+macro_rules! whole_cluster_properties {
+    ($($test:ident => $check:ident,)*) => {
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(512))]
+            $(
+                #[test]
+                fn $test(facts in cluster_strategy()) {
+                    $check(&PlannedCluster::new(&facts))?;
+                }
+            )*
+        }
+    };
+}
+
+whole_cluster_properties! {
+    exclusive_volumes_are_read_where_they_are_attached => exclusive_attached_volumes_stay_on_their_node,
+    read_write_once_pod_volumes_in_use_are_left_for_quiescing => single_pod_volumes_in_use_ask_to_quiesce,
+    shared_volumes_are_read_once_from_a_ready_attached_node => shared_volumes_prefer_a_ready_node_they_are_attached_to,
+    volumes_land_within_their_node_affinity_and_driver => placed_volumes_are_on_nodes_they_may_use,
+    unavailable_nodes_get_no_new_volumes_and_no_execute_nodes_none => unavailable_nodes_take_only_attached_volumes,
+    csi_attach_limits_are_never_exceeded => attach_limits_hold,
+    pending_and_lost_claims_are_unplaceable_with_their_phase => pending_and_lost_claims_name_their_phase,
+    movable_volumes_are_balanced_by_bytes => no_single_move_lowers_the_peak,
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
 
@@ -1495,46 +1521,6 @@ proptest! {
     ) {
         let plan = plan_stage_pods(&facts, &selection).expect("generated facts have no duplicates");
         every_selected_claim_appears_once(&facts, &selection, &plan)?;
-    }
-
-    #[test]
-    fn exclusive_volumes_are_read_where_they_are_attached(facts in cluster_strategy()) {
-        exclusive_attached_volumes_stay_on_their_node(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn read_write_once_pod_volumes_in_use_are_left_for_quiescing(facts in cluster_strategy()) {
-        single_pod_volumes_in_use_ask_to_quiesce(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn shared_volumes_are_read_once_from_a_ready_attached_node(facts in cluster_strategy()) {
-        shared_volumes_prefer_a_ready_node_they_are_attached_to(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn volumes_land_within_their_node_affinity_and_driver(facts in cluster_strategy()) {
-        placed_volumes_are_on_nodes_they_may_use(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn unavailable_nodes_get_no_new_volumes_and_no_execute_nodes_none(facts in cluster_strategy()) {
-        unavailable_nodes_take_only_attached_volumes(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn csi_attach_limits_are_never_exceeded(facts in cluster_strategy()) {
-        attach_limits_hold(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn pending_and_lost_claims_are_unplaceable_with_their_phase(facts in cluster_strategy()) {
-        pending_and_lost_claims_name_their_phase(&facts, &plan(&facts))?;
-    }
-
-    #[test]
-    fn movable_volumes_are_balanced_by_bytes(facts in cluster_strategy()) {
-        no_single_move_lowers_the_peak(&facts, &plan(&facts))?;
     }
 
     #[test]

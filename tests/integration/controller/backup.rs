@@ -4,24 +4,19 @@
 //! (incremental), and a backup deleted mid-transfer (cancel) leaving
 //! nothing behind.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::{VolumeBackup, VolumeTransfer, VolumeTransferPhase};
 use haulage::engine::Repository;
-use haulage::engine::progress::Progress;
-use haulage::engine::restore::{RestoreOptions, restore};
 use kube::api::{Api, DeleteParams, ListParams};
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 
-use crate::engine::support::assert_same_tree;
+use crate::engine::support::assert_snapshot_restores_as;
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup, create_backup_of, eventually,
-    final_backup, leftovers,
+    leftovers, no_leftovers_within,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -30,7 +25,7 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     let fixture = Fixture::builder().volume_bytes(2 << 20).start().await?;
     let Fixture {
         client,
-        kubelet,
+        kubelet: _,
         volumes,
         store,
         minio,
@@ -50,15 +45,7 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     );
     let live_plan: serde_json::Value = serde_json::from_slice(&planned.stdout)?;
     create_backup(client, "nightly").await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, kubelet, "nightly", BACKUP_DEADLINE).await?;
-    let status = backup.status.clone().context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeBackupPhase::Completed),
-        "{status:#?}\n{}",
-        kubelet.all_agent_logs()
-    );
+    let status = fixture.completed_backup("nightly", BACKUP_DEADLINE).await?;
 
     // The plan: the RWO claim in use on node-a is read there, the RWX one
     // by exactly one stage pod, every claim placed.
@@ -153,30 +140,26 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     let repository =
         Repository::open(store.clone(), &haulage::engine::KeySource::PlaintextOnly).await?;
     for result in &status.results {
-        let snapshot_text = result.snapshot_id.as_deref().context("snapshot id")?;
-        let snapshot = repository.resolve_snapshot(snapshot_text).await?;
-        let target = work
-            .path()
-            .join("restored")
-            .join(&result.namespace)
-            .join(&result.pvc);
-        restore(
+        assert_snapshot_restores_as(
             &repository,
-            &snapshot,
-            RestoreOptions::new(&target),
-            Arc::new(Progress::default()),
-            CancellationToken::new(),
+            result.snapshot_id.as_deref().context("snapshot id")?,
+            &volumes.join(&result.namespace).join(&result.pvc),
+            &work
+                .path()
+                .join("restored")
+                .join(&result.namespace)
+                .join(&result.pvc),
         )
         .await?;
-        assert_same_tree(&volumes.join(&result.namespace).join(&result.pvc), &target);
     }
 
     // Nothing left behind: stage pods, credentials copies, uploads.
-    eventually(Duration::from_secs(60), || async {
-        Ok((leftovers(client).await? == (0, 0)).then_some(()))
-    })
-    .await
-    .context("stage pods or credentials copies remain")?;
+    no_leftovers_within(
+        client,
+        Duration::from_secs(60),
+        "stage pods or credentials copies remain",
+    )
+    .await?;
     assert!(minio.multipart_uploads(BUCKET, "").await?.is_empty());
     fixture.stop().await;
     Ok(())
@@ -302,30 +285,10 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     let namespace = victim.metadata.namespace.clone().context("namespace")?;
     let starts_before = fixture
         .kubelet
-        .starts
-        .load(std::sync::atomic::Ordering::SeqCst);
-    assert!(
-        fixture.kubelet.kill(&namespace, &victim.spec.stage_pod),
-        "the agent had already exited"
-    );
+        .kill_running(&namespace, &victim.spec.stage_pod);
 
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "resumed", BACKUP_DEADLINE).await?;
-    let status = backup.status.context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeBackupPhase::Completed),
-        "{status:#?}\n{}",
-        fixture.kubelet.all_agent_logs()
-    );
-    assert!(
-        fixture
-            .kubelet
-            .starts
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > starts_before,
-        "the killed agent was not restarted"
-    );
+    fixture.completed_backup("resumed", BACKUP_DEADLINE).await?;
+    fixture.kubelet.assert_restarted_since(starts_before);
     // The transfers are kept until the backup is deleted.
     let resumed = Api::<VolumeTransfer>::namespaced(client.clone(), &namespace)
         .get(&victim.metadata.name.clone().context("name")?)
@@ -344,21 +307,13 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
         &haulage::engine::KeySource::PlaintextOnly,
     )
     .await?;
-    let snapshot_text = final_status.snapshot_id.context("snapshot id")?;
-    let snapshot = repository.resolve_snapshot(&snapshot_text).await?;
-    let target = fixture.work.path().join("restored-victim");
-    restore(
+    assert_snapshot_restores_as(
         &repository,
-        &snapshot,
-        RestoreOptions::new(&target),
-        Arc::new(Progress::default()),
-        CancellationToken::new(),
+        &final_status.snapshot_id.context("snapshot id")?,
+        &fixture.volumes.join(&namespace).join(&resumed.spec.pvc),
+        &fixture.work.path().join("restored-victim"),
     )
     .await?;
-    assert_same_tree(
-        &fixture.volumes.join(&namespace).join(&resumed.spec.pvc),
-        &target,
-    );
     fixture.stop().await;
     Ok(())
 }

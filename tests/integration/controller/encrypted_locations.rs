@@ -13,7 +13,7 @@ use haulage::api::BackupStorageLocation;
 use haulage::api::condition::{condition_type, find_condition, reason};
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::restore::VolumeRestorePhase;
-use haulage::api::{BackupStorageLocationPhase, VolumeBackup, VolumeBackupPhase, VolumeRestore};
+use haulage::api::{BackupStorageLocationPhase, VolumeRestore};
 use haulage::engine::{EngineError, KeySource, Repository};
 use haulage::store::open_store;
 use k8s_openapi::api::core::v1::Secret;
@@ -22,8 +22,7 @@ use serde_json::json;
 
 use crate::engine::support::assert_same_tree;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, create, create_backup_to, eventually, final_backup,
-    final_restore,
+    BACKUP_DEADLINE, BUCKET, Fixture, create, create_backup_to, eventually, final_restore,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -104,15 +103,9 @@ async fn an_encrypted_location_seals_every_object_and_a_wrong_password_is_named(
     std::fs::write(source.join("marked.txt"), &text)?;
     std::fs::write(source.join(MARKER), b"name")?;
     create_backup_to(client, "sealed-db", "db", "sealed").await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "sealed-db", BACKUP_DEADLINE).await?;
-    let status = backup.status.clone().context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeBackupPhase::Completed),
-        "{status:#?}\n{}",
-        fixture.kubelet.all_agent_logs()
-    );
+    let status = fixture
+        .completed_backup("sealed-db", BACKUP_DEADLINE)
+        .await?;
     let snapshot = status.results[0]
         .snapshot_id
         .clone()

@@ -4,14 +4,9 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use haulage::api::VolumeBackup;
-use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::labels::SYSTEM_NAMESPACE;
-use kube::api::Api;
 
-use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, create_backup, eventually, final_backup, stage_pods,
-};
+use crate::support::fixture::{BACKUP_DEADLINE, Fixture, create_backup, eventually, stage_pods};
 use crate::support::health::{http_get, http_status, wait_until_ready};
 use crate::support::scrape::{Exposition, scrape};
 
@@ -158,12 +153,9 @@ async fn the_controller_and_agent_metrics_exist_and_move_with_a_volume_backup() 
         }
     }
 
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "observed", BACKUP_DEADLINE).await?;
-    assert_eq!(
-        backup.status.and_then(|status| status.phase),
-        Some(VolumeBackupPhase::Completed)
-    );
+    fixture
+        .completed_backup("observed", BACKUP_DEADLINE)
+        .await?;
 
     // The controller saw the bytes move and the transfers complete.
     let after = eventually(Duration::from_secs(30), || async {

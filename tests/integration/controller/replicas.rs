@@ -140,9 +140,7 @@ async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyh
         .spawn_controller(Fixture::controller_config("controller-1")?)
         .await?;
 
-    let backup = final_backup(&backups, &fixture.kubelet, "adopted", BACKUP_DEADLINE).await?;
-    let status = backup.status.context("status")?;
-    assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
+    let status = fixture.completed_backup("adopted", BACKUP_DEADLINE).await?;
     let owner = status.owner.context("owner")?;
     assert_eq!(owner.replica, "controller-1");
     assert_eq!(owner.adopted_from.as_deref(), Some("controller-0"));

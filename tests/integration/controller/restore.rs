@@ -16,7 +16,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
-use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::condition::{ConditionStatus, condition_type, find_condition, reason};
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::restore::VolumeRestorePhase;
@@ -30,7 +29,8 @@ use serde_json::json;
 use crate::engine::support::{assert_same_tree, haulage, random_bytes};
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup, create_backup_of,
-    create_restore_of_backup, eventually, final_backup, final_restore, leftovers,
+    create_restore_of_backup, create_storage_policy, eventually, final_backup, final_restore,
+    leftovers, no_leftovers_within,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -99,12 +99,7 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     let client = &fixture.client;
     add_entries_of_every_kind(&fixture.volumes.join("shop/db"))?;
     create_backup(client, "nightly").await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "nightly", BACKUP_DEADLINE).await?;
-    assert_eq!(
-        backup.status.and_then(|status| status.phase),
-        Some(VolumeBackupPhase::Completed)
-    );
+    fixture.completed_backup("nightly", BACKUP_DEADLINE).await?;
 
     // What the destination's team sees in the location before restoring.
     let listed = haulage_against(&fixture)
@@ -146,15 +141,7 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     }
 
     create_restore_of_backup(client, "move", "nightly").await?;
-    let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let restore = final_restore(&restores, &fixture.kubelet, "move", BACKUP_DEADLINE).await?;
-    let status = restore.status.clone().context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeRestorePhase::Completed),
-        "{status:#?}\n{}",
-        fixture.kubelet.all_agent_logs()
-    );
+    let status = fixture.completed_restore("move", BACKUP_DEADLINE).await?;
     let counts = status.volumes.clone().context("volume counts")?;
     assert_eq!((counts.total, counts.completed), (5, 5), "{status:#?}");
 
@@ -227,11 +214,12 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     let sparse = std::fs::metadata(fixture.volumes.join("shop-b/db/special/sparse.img"))?;
     assert!(sparse.blocks() * 512 < 1 << 20, "restored dense");
 
-    eventually(Duration::from_secs(60), || async {
-        Ok((leftovers(client).await? == (0, 0)).then_some(()))
-    })
-    .await
-    .context("stage pods or credentials copies remain")?;
+    no_leftovers_within(
+        client,
+        Duration::from_secs(60),
+        "stage pods or credentials copies remain",
+    )
+    .await?;
     fixture.stop().await;
     Ok(())
 }
@@ -255,19 +243,14 @@ async fn a_killed_restore_agent_is_restarted_and_finishes_without_writing_again_
         json!({"matchLabels": {"claim": "archive"}}),
     )
     .await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "archive-only", BACKUP_DEADLINE).await?;
-    assert_eq!(
-        backup.status.and_then(|status| status.phase),
-        Some(VolumeBackupPhase::Completed)
-    );
+    fixture
+        .completed_backup("archive-only", BACKUP_DEADLINE)
+        .await?;
     // Created after the backup, so only the restore's writes are capped.
-    create::<haulage::api::StoragePolicy>(
+    create_storage_policy(
         client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "slow-writes"},
-            "spec": {"provisioners": [PROVISIONER], "maxBytesPerSecond": 1 << 20}}),
+        "slow-writes",
+        json!({"provisioners": [PROVISIONER], "maxBytesPerSecond": 1 << 20}),
     )
     .await?;
 
@@ -301,30 +284,12 @@ async fn a_killed_restore_agent_is_restarted_and_finishes_without_writing_again_
     );
     let starts_before = fixture
         .kubelet
-        .starts
-        .load(std::sync::atomic::Ordering::SeqCst);
-    assert!(
-        fixture.kubelet.kill("shop-b", &victim.spec.stage_pod),
-        "the agent had already exited"
-    );
+        .kill_running("shop-b", &victim.spec.stage_pod);
 
-    let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let restore = final_restore(&restores, &fixture.kubelet, "resumed", BACKUP_DEADLINE).await?;
-    let status = restore.status.context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeRestorePhase::Completed),
-        "{status:#?}\n{}",
-        fixture.kubelet.all_agent_logs()
-    );
-    assert!(
-        fixture
-            .kubelet
-            .starts
-            .load(std::sync::atomic::Ordering::SeqCst)
-            > starts_before,
-        "the killed agent was not restarted"
-    );
+    fixture
+        .completed_restore("resumed", BACKUP_DEADLINE)
+        .await?;
+    fixture.kubelet.assert_restarted_since(starts_before);
     let finished = transfers
         .get(&victim.metadata.name.clone().context("name")?)
         .await?
@@ -408,14 +373,9 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
                 "namespaceMap": {"shop": "shop-b"}, "existingClaim": "Sync"}}),
     )
     .await?;
-    let cutover = final_restore(&restores, &fixture.kubelet, "cutover", BACKUP_DEADLINE).await?;
-    let status = cutover.status.context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeRestorePhase::Completed),
-        "{status:#?}\n{}",
-        fixture.kubelet.all_agent_logs()
-    );
+    let status = fixture
+        .completed_restore("cutover", BACKUP_DEADLINE)
+        .await?;
     assert_eq!(
         status.selection[0].action,
         haulage::api::restore::ClaimAction::Sync
@@ -523,20 +483,13 @@ async fn a_storage_policy_caps_restores_and_a_restore_deleted_mid_way_leaves_not
         .await?;
     let client = &fixture.client;
     create_backup(client, "nightly").await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "nightly", BACKUP_DEADLINE).await?;
-    assert_eq!(
-        backup.status.and_then(|status| status.phase),
-        Some(VolumeBackupPhase::Completed)
-    );
+    fixture.completed_backup("nightly", BACKUP_DEADLINE).await?;
     // Created after the backup: one restored volume at a time, slowly.
-    create::<haulage::api::StoragePolicy>(
+    create_storage_policy(
         client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "one-restore-at-a-time"},
-            "spec": {"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
-                "maxBytesPerSecond": 512 << 10}}),
+        "one-restore-at-a-time",
+        json!({"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
+                "maxBytesPerSecond": 512 << 10}),
     )
     .await?;
     create_restore_of_backup(client, "doomed", "nightly").await?;

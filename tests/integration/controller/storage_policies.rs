@@ -14,8 +14,8 @@ use kube::api::Api;
 use serde_json::json;
 
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, PROVISIONER, STORAGE_CLASS, create, create_backup, eventually,
-    final_backup,
+    BACKUP_DEADLINE, Fixture, PROVISIONER, STORAGE_CLASS, create_backup, create_storage_policy,
+    eventually, final_backup,
 };
 
 /// What a watch of every VolumeTransfer saw, event by event.
@@ -44,13 +44,11 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
     let fixture = Fixture::builder().volume_bytes(2 << 20).start().await?;
     let client = &fixture.client;
     // Selected by provisioner, so the StorageClass cache is what matches it.
-    create::<haulage::api::StoragePolicy>(
+    create_storage_policy(
         client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "one-at-a-time"},
-            "spec": {"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
-                "maxBytesPerSecond": POLICY_BYTES_PER_SECOND}}),
+        "one-at-a-time",
+        json!({"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
+                "maxBytesPerSecond": POLICY_BYTES_PER_SECOND}),
     )
     .await?;
     // No wait for the controller to see the policy: admission reads the
@@ -173,12 +171,10 @@ async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the
     const CAP: i64 = 4 << 20;
     let fixture = Fixture::builder().volume_bytes(4 << 20).start().await?;
     let client = &fixture.client;
-    create::<haulage::api::StoragePolicy>(
+    create_storage_policy(
         client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "four-mebibytes"},
-            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+        "four-mebibytes",
+        json!({"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}),
     )
     .await?;
 

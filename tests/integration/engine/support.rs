@@ -269,6 +269,28 @@ pub fn assert_same_tree(source: &Path, restored: &Path) {
     }
 }
 
+/// Restore the snapshot `snapshot_id` (full or short) of `repository` with
+/// the haulage library into `target`, and assert it is `source` entry by
+/// entry.
+pub async fn assert_snapshot_restores_as(
+    repository: &Repository,
+    snapshot_id: &str,
+    source: &Path,
+    target: &Path,
+) -> anyhow::Result<()> {
+    let snapshot = repository.resolve_snapshot(snapshot_id).await?;
+    restore(
+        repository,
+        &snapshot,
+        RestoreOptions::new(target),
+        Arc::new(Progress::default()),
+        CancellationToken::new(),
+    )
+    .await?;
+    assert_same_tree(source, target);
+    Ok(())
+}
+
 /// The `haulage` binary built for these tests.
 pub fn haulage() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_haulage"));

@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::Context;
-use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::VolumeTransfer;
+use haulage::api::backup::VolumeBackupStatus;
 use haulage::api::labels::SYSTEM_NAMESPACE;
-use haulage::api::{VolumeBackup, VolumeTransfer};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
 use serde_json::json;
@@ -16,7 +16,8 @@ use serde_json::json;
 use super::spread;
 use crate::support::audit::{self, Request, count_by_verb_and_resource, table};
 use crate::support::fixture::{
-    Fixture, Layout, STORAGE_CLASS, create, create_backup_in, eventually, final_backup, leftovers,
+    Fixture, FixtureBuilder, Layout, STORAGE_CLASS, create_backup_in, create_storage_policy,
+    no_leftovers_within,
 };
 
 /// The API requests of a VolumeBackup of 100 claims, counted from the
@@ -34,55 +35,21 @@ use crate::support::fixture::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a measurement for docs/benchmarks.md (~1.5 min), not a check"]
 async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyhow::Result<()> {
-    const CLAIMS: usize = 100;
-    const NAMESPACES: usize = 4;
-    const NODES: usize = 5;
-    const VOLUME_BYTES: u64 = 1 << 20;
-    const CAP: i64 = 2 << 20;
-    let fixture = Fixture::builder()
-        .layout(Layout::many(CLAIMS, NAMESPACES, NODES))
-        .audited()
-        .volume_bytes(VOLUME_BYTES)
-        .start()
-        .await?;
+    let fixture = hundred_claims().start().await?;
     let client = &fixture.client;
-    create::<haulage::api::StoragePolicy>(
-        client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "two-mebibytes"},
-            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
-    )
-    .await?;
-    let namespaces: Vec<String> = (0..NAMESPACES).map(|n| format!("team-{n}")).collect();
-    let namespaces: Vec<&str> = namespaces.iter().map(String::as_str).collect();
+    cap_the_class_at_two_mebibytes_per_second(client).await?;
     let created = Timestamp::now();
-    create_backup_in(
-        client,
-        "hundred",
-        &namespaces,
-        json!({"matchLabels": {"backup": "yes"}}),
-    )
-    .await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(
-        &backups,
-        &fixture.kubelet,
-        "hundred",
-        Duration::from_secs(900),
-    )
-    .await?;
+    let status = back_up_the_hundred_claims(&fixture).await?;
     let completed = Timestamp::now();
-    let status = backup.status.context("status")?;
-    assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
     let backup_seconds = completed.duration_since(created).as_secs_f64();
     // The release (stage pods, Roles, bindings, credentials copies) comes
     // after the final status: it is part of the backup's requests.
-    eventually(Duration::from_secs(120), || async {
-        Ok((leftovers(client).await? == (0, 0)).then_some(()))
-    })
-    .await
-    .context("stage pods or credentials copies left behind")?;
+    no_leftovers_within(
+        client,
+        Duration::from_secs(120),
+        "stage pods or credentials copies left behind",
+    )
+    .await?;
     let finished = Timestamp::now();
 
     let transfers: Vec<VolumeTransfer> = Api::<VolumeTransfer>::all(client.clone())
@@ -113,16 +80,13 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
         before.len(),
         table(&count_by_verb_and_resource(before), 1, "start")
     );
-    println!(
-        "controller from the backup's creation until its stage pods and copies were gone \
-         ({:.1} s, {} requests):\n{}",
-        finished.duration_since(created).as_secs_f64(),
-        during.len(),
-        table(
-            &count_by_verb_and_resource(during.iter().copied()),
-            CLAIMS,
-            "claim"
-        )
+    print_controller_requests_per_claim(
+        &during,
+        &format!(
+            "controller from the backup's creation until its stage pods and copies were gone \
+             ({:.1} s",
+            finished.duration_since(created).as_secs_f64()
+        ),
     );
     let controller_start = controller_requests
         .first()
@@ -136,20 +100,99 @@ async fn measure_api_requests_and_status_writes_of_a_100_claim_backup() -> anyho
     );
     print_agent_requests(&agent_requests, CLAIMS, &transfer_seconds);
     print_transfer_status_patches(&requests, &transfers, &controller);
-    let backup_writes = during
-        .iter()
-        .filter(|r| {
-            r.verb == "patch" && r.resource == "volumebackups/status" && r.received <= completed
-        })
-        .count();
-    println!(
-        "volumebackups/status patches by the controller: {backup_writes} in {backup_seconds:.1} s \
-         = {:.2} per second",
-        backup_writes as f64 / backup_seconds
-    );
+    print_status_patches_until(&during, "volumebackups/status", completed, backup_seconds);
     print_agent_peak_memory(fixture.kubelet.agent_peak_memory().into_values());
     fixture.stop().await;
     Ok(())
+}
+
+/// The claims of the API-request measurements, of [`VOLUME_BYTES`] each, in
+/// [`NAMESPACES`] namespaces `team-N` on [`NODES`] nodes (20 stage pods).
+pub(super) const CLAIMS: usize = 100;
+pub(super) const NAMESPACES: usize = 4;
+pub(super) const NODES: usize = 5;
+pub(super) const VOLUME_BYTES: u64 = 1 << 20;
+/// The StoragePolicy's cap on the fixture class, in bytes per second.
+pub(super) const CAP: i64 = 2 << 20;
+
+/// An audited fixture of [`CLAIMS`] claims of sample data in [`NAMESPACES`]
+/// namespaces on [`NODES`] nodes, to start.
+pub(super) fn hundred_claims() -> FixtureBuilder {
+    Fixture::builder()
+        .layout(Layout::many(CLAIMS, NAMESPACES, NODES))
+        .audited()
+        .volume_bytes(VOLUME_BYTES)
+}
+
+/// The namespaces of [`hundred_claims`]: `team-0` to `team-3`.
+pub(super) fn team_namespaces() -> Vec<String> {
+    (0..NAMESPACES).map(|n| format!("team-{n}")).collect()
+}
+
+/// The StoragePolicy `two-mebibytes`: [`CAP`] on the fixture's class.
+pub(super) async fn cap_the_class_at_two_mebibytes_per_second(
+    client: &kube::Client,
+) -> anyhow::Result<()> {
+    create_storage_policy(
+        client,
+        "two-mebibytes",
+        json!({"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}),
+    )
+    .await
+}
+
+/// Back up the labelled claims of every [`team_namespaces`] namespace as
+/// VolumeBackup `hundred`, asserting it Completed within 15 minutes; its
+/// status.
+pub(super) async fn back_up_the_hundred_claims(
+    fixture: &Fixture,
+) -> anyhow::Result<VolumeBackupStatus> {
+    let namespaces = team_namespaces();
+    let namespaces: Vec<&str> = namespaces.iter().map(String::as_str).collect();
+    create_backup_in(
+        &fixture.client,
+        "hundred",
+        &namespaces,
+        json!({"matchLabels": {"backup": "yes"}}),
+    )
+    .await?;
+    fixture
+        .completed_backup("hundred", Duration::from_secs(900))
+        .await
+}
+
+/// Print the controller's requests `during` a run by verb and resource,
+/// total and per claim of [`CLAIMS`], under `heading` (which the count
+/// of requests closes).
+pub(super) fn print_controller_requests_per_claim(during: &[&Request], heading: &str) {
+    println!(
+        "{heading}, {} requests):\n{}",
+        during.len(),
+        table(
+            &count_by_verb_and_resource(during.iter().copied()),
+            CLAIMS,
+            "claim"
+        )
+    );
+}
+
+/// Print how many patches of `resource` (a kind's status) the
+/// controller's requests `during` a run made until `completed`, and their
+/// rate over `seconds`.
+pub(super) fn print_status_patches_until(
+    during: &[&Request],
+    resource: &str,
+    completed: Timestamp,
+    seconds: f64,
+) {
+    let writes = during
+        .iter()
+        .filter(|r| r.verb == "patch" && r.resource == resource && r.received <= completed)
+        .count();
+    println!(
+        "{resource} patches by the controller: {writes} in {seconds:.1} s = {:.2} per second",
+        writes as f64 / seconds
+    );
 }
 
 /// How long each of `transfers` ran, from its `startTime` to its

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::engine::support::random_bytes;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, STORAGE_CLASS, create, create_backup, final_backup,
+    BACKUP_DEADLINE, Fixture, STORAGE_CLASS, create_backup, create_storage_policy, final_backup,
 };
 
 /// The bandwidth split measured, not asserted (figures in
@@ -54,12 +54,10 @@ async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<
             random_bytes(100 + index as u64, size),
         )?;
     }
-    create::<haulage::api::StoragePolicy>(
+    create_storage_policy(
         client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "six-mebibytes"},
-            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+        "six-mebibytes",
+        json!({"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}),
     )
     .await?;
 

@@ -5,26 +5,21 @@
 
 use std::time::Duration;
 
-use anyhow::Context;
-use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::VolumeTransfer;
 use haulage::api::labels::SYSTEM_NAMESPACE;
-use haulage::api::restore::VolumeRestorePhase;
 use haulage::api::transfer::TransferDirection;
-use haulage::api::{VolumeBackup, VolumeRestore, VolumeTransfer};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ListParams};
-use serde_json::json;
 
 use super::api_requests::{
-    print_agent_peak_memory, print_agent_requests, print_lists_and_watches,
-    print_transfer_status_patches, transfer_seconds,
+    CAP, CLAIMS, NAMESPACES, NODES, VOLUME_BYTES, back_up_the_hundred_claims,
+    cap_the_class_at_two_mebibytes_per_second, hundred_claims, print_agent_peak_memory,
+    print_agent_requests, print_controller_requests_per_claim, print_lists_and_watches,
+    print_status_patches_until, print_transfer_status_patches, team_namespaces, transfer_seconds,
 };
 use super::spread;
-use crate::support::audit::{self, count_by_verb_and_resource, table};
-use crate::support::fixture::{
-    Fixture, Layout, STORAGE_CLASS, create, create_backup_in, create_restore_of_backup_into,
-    eventually, final_backup, final_restore, leftovers,
-};
+use crate::support::audit;
+use crate::support::fixture::{create_restore_of_backup_into, no_leftovers_within};
 
 /// The API requests of a VolumeRestore of 100 claims, counted from the
 /// apiserver's audit log from the restore's creation until its stage pods
@@ -43,83 +38,37 @@ use crate::support::fixture::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a measurement for docs/benchmarks.md (~2 min), not a check"]
 async fn measure_api_requests_of_a_100_claim_restore() -> anyhow::Result<()> {
-    const CLAIMS: usize = 100;
-    const NAMESPACES: usize = 4;
-    const NODES: usize = 5;
-    const VOLUME_BYTES: u64 = 1 << 20;
-    const CAP: i64 = 2 << 20;
-    let fixture = Fixture::builder()
-        .layout(Layout::many(CLAIMS, NAMESPACES, NODES))
-        .audited()
-        .volume_bytes(VOLUME_BYTES)
-        .provisioning()
-        .start()
-        .await?;
+    let fixture = hundred_claims().provisioning().start().await?;
     let client = &fixture.client;
-    let namespaces: Vec<String> = (0..NAMESPACES).map(|n| format!("team-{n}")).collect();
-    let namespaces: Vec<&str> = namespaces.iter().map(String::as_str).collect();
-    create_backup_in(
-        client,
-        "hundred",
-        &namespaces,
-        json!({"matchLabels": {"backup": "yes"}}),
-    )
-    .await?;
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(
-        &backups,
-        &fixture.kubelet,
-        "hundred",
-        Duration::from_secs(900),
-    )
-    .await?;
-    assert_eq!(
-        backup.status.and_then(|status| status.phase),
-        Some(VolumeBackupPhase::Completed)
-    );
+    back_up_the_hundred_claims(&fixture).await?;
     // The backup's release is over before the restore starts, so nothing
     // of it is counted as the restore's.
-    eventually(Duration::from_secs(120), || async {
-        Ok((leftovers(client).await? == (0, 0)).then_some(()))
-    })
-    .await
-    .context("the backup's stage pods or credentials copies left behind")?;
-    // Created after the backup, so only the restore's transfers are paced.
-    create::<haulage::api::StoragePolicy>(
+    no_leftovers_within(
         client,
-        None,
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
-            "metadata": {"name": "two-mebibytes"},
-            "spec": {"storageClassNames": [STORAGE_CLASS], "maxBytesPerSecond": CAP}}),
+        Duration::from_secs(120),
+        "the backup's stage pods or credentials copies left behind",
     )
     .await?;
+    // Created after the backup, so only the restore's transfers are paced.
+    cap_the_class_at_two_mebibytes_per_second(client).await?;
 
+    let namespaces = team_namespaces();
+    let namespaces: Vec<&str> = namespaces.iter().map(String::as_str).collect();
     let created = Timestamp::now();
     create_restore_of_backup_into(client, "hundred", "hundred", &namespaces).await?;
-    let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let restore = final_restore(
-        &restores,
-        &fixture.kubelet,
-        "hundred",
-        Duration::from_secs(900),
-    )
-    .await?;
+    let status = fixture
+        .completed_restore("hundred", Duration::from_secs(900))
+        .await?;
     let completed = Timestamp::now();
-    let status = restore.status.context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeRestorePhase::Completed),
-        "{status:#?}\n{}",
-        fixture.kubelet.all_agent_logs()
-    );
     let restore_seconds = completed.duration_since(created).as_secs_f64();
     // The release (stage pods, Roles, bindings, credentials copies) comes
     // after the final status: it is part of the restore's requests.
-    eventually(Duration::from_secs(120), || async {
-        Ok((leftovers(client).await? == (0, 0)).then_some(()))
-    })
-    .await
-    .context("the restore's stage pods or credentials copies left behind")?;
+    no_leftovers_within(
+        client,
+        Duration::from_secs(120),
+        "the restore's stage pods or credentials copies left behind",
+    )
+    .await?;
     let finished = Timestamp::now();
 
     let transfers: Vec<VolumeTransfer> = Api::<VolumeTransfer>::all(client.clone())
@@ -145,16 +94,13 @@ async fn measure_api_requests_of_a_100_claim_restore() -> anyhow::Result<()> {
         status.plan.as_ref().map_or(0, |plan| plan.stage_pods.len()),
         spread(&mut transfer_seconds.clone()),
     );
-    println!(
-        "\ncontroller ({controller}) from the restore's creation until its stage pods and \
-         copies were gone ({:.1} s, {} requests):\n{}",
-        finished.duration_since(created).as_secs_f64(),
-        during.len(),
-        table(
-            &count_by_verb_and_resource(during.iter().copied()),
-            CLAIMS,
-            "claim"
-        )
+    print_controller_requests_per_claim(
+        &during,
+        &format!(
+            "\ncontroller ({controller}) from the restore's creation until its stage pods and \
+             copies were gone ({:.1} s",
+            finished.duration_since(created).as_secs_f64()
+        ),
     );
     print_lists_and_watches(
         &during,
@@ -164,17 +110,7 @@ async fn measure_api_requests_of_a_100_claim_restore() -> anyhow::Result<()> {
     );
     print_agent_requests(&agent_requests, transfers.len(), &transfer_seconds);
     print_transfer_status_patches(&requests, &transfers, &controller);
-    let restore_writes = during
-        .iter()
-        .filter(|r| {
-            r.verb == "patch" && r.resource == "volumerestores/status" && r.received <= completed
-        })
-        .count();
-    println!(
-        "volumerestores/status patches by the controller: {restore_writes} in \
-         {restore_seconds:.1} s = {:.2} per second",
-        restore_writes as f64 / restore_seconds
-    );
+    print_status_patches_until(&during, "volumerestores/status", completed, restore_seconds);
     let destinations: Vec<String> = namespaces.iter().map(|n| format!("{n}-b")).collect();
     print_agent_peak_memory(
         fixture

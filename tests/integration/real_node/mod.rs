@@ -21,15 +21,13 @@ use haulage::api::{
     BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeTransfer,
 };
 use haulage::engine::Repository;
-use haulage::engine::progress::Progress;
-use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::store::{DynStore, open_store};
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::support::{assert_same_tree, random_bytes};
+use crate::engine::support::{assert_snapshot_restores_as, random_bytes};
 use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
 use crate::support::node::{self, RealNode, cgroup_value};
 
@@ -239,22 +237,13 @@ async fn restores_byte_identical(
         Repository::open(store.clone(), &haulage::engine::KeySource::PlaintextOnly).await?;
     let status = backup.status.as_ref().context("status")?;
     for result in &status.results {
-        let snapshot = repository
-            .resolve_snapshot(result.snapshot_id.as_deref().context("snapshot id")?)
-            .await?;
-        let restored = target.join(&result.namespace).join(&result.pvc);
-        restore(
+        assert_snapshot_restores_as(
             &repository,
-            &snapshot,
-            RestoreOptions::new(&restored),
-            Arc::new(Progress::default()),
-            CancellationToken::new(),
+            result.snapshot_id.as_deref().context("snapshot id")?,
+            &node.volumes.join(&result.namespace).join(&result.pvc),
+            &target.join(&result.namespace).join(&result.pvc),
         )
         .await?;
-        assert_same_tree(
-            &node.volumes.join(&result.namespace).join(&result.pvc),
-            &restored,
-        );
     }
     Ok(())
 }

@@ -9,7 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use haulage::api::backup::{VolumeBackupPhase, VolumeBackupStatus};
 use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
+use haulage::api::restore::{VolumeRestorePhase, VolumeRestoreStatus};
 use haulage::api::{
     BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeRestore,
 };
@@ -18,6 +20,7 @@ use haulage::store::open_store;
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::core::object::HasStatus;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -644,6 +647,62 @@ impl Fixture {
         Ok((shutdown, controller))
     }
 
+    /// Wait up to `deadline` for VolumeBackup `name` to finish, assert it
+    /// Completed (else failing with its status and every agent's log), and
+    /// return its status.
+    pub async fn completed_backup(
+        &self,
+        name: &str,
+        deadline: Duration,
+    ) -> anyhow::Result<VolumeBackupStatus> {
+        let backups: Api<VolumeBackup> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        let backup = final_backup(&backups, &self.kubelet, name, deadline).await?;
+        self.completed_status(backup, |status| {
+            status.phase == Some(VolumeBackupPhase::Completed)
+        })
+    }
+
+    /// Wait up to `deadline` for VolumeRestore `name` to finish, assert it
+    /// Completed (else failing with its status and every agent's log), and
+    /// return its status.
+    pub async fn completed_restore(
+        &self,
+        name: &str,
+        deadline: Duration,
+    ) -> anyhow::Result<VolumeRestoreStatus> {
+        let restores: Api<VolumeRestore> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        let restore = final_restore(&restores, &self.kubelet, name, deadline).await?;
+        self.completed_status(restore, |status| {
+            status.phase == Some(VolumeRestorePhase::Completed)
+        })
+    }
+
+    /// The status of a finished `object`, asserted `completed` (else
+    /// failing with the object's kind, name and status and every agent's
+    /// log).
+    fn completed_status<K, S>(
+        &self,
+        mut object: K,
+        completed: impl Fn(&S) -> bool,
+    ) -> anyhow::Result<S>
+    where
+        K: kube::Resource<DynamicType = ()> + HasStatus<Status = S>,
+        S: std::fmt::Debug,
+    {
+        let what = format!(
+            "{} {}",
+            K::kind(&()),
+            object.meta().name.clone().unwrap_or_default()
+        );
+        let status = object.status_mut().take().context("status")?;
+        assert!(
+            completed(&status),
+            "{what} did not complete: {status:#?}\n{}",
+            self.kubelet.all_agent_logs()
+        );
+        Ok(status)
+    }
+
     /// The controller is Ready and its task still runs.
     pub async fn assert_controller_up(&self, when: &str) {
         assert!(
@@ -677,28 +736,10 @@ pub async fn final_backup(
     name: &str,
     deadline: Duration,
 ) -> anyhow::Result<VolumeBackup> {
-    let finished = eventually(deadline, || async {
-        let backup = backups.get(name).await?;
-        let phase = backup.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(backup))
+    final_object(backups, kubelet, name, deadline, |status| {
+        status.phase.is_some_and(|phase| phase.is_final())
     })
-    .await;
-    match finished {
-        Ok(backup) => Ok(backup),
-        Err(error) => {
-            let status = backups
-                .get(name)
-                .await
-                .ok()
-                .and_then(|backup| backup.status);
-            bail!(
-                "VolumeBackup {name} never finished ({error}): status {status:#?}\nagent logs:\n{}",
-                kubelet.all_agent_logs()
-            )
-        }
-    }
+    .await
 }
 
 /// Wait up to `deadline` for VolumeRestore `name` to reach a final phase;
@@ -709,28 +750,80 @@ pub async fn final_restore(
     name: &str,
     deadline: Duration,
 ) -> anyhow::Result<VolumeRestore> {
+    final_object(restores, kubelet, name, deadline, |status| {
+        status.phase.is_some_and(|phase| phase.is_final())
+    })
+    .await
+}
+
+/// Wait up to `deadline` for the object `name` of `api` to have a status
+/// that `is_final`; a timeout names it, kind and name, with its last status
+/// and every agent's log.
+async fn final_object<K>(
+    api: &Api<K>,
+    kubelet: &Kubelet,
+    name: &str,
+    deadline: Duration,
+    is_final: impl Fn(&K::Status) -> bool,
+) -> anyhow::Result<K>
+where
+    K: kube::Resource<DynamicType = ()>
+        + HasStatus
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+    K::Status: std::fmt::Debug,
+{
     let finished = eventually(deadline, || async {
-        let restore = restores.get(name).await?;
-        let phase = restore.status.as_ref().and_then(|status| status.phase);
-        Ok(phase
-            .is_some_and(|phase| phase.is_final())
-            .then_some(restore))
+        let object = api.get(name).await?;
+        Ok(object.status().is_some_and(&is_final).then_some(object))
     })
     .await;
     match finished {
-        Ok(restore) => Ok(restore),
+        Ok(object) => Ok(object),
         Err(error) => {
-            let status = restores
+            let status = api
                 .get(name)
                 .await
                 .ok()
-                .and_then(|restore| restore.status);
+                .and_then(|mut object| object.status_mut().take());
             bail!(
-                "VolumeRestore {name} never finished ({error}): status {status:#?}\nagent logs:\n{}",
+                "{} {name} never finished ({error}): status {status:#?}\nagent logs:\n{}",
+                K::kind(&()),
                 kubelet.all_agent_logs()
             )
         }
     }
+}
+
+/// Create the StoragePolicy `name` (cluster-scoped) with `spec`.
+pub async fn create_storage_policy(
+    client: &kube::Client,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<()> {
+    create::<haulage::api::StoragePolicy>(
+        client,
+        None,
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "StoragePolicy",
+            "metadata": {"name": name}, "spec": spec}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Wait up to `deadline` until no stage pod and no credentials copy is
+/// left in the cluster; a timeout says `what` remains.
+pub async fn no_leftovers_within(
+    client: &kube::Client,
+    deadline: Duration,
+    what: &str,
+) -> anyhow::Result<()> {
+    eventually(deadline, || async {
+        Ok((leftovers(client).await? == (0, 0)).then_some(()))
+    })
+    .await
+    .with_context(|| what.to_string())
 }
 
 /// Create the VolumeRestore `name` (in the controller's namespace, from

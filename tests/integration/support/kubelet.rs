@@ -286,6 +286,24 @@ impl Kubelet {
         }
     }
 
+    /// SIGKILL the running agent of a pod, asserting there was one, and
+    /// return how many agents had started before; hand that to
+    /// [`Self::assert_restarted_since`].
+    pub fn kill_running(&self, namespace: &str, pod: &str) -> usize {
+        let starts_before = self.starts.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(self.kill(namespace, pod), "the agent had already exited");
+        starts_before
+    }
+
+    /// Assert an agent started after `starts_before` (from
+    /// [`Self::kill_running`]): the killed one was restarted.
+    pub fn assert_restarted_since(&self, starts_before: usize) {
+        assert!(
+            self.starts.load(std::sync::atomic::Ordering::SeqCst) > starts_before,
+            "the killed agent was not restarted"
+        );
+    }
+
     /// Freeze a pod's agent (SIGSTOP), as a process hung on a stuck volume
     /// mount would be: it stays "running" but reports nothing. Returns
     /// whether a process was running.
