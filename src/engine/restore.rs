@@ -59,6 +59,7 @@ use super::since::{
 };
 use super::throttle::Throttle;
 use crate::repo::index::BlobIndex;
+use crate::repo::snapshot::Snapshot;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
 use crate::repo::{self, ObjectId};
 use crate::store::StoreError;
@@ -244,14 +245,55 @@ pub async fn restore(
     progress: Arc<Progress>,
     cancel: CancellationToken,
 ) -> Result<RestoreOutcome, EngineError> {
-    let started = Instant::now();
-    // Independent requests: together, not one after the other.
-    let (snapshot, loaded) = tokio::join!(
-        repository.load_snapshot(snapshot_id),
-        repository.load_index()
-    );
-    let snapshot = snapshot?;
-    let index = Arc::new(loaded?.index);
+    let loaded = LoadedSnapshot::load(repository, snapshot_id).await?;
+    restore_loaded(repository, &loaded, options, progress, cancel).await
+}
+
+/// A snapshot with the repository's index, loaded together: what a restore
+/// reads before anything else, and what the verification after it needs
+/// too. Load it once and give it to both ([`restore_loaded`],
+/// [`super::verify_tree::verify_tree_loaded`]) so the index is not read and
+/// decoded twice.
+#[derive(Debug, Clone)]
+pub struct LoadedSnapshot {
+    /// The snapshot's id.
+    pub id: ObjectId,
+    /// Its manifest.
+    pub snapshot: Snapshot,
+    /// Where every blob of the repository is.
+    pub index: Arc<BlobIndex>,
+    /// When loading began: a restore's duration counts from here.
+    pub load_started: Instant,
+}
+
+impl LoadedSnapshot {
+    /// Read the manifest and the index (independent requests: together,
+    /// not one after the other).
+    pub async fn load(repository: &Repository, id: &ObjectId) -> Result<Self, EngineError> {
+        let load_started = Instant::now();
+        let (snapshot, loaded) =
+            tokio::join!(repository.load_snapshot(id), repository.load_index());
+        Ok(LoadedSnapshot {
+            id: *id,
+            snapshot: snapshot?,
+            index: Arc::new(loaded?.index),
+            load_started,
+        })
+    }
+}
+
+/// [`restore`] of a snapshot already loaded.
+pub async fn restore_loaded(
+    repository: &Repository,
+    loaded: &LoadedSnapshot,
+    options: RestoreOptions,
+    progress: Arc<Progress>,
+    cancel: CancellationToken,
+) -> Result<RestoreOutcome, EngineError> {
+    let started = loaded.load_started;
+    let snapshot_id = &loaded.id;
+    let snapshot = &loaded.snapshot;
+    let index = loaded.index.clone();
     progress
         .total_bytes
         .store(snapshot.summary.total_bytes, Ordering::Relaxed);

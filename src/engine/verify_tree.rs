@@ -49,6 +49,7 @@ use tokio_util::sync::CancellationToken;
 use super::repository::Repository;
 use super::restore::RestoreOptions;
 use super::restore::RestoreOutcome;
+use super::restore::LoadedSnapshot;
 use super::restore::TREE_PREFETCH_BYTES;
 use super::scan;
 use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored};
@@ -645,19 +646,28 @@ pub async fn verify_tree(
     cancel: CancellationToken,
 ) -> Result<TreeVerification, EngineError> {
     let started = Instant::now();
-    // Independent requests: together, not one after the other.
-    let since_snapshot = async {
-        match &options.since {
-            Some(since) => repository.load_snapshot(&since.snapshot).await.ok(),
-            None => None,
-        }
+    let loaded = LoadedSnapshot::load(repository, snapshot_id).await?;
+    let mut verification = verify_tree_loaded(repository, &loaded, target, options, cancel).await?;
+    verification.duration_seconds = started.elapsed().as_secs_f64();
+    Ok(verification)
+}
+
+/// [`verify_tree`] of a snapshot already loaded (the one its restore
+/// loaded: the index is not read again).
+pub async fn verify_tree_loaded(
+    repository: &Repository,
+    loaded: &LoadedSnapshot,
+    target: &Path,
+    options: &TreeVerifyOptions,
+    cancel: CancellationToken,
+) -> Result<TreeVerification, EngineError> {
+    let started = Instant::now();
+    let (snapshot_id, snapshot, index) = (&loaded.id, &loaded.snapshot, loaded.index.clone());
+    // One that cannot be loaded only costs reading every file.
+    let since_snapshot = match &options.since {
+        Some(since) => repository.load_snapshot(&since.snapshot).await.ok(),
+        None => None,
     };
-    let (snapshot, loaded, since_snapshot) = tokio::join!(
-        repository.load_snapshot(snapshot_id),
-        repository.load_index(),
-        since_snapshot
-    );
-    let (snapshot, index) = (snapshot?, Arc::new(loaded?.index));
     let root_fd = rustix::fs::open(
         target,
         OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
@@ -685,7 +695,6 @@ pub async fn verify_tree(
     });
     let slots = Arc::new(Semaphore::new(PARALLEL_FILE_CHECKS));
     let mut file_checks = JoinSet::new();
-    // One that cannot be loaded only costs reading every file.
     let since_root = since_snapshot.map_or(SinceSubdirectory::Nothing, |earlier| {
         super::since::since_root(&earlier.tree, &snapshot.tree)
     });

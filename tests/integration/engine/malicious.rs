@@ -211,3 +211,162 @@ async fn a_symlink_already_in_the_target_is_not_followed_by_a_sync_restore() {
         b"real content"
     );
 }
+
+/// Bytes held by the files under `dir` (blocks, not lengths: holes cost none).
+fn allocated_bytes(dir: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let entry = entry.unwrap();
+        let meta = entry.metadata().unwrap();
+        total += meta.blocks() * 512;
+        if meta.is_dir() {
+            total += allocated_bytes(&entry.path());
+        }
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sizes_and_holes_that_lie_or_overflow_write_nothing_and_are_reported() {
+    let repo = TestRepo::new().await;
+    let repository = &repo.repository;
+    let base = repo.dir.path();
+    let mut forger = Forger::new(repository);
+    let payload = forger.blob(repository, BlobKind::Data, b"pwned");
+    // Holes that overflow a u64 offset when added up.
+    let mut overflowing = entry(b"overflowing-holes", EntryKind::File);
+    overflowing.content = vec![Extent::Hole(u64::MAX), Extent::Hole(u64::MAX), Extent::Chunk(payload, 5)];
+    overflowing.size = 5;
+    // A size far beyond its content.
+    let mut lying = file(b"size-beyond-content", payload, 5);
+    lying.size = 1 << 50;
+    // A hole of a petabyte.
+    let mut huge_hole = entry(b"petabyte-hole", EntryKind::File);
+    huge_hole.content = vec![Extent::Hole(1 << 50)];
+    huge_hole.size = 1 << 50;
+    let mut entries = vec![overflowing, lying, huge_hole, file(b"fine", payload, 5)];
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    let root = forger.blob(repository, BlobKind::Tree, &Tree { entries }.encode());
+    let snapshot = forger.finish(repository, root).await;
+
+    let target = base.join("target");
+    let outcome = repo.restore(&snapshot, &target).await;
+    assert_eq!(std::fs::read(target.join("fine")).unwrap(), b"pwned");
+    // Nothing of any size was allocated for the hostile files.
+    assert!(
+        allocated_bytes(&target) < 1 << 20,
+        "the restore allocated {} bytes",
+        allocated_bytes(&target)
+    );
+    for name in ["overflowing-holes", "size-beyond-content"] {
+        assert!(
+            outcome.problems.iter().any(|problem| problem.path == name),
+            "{name} is not reported: {:?}",
+            outcome.problems
+        );
+        assert!(
+            !target.join(name).exists(),
+            "{name} was restored although its content does not add up to its size"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_nodes_are_not_made_unless_asked_and_a_hardlink_never_reaches_outside() {
+    let repo = TestRepo::new().await;
+    let repository = &repo.repository;
+    let base = repo.dir.path();
+    let outside = base.join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::write(outside.join("secret"), b"secret").unwrap();
+    let mut forger = Forger::new(repository);
+    let payload = forger.blob(repository, BlobKind::Data, b"pwned");
+    // The disk itself, as a block and a character device.
+    let mut block = entry(b"sda", EntryKind::BlockDevice);
+    block.rdev = (8 << 8) | 0;
+    let mut character = entry(b"mem", EntryKind::CharDevice);
+    character.rdev = (1 << 8) | 1;
+    // Two names of one inode: the first escapes (refused), so the second
+    // must not become a link to anything it names.
+    let mut escaping = file(b"../outside/secret", payload, 5);
+    escaping.inode = 42;
+    escaping.links = 2;
+    let mut inside = file(b"linked", payload, 5);
+    inside.inode = 42;
+    inside.links = 2;
+    let root = forger.blob(
+        repository,
+        BlobKind::Tree,
+        &Tree {
+            entries: vec![escaping, inside, character, block],
+        }
+        .encode(),
+    );
+    let snapshot = forger.finish(repository, root).await;
+
+    let target = base.join("target");
+    let outcome = repo.restore(&snapshot, &target).await;
+    assert!(!target.join("sda").exists() && !target.join("mem").exists());
+    for name in ["sda", "mem"] {
+        assert!(
+            outcome.problems.iter().any(|problem| problem.path == name),
+            "{name} is not reported: {:?}",
+            outcome.problems
+        );
+    }
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!(std::fs::read(outside.join("secret")).unwrap(), b"secret");
+    assert_eq!(std::fs::metadata(outside.join("secret")).unwrap().nlink(), 1);
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1);
+    assert_eq!(std::fs::read(target.join("linked")).unwrap(), b"pwned");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_nested_thousands_deep_is_restored_or_refused_without_crashing() {
+    let repo = TestRepo::new().await;
+    let repository = &repo.repository;
+    let base = repo.dir.path();
+    let mut forger = Forger::new(repository);
+    let payload = forger.blob(repository, BlobKind::Data, b"bottom");
+    let mut tree = forger.blob(
+        repository,
+        BlobKind::Tree,
+        &Tree {
+            entries: vec![file(b"file", payload, 6)],
+        }
+        .encode(),
+    );
+    const DEPTH: usize = 3_000;
+    for _ in 0..DEPTH {
+        let mut directory = entry(b"d", EntryKind::Directory);
+        directory.mode = 0o755;
+        directory.subtree = Some(tree);
+        tree = forger.blob(
+            repository,
+            BlobKind::Tree,
+            &Tree {
+                entries: vec![directory],
+            }
+            .encode(),
+        );
+    }
+    let snapshot = forger.finish(repository, tree).await;
+    let target = base.join("target");
+    let outcome = repo.restore(&snapshot, &target).await;
+    // Everything stays inside the target, however deep it went.
+    let entries_in_base: Vec<_> = std::fs::read_dir(base)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name())
+        .collect();
+    assert!(
+        entries_in_base.iter().all(|name| name == "target" || name == "repo"),
+        "{entries_in_base:?}"
+    );
+    println!(
+        "{DEPTH} levels: {} directories restored, problems: {:?}",
+        outcome.directories,
+        outcome.problems.iter().take(3).collect::<Vec<_>>()
+    );
+    assert!(outcome.directories > 0);
+}
