@@ -11,14 +11,15 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bytesize::ByteSize;
 use clap::{Args, Subcommand};
-use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::backup::BackupPlan;
-use crate::api::labels::{OWNER_UID_LABEL, SYSTEM_NAMESPACE};
-use crate::api::{Progress, VolumeBackup, VolumeRestore, VolumeTransfer};
+use crate::api::labels::SYSTEM_NAMESPACE;
+use crate::api::{Progress, VolumeBackup, VolumeRestore, VolumeTransfer, VolumeTransferPhase};
 use crate::cli::Outcome;
+use crate::cli::text::{access_modes, short_id};
+use crate::cli::transfer_owner::{TransferOwner, owned_transfers};
 
 /// Seconds between redraws with `--watch`.
 const WATCH_INTERVAL_SECONDS: u64 = 2;
@@ -76,14 +77,11 @@ fn progress_line(progress: &Progress) -> String {
 /// message, progress and volume counts.
 fn write_header(
     out: &mut String,
-    object: &impl ResourceExt,
-    phase: Option<String>,
+    object: &impl TransferOwner,
     location: Option<&str>,
     message: Option<&str>,
-    progress: Option<&Progress>,
     volumes: Option<&crate::api::backup::VolumeCounts>,
 ) {
-    let phase = phase.unwrap_or_else(|| "New".to_string());
     let _ = writeln!(
         out,
         "Name:      {} ({})",
@@ -92,13 +90,14 @@ fn write_header(
     );
     let _ = writeln!(
         out,
-        "Phase:     {phase}   Location: {}",
+        "Phase:     {}   Location: {}",
+        object.shown_phase(),
         location.unwrap_or("(default)")
     );
     if let Some(message) = message {
         let _ = writeln!(out, "Message:   {message}");
     }
-    if let Some(progress) = progress {
+    if let Some(progress) = object.progress() {
         let _ = writeln!(out, "Progress:  {}", progress_line(progress));
     }
     if let Some(volumes) = volumes {
@@ -115,6 +114,34 @@ fn write_header(
     }
 }
 
+/// One row of the VOLUMES table: the claim, its phase, the bar of its
+/// VolumeTransfer's progress (empty before it reports), `detail` (padded
+/// to its column) and the message.
+fn write_volume_row(
+    out: &mut String,
+    transfers: &[VolumeTransfer],
+    (namespace, pvc): (&str, &str),
+    phase: VolumeTransferPhase,
+    detail: &str,
+    message: Option<&str>,
+) {
+    let percent = transfers
+        .iter()
+        .find(|transfer| {
+            transfer.namespace().as_deref() == Some(namespace) && transfer.spec.pvc == pvc
+        })
+        .and_then(|transfer| transfer.status.as_ref())
+        .and_then(|status| status.progress.as_ref())
+        .map_or(0, |progress| progress.percent);
+    let _ = writeln!(
+        out,
+        "{namespace:<20} {pvc:<24} {:<11} {} {percent:>3}%  {detail} {}",
+        format!("{phase:?}"),
+        bar(percent),
+        message.unwrap_or("")
+    );
+}
+
 /// Render a backup and its transfers as text.
 pub fn render_backup(backup: &VolumeBackup, transfers: &[VolumeTransfer]) -> String {
     let status = backup.status.clone().unwrap_or_default();
@@ -122,10 +149,8 @@ pub fn render_backup(backup: &VolumeBackup, transfers: &[VolumeTransfer]) -> Str
     write_header(
         &mut out,
         backup,
-        status.phase.map(|phase| format!("{phase:?}")),
         backup.spec.storage_location.as_deref(),
         status.message.as_deref(),
-        status.progress.as_ref(),
         status.volumes.as_ref(),
     );
     if let Some(plan) = &status.plan {
@@ -134,29 +159,14 @@ pub fn render_backup(backup: &VolumeBackup, transfers: &[VolumeTransfer]) -> Str
     if !status.results.is_empty() {
         let _ = writeln!(out, "\nVOLUMES");
         for result in &status.results {
-            let progress = transfers
-                .iter()
-                .find(|transfer| {
-                    transfer.namespace().as_deref() == Some(result.namespace.as_str())
-                        && transfer.spec.pvc == result.pvc
-                })
-                .and_then(|transfer| transfer.status.clone())
-                .and_then(|status| status.progress);
-            let shown = progress.as_ref().map_or_else(
-                || format!("{} {:>3}%", bar(0), 0),
-                |progress| format!("{} {:>3}%", bar(progress.percent), progress.percent),
-            );
-            let snapshot = result
-                .snapshot_id
-                .as_deref()
-                .map_or("-", |id| &id[..id.len().min(12)]);
-            let _ = writeln!(
-                out,
-                "{:<20} {:<24} {:<11} {shown}  {snapshot:<12} {}",
-                result.namespace,
-                result.pvc,
-                format!("{:?}", result.phase),
-                result.message.as_deref().unwrap_or("")
+            let snapshot = result.snapshot_id.as_deref().map_or("-", short_id);
+            write_volume_row(
+                &mut out,
+                transfers,
+                (&result.namespace, &result.pvc),
+                result.phase,
+                &format!("{snapshot:<12}"),
+                result.message.as_deref(),
             );
         }
     }
@@ -204,10 +214,8 @@ pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> 
     write_header(
         &mut out,
         restore,
-        status.phase.map(|phase| format!("{phase:?}")),
         restore.spec.storage_location.as_deref(),
         status.message.as_deref(),
-        status.progress.as_ref(),
         status.volumes.as_ref(),
     );
     if !status.selection.is_empty() {
@@ -218,19 +226,15 @@ pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> 
             "SNAPSHOT", "SOURCE", "DESTINATION", "CLASS", "ACCESS", "SIZE"
         );
         for volume in &status.selection {
-            let access = if volume.final_access_modes.is_empty() {
-                volume.access_modes.join(",")
-            } else {
-                format!(
-                    "{} -> {}",
-                    volume.access_modes.join(","),
-                    volume.final_access_modes.join(",")
-                )
-            };
+            let access = access_modes(
+                &volume.access_modes,
+                &volume.final_access_modes,
+                |first, last| format!("{first} -> {last}"),
+            );
             let _ = writeln!(
                 out,
                 "{:<12} {:<28} {:<32} {:<16} {:<20} {:>10} {:?}",
-                &volume.snapshot_id[..volume.snapshot_id.len().min(12)],
+                short_id(&volume.snapshot_id),
                 volume.source,
                 format!("{}/{}", volume.namespace, volume.pvc),
                 volume.storage_class.as_deref().unwrap_or("(default)"),
@@ -246,29 +250,17 @@ pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> 
     if !status.results.is_empty() {
         let _ = writeln!(out, "\nVOLUMES");
         for result in &status.results {
-            let progress = transfers
-                .iter()
-                .find(|transfer| {
-                    transfer.namespace().as_deref() == Some(result.namespace.as_str())
-                        && transfer.spec.pvc == result.pvc
-                })
-                .and_then(|transfer| transfer.status.clone())
-                .and_then(|status| status.progress);
-            let shown = progress.as_ref().map_or_else(
-                || format!("{} {:>3}%", bar(0), 0),
-                |progress| format!("{} {:>3}%", bar(progress.percent), progress.percent),
-            );
             let verified = result.verified_tree.as_deref().map_or_else(
                 || "-".to_string(),
-                |tree| format!("verified {}", &tree[..tree.len().min(12)]),
+                |tree| format!("verified {}", short_id(tree)),
             );
-            let _ = writeln!(
-                out,
-                "{:<20} {:<24} {:<11} {shown}  {verified:<21} {}",
-                result.namespace,
-                result.pvc,
-                format!("{:?}", result.phase),
-                result.message.as_deref().unwrap_or("")
+            write_volume_row(
+                &mut out,
+                transfers,
+                (&result.namespace, &result.pvc),
+                result.phase,
+                &format!("{verified:<21}"),
+                result.message.as_deref(),
             );
         }
     }
@@ -280,89 +272,47 @@ pub async fn run(command: DescribeCommand, cancel: CancellationToken) -> anyhow:
     let client = kube::Client::try_default()
         .await
         .context("cannot reach the Kubernetes API (no kubeconfig or in-cluster config)")?;
-    let arguments = match command {
-        DescribeCommand::Backup(arguments) => arguments,
-        DescribeCommand::Restore(arguments) => {
-            return describe_restore(client, arguments, cancel).await;
+    match command {
+        DescribeCommand::Backup(arguments) => {
+            describe(client, &arguments, &cancel, render_backup).await
         }
-    };
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), &arguments.namespace);
+        DescribeCommand::Restore(arguments) => {
+            describe(client, &arguments, &cancel, render_restore).await
+        }
+    }
+}
+
+/// Print the object `arguments` name, drawn by `render` with its
+/// VolumeTransfers; with `--watch`, redraw it every
+/// [`WATCH_INTERVAL_SECONDS`] until it is finished or `cancel`.
+async fn describe<K: TransferOwner>(
+    client: kube::Client,
+    arguments: &DescribeBackupArgs,
+    cancel: &CancellationToken,
+    render: fn(&K, &[VolumeTransfer]) -> String,
+) -> anyhow::Result<Outcome> {
+    let objects: Api<K> = Api::namespaced(client.clone(), &arguments.namespace);
     let transfers: Api<VolumeTransfer> = Api::all(client);
     loop {
-        let backup = backups.get(&arguments.name).await.with_context(|| {
+        let object = objects.get(&arguments.name).await.with_context(|| {
             format!(
-                "cannot read VolumeBackup {}/{}",
-                arguments.namespace, arguments.name
+                "cannot read {} {}/{}",
+                K::kind(&()),
+                arguments.namespace,
+                arguments.name
             )
         })?;
-        let owned = transfers_of(&transfers, backup.uid()).await?;
-        let text = render_backup(&backup, &owned);
-        let finished = backup
-            .status
-            .as_ref()
-            .and_then(|status| status.phase)
-            .is_some_and(|phase| phase.is_final());
+        let owned = owned_transfers(&transfers, &object)
+            .await
+            .context("cannot list its VolumeTransfers")?;
+        let text = render(&object, &owned);
         if arguments.watch {
             // Clear the screen and draw from the top.
             print!("\x1b[2J\x1b[H{text}");
         } else {
             print!("{text}");
         }
-        if !arguments.watch || finished {
-            return Ok(Outcome::Success);
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return Ok(Outcome::Success),
-            _ = tokio::time::sleep(Duration::from_secs(WATCH_INTERVAL_SECONDS)) => {}
-        }
-    }
-}
-
-/// The VolumeTransfers of the object with `uid`.
-async fn transfers_of(
-    transfers: &Api<VolumeTransfer>,
-    uid: Option<String>,
-) -> anyhow::Result<Vec<VolumeTransfer>> {
-    Ok(match uid {
-        Some(uid) => {
-            transfers
-                .list(&ListParams::default().labels(&format!("{OWNER_UID_LABEL}={uid}")))
-                .await
-                .context("cannot list its VolumeTransfers")?
-                .items
-        }
-        None => Vec::new(),
-    })
-}
-
-/// `haulage describe restore`.
-async fn describe_restore(
-    client: kube::Client,
-    arguments: DescribeBackupArgs,
-    cancel: CancellationToken,
-) -> anyhow::Result<Outcome> {
-    let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), &arguments.namespace);
-    let transfers: Api<VolumeTransfer> = Api::all(client);
-    loop {
-        let restore = restores.get(&arguments.name).await.with_context(|| {
-            format!(
-                "cannot read VolumeRestore {}/{}",
-                arguments.namespace, arguments.name
-            )
-        })?;
-        let owned = transfers_of(&transfers, restore.uid()).await?;
-        let text = render_restore(&restore, &owned);
-        let finished = restore
-            .status
-            .as_ref()
-            .and_then(|status| status.phase)
-            .is_some_and(|phase| phase.is_final());
-        if arguments.watch {
-            print!("\x1b[2J\x1b[H{text}");
-        } else {
-            print!("{text}");
-        }
-        if !arguments.watch || finished {
+        if !arguments.watch || object.is_finished() {
             return Ok(Outcome::Success);
         }
         tokio::select! {
@@ -378,7 +328,7 @@ mod tests {
     use crate::api::backup::{
         BackupPlan, PlannedStagePod, UnplaceableVolume, VolumeCounts, VolumeResult,
     };
-    use crate::api::{VolumeBackupPhase, VolumeBackupStatus, VolumeTransferPhase};
+    use crate::api::{VolumeBackupPhase, VolumeBackupStatus};
 
     #[test]
     fn a_running_backup_shows_its_plan_reasons_and_per_volume_bars() {

@@ -25,6 +25,8 @@ mod repo;
 mod restore;
 mod snapshots;
 mod status;
+mod text;
+mod transfer_owner;
 mod verify;
 
 use std::process::ExitCode;

@@ -30,6 +30,7 @@ use crate::api::backup::{ParentPolicy, VolumeBackupSpec};
 use crate::api::labels::{MANAGED_BY, MANAGED_BY_LABEL};
 use crate::api::restore::{ExistingClaimPolicy, RestoreSource, SizeChoice, VolumeRestoreSpec};
 use crate::api::{BackupStorageLocation, VolumeBackup, VolumeRestore};
+use crate::cli::text::access_modes;
 use crate::plan::objects::{ClusterObjects, DumpError, facts_from_objects};
 use crate::plan::quantity::format_bytes;
 use crate::plan::selector::LabelRequirement;
@@ -739,15 +740,11 @@ pub fn render_dry_run(
     ];
     for claim in &plan.moves {
         let destination = &claim.destination;
-        let modes = if destination.final_access_modes.is_empty() {
-            destination.access_modes.join(",")
-        } else {
-            format!(
-                "{} (then {})",
-                destination.access_modes.join(","),
-                destination.final_access_modes.join(",")
-            )
-        };
+        let modes = access_modes(
+            &destination.access_modes,
+            &destination.final_access_modes,
+            |first, last| format!("{first} (then {last})"),
+        );
         rows.push(vec![
             format!("{}/{}", claim.source.0, claim.source.1),
             destination.namespace.clone(),

@@ -1,0 +1,106 @@
+//! What `haulage describe` and `haulage migrate` read alike from a
+//! VolumeBackup and a VolumeRestore, the two kinds that own
+//! VolumeTransfers: the phase as shown, whether it is finished, its
+//! progress, and the VolumeTransfers it owns.
+
+use kube::api::ListParams;
+use kube::{Api, ResourceExt};
+
+use crate::api::labels::OWNER_UID_LABEL;
+use crate::api::{
+    Progress, VolumeBackup, VolumeBackupPhase, VolumeRestore, VolumeRestorePhase, VolumeTransfer,
+};
+use crate::cli::cluster::Namespaced;
+
+/// A VolumeBackup or a VolumeRestore, as the CLI shows and follows it.
+pub trait TransferOwner: Namespaced {
+    /// Its phase.
+    type Phase: Copy + std::fmt::Debug;
+    /// What it is called in a line of progress: `backup` or `restore`.
+    const NOUN: &'static str;
+    /// Its phase, once a controller replica set one.
+    fn phase(&self) -> Option<Self::Phase>;
+    /// Whether nothing more happens in `phase`.
+    fn is_final(phase: Self::Phase) -> bool;
+    /// Its overall progress, once transfers report.
+    fn progress(&self) -> Option<&Progress>;
+
+    /// Whether nothing more happens to it.
+    fn is_finished(&self) -> bool {
+        self.phase().is_some_and(Self::is_final)
+    }
+
+    /// The phase as shown (`New` before a replica claimed it).
+    fn shown_phase(&self) -> String {
+        self.phase()
+            .map_or_else(|| "New".to_string(), |phase| format!("{phase:?}"))
+    }
+}
+
+impl TransferOwner for VolumeBackup {
+    type Phase = VolumeBackupPhase;
+    const NOUN: &'static str = "backup";
+    fn phase(&self) -> Option<VolumeBackupPhase> {
+        self.status.as_ref()?.phase
+    }
+    fn is_final(phase: VolumeBackupPhase) -> bool {
+        phase.is_final()
+    }
+    fn progress(&self) -> Option<&Progress> {
+        self.status.as_ref()?.progress.as_ref()
+    }
+}
+
+impl TransferOwner for VolumeRestore {
+    type Phase = VolumeRestorePhase;
+    const NOUN: &'static str = "restore";
+    fn phase(&self) -> Option<VolumeRestorePhase> {
+        self.status.as_ref()?.phase
+    }
+    fn is_final(phase: VolumeRestorePhase) -> bool {
+        phase.is_final()
+    }
+    fn progress(&self) -> Option<&Progress> {
+        self.status.as_ref()?.progress.as_ref()
+    }
+}
+
+/// The VolumeTransfers `owner` owns (labelled with its uid); none while it
+/// has no uid.
+pub async fn owned_transfers(
+    transfers: &Api<VolumeTransfer>,
+    owner: &impl ResourceExt,
+) -> kube::Result<Vec<VolumeTransfer>> {
+    let Some(uid) = owner.uid() else {
+        return Ok(Vec::new());
+    };
+    Ok(transfers
+        .list(&ListParams::default().labels(&format!("{OWNER_UID_LABEL}={uid}")))
+        .await?
+        .items)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owner_is_new_until_a_replica_sets_a_phase_and_finished_in_a_final_one() {
+        let mut backup = VolumeBackup::test("nightly");
+        assert_eq!(backup.shown_phase(), "New");
+        assert!(!backup.is_finished());
+        backup.status = Some(crate::api::VolumeBackupStatus {
+            phase: Some(VolumeBackupPhase::PartiallyFailed),
+            ..Default::default()
+        });
+        assert_eq!(backup.shown_phase(), "PartiallyFailed");
+        assert!(backup.is_finished());
+        let mut restore = VolumeRestore::test("move");
+        restore.status = Some(crate::api::VolumeRestoreStatus {
+            phase: Some(VolumeRestorePhase::InProgress),
+            ..Default::default()
+        });
+        assert_eq!(restore.shown_phase(), "InProgress");
+        assert!(!restore.is_finished());
+    }
+}
