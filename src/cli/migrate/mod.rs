@@ -591,45 +591,28 @@ async fn call_workload(
     patch: Option<&serde_json::Value>,
 ) -> kube::Result<WorkloadState> {
     async fn call<K: Scaled>(
-        api: Api<K>,
-        name: &str,
+        client: &kube::Client,
+        workload: &Workload,
         patch: Option<&serde_json::Value>,
     ) -> kube::Result<WorkloadState> {
+        let api = Api::<K>::namespaced(client.clone(), &workload.namespace);
         let object = match patch {
-            None => api.get(name).await?,
+            None => api.get(&workload.name).await?,
             Some(patch) => {
-                api.patch(name, &PatchParams::default(), &Patch::Merge(patch))
-                    .await?
+                api.patch(
+                    &workload.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(patch),
+                )
+                .await?
             }
         };
         Ok(state_of(&object))
     }
-    let (namespace, name) = (workload.namespace.as_str(), workload.name.as_str());
     match workload.kind {
-        WorkloadKind::Deployment => {
-            call(
-                Api::<Deployment>::namespaced(client.clone(), namespace),
-                name,
-                patch,
-            )
-            .await
-        }
-        WorkloadKind::StatefulSet => {
-            call(
-                Api::<StatefulSet>::namespaced(client.clone(), namespace),
-                name,
-                patch,
-            )
-            .await
-        }
-        WorkloadKind::ReplicaSet => {
-            call(
-                Api::<ReplicaSet>::namespaced(client.clone(), namespace),
-                name,
-                patch,
-            )
-            .await
-        }
+        WorkloadKind::Deployment => call::<Deployment>(client, workload, patch).await,
+        WorkloadKind::StatefulSet => call::<StatefulSet>(client, workload, patch).await,
+        WorkloadKind::ReplicaSet => call::<ReplicaSet>(client, workload, patch).await,
     }
 }
 
@@ -659,23 +642,19 @@ async fn quiesced_workloads(
     client: &kube::Client,
     namespaces: &[String],
 ) -> anyhow::Result<Vec<WorkloadState>> {
-    let mut states: Vec<WorkloadState> = list_namespaced::<Deployment>(client, namespaces)
-        .await?
-        .iter()
-        .map(state_of)
-        .collect();
-    states.extend(
-        list_namespaced::<StatefulSet>(client, namespaces)
+    async fn states_of<K: Scaled>(
+        client: &kube::Client,
+        namespaces: &[String],
+    ) -> anyhow::Result<Vec<WorkloadState>> {
+        Ok(list_namespaced::<K>(client, namespaces)
             .await?
             .iter()
-            .map(state_of),
-    );
-    states.extend(
-        list_namespaced::<ReplicaSet>(client, namespaces)
-            .await?
-            .iter()
-            .map(state_of),
-    );
+            .map(state_of)
+            .collect())
+    }
+    let mut states = states_of::<Deployment>(client, namespaces).await?;
+    states.extend(states_of::<StatefulSet>(client, namespaces).await?);
+    states.extend(states_of::<ReplicaSet>(client, namespaces).await?);
     Ok(states)
 }
 

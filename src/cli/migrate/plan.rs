@@ -75,23 +75,29 @@ pub struct DestinationFacts {
     pub restores: Vec<VolumeRestore>,
 }
 
+/// The migration's object of `pass` among `objects`, if it exists.
+fn of_pass<'a, K: kube::Resource>(
+    objects: &'a [K],
+    settings: &MigrateSettings,
+    pass: Pass,
+) -> Option<&'a K> {
+    let name = pass.object_name(&settings.name);
+    objects
+        .iter()
+        .find(|object| object.meta().name.as_deref() == Some(name.as_str()))
+}
+
 impl SourceFacts {
     /// The migration's VolumeBackup of `pass`, if it exists.
     pub fn backup(&self, settings: &MigrateSettings, pass: Pass) -> Option<&VolumeBackup> {
-        let name = pass.object_name(&settings.name);
-        self.backups
-            .iter()
-            .find(|backup| backup.metadata.name.as_deref() == Some(name.as_str()))
+        of_pass(&self.backups, settings, pass)
     }
 }
 
 impl DestinationFacts {
     /// The migration's VolumeRestore of `pass`, if it exists.
     pub fn restore(&self, settings: &MigrateSettings, pass: Pass) -> Option<&VolumeRestore> {
-        let name = pass.object_name(&settings.name);
-        self.restores
-            .iter()
-            .find(|restore| restore.metadata.name.as_deref() == Some(name.as_str()))
+        of_pass(&self.restores, settings, pass)
     }
 }
 
