@@ -16,10 +16,10 @@ use tokio_util::sync::CancellationToken;
 
 use crate::api::backup::BackupPlan;
 use crate::api::labels::SYSTEM_NAMESPACE;
-use crate::api::{Progress, VolumeBackup, VolumeRestore, VolumeTransfer, VolumeTransferPhase};
+use crate::api::{Progress, VolumeBackup, VolumeRestore, VolumeTransfer};
 use crate::cli::Outcome;
 use crate::cli::text::{access_modes, short_id};
-use crate::cli::transfer_owner::{TransferOwner, owned_transfers};
+use crate::cli::transfer_owner::{TransferOwner, VolumeOutcome, owned_transfers};
 
 /// Seconds between redraws with `--watch`.
 const WATCH_INTERVAL_SECONDS: u64 = 2;
@@ -114,32 +114,38 @@ fn write_header(
     }
 }
 
-/// One row of the VOLUMES table: the claim, its phase, the bar of its
-/// VolumeTransfer's progress (empty before it reports), `detail` (padded
-/// to its column) and the message.
-fn write_volume_row(
+/// The VOLUMES table (nothing without results): per volume its claim,
+/// its phase, the bar of its VolumeTransfer's progress (empty before it
+/// reports), its `detail` (padded to its column) and its message.
+fn write_volumes<R: VolumeOutcome>(
     out: &mut String,
     transfers: &[VolumeTransfer],
-    (namespace, pvc): (&str, &str),
-    phase: VolumeTransferPhase,
-    detail: &str,
-    message: Option<&str>,
+    results: &[R],
+    detail: impl Fn(&R) -> String,
 ) {
-    let percent = transfers
-        .iter()
-        .find(|transfer| {
-            transfer.namespace().as_deref() == Some(namespace) && transfer.spec.pvc == pvc
-        })
-        .and_then(|transfer| transfer.status.as_ref())
-        .and_then(|status| status.progress.as_ref())
-        .map_or(0, |progress| progress.percent);
-    let _ = writeln!(
-        out,
-        "{namespace:<20} {pvc:<24} {:<11} {} {percent:>3}%  {detail} {}",
-        format!("{phase:?}"),
-        bar(percent),
-        message.unwrap_or("")
-    );
+    if results.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "\nVOLUMES");
+    for result in results {
+        let (namespace, pvc, phase, message) = result.outcome();
+        let percent = transfers
+            .iter()
+            .find(|transfer| {
+                transfer.namespace().as_deref() == Some(namespace) && transfer.spec.pvc == pvc
+            })
+            .and_then(|transfer| transfer.status.as_ref())
+            .and_then(|status| status.progress.as_ref())
+            .map_or(0, |progress| progress.percent);
+        let _ = writeln!(
+            out,
+            "{namespace:<20} {pvc:<24} {:<11} {} {percent:>3}%  {} {}",
+            format!("{phase:?}"),
+            bar(percent),
+            detail(result),
+            message.unwrap_or("")
+        );
+    }
 }
 
 /// Render a backup and its transfers as text.
@@ -156,20 +162,12 @@ pub fn render_backup(backup: &VolumeBackup, transfers: &[VolumeTransfer]) -> Str
     if let Some(plan) = &status.plan {
         render_plan(&mut out, plan);
     }
-    if !status.results.is_empty() {
-        let _ = writeln!(out, "\nVOLUMES");
-        for result in &status.results {
-            let snapshot = result.snapshot_id.as_deref().map_or("-", short_id);
-            write_volume_row(
-                &mut out,
-                transfers,
-                (&result.namespace, &result.pvc),
-                result.phase,
-                &format!("{snapshot:<12}"),
-                result.message.as_deref(),
-            );
-        }
-    }
+    write_volumes(&mut out, transfers, &status.results, |result| {
+        format!(
+            "{:<12}",
+            result.snapshot_id.as_deref().map_or("-", short_id)
+        )
+    });
     out
 }
 
@@ -247,23 +245,13 @@ pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> 
     if let Some(plan) = &status.plan {
         render_plan(&mut out, plan);
     }
-    if !status.results.is_empty() {
-        let _ = writeln!(out, "\nVOLUMES");
-        for result in &status.results {
-            let verified = result.verified_tree.as_deref().map_or_else(
-                || "-".to_string(),
-                |tree| format!("verified {}", short_id(tree)),
-            );
-            write_volume_row(
-                &mut out,
-                transfers,
-                (&result.namespace, &result.pvc),
-                result.phase,
-                &format!("{verified:<21}"),
-                result.message.as_deref(),
-            );
-        }
-    }
+    write_volumes(&mut out, transfers, &status.results, |result| {
+        let verified = result.verified_tree.as_deref().map_or_else(
+            || "-".to_string(),
+            |tree| format!("verified {}", short_id(tree)),
+        );
+        format!("{verified:<21}")
+    });
     out
 }
 
@@ -328,7 +316,7 @@ mod tests {
     use crate::api::backup::{
         BackupPlan, PlannedStagePod, UnplaceableVolume, VolumeCounts, VolumeResult,
     };
-    use crate::api::{VolumeBackupPhase, VolumeBackupStatus};
+    use crate::api::{VolumeBackupPhase, VolumeBackupStatus, VolumeTransferPhase};
 
     #[test]
     fn a_running_backup_shows_its_plan_reasons_and_per_volume_bars() {

@@ -424,13 +424,9 @@ fn restore_report(restore: &VolumeRestore) -> RestoreReport {
 }
 
 /// The unfinished of `objects` (backups or restores) split into running
-/// and queued (`queued` says which phases are before the work starts; no
-/// phase yet is too), each sorted by name, as `report` shows them.
-fn running_and_queued<K: TransferOwner, R>(
-    objects: &[K],
-    queued: fn(K::Phase) -> bool,
-    report: fn(&K) -> R,
-) -> (Vec<R>, Vec<R>) {
+/// and queued (no phase yet, or one before the work starts), each sorted
+/// by name, as `report` shows them.
+fn running_and_queued<K: TransferOwner, R>(objects: &[K], report: fn(&K) -> R) -> (Vec<R>, Vec<R>) {
     let mut unfinished: Vec<&K> = objects
         .iter()
         .filter(|object| !object.is_finished())
@@ -438,7 +434,7 @@ fn running_and_queued<K: TransferOwner, R>(
     unfinished.sort_by_key(|object| object.name_any());
     let (waiting, started): (Vec<&K>, Vec<&K>) = unfinished
         .into_iter()
-        .partition(|object| object.phase().is_none_or(queued));
+        .partition(|object| object.phase().is_none_or(K::is_queued));
     (
         started.into_iter().map(report).collect(),
         waiting.into_iter().map(report).collect(),
@@ -467,26 +463,8 @@ pub fn build_report(
     location_reports.sort_by(|a, b| a.name.cmp(&b.name));
     let choice = choose_default(locations.iter());
 
-    let (running, queued) = running_and_queued(
-        backups,
-        |phase| {
-            matches!(
-                phase,
-                VolumeBackupPhase::New | VolumeBackupPhase::WaitingForStorage
-            )
-        },
-        backup_report,
-    );
-    let (running_restores, queued_restores) = running_and_queued(
-        restores,
-        |phase| {
-            matches!(
-                phase,
-                VolumeRestorePhase::New | VolumeRestorePhase::WaitingForStorage
-            )
-        },
-        restore_report,
-    );
+    let (running, queued) = running_and_queued(backups, backup_report);
+    let (running_restores, queued_restores) = running_and_queued(restores, restore_report);
 
     let mut storage_policies: Vec<PolicyCapsReport> = policies
         .iter()
@@ -643,51 +621,47 @@ fn done(progress: Option<&Progress>) -> String {
     )
 }
 
-fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
-    owner_lines(
-        out,
-        title,
-        backups,
+/// The header of a backups or restores section; `backup` is a restore's
+/// BACKUP column, padded, or empty.
+fn owner_header(backup: &str) -> String {
+    format!(
+        "{:<24} {:<18} {:<16} {backup}{:<16} {:>5}  MESSAGE",
+        "NAME", "PHASE", "LOCATION", "OWNER", "DONE"
+    )
+}
+
+/// A row of a backups or restores section from `$report` (a
+/// [`BackupReport`] or a [`RestoreReport`]: both name these fields alike);
+/// `$backup` is a restore's BACKUP cell, padded, or empty.
+macro_rules! owner_row {
+    ($report:expr, $backup:expr) => {
         format!(
-            "{:<24} {:<18} {:<16} {:<16} {:>5}  MESSAGE",
-            "NAME", "PHASE", "LOCATION", "OWNER", "DONE"
-        ),
-        |backup| {
-            format!(
-                "{:<24} {:<18} {:<16} {:<16} {:>5}  {}",
-                backup.name,
-                optional(backup.phase.map(|phase| format!("{phase:?}"))),
-                backup.location.as_deref().unwrap_or("(default)"),
-                backup.owner.as_deref().unwrap_or("-"),
-                done(backup.progress.as_ref()),
-                backup.message.as_deref().unwrap_or("")
-            )
-        },
-    );
+            "{:<24} {:<18} {:<16} {}{:<16} {:>5}  {}",
+            $report.name,
+            optional($report.phase.map(|phase| format!("{phase:?}"))),
+            $report.location.as_deref().unwrap_or("(default)"),
+            $backup,
+            $report.owner.as_deref().unwrap_or("-"),
+            done($report.progress.as_ref()),
+            $report.message.as_deref().unwrap_or("")
+        )
+    };
+}
+
+fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
+    owner_lines(out, title, backups, owner_header(""), |backup| {
+        owner_row!(backup, "")
+    });
 }
 
 fn restore_lines(out: &mut String, title: &str, restores: &[RestoreReport]) {
-    owner_lines(
-        out,
-        title,
-        restores,
-        format!(
-            "{:<24} {:<18} {:<16} {:<24} {:<16} {:>5}  MESSAGE",
-            "NAME", "PHASE", "LOCATION", "BACKUP", "OWNER", "DONE"
-        ),
-        |restore| {
-            format!(
-                "{:<24} {:<18} {:<16} {:<24} {:<16} {:>5}  {}",
-                restore.name,
-                optional(restore.phase.map(|phase| format!("{phase:?}"))),
-                restore.location.as_deref().unwrap_or("(default)"),
-                restore.backup.as_deref().unwrap_or("-"),
-                restore.owner.as_deref().unwrap_or("-"),
-                done(restore.progress.as_ref()),
-                restore.message.as_deref().unwrap_or("")
-            )
-        },
-    );
+    let header = owner_header(&format!("{:<24} ", "BACKUP"));
+    owner_lines(out, title, restores, header, |restore| {
+        owner_row!(
+            restore,
+            format!("{:<24} ", restore.backup.as_deref().unwrap_or("-"))
+        )
+    });
 }
 
 /// The report as aligned text (pure).

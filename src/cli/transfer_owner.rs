@@ -1,14 +1,18 @@
-//! What `haulage describe` and `haulage migrate` read alike from a
-//! VolumeBackup and a VolumeRestore, the two kinds that own
+//! What `haulage describe`, `haulage status` and `haulage migrate` read
+//! alike from a VolumeBackup and a VolumeRestore, the two kinds that own
 //! VolumeTransfers: the phase as shown, whether it is finished, its
-//! progress, and the VolumeTransfers it owns.
+//! progress, how each of its volumes ended, and the VolumeTransfers it
+//! owns.
 
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
+use crate::api::backup::VolumeResult;
 use crate::api::labels::OWNER_UID_LABEL;
+use crate::api::restore::RestoreResult;
 use crate::api::{
     Progress, VolumeBackup, VolumeBackupPhase, VolumeRestore, VolumeRestorePhase, VolumeTransfer,
+    VolumeTransferPhase,
 };
 use crate::cli::cluster::Namespaced;
 
@@ -22,6 +26,9 @@ pub trait TransferOwner: Namespaced {
     fn phase(&self) -> Option<Self::Phase>;
     /// Whether nothing more happens in `phase`.
     fn is_final(phase: Self::Phase) -> bool;
+    /// Whether `phase` is before the work starts (new, or waiting for its
+    /// storage location).
+    fn is_queued(phase: Self::Phase) -> bool;
     /// Its overall progress, once transfers report.
     fn progress(&self) -> Option<&Progress>;
 
@@ -37,33 +44,49 @@ pub trait TransferOwner: Namespaced {
     }
 }
 
-impl TransferOwner for VolumeBackup {
-    type Phase = VolumeBackupPhase;
-    const NOUN: &'static str = "backup";
-    fn phase(&self) -> Option<VolumeBackupPhase> {
-        self.status.as_ref()?.phase
-    }
-    fn is_final(phase: VolumeBackupPhase) -> bool {
-        phase.is_final()
-    }
-    fn progress(&self) -> Option<&Progress> {
-        self.status.as_ref()?.progress.as_ref()
-    }
+/// A volume's entry in a backup's or a restore's `status.results`.
+pub trait VolumeOutcome {
+    /// The volume's namespace, claim, phase and message.
+    fn outcome(&self) -> (&str, &str, VolumeTransferPhase, Option<&str>);
 }
 
-impl TransferOwner for VolumeRestore {
-    type Phase = VolumeRestorePhase;
-    const NOUN: &'static str = "restore";
-    fn phase(&self) -> Option<VolumeRestorePhase> {
-        self.status.as_ref()?.phase
-    }
-    fn is_final(phase: VolumeRestorePhase) -> bool {
-        phase.is_final()
-    }
-    fn progress(&self) -> Option<&Progress> {
-        self.status.as_ref()?.progress.as_ref()
-    }
+/// [`TransferOwner`] for `$kind` and [`VolumeOutcome`] for its `$result`:
+/// both kinds' statuses name their phase, progress and results' fields
+/// alike, and both phases begin with `New` and `WaitingForStorage`.
+macro_rules! transfer_owner {
+    ($kind:ty, $phase:ident, $result:ty, $noun:literal) => {
+        impl TransferOwner for $kind {
+            type Phase = $phase;
+            const NOUN: &'static str = $noun;
+            fn phase(&self) -> Option<$phase> {
+                self.status.as_ref()?.phase
+            }
+            fn is_final(phase: $phase) -> bool {
+                phase.is_final()
+            }
+            fn is_queued(phase: $phase) -> bool {
+                matches!(phase, $phase::New | $phase::WaitingForStorage)
+            }
+            fn progress(&self) -> Option<&Progress> {
+                self.status.as_ref()?.progress.as_ref()
+            }
+        }
+
+        impl VolumeOutcome for $result {
+            fn outcome(&self) -> (&str, &str, VolumeTransferPhase, Option<&str>) {
+                (
+                    &self.namespace,
+                    &self.pvc,
+                    self.phase,
+                    self.message.as_deref(),
+                )
+            }
+        }
+    };
 }
+
+transfer_owner!(VolumeBackup, VolumeBackupPhase, VolumeResult, "backup");
+transfer_owner!(VolumeRestore, VolumeRestorePhase, RestoreResult, "restore");
 
 /// The VolumeTransfers `owner` owns (labelled with its uid); none while it
 /// has no uid.
@@ -102,5 +125,11 @@ mod tests {
         });
         assert_eq!(restore.shown_phase(), "InProgress");
         assert!(!restore.is_finished());
+        assert!(VolumeBackup::is_queued(
+            VolumeBackupPhase::WaitingForStorage
+        ));
+        assert!(!VolumeBackup::is_queued(VolumeBackupPhase::Planning));
+        assert!(VolumeRestore::is_queued(VolumeRestorePhase::New));
+        assert!(!VolumeRestore::is_queued(VolumeRestorePhase::Selecting));
     }
 }

@@ -22,7 +22,7 @@ use crate::api::{
     Progress, VolumeBackup, VolumeBackupPhase, VolumeRestore, VolumeRestorePhase, VolumeTransfer,
     VolumeTransferPhase,
 };
-use crate::cli::transfer_owner::TransferOwner;
+use crate::cli::transfer_owner::{TransferOwner, VolumeOutcome};
 
 fn bytes(value: i64) -> String {
     ByteSize::b(u64::try_from(value).unwrap_or(0))
@@ -42,15 +42,7 @@ pub fn backup_outcome(backup: &VolumeBackup, deferred: &BTreeSet<ClaimKey>) -> R
         backup.namespace().unwrap_or_default(),
         backup.name_any()
     );
-    let failed = failed_volumes(
-        status.results.iter().map(|result| VolumeEnd {
-            namespace: &result.namespace,
-            pvc: &result.pvc,
-            phase: result.phase,
-            message: result.message.as_deref(),
-        }),
-        deferred,
-    );
+    let failed = failed_volumes(&status.results, deferred);
     match status.phase {
         Some(VolumeBackupPhase::Completed) => Ok(()),
         Some(VolumeBackupPhase::PartiallyFailed) if failed.is_empty() => Ok(()),
@@ -63,32 +55,20 @@ pub fn backup_outcome(backup: &VolumeBackup, deferred: &BTreeSet<ClaimKey>) -> R
     }
 }
 
-/// How one volume of a pass's object ended, as its status's results say.
-struct VolumeEnd<'a> {
-    namespace: &'a str,
-    pvc: &'a str,
-    phase: VolumeTransferPhase,
-    message: Option<&'a str>,
-}
-
-/// The volumes that did not complete, but for the `deferred` claims, each
-/// `NAMESPACE/PVC PHASE: REASON`.
-fn failed_volumes<'a>(
-    volumes: impl Iterator<Item = VolumeEnd<'a>>,
-    deferred: &BTreeSet<ClaimKey>,
-) -> Vec<String> {
-    volumes
-        .filter(|volume| volume.phase != VolumeTransferPhase::Completed)
-        .filter(|volume| {
-            !deferred.contains(&(volume.namespace.to_string(), volume.pvc.to_string()))
+/// The volumes of `results` that did not complete, but for the
+/// `deferred` claims, each `NAMESPACE/PVC PHASE: REASON`.
+fn failed_volumes(results: &[impl VolumeOutcome], deferred: &BTreeSet<ClaimKey>) -> Vec<String> {
+    results
+        .iter()
+        .map(VolumeOutcome::outcome)
+        .filter(|(_, _, phase, _)| *phase != VolumeTransferPhase::Completed)
+        .filter(|(namespace, pvc, ..)| {
+            !deferred.contains(&(namespace.to_string(), pvc.to_string()))
         })
-        .map(|volume| {
+        .map(|(namespace, pvc, phase, message)| {
             format!(
-                "{}/{} {:?}: {}",
-                volume.namespace,
-                volume.pvc,
-                volume.phase,
-                volume.message.unwrap_or("no reason given")
+                "{namespace}/{pvc} {phase:?}: {}",
+                message.unwrap_or("no reason given")
             )
         })
         .collect()
@@ -123,15 +103,7 @@ pub fn restore_outcome(restore: &VolumeRestore) -> Result<(), String> {
     if status.phase == Some(VolumeRestorePhase::Completed) {
         return Ok(());
     }
-    let failed = failed_volumes(
-        status.results.iter().map(|result| VolumeEnd {
-            namespace: &result.namespace,
-            pvc: &result.pvc,
-            phase: result.phase,
-            message: result.message.as_deref(),
-        }),
-        &BTreeSet::new(),
-    );
+    let failed = failed_volumes(&status.results, &BTreeSet::new());
     Err(format!(
         "VolumeRestore {}/{} ended {}; `haulage describe restore {} -n {}` on the destination shows each volume",
         restore.namespace().unwrap_or_default(),
