@@ -75,13 +75,7 @@ fn progress_line(progress: &Progress) -> String {
 
 /// The lines a backup and a restore begin with: name, phase and location,
 /// message, progress and volume counts.
-fn write_header(
-    out: &mut String,
-    object: &impl TransferOwner,
-    location: Option<&str>,
-    message: Option<&str>,
-    volumes: Option<&crate::api::backup::VolumeCounts>,
-) {
+fn write_header(out: &mut String, object: &impl TransferOwner) {
     let _ = writeln!(
         out,
         "Name:      {} ({})",
@@ -92,15 +86,15 @@ fn write_header(
         out,
         "Phase:     {}   Location: {}",
         object.shown_phase(),
-        location.unwrap_or("(default)")
+        object.storage_location().unwrap_or("(default)")
     );
-    if let Some(message) = message {
+    if let Some(message) = object.message() {
         let _ = writeln!(out, "Message:   {message}");
     }
     if let Some(progress) = object.progress() {
         let _ = writeln!(out, "Progress:  {}", progress_line(progress));
     }
-    if let Some(volumes) = volumes {
+    if let Some(volumes) = object.volumes() {
         let _ = writeln!(
             out,
             "Volumes:   {} total: {} completed, {} running, {} pending, {} failed, {} canceled",
@@ -152,13 +146,7 @@ fn write_volumes<R: VolumeOutcome>(
 pub fn render_backup(backup: &VolumeBackup, transfers: &[VolumeTransfer]) -> String {
     let status = backup.status.clone().unwrap_or_default();
     let mut out = String::new();
-    write_header(
-        &mut out,
-        backup,
-        backup.spec.storage_location.as_deref(),
-        status.message.as_deref(),
-        status.volumes.as_ref(),
-    );
+    write_header(&mut out, backup);
     if let Some(plan) = &status.plan {
         render_plan(&mut out, plan);
     }
@@ -209,13 +197,7 @@ fn render_plan(out: &mut String, plan: &BackupPlan) {
 pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> String {
     let status = restore.status.clone().unwrap_or_default();
     let mut out = String::new();
-    write_header(
-        &mut out,
-        restore,
-        restore.spec.storage_location.as_deref(),
-        status.message.as_deref(),
-        status.volumes.as_ref(),
-    );
+    write_header(&mut out, restore);
     if !status.selection.is_empty() {
         let _ = writeln!(out, "\nSELECTED");
         let _ = writeln!(

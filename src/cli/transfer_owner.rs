@@ -1,13 +1,13 @@
 //! What `haulage describe`, `haulage status` and `haulage migrate` read
 //! alike from a VolumeBackup and a VolumeRestore, the two kinds that own
 //! VolumeTransfers: the phase as shown, whether it is finished, its
-//! progress, how each of its volumes ended, and the VolumeTransfers it
-//! owns.
+//! location, message, progress and volume counts, how each of its volumes
+//! ended, and the VolumeTransfers it owns.
 
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 
-use crate::api::backup::VolumeResult;
+use crate::api::backup::{VolumeCounts, VolumeResult};
 use crate::api::labels::OWNER_UID_LABEL;
 use crate::api::restore::RestoreResult;
 use crate::api::{
@@ -31,6 +31,12 @@ pub trait TransferOwner: Namespaced {
     fn is_queued(phase: Self::Phase) -> bool;
     /// Its overall progress, once transfers report.
     fn progress(&self) -> Option<&Progress>;
+    /// The BackupStorageLocation it names (`None`: the default one).
+    fn storage_location(&self) -> Option<&str>;
+    /// Its status message.
+    fn message(&self) -> Option<&str>;
+    /// Its volumes counted by phase, once planned.
+    fn volumes(&self) -> Option<&VolumeCounts>;
 
     /// Whether nothing more happens to it.
     fn is_finished(&self) -> bool {
@@ -51,8 +57,9 @@ pub trait VolumeOutcome {
 }
 
 /// [`TransferOwner`] for `$kind` and [`VolumeOutcome`] for its `$result`:
-/// both kinds' statuses name their phase, progress and results' fields
-/// alike, and both phases begin with `New` and `WaitingForStorage`.
+/// both kinds name their location, their status's fields and their
+/// results' fields alike, and both phases begin with `New` and
+/// `WaitingForStorage`.
 macro_rules! transfer_owner {
     ($kind:ty, $phase:ident, $result:ty, $noun:literal) => {
         impl TransferOwner for $kind {
@@ -69,6 +76,15 @@ macro_rules! transfer_owner {
             }
             fn progress(&self) -> Option<&Progress> {
                 self.status.as_ref()?.progress.as_ref()
+            }
+            fn storage_location(&self) -> Option<&str> {
+                self.spec.storage_location.as_deref()
+            }
+            fn message(&self) -> Option<&str> {
+                self.status.as_ref()?.message.as_deref()
+            }
+            fn volumes(&self) -> Option<&VolumeCounts> {
+                self.status.as_ref()?.volumes.as_ref()
             }
         }
 
