@@ -593,18 +593,19 @@ fn rate(bytes_per_second: Option<i64>) -> String {
     )
 }
 
-/// A section of backups or restores: `title`, then `(none)`, or `header`
-/// and a `row` each.
-fn owner_lines<R>(
+/// A section of the table: `title`, then `none` when there are no
+/// `reports`, else `header` and a `row` each.
+fn write_section<R>(
     out: &mut String,
     title: &str,
+    none: &str,
     reports: &[R],
     header: String,
-    row: fn(&R) -> String,
+    row: impl Fn(&R) -> String,
 ) {
     let _ = writeln!(out, "\n{title}");
     if reports.is_empty() {
-        let _ = writeln!(out, "  (none)");
+        let _ = writeln!(out, "  {none}");
         return;
     }
     let _ = writeln!(out, "{header}");
@@ -649,14 +650,14 @@ macro_rules! owner_row {
 }
 
 fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
-    owner_lines(out, title, backups, owner_header(""), |backup| {
+    write_section(out, title, "(none)", backups, owner_header(""), |backup| {
         owner_row!(backup, "")
     });
 }
 
 fn restore_lines(out: &mut String, title: &str, restores: &[RestoreReport]) {
     let header = owner_header(&format!("{:<24} ", "BACKUP"));
-    owner_lines(out, title, restores, header, |restore| {
+    write_section(out, title, "(none)", restores, header, |restore| {
         owner_row!(
             restore,
             format!("{:<24} ", restore.backup.as_deref().unwrap_or("-"))
@@ -672,18 +673,17 @@ pub fn render_table(report: &StatusReport) -> String {
         "haulage {} — namespace {}",
         report.cli_version, report.namespace
     );
-    let _ = writeln!(out, "\nCONTROLLER REPLICAS");
-    if report.replicas.is_empty() {
-        let _ = writeln!(out, "  (none)");
-    } else {
-        let _ = writeln!(
-            out,
+    write_section(
+        &mut out,
+        "CONTROLLER REPLICAS",
+        "(none)",
+        &report.replicas,
+        format!(
             "{:<40} {:<6} {:>8}  {:<12} {:<16} {:<8} {:<10} OWNS",
             "NAME", "READY", "RESTARTS", "VERSION", "NODE", "LEASE", "LEADS"
-        );
-        for replica in &report.replicas {
-            let _ = writeln!(
-                out,
+        ),
+        |replica| {
+            format!(
                 "{:<40} {:<6} {:>8}  {:<12} {:<16} {:<8} {:<10} {}",
                 replica.name,
                 if replica.ready { "yes" } else { "no" },
@@ -705,26 +705,25 @@ pub fn render_table(report: &StatusReport) -> String {
                 } else {
                     replica.owns.join(",")
                 }
-            );
-        }
-    }
-    let _ = writeln!(out, "\nSTORAGE LOCATIONS");
-    if report.locations.is_empty() {
-        let _ = writeln!(out, "  (none: backups wait until one exists)");
-    } else {
-        let _ = writeln!(
-            out,
+            )
+        },
+    );
+    write_section(
+        &mut out,
+        "STORAGE LOCATIONS",
+        "(none: backups wait until one exists)",
+        &report.locations,
+        format!(
             "{:<20} {:<12} {:<26} {:<8} {:>9} {:>8}  MESSAGE",
             "NAME", "PHASE", "REASON", "DEFAULT", "VALIDATED", "LATENCY"
-        );
-        for location in &report.locations {
+        ),
+        |location| {
             let default = match (&report.default_location, location.marked_default) {
                 (Some(winner), true) if *winner == location.name => "yes",
                 (_, true) => "ignored",
                 _ => "",
             };
-            let _ = writeln!(
-                out,
+            format!(
                 "{:<20} {:<12} {:<26} {:<8} {:>9} {:>8}  {}",
                 location.name,
                 optional(location.phase.map(|phase| format!("{phase:?}"))),
@@ -738,9 +737,9 @@ pub fn render_table(report: &StatusReport) -> String {
                     .last_probe_latency_milliseconds
                     .map_or_else(|| "-".to_string(), |millis| format!("{millis}ms")),
                 location.message.as_deref().unwrap_or("")
-            );
-        }
-    }
+            )
+        },
+    );
     backup_lines(&mut out, "RUNNING BACKUPS", &report.running_backups);
     backup_lines(&mut out, "QUEUED BACKUPS", &report.queued_backups);
     restore_lines(&mut out, "RUNNING RESTORES", &report.running_restores);
