@@ -121,68 +121,101 @@ pub struct BackupFigures {
     pub first_warning: Option<String>,
 }
 
+/// What every final status carries besides the outcome: the progress at
+/// the end, the agent's claim, the transfer's generation (the conditions
+/// observed it) and when the transfer ended.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    /// The progress as the engine left it.
+    pub progress: Progress,
+    /// The agent's claim, renewed at `time`.
+    pub agent: AgentClaim,
+    /// The transfer's `metadata.generation`.
+    pub generation: Option<i64>,
+    /// When the transfer ended.
+    pub time: Time,
+}
+
+/// `progress` of a volume moved completely: every byte done, no time
+/// left, 100 %.
+fn done(progress: Progress) -> Progress {
+    Progress {
+        bytes_done: progress.total_bytes,
+        eta_seconds: Some(0),
+        ..progress
+    }
+    .with_percent(true)
+}
+
+impl Ending {
+    /// What every final status holds: the claim and the completion time.
+    fn final_status(&self) -> VolumeTransferStatus {
+        VolumeTransferStatus {
+            agent: Some(self.agent.clone()),
+            completion_time: Some(self.time.clone()),
+            ..VolumeTransferStatus::default()
+        }
+    }
+
+    /// A condition of the final status, observing the generation, set at
+    /// the end.
+    fn condition(
+        &self,
+        type_: &str,
+        status: ConditionStatus,
+        why: &str,
+        message: &str,
+    ) -> Condition {
+        Condition::new(
+            type_,
+            status,
+            why,
+            message,
+            self.generation,
+            self.time.clone(),
+        )
+    }
+}
+
 /// The final status of a volume backed up: Completed with its snapshot
 /// and figures, progress at 100 %.
-pub fn completed_status(
-    progress: Progress,
-    figures: &BackupFigures,
-    agent: AgentClaim,
-    generation: Option<i64>,
-    now: &Time,
-) -> VolumeTransferStatus {
-    let mut completed = progress;
-    completed.bytes_done = completed.total_bytes;
-    completed.eta_seconds = Some(0);
+pub fn completed_status(ending: Ending, figures: &BackupFigures) -> VolumeTransferStatus {
     let message = figures
         .first_warning
         .as_ref()
         .map(|warning| format!("{} warnings, first: {warning}", figures.warning_count));
     VolumeTransferStatus {
         phase: Some(VolumeTransferPhase::Completed),
-        agent: Some(agent),
-        progress: Some(completed.with_percent(true)),
+        progress: Some(done(ending.progress.clone())),
         snapshot_id: Some(figures.snapshot_id.clone()),
         bytes_read: Some(signed(figures.bytes_read)),
         bytes_new: Some(signed(figures.bytes_new)),
         bytes_stored: Some(signed(figures.bytes_stored)),
         warnings: Some(signed(figures.warning_count)),
         message: message.map(|message| bounded_message(&message)),
-        completion_time: Some(now.clone()),
-        conditions: vec![Condition::new(
+        conditions: vec![ending.condition(
             condition_type::COMPLETE,
             ConditionStatus::True,
             reason::ALL_VOLUMES_COMPLETED,
             "snapshot written",
-            generation,
-            now.clone(),
         )],
-        ..VolumeTransferStatus::default()
+        ..ending.final_status()
     }
 }
 
 /// The final status of a volume that failed, with what went wrong.
-pub fn failed_status(
-    progress: Progress,
-    message: &str,
-    agent: AgentClaim,
-    generation: Option<i64>,
-    now: &Time,
-) -> VolumeTransferStatus {
+pub fn failed_status(ending: Ending, message: &str) -> VolumeTransferStatus {
     VolumeTransferStatus {
         phase: Some(VolumeTransferPhase::Failed),
-        agent: Some(agent),
-        progress: Some(progress),
+        progress: Some(ending.progress.clone()),
         message: Some(bounded_message(message)),
-        completion_time: Some(now.clone()),
-        conditions: vec![Condition::new(
+        conditions: vec![ending.condition(
             condition_type::FAILED,
             ConditionStatus::True,
             reason::ALL_VOLUMES_FAILED,
             message,
-            generation,
-            now.clone(),
         )],
-        ..VolumeTransferStatus::default()
+        ..ending.final_status()
     }
 }
 
@@ -250,24 +283,17 @@ fn first_few(items: &[String]) -> String {
 /// restore's figures, progress at 100 %; or Failed, saying what differs or
 /// what was not restored and what to do, with the figures so far.
 pub fn restored_status(
-    progress: Progress,
+    ending: Ending,
     figures: &RestoreFigures,
     verdict: &RestoreVerdict,
-    agent: AgentClaim,
-    generation: Option<i64>,
-    now: &Time,
 ) -> VolumeTransferStatus {
-    let condition = |type_, status, why, message: &str| {
-        Condition::new(type_, status, why, message, generation, now.clone())
-    };
+    let progress = ending.progress.clone();
     let snapshot = &figures.snapshot_id;
     let mut status = VolumeTransferStatus {
-        agent: Some(agent),
         bytes_written: Some(signed(figures.bytes_written)),
         files_unchanged: Some(signed(figures.files_unchanged)),
         entries_removed: Some(signed(figures.entries_removed)),
-        completion_time: Some(now.clone()),
-        ..VolumeTransferStatus::default()
+        ..ending.final_status()
     };
     match verdict {
         RestoreVerdict::Verified {
@@ -275,15 +301,14 @@ pub fn restored_status(
             not_restorable,
             not_restorable_paths,
         } => {
-            let mut completed = progress;
-            completed.bytes_done = completed.total_bytes;
-            completed.files_done = completed.total_files;
-            completed.eta_seconds = Some(0);
             let verified = format!(
                 "the claim holds exactly snapshot {snapshot}: root tree {root_tree}, compared entry by entry and every file re-hashed"
             );
             status.phase = Some(VolumeTransferPhase::Completed);
-            status.progress = Some(completed.with_percent(true));
+            status.progress = Some(done(Progress {
+                files_done: progress.total_files,
+                ..progress
+            }));
             status.verified_tree = Some(root_tree.clone());
             status.warnings = Some(signed(*not_restorable));
             status.message = (*not_restorable > 0).then(|| {
@@ -293,13 +318,13 @@ pub fn restored_status(
                 ))
             });
             status.conditions = vec![
-                condition(
+                ending.condition(
                     condition_type::VERIFIED,
                     ConditionStatus::True,
                     reason::TREE_VERIFIED,
                     &verified,
                 ),
-                condition(
+                ending.condition(
                     condition_type::COMPLETE,
                     ConditionStatus::True,
                     reason::ALL_VOLUMES_COMPLETED,
@@ -326,13 +351,13 @@ pub fn restored_status(
             status.progress = Some(progress);
             status.message = Some(bounded_message(&message));
             status.conditions = vec![
-                condition(
+                ending.condition(
                     condition_type::VERIFIED,
                     ConditionStatus::False,
                     reason::TREE_MISMATCH,
                     &message,
                 ),
-                condition(
+                ending.condition(
                     condition_type::FAILED,
                     ConditionStatus::True,
                     reason::TREE_MISMATCH,
@@ -349,7 +374,7 @@ pub fn restored_status(
             status.progress = Some(progress);
             status.warnings = Some(signed(*count as u64));
             status.message = Some(bounded_message(&message));
-            status.conditions = vec![condition(
+            status.conditions = vec![ending.condition(
                 condition_type::FAILED,
                 ConditionStatus::True,
                 reason::ENTRIES_NOT_RESTORED,
@@ -446,6 +471,17 @@ mod tests {
         Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
     }
 
+    /// How a transfer of agent `stage-a` with generation 1 ended at 5 s,
+    /// with `progress`.
+    fn ending(progress: Progress) -> Ending {
+        Ending {
+            progress,
+            agent: agent_claim("stage-a", None, &at(5)),
+            generation: Some(1),
+            time: at(5),
+        }
+    }
+
     #[test]
     fn a_claim_keeps_the_first_claims_start_and_claim_times() {
         let first = claim_status(&VolumeTransferStatus::default(), "stage-a", &at(0));
@@ -468,13 +504,7 @@ mod tests {
             first_warning: Some("cannot read /secret".to_string()),
         };
         let progress = next_progress(&counters(900, 1000), None, 1.0);
-        let status = completed_status(
-            progress,
-            &figures,
-            agent_claim("stage-a", None, &at(5)),
-            Some(1),
-            &at(5),
-        );
+        let status = completed_status(ending(progress), &figures);
         assert_eq!(status.phase, Some(VolumeTransferPhase::Completed));
         assert_eq!(status.snapshot_id.as_deref(), Some("abc"));
         assert_eq!(
@@ -489,13 +519,7 @@ mod tests {
 
     #[test]
     fn a_failed_volume_says_why_in_its_message_and_condition() {
-        let status = failed_status(
-            Progress::default(),
-            "store unreachable",
-            agent_claim("stage-a", None, &at(5)),
-            Some(1),
-            &at(5),
-        );
+        let status = failed_status(ending(Progress::default()), "store unreachable");
         assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
         assert_eq!(status.message.as_deref(), Some("store unreachable"));
         assert_eq!(status.conditions[0].message, "store unreachable");
@@ -519,12 +543,9 @@ mod tests {
             not_restorable_paths: Vec::new(),
         };
         let status = restored_status(
-            next_progress(&counters(900, 1000), None, 1.0),
+            ending(next_progress(&counters(900, 1000), None, 1.0)),
             &restore_figures(),
             &verdict,
-            agent_claim("stage-a", None, &at(5)),
-            Some(1),
-            &at(5),
         );
         assert_eq!(status.phase, Some(VolumeTransferPhase::Completed));
         assert_eq!(status.verified_tree.as_deref(), Some("7ree"));
@@ -568,14 +589,7 @@ mod tests {
             not_restorable: 1,
             not_restorable_paths: vec!["run/app.sock".to_string()],
         };
-        let status = restored_status(
-            Progress::default(),
-            &restore_figures(),
-            &verdict,
-            agent_claim("stage-a", None, &at(5)),
-            Some(1),
-            &at(5),
-        );
+        let status = restored_status(ending(Progress::default()), &restore_figures(), &verdict);
         assert_eq!(status.phase, Some(VolumeTransferPhase::Completed));
         assert_eq!(status.warnings, Some(1));
         assert!(
@@ -596,14 +610,7 @@ mod tests {
             stopped_at_limit: true,
         };
         let progress = next_progress(&counters(1000, 1000), None, 1.0);
-        let status = restored_status(
-            progress,
-            &restore_figures(),
-            &verdict,
-            agent_claim("stage-a", None, &at(5)),
-            Some(1),
-            &at(5),
-        );
+        let status = restored_status(ending(progress), &restore_figures(), &verdict);
         assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
         assert_eq!(status.verified_tree, None);
         let message = status.message.clone().unwrap_or_default();
@@ -644,14 +651,7 @@ mod tests {
             problems: vec!["db/table.ibd: not restored, its data is damaged".to_string()],
             count: 1,
         };
-        let status = restored_status(
-            Progress::default(),
-            &restore_figures(),
-            &verdict,
-            agent_claim("stage-a", None, &at(5)),
-            Some(1),
-            &at(5),
-        );
+        let status = restored_status(ending(Progress::default()), &restore_figures(), &verdict);
         assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
         assert_eq!(status.conditions[0].reason, reason::ENTRIES_NOT_RESTORED);
         let message = status.message.unwrap_or_default();

@@ -4,7 +4,7 @@
 //! volume with the engine (a bounded number at once) the way its
 //! `spec.direction` says — Upload: backs the claim up; Download: restores
 //! `spec.snapshot` into the claim, then verifies the written tree against
-//! the snapshot's, entry by entry ([`restore_volume`]) — reports progress
+//! the snapshot's, entry by entry ([`restore_and_verify`]) — reports progress
 //! at most once per interval and never backwards, and writes the final
 //! figures, each write a typed [`VolumeTransferStatus`] from
 //! [`crate::report`].
@@ -42,8 +42,9 @@ use tracing::{info, warn};
 
 use crate::metrics::AgentMetrics;
 use crate::report::{
-    BackupFigures, RestoreFigures, RestoreVerdict, agent_claim, claim_status, completed_status,
-    failed_status, next_progress, progress_status, restore_verdict, restored_status,
+    BackupFigures, Ending, RestoreFigures, RestoreVerdict, agent_claim, claim_status,
+    completed_status, failed_status, next_progress, progress_status, restore_verdict,
+    restored_status,
 };
 
 /// Hostname recorded in every snapshot the agent writes: stable across
@@ -455,39 +456,35 @@ async fn move_volume(
         else {
             return Ok(());
         };
-        match transfer.spec.direction {
-            TransferDirection::Upload => {
-                back_up(
-                    api,
-                    name,
-                    transfer,
-                    watched.clone(),
-                    assignment,
-                    repository,
-                    metrics,
-                    cancel,
-                )
-                .await
-            }
-            TransferDirection::Download => {
-                restore_volume(
-                    api,
-                    name,
-                    transfer,
-                    watched.clone(),
-                    assignment,
-                    repository,
-                    metrics,
-                    cancel,
-                )
-                .await
-            }
-        }
+        let claimed = Claimed {
+            api,
+            name,
+            transfer,
+            watched: watched.clone(),
+            assignment,
+            repository,
+            metrics,
+            cancel,
+        };
+        move_claimed(claimed).await
     }
     .await;
     stop_watch.cancel();
     let _ = watch_task.await;
     result
+}
+
+/// A transfer this agent claimed, with what moving its volume needs.
+struct Claimed<'a> {
+    api: &'a Api<VolumeTransfer>,
+    name: &'a str,
+    /// The transfer as the claim left it.
+    transfer: VolumeTransfer,
+    watched: watch::Receiver<Watched>,
+    assignment: &'a Assignment,
+    repository: &'a Repository,
+    metrics: &'a AgentMetrics,
+    cancel: &'a CancellationToken,
 }
 
 /// What the run of one claimed transfer shares, whichever way its data
@@ -515,22 +512,18 @@ enum Interrupted {
 }
 
 impl VolumeRun {
-    /// Start reporting and supervising the claimed `transfer`; the
+    /// Start reporting and supervising the `claimed` transfer; the
     /// throttle's waiting is recorded into `waited`.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the parts of one transfer's run, named"
-    )]
-    fn start(
-        api: &Api<VolumeTransfer>,
-        name: &str,
-        transfer: &VolumeTransfer,
-        watched: watch::Receiver<Watched>,
-        assignment: &Assignment,
-        metrics: &AgentMetrics,
-        waited: haulage::store::limits::WaitTime,
-        cancel: &CancellationToken,
-    ) -> Self {
+    fn start(claimed: &Claimed<'_>, waited: haulage::store::limits::WaitTime) -> Self {
+        let &Claimed {
+            api,
+            name,
+            ref transfer,
+            assignment,
+            metrics,
+            cancel,
+            ..
+        } = claimed;
         let progress = Arc::new(Progress::default());
         metrics.track(
             &assignment.namespace,
@@ -563,7 +556,7 @@ impl VolumeRun {
             .recording_wait_into(waited)
             .cancelled_by(volume_cancel.clone());
         let supervisor = supervise_volume(
-            watched,
+            claimed.watched.clone(),
             name.to_string(),
             throttle.clone(),
             granted,
@@ -603,16 +596,27 @@ impl VolumeRun {
         Ok(())
     }
 
-    /// Wait for the reporter and the supervisor to end (after
-    /// [`VolumeRun::finish`]).
-    async fn join(self) {
+    /// End the run once the engine is done: stop the reporter and the
+    /// supervisor and wait for them. `None` when the run was interrupted
+    /// and must write no final status; else how the `claimed` transfer
+    /// ended, for its final status.
+    async fn end(self, claimed: &Claimed<'_>) -> Option<Ending> {
+        let finished = self.finish(claimed.name, claimed.cancel);
+        let progress = next_progress(&self.progress.snapshot(), self.reported.as_ref(), 0.0);
         let _ = self.reporter.await;
         let _ = self.supervisor.await;
-    }
-
-    /// The progress to write with the final status.
-    fn final_progress(&self) -> ApiProgress {
-        next_progress(&self.progress.snapshot(), self.reported.as_ref(), 0.0)
+        finished.ok()?;
+        let time = now();
+        Some(Ending {
+            progress,
+            agent: agent_claim(
+                &claimed.assignment.identity,
+                self.claimed_at.as_ref(),
+                &time,
+            ),
+            generation: claimed.transfer.metadata.generation,
+            time,
+        })
     }
 }
 
@@ -647,43 +651,113 @@ async fn write_final_status(
     }
 }
 
-/// Back up one claimed volume and write its outcome.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the parts of one transfer's run, named"
-)]
-async fn back_up(
-    api: &Api<VolumeTransfer>,
-    name: &str,
-    transfer: VolumeTransfer,
-    watched: watch::Receiver<Watched>,
-    assignment: &Assignment,
-    repository: &Repository,
-    metrics: &AgentMetrics,
-    cancel: &CancellationToken,
-) -> Result<(), AgentError> {
-    let pvc = transfer.spec.pvc.clone();
-    info!(transfer = name, pvc = %pvc, "claimed");
-    // The grant limits reads from the claim's storage (a StoragePolicy caps
-    // reads on backup), and follows the controller's re-splits live.
-    let run = VolumeRun::start(
-        api,
+/// Move the volume of a `claimed` transfer the way its direction says,
+/// and write the outcome (none when the run was interrupted).
+async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
+    let &Claimed {
         name,
-        &transfer,
-        watched,
+        ref transfer,
         assignment,
+        repository,
         metrics,
-        metrics.read_wait(),
-        cancel,
-    );
-    let volume = assignment.data_root.join(&pvc);
-    let mut options = BackupOptions::new(&volume);
+        ..
+    } = &claimed;
+    let pvc = &transfer.spec.pvc;
+    let waited = match transfer.spec.direction {
+        TransferDirection::Upload => {
+            info!(transfer = name, pvc = %pvc, "claimed");
+            // The grant limits reads from the claim's storage (a
+            // StoragePolicy caps reads on backup), and follows the
+            // controller's re-splits live.
+            metrics.read_wait()
+        }
+        TransferDirection::Download => {
+            info!(transfer = name, pvc = %pvc, snapshot = transfer.spec.snapshot.as_deref().unwrap_or("-"), "claimed");
+            // The grant limits writes into the claim's storage (a
+            // StoragePolicy caps writes on restore), and follows the
+            // controller's re-splits live.
+            metrics.write_wait()
+        }
+    };
+    let run = VolumeRun::start(&claimed, waited);
+    let volume = assignment.data_root.join(pvc);
+    let moved = match transfer.spec.direction {
+        TransferDirection::Upload => Moved::BackedUp(back_up(&claimed, &volume, &run).await),
+        TransferDirection::Download => Moved::Restored(
+            restore_and_verify(
+                repository,
+                name,
+                transfer.spec.snapshot.as_deref(),
+                transfer.spec.since_snapshot.as_deref(),
+                &volume,
+                &run,
+            )
+            .await,
+        ),
+    };
+    let Some(ending) = run.end(&claimed).await else {
+        return Ok(());
+    };
+    write_final_status(claimed.api, name, &moved.final_status(name, ending)).await
+}
+
+/// What the engine made of a claimed volume, the error as a message.
+enum Moved {
+    /// An Upload: the volume backed up.
+    BackedUp(Result<BackupFigures, String>),
+    /// A Download: the snapshot restored into the volume, and verified.
+    Restored(Result<(RestoreFigures, RestoreVerdict), String>),
+}
+
+impl Moved {
+    /// The final status of the transfer `name` that ended so, logged.
+    fn final_status(self, name: &str, ending: Ending) -> haulage::api::VolumeTransferStatus {
+        match self {
+            Moved::BackedUp(Ok(figures)) => {
+                info!(
+                    transfer = name,
+                    snapshot = %figures.snapshot_id,
+                    bytes_read = figures.bytes_read,
+                    bytes_new = figures.bytes_new,
+                    bytes_stored = figures.bytes_stored,
+                    "volume backed up"
+                );
+                completed_status(ending, &figures)
+            }
+            Moved::BackedUp(Err(message)) => {
+                warn!(transfer = name, "backup failed: {message}");
+                failed_status(ending, &message)
+            }
+            Moved::Restored(Ok((figures, verdict))) => restored_status(ending, &figures, &verdict),
+            Moved::Restored(Err(message)) => {
+                warn!(transfer = name, "restore failed: {message}");
+                failed_status(ending, &message)
+            }
+        }
+    }
+}
+
+/// Back up the `claimed` transfer's volume, mounted at `volume`, within
+/// `run`.
+async fn back_up(
+    claimed: &Claimed<'_>,
+    volume: &std::path::Path,
+    run: &VolumeRun,
+) -> Result<BackupFigures, String> {
+    let &Claimed {
+        name,
+        ref transfer,
+        assignment,
+        repository,
+        ..
+    } = claimed;
+    let mut options = BackupOptions::new(volume);
     options.claim = transfer.spec.claim.clone().map(|mut record| {
-        record.used_bytes = used_bytes(&volume);
+        record.used_bytes = used_bytes(volume);
         record
     });
     options.read_throttle = run.throttle.clone();
-    options.source_label = Some(format!("{}/{pvc}", assignment.namespace));
+    options.source_label = Some(format!("{}/{}", assignment.namespace, transfer.spec.pvc));
     options.hostname = SNAPSHOT_HOSTNAME.to_string();
     options.tags = transfer.spec.tags.clone();
     if transfer.spec.parent_policy == haulage::api::backup::ParentPolicy::Full {
@@ -698,127 +772,26 @@ async fn back_up(
             Err(error) => warn!(transfer = name, "parent {parent} not usable: {error}"),
         }
     }
-    let result = backup(
+    let outcome = backup(
         repository,
         options,
         run.progress.clone(),
         run.volume_cancel.clone(),
     )
-    .await;
-    let finished = run.finish(name, cancel);
-    let final_progress = run.final_progress();
-    let claimed_at = run.claimed_at.clone();
-    run.join().await;
-    if finished.is_err() {
-        return Ok(());
-    }
-    let time = now();
-    let agent = agent_claim(&assignment.identity, claimed_at.as_ref(), &time);
-    let status = match result {
-        Ok(outcome) => {
-            let summary = &outcome.snapshot.summary;
-            info!(
-                transfer = name,
-                snapshot = %outcome.snapshot_id,
-                bytes_read = summary.bytes_read,
-                bytes_new = summary.bytes_new,
-                bytes_stored = summary.bytes_stored,
-                "volume backed up"
-            );
-            let figures = BackupFigures {
-                snapshot_id: outcome.snapshot_id.to_string(),
-                bytes_read: summary.bytes_read,
-                bytes_new: summary.bytes_new,
-                bytes_stored: summary.bytes_stored,
-                warning_count: summary.warning_count,
-                first_warning: summary
-                    .warnings
-                    .first()
-                    .map(|warning| format!("{warning:?}")),
-            };
-            completed_status(
-                final_progress,
-                &figures,
-                agent,
-                transfer.metadata.generation,
-                &time,
-            )
-        }
-        Err(error) => {
-            let message = haulage::error_chain(&error);
-            warn!(transfer = name, "backup failed: {message}");
-            failed_status(
-                final_progress,
-                &message,
-                agent,
-                transfer.metadata.generation,
-                &time,
-            )
-        }
-    };
-    write_final_status(api, name, &status).await
-}
-
-/// Restore the snapshot of one claimed Download transfer into its claim,
-/// verify the written tree against the snapshot, and write the outcome.
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the parts of one transfer's run, named"
-)]
-async fn restore_volume(
-    api: &Api<VolumeTransfer>,
-    name: &str,
-    transfer: VolumeTransfer,
-    watched: watch::Receiver<Watched>,
-    assignment: &Assignment,
-    repository: &Repository,
-    metrics: &AgentMetrics,
-    cancel: &CancellationToken,
-) -> Result<(), AgentError> {
-    let pvc = transfer.spec.pvc.clone();
-    info!(transfer = name, pvc = %pvc, snapshot = transfer.spec.snapshot.as_deref().unwrap_or("-"), "claimed");
-    // The grant limits writes into the claim's storage (a StoragePolicy
-    // caps writes on restore), and follows the controller's re-splits live.
-    let run = VolumeRun::start(
-        api,
-        name,
-        &transfer,
-        watched,
-        assignment,
-        metrics,
-        metrics.write_wait(),
-        cancel,
-    );
-    let volume = assignment.data_root.join(&pvc);
-    let result = restore_and_verify(
-        repository,
-        name,
-        transfer.spec.snapshot.as_deref(),
-        transfer.spec.since_snapshot.as_deref(),
-        &volume,
-        &run,
-    )
-    .await;
-    let finished = run.finish(name, cancel);
-    let final_progress = run.final_progress();
-    let claimed_at = run.claimed_at.clone();
-    run.join().await;
-    if finished.is_err() {
-        return Ok(());
-    }
-    let time = now();
-    let agent = agent_claim(&assignment.identity, claimed_at.as_ref(), &time);
-    let generation = transfer.metadata.generation;
-    let status = match result {
-        Ok((figures, verdict)) => {
-            restored_status(final_progress, &figures, &verdict, agent, generation, &time)
-        }
-        Err(message) => {
-            warn!(transfer = name, "restore failed: {message}");
-            failed_status(final_progress, &message, agent, generation, &time)
-        }
-    };
-    write_final_status(api, name, &status).await
+    .await
+    .map_err(|error| haulage::error_chain(&error))?;
+    let summary = &outcome.snapshot.summary;
+    Ok(BackupFigures {
+        snapshot_id: outcome.snapshot_id.to_string(),
+        bytes_read: summary.bytes_read,
+        bytes_new: summary.bytes_new,
+        bytes_stored: summary.bytes_stored,
+        warning_count: summary.warning_count,
+        first_warning: summary
+            .warnings
+            .first()
+            .map(|warning| format!("{warning:?}")),
+    })
 }
 
 /// Restore `snapshot` into the claim mounted at `volume` and verify it.

@@ -61,19 +61,10 @@ fn parse_tag(text: &str) -> Result<(String, String), String> {
 
 pub async fn run(args: BackupArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
     let repository = args.repo.open().await?;
-    let lock = super::take_lock(
-        &repository,
-        crate::repo::lock::LockKind::Shared,
-        "backup",
-        &args.lock,
-    )
-    .await?;
-    let work = super::cancel_on_lost_lock(&cancel, &lock);
-    let result = run_locked(&args, &repository, work).await;
-    let lost = lock.check();
-    lock.release().await?;
-    lost?;
-    result
+    super::under_shared_lock(&repository, "backup", &args.lock, &cancel, |work| {
+        run_locked(&args, &repository, work)
+    })
+    .await
 }
 
 async fn run_locked(

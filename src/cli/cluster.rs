@@ -1,6 +1,7 @@
-//! How the cluster-side verbs (`status`, `plan`) reach a cluster: the
-//! kubeconfig and context flags kubectl users expect, and the client built
-//! from them.
+//! How the cluster-side verbs (`status`, `plan`, `migrate`) reach a
+//! cluster: the kubeconfig and context flags kubectl users expect, the
+//! client built from them, and the listing of namespaced objects they
+//! share.
 
 use anyhow::Context as _;
 use clap::Args;
@@ -34,4 +35,42 @@ pub async fn client(arguments: &ClusterArgs) -> anyhow::Result<kube::Client> {
         None => kube::Config::infer().await?,
     };
     kube::Client::try_from(config).context("cannot build a Kubernetes client")
+}
+
+/// A namespaced kind the verbs read through [`kube::Api::namespaced`]
+/// (every kind with these bounds is one).
+pub trait Namespaced:
+    kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+    + Clone
+    + serde::de::DeserializeOwned
+    + std::fmt::Debug
+{
+}
+
+impl<K> Namespaced for K where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug
+{
+}
+
+/// The objects of kind `K` in each of `namespaces`, one list per
+/// namespace; `failed` words the error of a namespace's list.
+pub async fn list_in_each_namespace<K: Namespaced>(
+    client: &kube::Client,
+    namespaces: &[String],
+    failed: impl Fn(&str) -> String,
+) -> anyhow::Result<Vec<K>> {
+    let mut objects = Vec::new();
+    for namespace in namespaces {
+        let api: kube::Api<K> = kube::Api::namespaced(client.clone(), namespace);
+        objects.extend(
+            api.list(&kube::api::ListParams::default())
+                .await
+                .with_context(|| failed(namespace))?
+                .items,
+        );
+    }
+    Ok(objects)
 }

@@ -11,14 +11,15 @@ use std::time::Duration;
 use anyhow::Context as _;
 use bytesize::ByteSize;
 use clap::{Args, Subcommand};
-use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 use tokio_util::sync::CancellationToken;
 
 use crate::api::backup::BackupPlan;
-use crate::api::labels::{OWNER_UID_LABEL, SYSTEM_NAMESPACE};
+use crate::api::labels::SYSTEM_NAMESPACE;
 use crate::api::{Progress, VolumeBackup, VolumeRestore, VolumeTransfer};
 use crate::cli::Outcome;
+use crate::cli::text::{access_modes, short_id};
+use crate::cli::transfer_owner::{TransferOwner, VolumeOutcome, owned_transfers};
 
 /// Seconds between redraws with `--watch`.
 const WATCH_INTERVAL_SECONDS: u64 = 2;
@@ -74,16 +75,7 @@ fn progress_line(progress: &Progress) -> String {
 
 /// The lines a backup and a restore begin with: name, phase and location,
 /// message, progress and volume counts.
-fn write_header(
-    out: &mut String,
-    object: &impl ResourceExt,
-    phase: Option<String>,
-    location: Option<&str>,
-    message: Option<&str>,
-    progress: Option<&Progress>,
-    volumes: Option<&crate::api::backup::VolumeCounts>,
-) {
-    let phase = phase.unwrap_or_else(|| "New".to_string());
+fn write_header(out: &mut String, object: &impl TransferOwner) {
     let _ = writeln!(
         out,
         "Name:      {} ({})",
@@ -92,16 +84,17 @@ fn write_header(
     );
     let _ = writeln!(
         out,
-        "Phase:     {phase}   Location: {}",
-        location.unwrap_or("(default)")
+        "Phase:     {}   Location: {}",
+        object.shown_phase(),
+        object.storage_location().unwrap_or("(default)")
     );
-    if let Some(message) = message {
+    if let Some(message) = object.message() {
         let _ = writeln!(out, "Message:   {message}");
     }
-    if let Some(progress) = progress {
+    if let Some(progress) = object.progress() {
         let _ = writeln!(out, "Progress:  {}", progress_line(progress));
     }
-    if let Some(volumes) = volumes {
+    if let Some(volumes) = object.volumes() {
         let _ = writeln!(
             out,
             "Volumes:   {} total: {} completed, {} running, {} pending, {} failed, {} canceled",
@@ -115,51 +108,54 @@ fn write_header(
     }
 }
 
+/// The VOLUMES table (nothing without results): per volume its claim,
+/// its phase, the bar of its VolumeTransfer's progress (empty before it
+/// reports), its `detail` (padded to its column) and its message.
+fn write_volumes<R: VolumeOutcome>(
+    out: &mut String,
+    transfers: &[VolumeTransfer],
+    results: &[R],
+    detail: impl Fn(&R) -> String,
+) {
+    if results.is_empty() {
+        return;
+    }
+    let _ = writeln!(out, "\nVOLUMES");
+    for result in results {
+        let (namespace, pvc, phase, message) = result.outcome();
+        let percent = transfers
+            .iter()
+            .find(|transfer| {
+                transfer.namespace().as_deref() == Some(namespace) && transfer.spec.pvc == pvc
+            })
+            .and_then(|transfer| transfer.status.as_ref())
+            .and_then(|status| status.progress.as_ref())
+            .map_or(0, |progress| progress.percent);
+        let _ = writeln!(
+            out,
+            "{namespace:<20} {pvc:<24} {:<11} {} {percent:>3}%  {} {}",
+            format!("{phase:?}"),
+            bar(percent),
+            detail(result),
+            message.unwrap_or("")
+        );
+    }
+}
+
 /// Render a backup and its transfers as text.
 pub fn render_backup(backup: &VolumeBackup, transfers: &[VolumeTransfer]) -> String {
     let status = backup.status.clone().unwrap_or_default();
     let mut out = String::new();
-    write_header(
-        &mut out,
-        backup,
-        status.phase.map(|phase| format!("{phase:?}")),
-        backup.spec.storage_location.as_deref(),
-        status.message.as_deref(),
-        status.progress.as_ref(),
-        status.volumes.as_ref(),
-    );
+    write_header(&mut out, backup);
     if let Some(plan) = &status.plan {
         render_plan(&mut out, plan);
     }
-    if !status.results.is_empty() {
-        let _ = writeln!(out, "\nVOLUMES");
-        for result in &status.results {
-            let progress = transfers
-                .iter()
-                .find(|transfer| {
-                    transfer.namespace().as_deref() == Some(result.namespace.as_str())
-                        && transfer.spec.pvc == result.pvc
-                })
-                .and_then(|transfer| transfer.status.clone())
-                .and_then(|status| status.progress);
-            let shown = progress.as_ref().map_or_else(
-                || format!("{} {:>3}%", bar(0), 0),
-                |progress| format!("{} {:>3}%", bar(progress.percent), progress.percent),
-            );
-            let snapshot = result
-                .snapshot_id
-                .as_deref()
-                .map_or("-", |id| &id[..id.len().min(12)]);
-            let _ = writeln!(
-                out,
-                "{:<20} {:<24} {:<11} {shown}  {snapshot:<12} {}",
-                result.namespace,
-                result.pvc,
-                format!("{:?}", result.phase),
-                result.message.as_deref().unwrap_or("")
-            );
-        }
-    }
+    write_volumes(&mut out, transfers, &status.results, |result| {
+        format!(
+            "{:<12}",
+            result.snapshot_id.as_deref().map_or("-", short_id)
+        )
+    });
     out
 }
 
@@ -201,15 +197,7 @@ fn render_plan(out: &mut String, plan: &BackupPlan) {
 pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> String {
     let status = restore.status.clone().unwrap_or_default();
     let mut out = String::new();
-    write_header(
-        &mut out,
-        restore,
-        status.phase.map(|phase| format!("{phase:?}")),
-        restore.spec.storage_location.as_deref(),
-        status.message.as_deref(),
-        status.progress.as_ref(),
-        status.volumes.as_ref(),
-    );
+    write_header(&mut out, restore);
     if !status.selection.is_empty() {
         let _ = writeln!(out, "\nSELECTED");
         let _ = writeln!(
@@ -218,19 +206,15 @@ pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> 
             "SNAPSHOT", "SOURCE", "DESTINATION", "CLASS", "ACCESS", "SIZE"
         );
         for volume in &status.selection {
-            let access = if volume.final_access_modes.is_empty() {
-                volume.access_modes.join(",")
-            } else {
-                format!(
-                    "{} -> {}",
-                    volume.access_modes.join(","),
-                    volume.final_access_modes.join(",")
-                )
-            };
+            let access = access_modes(
+                &volume.access_modes,
+                &volume.final_access_modes,
+                |first, last| format!("{first} -> {last}"),
+            );
             let _ = writeln!(
                 out,
                 "{:<12} {:<28} {:<32} {:<16} {:<20} {:>10} {:?}",
-                &volume.snapshot_id[..volume.snapshot_id.len().min(12)],
+                short_id(&volume.snapshot_id),
                 volume.source,
                 format!("{}/{}", volume.namespace, volume.pvc),
                 volume.storage_class.as_deref().unwrap_or("(default)"),
@@ -243,35 +227,13 @@ pub fn render_restore(restore: &VolumeRestore, transfers: &[VolumeTransfer]) -> 
     if let Some(plan) = &status.plan {
         render_plan(&mut out, plan);
     }
-    if !status.results.is_empty() {
-        let _ = writeln!(out, "\nVOLUMES");
-        for result in &status.results {
-            let progress = transfers
-                .iter()
-                .find(|transfer| {
-                    transfer.namespace().as_deref() == Some(result.namespace.as_str())
-                        && transfer.spec.pvc == result.pvc
-                })
-                .and_then(|transfer| transfer.status.clone())
-                .and_then(|status| status.progress);
-            let shown = progress.as_ref().map_or_else(
-                || format!("{} {:>3}%", bar(0), 0),
-                |progress| format!("{} {:>3}%", bar(progress.percent), progress.percent),
-            );
-            let verified = result.verified_tree.as_deref().map_or_else(
-                || "-".to_string(),
-                |tree| format!("verified {}", &tree[..tree.len().min(12)]),
-            );
-            let _ = writeln!(
-                out,
-                "{:<20} {:<24} {:<11} {shown}  {verified:<21} {}",
-                result.namespace,
-                result.pvc,
-                format!("{:?}", result.phase),
-                result.message.as_deref().unwrap_or("")
-            );
-        }
-    }
+    write_volumes(&mut out, transfers, &status.results, |result| {
+        let verified = result.verified_tree.as_deref().map_or_else(
+            || "-".to_string(),
+            |tree| format!("verified {}", short_id(tree)),
+        );
+        format!("{verified:<21}")
+    });
     out
 }
 
@@ -280,89 +242,47 @@ pub async fn run(command: DescribeCommand, cancel: CancellationToken) -> anyhow:
     let client = kube::Client::try_default()
         .await
         .context("cannot reach the Kubernetes API (no kubeconfig or in-cluster config)")?;
-    let arguments = match command {
-        DescribeCommand::Backup(arguments) => arguments,
-        DescribeCommand::Restore(arguments) => {
-            return describe_restore(client, arguments, cancel).await;
+    match command {
+        DescribeCommand::Backup(arguments) => {
+            describe(client, &arguments, &cancel, render_backup).await
         }
-    };
-    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), &arguments.namespace);
+        DescribeCommand::Restore(arguments) => {
+            describe(client, &arguments, &cancel, render_restore).await
+        }
+    }
+}
+
+/// Print the object `arguments` name, drawn by `render` with its
+/// VolumeTransfers; with `--watch`, redraw it every
+/// [`WATCH_INTERVAL_SECONDS`] until it is finished or `cancel`.
+async fn describe<K: TransferOwner>(
+    client: kube::Client,
+    arguments: &DescribeBackupArgs,
+    cancel: &CancellationToken,
+    render: fn(&K, &[VolumeTransfer]) -> String,
+) -> anyhow::Result<Outcome> {
+    let objects: Api<K> = Api::namespaced(client.clone(), &arguments.namespace);
     let transfers: Api<VolumeTransfer> = Api::all(client);
     loop {
-        let backup = backups.get(&arguments.name).await.with_context(|| {
+        let object = objects.get(&arguments.name).await.with_context(|| {
             format!(
-                "cannot read VolumeBackup {}/{}",
-                arguments.namespace, arguments.name
+                "cannot read {} {}/{}",
+                K::kind(&()),
+                arguments.namespace,
+                arguments.name
             )
         })?;
-        let owned = transfers_of(&transfers, backup.uid()).await?;
-        let text = render_backup(&backup, &owned);
-        let finished = backup
-            .status
-            .as_ref()
-            .and_then(|status| status.phase)
-            .is_some_and(|phase| phase.is_final());
+        let owned = owned_transfers(&transfers, &object)
+            .await
+            .context("cannot list its VolumeTransfers")?;
+        let text = render(&object, &owned);
         if arguments.watch {
             // Clear the screen and draw from the top.
             print!("\x1b[2J\x1b[H{text}");
         } else {
             print!("{text}");
         }
-        if !arguments.watch || finished {
-            return Ok(Outcome::Success);
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return Ok(Outcome::Success),
-            _ = tokio::time::sleep(Duration::from_secs(WATCH_INTERVAL_SECONDS)) => {}
-        }
-    }
-}
-
-/// The VolumeTransfers of the object with `uid`.
-async fn transfers_of(
-    transfers: &Api<VolumeTransfer>,
-    uid: Option<String>,
-) -> anyhow::Result<Vec<VolumeTransfer>> {
-    Ok(match uid {
-        Some(uid) => {
-            transfers
-                .list(&ListParams::default().labels(&format!("{OWNER_UID_LABEL}={uid}")))
-                .await
-                .context("cannot list its VolumeTransfers")?
-                .items
-        }
-        None => Vec::new(),
-    })
-}
-
-/// `haulage describe restore`.
-async fn describe_restore(
-    client: kube::Client,
-    arguments: DescribeBackupArgs,
-    cancel: CancellationToken,
-) -> anyhow::Result<Outcome> {
-    let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), &arguments.namespace);
-    let transfers: Api<VolumeTransfer> = Api::all(client);
-    loop {
-        let restore = restores.get(&arguments.name).await.with_context(|| {
-            format!(
-                "cannot read VolumeRestore {}/{}",
-                arguments.namespace, arguments.name
-            )
-        })?;
-        let owned = transfers_of(&transfers, restore.uid()).await?;
-        let text = render_restore(&restore, &owned);
-        let finished = restore
-            .status
-            .as_ref()
-            .and_then(|status| status.phase)
-            .is_some_and(|phase| phase.is_final());
-        if arguments.watch {
-            print!("\x1b[2J\x1b[H{text}");
-        } else {
-            print!("{text}");
-        }
-        if !arguments.watch || finished {
+        if !arguments.watch || object.is_finished() {
             return Ok(Outcome::Success);
         }
         tokio::select! {

@@ -25,6 +25,8 @@ mod repo;
 mod restore;
 mod snapshots;
 mod status;
+mod text;
+mod transfer_owner;
 mod verify;
 
 use std::process::ExitCode;
@@ -175,6 +177,33 @@ async fn take_lock(
     Ok(lock)
 }
 
+/// Run `work` under a shared lock on `repository` taken for `purpose`:
+/// `work` gets a token cancelled by `cancel` or when the lock is lost. The
+/// lock is released afterwards; a lost lock is the error then.
+async fn under_shared_lock<T, Work>(
+    repository: &Repository,
+    purpose: &str,
+    args: &LockArgs,
+    cancel: &CancellationToken,
+    work: impl FnOnce(CancellationToken) -> Work,
+) -> anyhow::Result<T>
+where
+    Work: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let lock = take_lock(
+        repository,
+        crate::repo::lock::LockKind::Shared,
+        purpose,
+        args,
+    )
+    .await?;
+    let result = work(cancel_on_lost_lock(cancel, &lock)).await;
+    let lost = lock.check();
+    lock.release().await?;
+    lost?;
+    result
+}
+
 /// A token cancelled by `cancel` or when `lock` is lost.
 fn cancel_on_lost_lock(
     cancel: &CancellationToken,
@@ -208,6 +237,15 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// [`Outcome::DamagedData`] when `damaged`, else success.
+    fn damaged_if(damaged: bool) -> Outcome {
+        if damaged {
+            Outcome::DamagedData
+        } else {
+            Outcome::Success
+        }
+    }
+
     fn exit_code(self) -> ExitCode {
         match self {
             Outcome::Success => ExitCode::SUCCESS,

@@ -106,6 +106,11 @@ pub(crate) async fn read_cluster(
     use kube::Api;
     use kube::api::ListParams;
 
+    use crate::cli::cluster::{Namespaced, list_in_each_namespace};
+
+    fn refused(what: &str) -> String {
+        format!("cannot list {what} (check your RBAC: haulage plan needs list on it)")
+    }
     async fn list_all<K>(api: Api<K>, what: &str) -> anyhow::Result<Vec<K>>
     where
         K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
@@ -113,36 +118,21 @@ pub(crate) async fn read_cluster(
         Ok(api
             .list(&ListParams::default())
             .await
-            .with_context(|| {
-                format!("cannot list {what} (check your RBAC: haulage plan needs list on it)")
-            })?
+            .with_context(|| refused(what))?
             .items)
     }
-    async fn in_namespaces<K>(
+    async fn in_namespaces<K: Namespaced>(
         client: &kube::Client,
         namespaces: &[String],
         what: &str,
-    ) -> anyhow::Result<Vec<K>>
-    where
-        K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-            + Clone
-            + serde::de::DeserializeOwned
-            + std::fmt::Debug,
-    {
+    ) -> anyhow::Result<Vec<K>> {
         if namespaces.is_empty() {
             return list_all(Api::<K>::all(client.clone()), what).await;
         }
-        let mut objects = Vec::new();
-        for namespace in namespaces {
-            objects.extend(
-                list_all(
-                    Api::<K>::namespaced(client.clone(), namespace),
-                    &format!("{what} in {namespace}"),
-                )
-                .await?,
-            );
-        }
-        Ok(objects)
+        list_in_each_namespace(client, namespaces, |namespace| {
+            refused(&format!("{what} in {namespace}"))
+        })
+        .await
     }
     // A cluster without CSI drivers may not serve CSINodes to this user;
     // attach limits are then unknown rather than an error.

@@ -125,9 +125,5 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
     for problem in &report.damaged_packs {
         eprintln!("warning: {problem}");
     }
-    Ok(if report.damaged_packs.is_empty() {
-        Outcome::Success
-    } else {
-        Outcome::DamagedData
-    })
+    Ok(Outcome::damaged_if(!report.damaged_packs.is_empty()))
 }

@@ -53,19 +53,10 @@ pub struct RestoreArgs {
 
 pub async fn run(args: RestoreArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
     let repository = args.repo.open().await?;
-    let lock = super::take_lock(
-        &repository,
-        crate::repo::lock::LockKind::Shared,
-        "restore",
-        &args.lock,
-    )
-    .await?;
-    let work = super::cancel_on_lost_lock(&cancel, &lock);
-    let result = run_locked(&args, &repository, work).await;
-    let lost = lock.check();
-    lock.release().await?;
-    lost?;
-    result
+    super::under_shared_lock(&repository, "restore", &args.lock, &cancel, |work| {
+        run_locked(&args, &repository, work)
+    })
+    .await
 }
 
 async fn run_locked(
@@ -94,11 +85,7 @@ async fn run_locked(
     drop(display);
     let outcome = result?;
     print_summary(&outcome, &args.target, args.json);
-    Ok(if outcome.problems.is_empty() {
-        Outcome::Success
-    } else {
-        Outcome::DamagedData
-    })
+    Ok(Outcome::damaged_if(!outcome.problems.is_empty()))
 }
 
 /// Print what a restore did.

@@ -146,11 +146,7 @@ pub async fn run(args: SnapshotsArgs) -> anyhow::Result<Outcome> {
     for error in &damaged {
         eprintln!("warning: {error}");
     }
-    Ok(if damaged.is_empty() {
-        Outcome::Success
-    } else {
-        Outcome::DamagedData
-    })
+    Ok(Outcome::damaged_if(!damaged.is_empty()))
 }
 
 #[cfg(test)]

@@ -29,6 +29,8 @@ use crate::api::{
     VolumeBackupPhase, VolumeRestore, VolumeRestorePhase,
 };
 use crate::cli::Outcome;
+use crate::cli::cluster::Namespaced;
+use crate::cli::transfer_owner::TransferOwner;
 use crate::controller::lease::ADMISSION_LEASE;
 use crate::reconcile::location::choose_default;
 use crate::reconcile::replicas;
@@ -383,26 +385,33 @@ fn location_report(location: &BackupStorageLocation, now: &Time) -> LocationRepo
     }
 }
 
+/// Why an object waits or what it is doing: the message of its
+/// `StorageAvailable` condition while that is False, else its status
+/// message.
+fn waiting_message(
+    conditions: &[crate::api::Condition],
+    message: Option<String>,
+) -> Option<String> {
+    find_condition(conditions, condition_type::STORAGE_AVAILABLE)
+        .filter(|condition| condition.status == crate::api::ConditionStatus::False)
+        .map(|condition| condition.message.clone())
+        .or(message)
+}
+
 fn backup_report(backup: &VolumeBackup) -> BackupReport {
     let status = backup.status.clone().unwrap_or_default();
-    let storage = find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE)
-        .filter(|condition| condition.status == crate::api::ConditionStatus::False)
-        .map(|condition| condition.message.clone());
     BackupReport {
         name: backup.name_any(),
         phase: status.phase,
         location: backup.spec.storage_location.clone(),
         owner: status.owner.map(|owner| owner.replica),
         progress: status.progress,
-        message: storage.or(status.message),
+        message: waiting_message(&status.conditions, status.message),
     }
 }
 
 fn restore_report(restore: &VolumeRestore) -> RestoreReport {
     let status = restore.status.clone().unwrap_or_default();
-    let storage = find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE)
-        .filter(|condition| condition.status == crate::api::ConditionStatus::False)
-        .map(|condition| condition.message.clone());
     RestoreReport {
         name: restore.name_any(),
         phase: status.phase,
@@ -410,26 +419,26 @@ fn restore_report(restore: &VolumeRestore) -> RestoreReport {
         backup: restore.spec.source.backup.clone(),
         owner: status.owner.map(|owner| owner.replica),
         progress: status.progress,
-        message: storage.or(status.message),
+        message: waiting_message(&status.conditions, status.message),
     }
 }
 
-/// Unfinished restores split into running and queued, each sorted by name.
-fn restore_reports(restores: &[VolumeRestore]) -> (Vec<RestoreReport>, Vec<RestoreReport>) {
-    let mut running = Vec::new();
-    let mut queued = Vec::new();
-    for restore in restores {
-        match restore.status.as_ref().and_then(|status| status.phase) {
-            Some(phase) if phase.is_final() => {}
-            None | Some(VolumeRestorePhase::New | VolumeRestorePhase::WaitingForStorage) => {
-                queued.push(restore_report(restore));
-            }
-            Some(_) => running.push(restore_report(restore)),
-        }
-    }
-    running.sort_by(|a, b| a.name.cmp(&b.name));
-    queued.sort_by(|a, b| a.name.cmp(&b.name));
-    (running, queued)
+/// The unfinished of `objects` (backups or restores) split into running
+/// and queued (no phase yet, or one before the work starts), each sorted
+/// by name, as `report` shows them.
+fn running_and_queued<K: TransferOwner, R>(objects: &[K], report: fn(&K) -> R) -> (Vec<R>, Vec<R>) {
+    let mut unfinished: Vec<&K> = objects
+        .iter()
+        .filter(|object| !object.is_finished())
+        .collect();
+    unfinished.sort_by_key(|object| object.name_any());
+    let (waiting, started): (Vec<&K>, Vec<&K>) = unfinished
+        .into_iter()
+        .partition(|object| object.phase().is_none_or(K::is_queued));
+    (
+        started.into_iter().map(report).collect(),
+        waiting.into_iter().map(report).collect(),
+    )
 }
 
 /// The report from what was listed (pure; `now` for ages).
@@ -454,22 +463,8 @@ pub fn build_report(
     location_reports.sort_by(|a, b| a.name.cmp(&b.name));
     let choice = choose_default(locations.iter());
 
-    let mut running = Vec::new();
-    let mut queued = Vec::new();
-    for backup in backups {
-        match backup.status.as_ref().and_then(|status| status.phase) {
-            Some(phase) if phase.is_final() => {}
-            Some(
-                VolumeBackupPhase::Planning
-                | VolumeBackupPhase::InProgress
-                | VolumeBackupPhase::Canceling,
-            ) => running.push(backup_report(backup)),
-            _ => queued.push(backup_report(backup)),
-        }
-    }
-    running.sort_by(|a, b| a.name.cmp(&b.name));
-    queued.sort_by(|a, b| a.name.cmp(&b.name));
-    let (running_restores, queued_restores) = restore_reports(restores);
+    let (running, queued) = running_and_queued(backups, backup_report);
+    let (running_restores, queued_restores) = running_and_queued(restores, restore_report);
 
     let mut storage_policies: Vec<PolicyCapsReport> = policies
         .iter()
@@ -598,61 +593,76 @@ fn rate(bytes_per_second: Option<i64>) -> String {
     )
 }
 
-fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
+/// A section of the table: `title`, then `none` when there are no
+/// `reports`, else `header` and a `row` each.
+fn write_section<R>(
+    out: &mut String,
+    title: &str,
+    none: &str,
+    reports: &[R],
+    header: String,
+    row: impl Fn(&R) -> String,
+) {
     let _ = writeln!(out, "\n{title}");
-    if backups.is_empty() {
-        let _ = writeln!(out, "  (none)");
+    if reports.is_empty() {
+        let _ = writeln!(out, "  {none}");
         return;
     }
-    let _ = writeln!(
-        out,
-        "{:<24} {:<18} {:<16} {:<16} {:>5}  MESSAGE",
-        "NAME", "PHASE", "LOCATION", "OWNER", "DONE"
-    );
-    for backup in backups {
-        let _ = writeln!(
-            out,
-            "{:<24} {:<18} {:<16} {:<16} {:>5}  {}",
-            backup.name,
-            optional(backup.phase.map(|phase| format!("{phase:?}"))),
-            backup.location.as_deref().unwrap_or("(default)"),
-            backup.owner.as_deref().unwrap_or("-"),
-            backup.progress.as_ref().map_or_else(
-                || "-".to_string(),
-                |progress| format!("{}%", progress.percent)
-            ),
-            backup.message.as_deref().unwrap_or("")
-        );
+    let _ = writeln!(out, "{header}");
+    for report in reports {
+        let _ = writeln!(out, "{}", row(report));
     }
 }
 
+/// The DONE column: the percentage, once transfers report.
+fn done(progress: Option<&Progress>) -> String {
+    progress.map_or_else(
+        || "-".to_string(),
+        |progress| format!("{}%", progress.percent),
+    )
+}
+
+/// The header of a backups or restores section; `backup` is a restore's
+/// BACKUP column, padded, or empty.
+fn owner_header(backup: &str) -> String {
+    format!(
+        "{:<24} {:<18} {:<16} {backup}{:<16} {:>5}  MESSAGE",
+        "NAME", "PHASE", "LOCATION", "OWNER", "DONE"
+    )
+}
+
+/// A row of a backups or restores section from `$report` (a
+/// [`BackupReport`] or a [`RestoreReport`]: both name these fields alike);
+/// `$backup` is a restore's BACKUP cell, padded, or empty.
+macro_rules! owner_row {
+    ($report:expr, $backup:expr) => {
+        format!(
+            "{:<24} {:<18} {:<16} {}{:<16} {:>5}  {}",
+            $report.name,
+            optional($report.phase.map(|phase| format!("{phase:?}"))),
+            $report.location.as_deref().unwrap_or("(default)"),
+            $backup,
+            $report.owner.as_deref().unwrap_or("-"),
+            done($report.progress.as_ref()),
+            $report.message.as_deref().unwrap_or("")
+        )
+    };
+}
+
+fn backup_lines(out: &mut String, title: &str, backups: &[BackupReport]) {
+    write_section(out, title, "(none)", backups, owner_header(""), |backup| {
+        owner_row!(backup, "")
+    });
+}
+
 fn restore_lines(out: &mut String, title: &str, restores: &[RestoreReport]) {
-    let _ = writeln!(out, "\n{title}");
-    if restores.is_empty() {
-        let _ = writeln!(out, "  (none)");
-        return;
-    }
-    let _ = writeln!(
-        out,
-        "{:<24} {:<18} {:<16} {:<24} {:<16} {:>5}  MESSAGE",
-        "NAME", "PHASE", "LOCATION", "BACKUP", "OWNER", "DONE"
-    );
-    for restore in restores {
-        let _ = writeln!(
-            out,
-            "{:<24} {:<18} {:<16} {:<24} {:<16} {:>5}  {}",
-            restore.name,
-            optional(restore.phase.map(|phase| format!("{phase:?}"))),
-            restore.location.as_deref().unwrap_or("(default)"),
-            restore.backup.as_deref().unwrap_or("-"),
-            restore.owner.as_deref().unwrap_or("-"),
-            restore.progress.as_ref().map_or_else(
-                || "-".to_string(),
-                |progress| format!("{}%", progress.percent)
-            ),
-            restore.message.as_deref().unwrap_or("")
-        );
-    }
+    let header = owner_header(&format!("{:<24} ", "BACKUP"));
+    write_section(out, title, "(none)", restores, header, |restore| {
+        owner_row!(
+            restore,
+            format!("{:<24} ", restore.backup.as_deref().unwrap_or("-"))
+        )
+    });
 }
 
 /// The report as aligned text (pure).
@@ -663,18 +673,17 @@ pub fn render_table(report: &StatusReport) -> String {
         "haulage {} — namespace {}",
         report.cli_version, report.namespace
     );
-    let _ = writeln!(out, "\nCONTROLLER REPLICAS");
-    if report.replicas.is_empty() {
-        let _ = writeln!(out, "  (none)");
-    } else {
-        let _ = writeln!(
-            out,
+    write_section(
+        &mut out,
+        "CONTROLLER REPLICAS",
+        "(none)",
+        &report.replicas,
+        format!(
             "{:<40} {:<6} {:>8}  {:<12} {:<16} {:<8} {:<10} OWNS",
             "NAME", "READY", "RESTARTS", "VERSION", "NODE", "LEASE", "LEADS"
-        );
-        for replica in &report.replicas {
-            let _ = writeln!(
-                out,
+        ),
+        |replica| {
+            format!(
                 "{:<40} {:<6} {:>8}  {:<12} {:<16} {:<8} {:<10} {}",
                 replica.name,
                 if replica.ready { "yes" } else { "no" },
@@ -696,26 +705,25 @@ pub fn render_table(report: &StatusReport) -> String {
                 } else {
                     replica.owns.join(",")
                 }
-            );
-        }
-    }
-    let _ = writeln!(out, "\nSTORAGE LOCATIONS");
-    if report.locations.is_empty() {
-        let _ = writeln!(out, "  (none: backups wait until one exists)");
-    } else {
-        let _ = writeln!(
-            out,
+            )
+        },
+    );
+    write_section(
+        &mut out,
+        "STORAGE LOCATIONS",
+        "(none: backups wait until one exists)",
+        &report.locations,
+        format!(
             "{:<20} {:<12} {:<26} {:<8} {:>9} {:>8}  MESSAGE",
             "NAME", "PHASE", "REASON", "DEFAULT", "VALIDATED", "LATENCY"
-        );
-        for location in &report.locations {
+        ),
+        |location| {
             let default = match (&report.default_location, location.marked_default) {
                 (Some(winner), true) if *winner == location.name => "yes",
                 (_, true) => "ignored",
                 _ => "",
             };
-            let _ = writeln!(
-                out,
+            format!(
                 "{:<20} {:<12} {:<26} {:<8} {:>9} {:>8}  {}",
                 location.name,
                 optional(location.phase.map(|phase| format!("{phase:?}"))),
@@ -729,9 +737,9 @@ pub fn render_table(report: &StatusReport) -> String {
                     .last_probe_latency_milliseconds
                     .map_or_else(|| "-".to_string(), |millis| format!("{millis}ms")),
                 location.message.as_deref().unwrap_or("")
-            );
-        }
-    }
+            )
+        },
+    );
     backup_lines(&mut out, "RUNNING BACKUPS", &report.running_backups);
     backup_lines(&mut out, "QUEUED BACKUPS", &report.queued_backups);
     restore_lines(&mut out, "RUNNING RESTORES", &report.running_restores);
@@ -777,31 +785,45 @@ pub async fn run(arguments: StatusArgs) -> anyhow::Result<Outcome> {
         .context("cannot reach the Kubernetes API (check --kubeconfig/--context)")?;
     let namespace = &arguments.namespace;
     let everything = ListParams::default();
+    let controller_pods = ListParams::default().labels(CONTROLLER_POD_SELECTOR);
+    /// The objects of kind `K` in `namespace` that `params` select; the
+    /// error says it could not list `what`.
+    async fn list<K: Namespaced>(
+        client: &kube::Client,
+        namespace: &str,
+        params: &ListParams,
+        what: String,
+    ) -> anyhow::Result<kube::core::ObjectList<K>> {
+        Api::<K>::namespaced(client.clone(), namespace)
+            .list(params)
+            .await
+            .with_context(|| format!("cannot list {what}"))
+    }
     let (pods, locations, backups, restores, policies) = tokio::try_join!(
-        async {
-            Api::<Pod>::namespaced(client.clone(), namespace)
-                .list(&ListParams::default().labels(CONTROLLER_POD_SELECTOR))
-                .await
-                .with_context(|| format!("cannot list the controller pods in {namespace}"))
-        },
-        async {
-            Api::<BackupStorageLocation>::namespaced(client.clone(), namespace)
-                .list(&everything)
-                .await
-                .with_context(|| format!("cannot list BackupStorageLocations in {namespace}"))
-        },
-        async {
-            Api::<VolumeBackup>::namespaced(client.clone(), namespace)
-                .list(&everything)
-                .await
-                .with_context(|| format!("cannot list VolumeBackups in {namespace}"))
-        },
-        async {
-            Api::<VolumeRestore>::namespaced(client.clone(), namespace)
-                .list(&everything)
-                .await
-                .with_context(|| format!("cannot list VolumeRestores in {namespace} (are haulage's CRDs of this version applied?)"))
-        },
+        list::<Pod>(
+            &client,
+            namespace,
+            &controller_pods,
+            format!("the controller pods in {namespace}"),
+        ),
+        list::<BackupStorageLocation>(
+            &client,
+            namespace,
+            &everything,
+            format!("BackupStorageLocations in {namespace}"),
+        ),
+        list::<VolumeBackup>(
+            &client,
+            namespace,
+            &everything,
+            format!("VolumeBackups in {namespace}"),
+        ),
+        list::<VolumeRestore>(
+            &client,
+            namespace,
+            &everything,
+            format!("VolumeRestores in {namespace} (are haulage's CRDs of this version applied?)"),
+        ),
         async {
             Api::<StoragePolicy>::all(client.clone())
                 .list(&everything)

@@ -76,9 +76,5 @@ async fn run_locked(
             }
         }
     }
-    Ok(if report.problems.is_empty() {
-        Outcome::Success
-    } else {
-        Outcome::DamagedData
-    })
+    Ok(Outcome::damaged_if(!report.problems.is_empty()))
 }

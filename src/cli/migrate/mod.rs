@@ -41,18 +41,16 @@ use self::plan::{
     destination_plan, render_dry_run, restore_spec,
 };
 use self::quiesce::{
-    ClaimKey, QUIESCED_AT_ANNOTATION, WorkloadKind, WorkloadState, pods_using, quiesce_patch,
-    quiesced_since, unquiesce_patch, workloads_of,
+    ClaimKey, QUIESCED_AT_ANNOTATION, Workload, WorkloadKind, WorkloadState, pods_using,
+    quiesce_patch, quiesced_since, unquiesce_patch, workloads_of,
 };
-use self::report::{
-    PassObjects, backup_outcome, backup_phase, build_report, render_report, restore_outcome,
-    restore_phase,
-};
+use self::report::{PassObjects, backup_outcome, build_report, render_report, restore_outcome};
 use self::settings::{MigrateSettings, Pass, RawSettings};
-use crate::api::labels::{OWNER_UID_LABEL, SYSTEM_NAMESPACE};
-use crate::api::{BackupStorageLocation, Progress, VolumeBackup, VolumeRestore, VolumeTransfer};
+use crate::api::labels::SYSTEM_NAMESPACE;
+use crate::api::{BackupStorageLocation, VolumeBackup, VolumeRestore, VolumeTransfer};
 use crate::cli::Outcome;
-use crate::cli::cluster::{ClusterArgs, client};
+use crate::cli::cluster::{ClusterArgs, Namespaced, client, list_in_each_namespace};
+use crate::cli::transfer_owner::{TransferOwner, owned_transfers};
 
 /// Seconds between two looks at a pass's objects or the quiesced pods.
 const POLL_INTERVAL_SECONDS: u64 = 2;
@@ -250,50 +248,6 @@ struct Migration<'a> {
     quiesce_timeout: Duration,
 }
 
-/// A pass object the display follows.
-trait Followed: Clone + std::fmt::Debug {
-    /// `backup` or `restore`.
-    const ROW: &'static str;
-    /// The phase, with the message while it waits.
-    fn shown_phase(&self) -> String;
-    /// Its progress.
-    fn progress(&self) -> Option<&Progress>;
-    /// Whether nothing more happens to it.
-    fn is_finished(&self) -> bool;
-}
-
-impl Followed for VolumeBackup {
-    const ROW: &'static str = "backup";
-    fn shown_phase(&self) -> String {
-        backup_phase(self)
-    }
-    fn progress(&self) -> Option<&Progress> {
-        self.status.as_ref()?.progress.as_ref()
-    }
-    fn is_finished(&self) -> bool {
-        self.status
-            .as_ref()
-            .and_then(|status| status.phase)
-            .is_some_and(|phase| phase.is_final())
-    }
-}
-
-impl Followed for VolumeRestore {
-    const ROW: &'static str = "restore";
-    fn shown_phase(&self) -> String {
-        restore_phase(self)
-    }
-    fn progress(&self) -> Option<&Progress> {
-        self.status.as_ref()?.progress.as_ref()
-    }
-    fn is_finished(&self) -> bool {
-        self.status
-            .as_ref()
-            .and_then(|status| status.phase)
-            .is_some_and(|phase| phase.is_final())
-    }
-}
-
 impl Migration<'_> {
     fn backups(&self) -> Api<VolumeBackup> {
         Api::namespaced(
@@ -324,11 +278,13 @@ impl Migration<'_> {
     }
 
     /// Follow `name` through `api` until it is finished, showing it.
-    async fn follow<K>(&self, api: &Api<K>, name: &str, display: &mut Display) -> anyhow::Result<K>
-    where
-        K: Followed + kube::Resource + serde::de::DeserializeOwned,
-    {
-        let row = format!("{} {name}", K::ROW);
+    async fn follow<K: TransferOwner>(
+        &self,
+        api: &Api<K>,
+        name: &str,
+        display: &mut Display,
+    ) -> anyhow::Result<K> {
+        let row = format!("{} {name}", K::NOUN);
         loop {
             let object = api
                 .get(name)
@@ -342,59 +298,60 @@ impl Migration<'_> {
         }
     }
 
-    /// The pass's VolumeBackup: created when it does not exist yet (an
-    /// existing one's spec was checked to be this run's), then followed.
+    /// The pass's VolumeBackup, like [`Migration::pass`].
     async fn backup_pass(
         &self,
         pass: Pass,
         annotations: BTreeMap<String, String>,
         display: &mut Display,
     ) -> anyhow::Result<VolumeBackup> {
-        let api = self.backups();
         let name = pass.object_name(&self.settings.name);
-        if api.get_opt(&name).await?.is_none() {
-            let mut backup = VolumeBackup::new(&name, backup_spec(self.settings, pass));
-            backup.metadata.namespace = Some(self.settings.controller_namespace.clone());
-            backup.metadata.labels = Some(self.labels());
-            backup.metadata.annotations = (!annotations.is_empty()).then_some(annotations);
-            create_once(&api, &backup).await.with_context(|| {
-                format!(
-                    "cannot create VolumeBackup {}/{name} on the source",
-                    self.settings.controller_namespace
-                )
-            })?;
-            display.line(&format!(
-                "created VolumeBackup {}/{name} on the source",
-                self.settings.controller_namespace
-            ));
-        }
-        self.follow(&api, &name, display).await
+        let mut backup = VolumeBackup::new(&name, backup_spec(self.settings, pass));
+        backup.metadata.annotations = (!annotations.is_empty()).then_some(annotations);
+        self.pass(&self.backups(), backup, "source", display).await
     }
 
-    /// The pass's VolumeRestore, like [`Migration::backup_pass`].
+    /// The pass's VolumeRestore, like [`Migration::pass`].
     async fn restore_pass(
         &self,
         pass: Pass,
         display: &mut Display,
     ) -> anyhow::Result<VolumeRestore> {
-        let api = self.restores();
         let name = pass.object_name(&self.settings.name);
+        let restore = VolumeRestore::new(&name, restore_spec(self.settings, pass));
+        self.pass(&self.restores(), restore, "destination", display)
+            .await
+    }
+
+    /// A pass's object on the `side` cluster: `object`, with the
+    /// migration's namespace and labels, created when none of its name
+    /// exists yet (an existing one's spec was checked to be this run's),
+    /// then followed.
+    async fn pass<K>(
+        &self,
+        api: &Api<K>,
+        mut object: K,
+        side: &str,
+        display: &mut Display,
+    ) -> anyhow::Result<K>
+    where
+        K: TransferOwner + serde::Serialize,
+    {
+        let name = object.name_any();
         if api.get_opt(&name).await?.is_none() {
-            let mut restore = VolumeRestore::new(&name, restore_spec(self.settings, pass));
-            restore.metadata.namespace = Some(self.settings.controller_namespace.clone());
-            restore.metadata.labels = Some(self.labels());
-            create_once(&api, &restore).await.with_context(|| {
-                format!(
-                    "cannot create VolumeRestore {}/{name} on the destination",
-                    self.settings.controller_namespace
-                )
-            })?;
-            display.line(&format!(
-                "created VolumeRestore {}/{name} on the destination",
+            object.meta_mut().namespace = Some(self.settings.controller_namespace.clone());
+            object.meta_mut().labels = Some(self.labels());
+            let created = format!(
+                "{} {}/{name} on the {side}",
+                K::kind(&()),
                 self.settings.controller_namespace
-            ));
+            );
+            create_once(api, &object)
+                .await
+                .with_context(|| format!("cannot create {created}"))?;
+            display.line(&format!("created {created}"));
         }
-        self.follow(&api, &name, display).await
+        self.follow(api, &name, display).await
     }
 
     fn labels(&self) -> BTreeMap<String, String> {
@@ -468,14 +425,10 @@ impl Migration<'_> {
             let name = pass.object_name(&self.settings.name);
             let backup = self.backups().get_opt(&name).await?;
             let restore = self.restores().get_opt(&name).await?;
-            let owned = match backup.as_ref().and_then(|backup| backup.uid()) {
-                Some(uid) => {
-                    transfers
-                        .list(&ListParams::default().labels(&format!("{OWNER_UID_LABEL}={uid}")))
-                        .await
-                        .with_context(|| format!("cannot list the VolumeTransfers of {name}"))?
-                        .items
-                }
+            let owned = match &backup {
+                Some(backup) => owned_transfers(&transfers, backup)
+                    .await
+                    .with_context(|| format!("cannot list the VolumeTransfers of {name}"))?,
                 None => Vec::new(),
             };
             objects.push((pass, backup, owned, restore));
@@ -525,8 +478,7 @@ pub async fn quiesce_source(
     })?;
     let now = crate::clock::timestamp().to_string();
     for workload in &workloads {
-        let state =
-            workload_state(client, workload.kind, &workload.namespace, &workload.name).await?;
+        let state = workload_state(client, workload).await?;
         if let Some(patch) = quiesce_patch(&state, &settings.name, &now) {
             patch_workload(client, &state, &patch).await?;
             display.line(&format!(
@@ -583,62 +535,94 @@ where
     }
 }
 
-async fn list_namespaced<K>(client: &kube::Client, namespaces: &[String]) -> anyhow::Result<Vec<K>>
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-{
-    let mut objects = Vec::new();
-    for namespace in namespaces {
-        let api: Api<K> = Api::namespaced(client.clone(), namespace);
-        objects.extend(
-            api.list(&ListParams::default())
-                .await
-                .with_context(|| {
-                    format!("cannot list {} in namespace {namespace}", K::plural(&()))
-                })?
-                .items,
-        );
-    }
-    Ok(objects)
+/// The objects of kind `K` in `namespaces`.
+async fn list_namespaced<K: Namespaced>(
+    client: &kube::Client,
+    namespaces: &[String],
+) -> anyhow::Result<Vec<K>> {
+    list_in_each_namespace(client, namespaces, |namespace| {
+        format!("cannot list {} in namespace {namespace}", K::plural(&()))
+    })
+    .await
 }
 
 async fn list_pods(client: &kube::Client, namespaces: &[String]) -> anyhow::Result<Vec<Pod>> {
     list_namespaced::<Pod>(client, namespaces).await
 }
 
+/// The kinds a migration scales.
+trait Scaled: Namespaced {
+    /// Its kind.
+    const KIND: WorkloadKind;
+    /// Its `spec.replicas`.
+    fn replicas(&self) -> Option<i32>;
+}
+
+impl Scaled for Deployment {
+    const KIND: WorkloadKind = WorkloadKind::Deployment;
+    fn replicas(&self) -> Option<i32> {
+        self.spec.as_ref()?.replicas
+    }
+}
+
+impl Scaled for StatefulSet {
+    const KIND: WorkloadKind = WorkloadKind::StatefulSet;
+    fn replicas(&self) -> Option<i32> {
+        self.spec.as_ref()?.replicas
+    }
+}
+
+impl Scaled for ReplicaSet {
+    const KIND: WorkloadKind = WorkloadKind::ReplicaSet;
+    fn replicas(&self) -> Option<i32> {
+        self.spec.as_ref()?.replicas
+    }
+}
+
+fn state_of<K: Scaled>(object: &K) -> WorkloadState {
+    WorkloadState::new(K::KIND, object.meta(), object.replicas())
+}
+
+/// The state of `workload` as the API server returns it: read, or, with
+/// `patch`, merge-patched with it.
+async fn call_workload(
+    client: &kube::Client,
+    workload: &Workload,
+    patch: Option<&serde_json::Value>,
+) -> kube::Result<WorkloadState> {
+    async fn call<K: Scaled>(
+        client: &kube::Client,
+        workload: &Workload,
+        patch: Option<&serde_json::Value>,
+    ) -> kube::Result<WorkloadState> {
+        let api = Api::<K>::namespaced(client.clone(), &workload.namespace);
+        let object = match patch {
+            None => api.get(&workload.name).await?,
+            Some(patch) => {
+                api.patch(
+                    &workload.name,
+                    &PatchParams::default(),
+                    &Patch::Merge(patch),
+                )
+                .await?
+            }
+        };
+        Ok(state_of(&object))
+    }
+    match workload.kind {
+        WorkloadKind::Deployment => call::<Deployment>(client, workload, patch).await,
+        WorkloadKind::StatefulSet => call::<StatefulSet>(client, workload, patch).await,
+        WorkloadKind::ReplicaSet => call::<ReplicaSet>(client, workload, patch).await,
+    }
+}
+
 async fn workload_state(
     client: &kube::Client,
-    kind: WorkloadKind,
-    namespace: &str,
-    name: &str,
+    workload: &Workload,
 ) -> anyhow::Result<WorkloadState> {
-    let what = format!("{} {namespace}/{name}", kind.as_str());
-    Ok(match kind {
-        WorkloadKind::Deployment => {
-            let object = Api::<Deployment>::namespaced(client.clone(), namespace)
-                .get(name)
-                .await
-                .with_context(|| format!("cannot read {what}"))?;
-            WorkloadState::new(kind, &object.metadata, object.spec.and_then(|s| s.replicas))
-        }
-        WorkloadKind::StatefulSet => {
-            let object = Api::<StatefulSet>::namespaced(client.clone(), namespace)
-                .get(name)
-                .await
-                .with_context(|| format!("cannot read {what}"))?;
-            WorkloadState::new(kind, &object.metadata, object.spec.and_then(|s| s.replicas))
-        }
-        WorkloadKind::ReplicaSet => {
-            let object = Api::<ReplicaSet>::namespaced(client.clone(), namespace)
-                .get(name)
-                .await
-                .with_context(|| format!("cannot read {what}"))?;
-            WorkloadState::new(kind, &object.metadata, object.spec.and_then(|s| s.replicas))
-        }
-    })
+    call_workload(client, workload, None)
+        .await
+        .with_context(|| format!("cannot read {workload}"))
 }
 
 async fn patch_workload(
@@ -646,30 +630,10 @@ async fn patch_workload(
     state: &WorkloadState,
     patch: &serde_json::Value,
 ) -> anyhow::Result<()> {
-    let workload = &state.workload;
-    let params = PatchParams::default();
-    let patch = Patch::Merge(patch);
-    let result = match workload.kind {
-        WorkloadKind::Deployment => {
-            Api::<Deployment>::namespaced(client.clone(), &workload.namespace)
-                .patch(&workload.name, &params, &patch)
-                .await
-                .map(drop)
-        }
-        WorkloadKind::StatefulSet => {
-            Api::<StatefulSet>::namespaced(client.clone(), &workload.namespace)
-                .patch(&workload.name, &params, &patch)
-                .await
-                .map(drop)
-        }
-        WorkloadKind::ReplicaSet => {
-            Api::<ReplicaSet>::namespaced(client.clone(), &workload.namespace)
-                .patch(&workload.name, &params, &patch)
-                .await
-                .map(drop)
-        }
-    };
-    result.with_context(|| format!("cannot scale {workload}"))
+    call_workload(client, &state.workload, Some(patch))
+        .await
+        .map(drop)
+        .with_context(|| format!("cannot scale {}", state.workload))
 }
 
 /// Every Deployment, StatefulSet and ReplicaSet of `namespaces`, with
@@ -678,28 +642,19 @@ async fn quiesced_workloads(
     client: &kube::Client,
     namespaces: &[String],
 ) -> anyhow::Result<Vec<WorkloadState>> {
-    let mut states = Vec::new();
-    for deployment in list_namespaced::<Deployment>(client, namespaces).await? {
-        states.push(WorkloadState::new(
-            WorkloadKind::Deployment,
-            &deployment.metadata,
-            deployment.spec.and_then(|spec| spec.replicas),
-        ));
+    async fn states_of<K: Scaled>(
+        client: &kube::Client,
+        namespaces: &[String],
+    ) -> anyhow::Result<Vec<WorkloadState>> {
+        Ok(list_namespaced::<K>(client, namespaces)
+            .await?
+            .iter()
+            .map(state_of)
+            .collect())
     }
-    for set in list_namespaced::<StatefulSet>(client, namespaces).await? {
-        states.push(WorkloadState::new(
-            WorkloadKind::StatefulSet,
-            &set.metadata,
-            set.spec.and_then(|spec| spec.replicas),
-        ));
-    }
-    for set in list_namespaced::<ReplicaSet>(client, namespaces).await? {
-        states.push(WorkloadState::new(
-            WorkloadKind::ReplicaSet,
-            &set.metadata,
-            set.spec.and_then(|spec| spec.replicas),
-        ));
-    }
+    let mut states = states_of::<Deployment>(client, namespaces).await?;
+    states.extend(states_of::<StatefulSet>(client, namespaces).await?);
+    states.extend(states_of::<ReplicaSet>(client, namespaces).await?);
     Ok(states)
 }
 
@@ -779,17 +734,11 @@ async fn read_source(
 
 /// The migration's objects of kind `K` that exist on one side, first pass
 /// then final (`NAME-1`, `NAME-final` in the controller's namespace).
-async fn pass_objects<K>(
+async fn pass_objects<K: Namespaced>(
     client: &kube::Client,
     settings: &MigrateSettings,
     side: &str,
-) -> anyhow::Result<Vec<K>>
-where
-    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>
-        + Clone
-        + serde::de::DeserializeOwned
-        + std::fmt::Debug,
-{
+) -> anyhow::Result<Vec<K>> {
     let api: Api<K> = Api::namespaced(client.clone(), &settings.controller_namespace);
     let mut objects = Vec::new();
     for pass in [Pass::First, Pass::Final] {

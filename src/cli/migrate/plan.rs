@@ -30,6 +30,7 @@ use crate::api::backup::{ParentPolicy, VolumeBackupSpec};
 use crate::api::labels::{MANAGED_BY, MANAGED_BY_LABEL};
 use crate::api::restore::{ExistingClaimPolicy, RestoreSource, SizeChoice, VolumeRestoreSpec};
 use crate::api::{BackupStorageLocation, VolumeBackup, VolumeRestore};
+use crate::cli::text::access_modes;
 use crate::plan::objects::{ClusterObjects, DumpError, facts_from_objects};
 use crate::plan::quantity::format_bytes;
 use crate::plan::selector::LabelRequirement;
@@ -74,23 +75,29 @@ pub struct DestinationFacts {
     pub restores: Vec<VolumeRestore>,
 }
 
+/// The migration's object of `pass` among `objects`, if it exists.
+fn of_pass<'a, K: kube::Resource>(
+    objects: &'a [K],
+    settings: &MigrateSettings,
+    pass: Pass,
+) -> Option<&'a K> {
+    let name = pass.object_name(&settings.name);
+    objects
+        .iter()
+        .find(|object| object.meta().name.as_deref() == Some(name.as_str()))
+}
+
 impl SourceFacts {
     /// The migration's VolumeBackup of `pass`, if it exists.
     pub fn backup(&self, settings: &MigrateSettings, pass: Pass) -> Option<&VolumeBackup> {
-        let name = pass.object_name(&settings.name);
-        self.backups
-            .iter()
-            .find(|backup| backup.metadata.name.as_deref() == Some(name.as_str()))
+        of_pass(&self.backups, settings, pass)
     }
 }
 
 impl DestinationFacts {
     /// The migration's VolumeRestore of `pass`, if it exists.
     pub fn restore(&self, settings: &MigrateSettings, pass: Pass) -> Option<&VolumeRestore> {
-        let name = pass.object_name(&settings.name);
-        self.restores
-            .iter()
-            .find(|restore| restore.metadata.name.as_deref() == Some(name.as_str()))
+        of_pass(&self.restores, settings, pass)
     }
 }
 
@@ -739,15 +746,11 @@ pub fn render_dry_run(
     ];
     for claim in &plan.moves {
         let destination = &claim.destination;
-        let modes = if destination.final_access_modes.is_empty() {
-            destination.access_modes.join(",")
-        } else {
-            format!(
-                "{} (then {})",
-                destination.access_modes.join(","),
-                destination.final_access_modes.join(",")
-            )
-        };
+        let modes = access_modes(
+            &destination.access_modes,
+            &destination.final_access_modes,
+            |first, last| format!("{first} (then {last})"),
+        );
         rows.push(vec![
             format!("{}/{}", claim.source.0, claim.source.1),
             destination.namespace.clone(),

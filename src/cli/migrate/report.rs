@@ -22,6 +22,7 @@ use crate::api::{
     Progress, VolumeBackup, VolumeBackupPhase, VolumeRestore, VolumeRestorePhase, VolumeTransfer,
     VolumeTransferPhase,
 };
+use crate::cli::transfer_owner::{TransferOwner, VolumeOutcome};
 
 fn bytes(value: i64) -> String {
     ByteSize::b(u64::try_from(value).unwrap_or(0))
@@ -41,40 +42,58 @@ pub fn backup_outcome(backup: &VolumeBackup, deferred: &BTreeSet<ClaimKey>) -> R
         backup.namespace().unwrap_or_default(),
         backup.name_any()
     );
-    let failed: Vec<String> = status
-        .results
-        .iter()
-        .filter(|result| result.phase != VolumeTransferPhase::Completed)
-        .filter(|result| !deferred.contains(&(result.namespace.clone(), result.pvc.clone())))
-        .map(|result| {
-            format!(
-                "{}/{} {:?}: {}",
-                result.namespace,
-                result.pvc,
-                result.phase,
-                result.message.as_deref().unwrap_or("no reason given")
-            )
-        })
-        .collect();
+    let failed = failed_volumes(&status.results, deferred);
     match status.phase {
         Some(VolumeBackupPhase::Completed) => Ok(()),
         Some(VolumeBackupPhase::PartiallyFailed) if failed.is_empty() => Ok(()),
         phase => Err(format!(
-            "{name} ended {}: {}{}; see `haulage describe backup {} -n {}` on the source",
-            phase.map_or_else(
-                || "without a phase".to_string(),
-                |phase| format!("{phase:?}")
-            ),
-            status.message.as_deref().unwrap_or("no message"),
-            if failed.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", failed.join("; "))
-            },
+            "{name} ended {}; see `haulage describe backup {} -n {}` on the source",
+            how_it_ended(phase, status.message.as_deref(), &failed),
             backup.name_any(),
             backup.namespace().unwrap_or_default()
         )),
     }
+}
+
+/// The volumes of `results` that did not complete, but for the
+/// `deferred` claims, each `NAMESPACE/PVC PHASE: REASON`.
+fn failed_volumes(results: &[impl VolumeOutcome], deferred: &BTreeSet<ClaimKey>) -> Vec<String> {
+    results
+        .iter()
+        .map(VolumeOutcome::outcome)
+        .filter(|(_, _, phase, _)| *phase != VolumeTransferPhase::Completed)
+        .filter(|(namespace, pvc, ..)| {
+            !deferred.contains(&(namespace.to_string(), pvc.to_string()))
+        })
+        .map(|(namespace, pvc, phase, message)| {
+            format!(
+                "{namespace}/{pvc} {phase:?}: {}",
+                message.unwrap_or("no reason given")
+            )
+        })
+        .collect()
+}
+
+/// `PHASE: MESSAGE (FAILED; …)`: how a pass's object that does not let the
+/// migration go on ended.
+fn how_it_ended(
+    phase: Option<impl std::fmt::Debug>,
+    message: Option<&str>,
+    failed: &[String],
+) -> String {
+    format!(
+        "{}: {}{}",
+        phase.map_or_else(
+            || "without a phase".to_string(),
+            |phase| format!("{phase:?}")
+        ),
+        message.unwrap_or("no message"),
+        if failed.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", failed.join("; "))
+        }
+    )
 }
 
 /// Whether a finished VolumeRestore lets the migration go on: only
@@ -84,34 +103,12 @@ pub fn restore_outcome(restore: &VolumeRestore) -> Result<(), String> {
     if status.phase == Some(VolumeRestorePhase::Completed) {
         return Ok(());
     }
-    let failed: Vec<String> = status
-        .results
-        .iter()
-        .filter(|result| result.phase != VolumeTransferPhase::Completed)
-        .map(|result| {
-            format!(
-                "{}/{} {:?}: {}",
-                result.namespace,
-                result.pvc,
-                result.phase,
-                result.message.as_deref().unwrap_or("no reason given")
-            )
-        })
-        .collect();
+    let failed = failed_volumes(&status.results, &BTreeSet::new());
     Err(format!(
-        "VolumeRestore {}/{} ended {}: {}{}; `haulage describe restore {} -n {}` on the destination shows each volume",
+        "VolumeRestore {}/{} ended {}; `haulage describe restore {} -n {}` on the destination shows each volume",
         restore.namespace().unwrap_or_default(),
         restore.name_any(),
-        status.phase.map_or_else(
-            || "without a phase".to_string(),
-            |phase| format!("{phase:?}")
-        ),
-        status.message.as_deref().unwrap_or("no message"),
-        if failed.is_empty() {
-            String::new()
-        } else {
-            format!(" ({})", failed.join("; "))
-        },
+        how_it_ended(status.phase, status.message.as_deref(), &failed),
         restore.name_any(),
         restore.namespace().unwrap_or_default()
     ))
@@ -136,24 +133,6 @@ pub fn progress_text(phase: &str, progress: Option<&Progress>) -> String {
         progress.total_files,
         bytes(progress.bytes_per_second),
     )
-}
-
-/// The phase of a backup, as shown (`New` before a replica claimed it).
-pub fn backup_phase(backup: &VolumeBackup) -> String {
-    backup
-        .status
-        .as_ref()
-        .and_then(|status| status.phase)
-        .map_or_else(|| "New".to_string(), |phase| format!("{phase:?}"))
-}
-
-/// The phase of a restore, as shown.
-pub fn restore_phase(restore: &VolumeRestore) -> String {
-    restore
-        .status
-        .as_ref()
-        .and_then(|status| status.phase)
-        .map_or_else(|| "New".to_string(), |phase| format!("{phase:?}"))
 }
 
 /// What one pass's objects hold, for the report.
@@ -237,6 +216,18 @@ pub struct MigrationReport {
     pub downtime: Option<Downtime>,
 }
 
+/// The report's volume of the source claim `source`, added when new.
+fn volume_of(volumes: &mut BTreeMap<String, VolumeSummary>, source: String) -> &mut VolumeSummary {
+    volumes
+        .entry(source.clone())
+        .or_insert_with(|| VolumeSummary {
+            source,
+            destination: None,
+            passes: BTreeMap::new(),
+            verified_tree: None,
+        })
+}
+
 fn seconds_between(start: Option<&Time>, end: Option<&Time>) -> Option<i64> {
     Some(end?.0.as_second() - start?.0.as_second())
 }
@@ -259,11 +250,11 @@ pub fn build_report(
         }
         summaries.push(PassSummary {
             pass: objects.pass,
-            backup_phase: objects.backup.map(backup_phase),
+            backup_phase: objects.backup.map(VolumeBackup::shown_phase),
             backup_seconds: backup_status.as_ref().and_then(|status| {
                 seconds_between(status.start_time.as_ref(), status.completion_time.as_ref())
             }),
-            restore_phase: objects.restore.map(restore_phase),
+            restore_phase: objects.restore.map(VolumeRestore::shown_phase),
             restore_seconds: restore_status.as_ref().and_then(|status| {
                 seconds_between(status.start_time.as_ref(), status.completion_time.as_ref())
             }),
@@ -279,14 +270,7 @@ pub fn build_report(
                 transfer.spec.pvc
             );
             let status = transfer.status.clone().unwrap_or_default();
-            let volume = volumes
-                .entry(source.clone())
-                .or_insert_with(|| VolumeSummary {
-                    source,
-                    destination: None,
-                    passes: BTreeMap::new(),
-                    verified_tree: None,
-                });
+            let volume = volume_of(&mut volumes, source);
             let figures = volume.passes.entry(objects.pass).or_default();
             figures.bytes_read = status.bytes_read;
             figures.bytes_new = status.bytes_new;
@@ -296,15 +280,7 @@ pub fn build_report(
                 let result = status.results.iter().find(|result| {
                     result.namespace == selected.namespace && result.pvc == selected.pvc
                 });
-                let volume =
-                    volumes
-                        .entry(selected.source.clone())
-                        .or_insert_with(|| VolumeSummary {
-                            source: selected.source.clone(),
-                            destination: None,
-                            passes: BTreeMap::new(),
-                            verified_tree: None,
-                        });
+                let volume = volume_of(&mut volumes, selected.source.clone());
                 volume.destination = Some(format!("{}/{}", selected.namespace, selected.pvc));
                 volume.passes.entry(objects.pass).or_default().bytes_written =
                     result.and_then(|result| result.bytes_written);
