@@ -29,9 +29,9 @@ use haulage::clock::now;
 use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
 use haulage::engine::progress::Progress;
-use haulage::engine::restore::{RestoreOptions, restore};
+use haulage::engine::restore::{LoadedSnapshot, RestoreOptions, restore_loaded};
 use haulage::engine::throttle::{ByteRate, Throttle};
-use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree};
+use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree_loaded};
 use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -856,9 +856,14 @@ async fn restore_and_verify(
         since = options.since.map(|id| id.to_hex()).as_deref().unwrap_or("-"),
         "restoring"
     );
-    let outcome = restore(
+    // Loaded once for the restore and its verification: the index is
+    // not read and decoded twice.
+    let loaded = LoadedSnapshot::load(repository, &snapshot)
+        .await
+        .map_err(|error| haulage::error_chain(&error))?;
+    let outcome = restore_loaded(
         repository,
-        &snapshot,
+        &loaded,
         options,
         run.progress.clone(),
         run.volume_cancel.clone(),
@@ -883,9 +888,9 @@ async fn restore_and_verify(
         warn!(transfer = name, path = %problem.path, "{}", problem.message);
     }
     let verify_options = verify_options.after(&outcome);
-    let verification = verify_tree(
+    let verification = verify_tree_loaded(
         repository,
-        &snapshot,
+        &loaded,
         volume,
         &verify_options,
         run.volume_cancel.clone(),
