@@ -249,6 +249,49 @@ pub async fn restore(
     restore_loaded(repository, &loaded, options, progress, cancel).await
 }
 
+/// Directories nested deeper than this are refused (reported, not
+/// written): each level of the restore holds its directory open and a
+/// frame of the walk, so a hostile snapshot nested thousands deep would
+/// exhaust descriptors or the stack. No real tree comes near it.
+pub const MAX_DIRECTORY_DEPTH: usize = 1024;
+
+/// The stack of the thread that walks a snapshot's trees: each level of
+/// directories is a frame of the walk (about 11 KiB in a debug build), and
+/// a runtime's threads have 2 MiB. Reserved, not used: only the pages the
+/// walk reaches are ever touched.
+const WALK_STACK_BYTES: usize = 32 << 20;
+
+/// Walk the snapshot from its root on a thread of its own with a
+/// [`WALK_STACK_BYTES`] stack (still on the runtime, through its handle),
+/// so that a tree [`MAX_DIRECTORY_DEPTH`] deep cannot overflow the stack of
+/// the runtime's thread; gives the walker back for what follows the walk.
+async fn walk_on_a_deep_stack(
+    mut walker: Walker,
+    root_fd: Arc<OwnedFd>,
+    root_tree: Tree,
+    since: Option<SinceDirectory>,
+) -> (Result<(), EngineError>, Walker) {
+    let handle = tokio::runtime::Handle::current();
+    let (done, walked) = tokio::sync::oneshot::channel();
+    let thread = std::thread::Builder::new()
+        .name("restore-walk".into())
+        .stack_size(WALK_STACK_BYTES)
+        .spawn(move || {
+            let result =
+                handle.block_on(walker.restore_directory(root_fd, Vec::new(), root_tree, since));
+            let _ = done.send((result, walker));
+        })
+        .expect("a thread for the restore's walk");
+    match walked.await {
+        Ok(walked) => walked,
+        // The thread ended without sending: it panicked; so does this.
+        Err(_) => match thread.join() {
+            Err(panic) => std::panic::resume_unwind(panic),
+            Ok(()) => unreachable!("the walk's thread sends before it ends"),
+        },
+    }
+}
+
 /// A snapshot with the repository's index, loaded together: what a restore
 /// reads before anything else, and what the verification after it needs
 /// too. Load it once and give it to both ([`restore_loaded`],
@@ -339,7 +382,7 @@ pub async fn restore_loaded(
     });
     let (batches, queued_batches) = mpsc::channel(BATCHES_AHEAD);
     let writer = tokio::spawn(write_batches(shared.clone(), index.clone(), queued_batches));
-    let mut walker = Walker {
+    let walker = Walker {
         shared: shared.clone(),
         index,
         root_fd: root_fd.clone(),
@@ -353,9 +396,7 @@ pub async fn restore_loaded(
         tracing::warn!("{reason}");
         None
     });
-    let mut walked = walker
-        .restore_directory(root_fd, Vec::new(), root_tree, since)
-        .await;
+    let (mut walked, mut walker) = walk_on_a_deep_stack(walker, root_fd, root_tree, since).await;
     if walked.is_ok() {
         walked = walker.send_batch().await;
     }
@@ -713,6 +754,15 @@ impl Walker {
                             }
                             Some(SinceSubdirectory::Nothing) | None => None,
                         };
+                        if path.len() > MAX_DIRECTORY_DEPTH {
+                            self.problem(
+                                display(&path),
+                                format!(
+                                    "refused: nested deeper than {MAX_DIRECTORY_DEPTH} directories"
+                                ),
+                            );
+                            continue;
+                        }
                         let Some(child_fd) = self.prepare_directory(&directory_fd, &path, &entry)
                         else {
                             continue;
@@ -736,6 +786,16 @@ impl Walker {
                         }
                     }
                     EntryKind::File => {
+                        if entry.content_length() != Some(entry.size) {
+                            self.problem(
+                                display(&path),
+                                format!(
+                                    "refused: its content does not add up to its size of {} bytes (a damaged or forged tree)",
+                                    entry.size
+                                ),
+                            );
+                            continue;
+                        }
                         if entry.links > 1 {
                             let key = (entry.device, entry.inode);
                             let mut first = self.shared.first_links.lock().expect("links");

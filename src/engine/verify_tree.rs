@@ -47,9 +47,9 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::repository::Repository;
+use super::restore::LoadedSnapshot;
 use super::restore::RestoreOptions;
 use super::restore::RestoreOutcome;
-use super::restore::LoadedSnapshot;
 use super::restore::TREE_PREFETCH_BYTES;
 use super::scan;
 use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored};
@@ -1212,6 +1212,14 @@ impl Checker {
     /// The first chunk or hole of `entry` that the file's bytes do not
     /// match, if any.
     fn compare_content(&self, fd: &OwnedFd, entry: &Entry) -> Result<Option<Difference>, Stopped> {
+        if entry.content_length() != Some(entry.size) {
+            return Ok(Some(Difference::Snapshot {
+                reason: format!(
+                    "its content does not add up to its size of {} bytes (a damaged or forged tree)",
+                    entry.size
+                ),
+            }));
+        }
         let mut buffer = Vec::new();
         let mut offset = 0u64;
         for extent in &entry.content {

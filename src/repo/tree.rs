@@ -155,6 +155,15 @@ pub enum TreeError {
 }
 
 impl Entry {
+    /// The bytes its content adds up to (chunks and holes), or `None`
+    /// when that overflows: a file whose content does not add up to its
+    /// `size` is damaged or forged, and a restore refuses it.
+    pub fn content_length(&self) -> Option<u64> {
+        self.content
+            .iter()
+            .try_fold(0u64, |sum, extent| sum.checked_add(extent.length()))
+    }
+
     /// Whether this regular file and `earlier` (the same path in an
     /// earlier snapshot) would be restored as the same file: same content,
     /// size, permissions, owner, modification time and extended

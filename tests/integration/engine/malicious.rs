@@ -236,7 +236,11 @@ async fn sizes_and_holes_that_lie_or_overflow_write_nothing_and_are_reported() {
     let payload = forger.blob(repository, BlobKind::Data, b"pwned");
     // Holes that overflow a u64 offset when added up.
     let mut overflowing = entry(b"overflowing-holes", EntryKind::File);
-    overflowing.content = vec![Extent::Hole(u64::MAX), Extent::Hole(u64::MAX), Extent::Chunk(payload, 5)];
+    overflowing.content = vec![
+        Extent::Hole(u64::MAX),
+        Extent::Hole(u64::MAX),
+        Extent::Chunk(payload, 5),
+    ];
     overflowing.size = 5;
     // A size far beyond its content.
     let mut lying = file(b"size-beyond-content", payload, 5);
@@ -317,13 +321,16 @@ async fn device_nodes_are_not_made_unless_asked_and_a_hardlink_never_reaches_out
     }
     use std::os::unix::fs::MetadataExt;
     assert_eq!(std::fs::read(outside.join("secret")).unwrap(), b"secret");
-    assert_eq!(std::fs::metadata(outside.join("secret")).unwrap().nlink(), 1);
+    assert_eq!(
+        std::fs::metadata(outside.join("secret")).unwrap().nlink(),
+        1
+    );
     assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1);
     assert_eq!(std::fs::read(target.join("linked")).unwrap(), b"pwned");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tree_nested_thousands_deep_is_restored_or_refused_without_crashing() {
+async fn a_tree_nested_thousands_deep_is_restored_down_to_the_limit_and_refused_below_it() {
     let repo = TestRepo::new().await;
     let repository = &repo.repository;
     let base = repo.dir.path();
@@ -360,13 +367,19 @@ async fn a_tree_nested_thousands_deep_is_restored_or_refused_without_crashing() 
         .map(|entry| entry.unwrap().file_name())
         .collect();
     assert!(
-        entries_in_base.iter().all(|name| name == "target" || name == "repo"),
+        entries_in_base
+            .iter()
+            .all(|name| name == "target" || name == "repo"),
         "{entries_in_base:?}"
     );
-    println!(
-        "{DEPTH} levels: {} directories restored, problems: {:?}",
-        outcome.directories,
-        outcome.problems.iter().take(3).collect::<Vec<_>>()
+    // Down to the limit, and the first directory below it refused, named.
+    let limit = haulage::engine::restore::MAX_DIRECTORY_DEPTH;
+    assert_eq!(outcome.directories, limit as u64);
+    assert_eq!(outcome.problems.len(), 1, "{:?}", outcome.problems);
+    let problem = &outcome.problems[0];
+    assert_eq!(problem.path, vec!["d"; limit + 1].join("/"));
+    assert!(
+        problem.message.contains("nested deeper than 1024"),
+        "{problem:?}"
     );
-    assert!(outcome.directories > 0);
 }
