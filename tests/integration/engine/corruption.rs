@@ -139,3 +139,170 @@ async fn verify_exits_with_code_4_and_names_the_pack_blob_and_file() {
         "{text}"
     );
 }
+
+/// Where one counted flip lands.
+#[derive(Debug, Clone, Copy)]
+enum FlipTarget {
+    DataBlob,
+    TreeBlob,
+    PackTrailer,
+    Index,
+    Snapshot,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_single_byte_flips_are_all_found_by_verify_and_none_reaches_a_restored_file() {
+    use haulage::repo::BlobKind;
+    use rand::{Rng, SeedableRng};
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    let mut originals = Vec::new();
+    for (index, size) in [
+        1 << 20,
+        300 << 10,
+        70 << 10,
+        5 << 10,
+        2 << 20,
+        900,
+        40 << 10,
+        128 << 10,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let relative = format!("dir{}/file{index}.bin", index % 3);
+        let path = source.join(&relative);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        let bytes = random_bytes(100 + index as u64, size);
+        std::fs::write(&path, &bytes).unwrap();
+        originals.push((relative, bytes));
+    }
+    let snapshot = repo.backup(&source).await.snapshot_id;
+    let packs = files_under(&repo.root().join("data"));
+    let indexes = files_under(&repo.root().join("index"));
+    let manifests = files_under(&repo.root().join("snapshots"));
+    // Each pack's blobs by kind, as byte ranges, and where its trailer starts.
+    let mut ranges: Vec<(std::path::PathBuf, BlobKind, std::ops::Range<u64>)> = Vec::new();
+    let mut trailers = Vec::new();
+    for (path, length) in &packs {
+        let bytes = std::fs::read(path).unwrap();
+        let entries = repo.repository.codec().decode_pack(&bytes, "pack").unwrap();
+        let end = entries
+            .iter()
+            .map(|entry| u64::from(entry.offset) + u64::from(entry.stored_length))
+            .max()
+            .unwrap();
+        for entry in entries {
+            let start = u64::from(entry.offset);
+            ranges.push((
+                path.clone(),
+                entry.kind,
+                start..start + u64::from(entry.stored_length),
+            ));
+        }
+        trailers.push((path.clone(), end..*length));
+    }
+
+    let mut random = rand::rngs::StdRng::seed_from_u64(50);
+    let targets = [
+        FlipTarget::DataBlob,
+        FlipTarget::TreeBlob,
+        FlipTarget::PackTrailer,
+        FlipTarget::Index,
+        FlipTarget::Snapshot,
+    ];
+    let (mut found, mut rounds) = (0, 0);
+    for round in 0..50 {
+        let target = targets[round % targets.len()];
+        let (path, offset) = match target {
+            FlipTarget::DataBlob | FlipTarget::TreeBlob => {
+                let kind = if matches!(target, FlipTarget::TreeBlob) {
+                    BlobKind::Tree
+                } else {
+                    BlobKind::Data
+                };
+                let of_kind: Vec<_> = ranges.iter().filter(|range| range.1 == kind).collect();
+                let (path, _, range) = of_kind[random.random_range(0..of_kind.len())];
+                (path.clone(), random.random_range(range.clone()))
+            }
+            FlipTarget::PackTrailer => {
+                let (path, range) = &trailers[random.random_range(0..trailers.len())];
+                (path.clone(), random.random_range(range.clone()))
+            }
+            FlipTarget::Index => {
+                let (path, length) = &indexes[random.random_range(0..indexes.len())];
+                (path.clone(), random.random_range(0..*length))
+            }
+            FlipTarget::Snapshot => {
+                let (path, length) = &manifests[random.random_range(0..manifests.len())];
+                (path.clone(), random.random_range(0..*length))
+            }
+        };
+        let object = path.file_name().unwrap().to_string_lossy().into_owned();
+        flip_byte(&path, offset);
+        // Another process's view: nothing cached from before the flip.
+        let repository = repo.reopen().await;
+        let report = verify(&repository, Some(snapshot), Default::default())
+            .await
+            .unwrap();
+        let named = report
+            .problems
+            .iter()
+            .any(|problem| problem.object.contains(&object) || problem.message.contains(&object));
+        assert!(
+            named,
+            "round {round}: a flip at byte {offset} of {target:?} {object} was not named by verify: {:?}",
+            report.problems
+        );
+        if matches!(target, FlipTarget::DataBlob | FlipTarget::TreeBlob) {
+            assert!(
+                report
+                    .problems
+                    .iter()
+                    .any(|problem| !problem.affected_files.is_empty()),
+                "round {round}: {target:?} damage names no affected file: {:?}",
+                report.problems
+            );
+        }
+        found += 1;
+        // No restored file differs from its source: damaged ones are left
+        // out and reported (or the whole restore is refused).
+        let restored = repo.dir.path().join(format!("restored-{round}"));
+        let outcome = haulage::engine::restore::restore(
+            &repository,
+            &snapshot,
+            haulage::engine::restore::RestoreOptions::new(&restored),
+            Default::default(),
+            Default::default(),
+        )
+        .await;
+        for (relative, bytes) in &originals {
+            if let Ok(content) = std::fs::read(restored.join(relative)) {
+                assert!(
+                    content == *bytes,
+                    "round {round}: {relative} was restored with damaged content after a flip in {target:?} {object}"
+                );
+            } else if let Ok(outcome) = &outcome {
+                assert!(
+                    outcome
+                        .problems
+                        .iter()
+                        .any(|problem| relative.ends_with(&problem.path)
+                            || problem
+                                .path
+                                .starts_with(relative.split('/').next().unwrap())),
+                    "round {round}: {relative} is missing and not reported: {:?}",
+                    outcome.problems
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&restored);
+        // Put the byte back for the next round.
+        flip_byte(&path, offset);
+        rounds += 1;
+    }
+    println!(
+        "corruption counted: {found} of {rounds} single-byte flips found by verify, none reached a restored file"
+    );
+    assert_eq!(found, 50);
+}
