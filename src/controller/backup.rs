@@ -19,7 +19,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, Patch, PatchParams};
@@ -35,9 +34,8 @@ use crate::controller::error::{ApiCall, Error, is_conflict, kube_error};
 use crate::controller::execute::{
     OwnerCalls, carry_out, emit, execute, namespaced_name, status_patch,
 };
-use crate::controller::location::{
-    key_source, password_of, read_credentials, read_password, s3_options,
-};
+use crate::controller::location::{key_source, read_credentials, read_password, s3_options};
+use crate::controller::staging::{observe_staging, stage_pod_secrets};
 use crate::controller::{Context, FIELD_MANAGER};
 use crate::engine::Repository;
 use crate::engine::forget::forget_snapshots;
@@ -46,11 +44,10 @@ use crate::plan::objects::ClusterObjects;
 use crate::reconcile::action::Action;
 use crate::reconcile::backup::{
     BackupObservation, FORGET_RETRY_SECONDS, Lifecycle, decide, decide_cancel, decide_lifecycle,
-    forget_failed, needs_cluster, needs_credentials, owns_pod, owns_transfer, resolve_location,
+    forget_failed, needs_cluster, needs_credentials, owns_transfer, resolve_location,
 };
 use crate::reconcile::claims::claim_record;
 use crate::reconcile::location::sanitize_message;
-use crate::reconcile::ownership::ControllerSettings;
 use crate::reconcile::stage_pod::repository_url;
 use crate::repo::lock::LockKind;
 use crate::repo::snapshot::ClaimRecord;
@@ -367,19 +364,10 @@ pub async fn observe(
     if needs_credentials(&observation, &clock::now())
         .map_err(decision_error(&observation.backup))?
     {
-        observation.credentials = Some(credentials_of(&observation, context).await?);
-        let (_, location) = resolve_location(&observation.backup, &observation.locations);
-        if let Some(location) = location {
-            observation.password = match password_of(location, &context.client).await? {
-                Ok(password) => password.map(|password| ByteString(password.as_bytes().to_vec())),
-                Err(message) => {
-                    return Err(Error::Credentials {
-                        location: location.name_any(),
-                        message,
-                    });
-                }
-            };
-        }
+        let (_, location) = resolve_location(&observation.backup, &observation.staging.locations);
+        let (credentials, password) = stage_pod_secrets(location, context).await?;
+        observation.staging.credentials = Some(credentials);
+        observation.staging.password = password;
         observation.claim_records = claim_records(&observation.backup, context);
     }
     Ok(observation)
@@ -426,67 +414,18 @@ fn claim_records(
 /// The backup's children, locations, leases and this replica's memory of
 /// it, from the caches (no cluster objects, no credentials).
 fn observe_caches(backup: Arc<VolumeBackup>, context: &Context) -> BackupObservation {
-    let stores = &context.stores;
-    let config = &context.config;
     let uid = backup.uid().unwrap_or_default();
     let namespace = backup.namespace().unwrap_or_default();
-    let pods = stores.pods.state_filter(|pod| owns_pod(&uid, pod));
-    let replaced_pods = pods
-        .iter()
-        .filter_map(|pod| pod.uid())
-        .filter(|pod_uid| context.replaced_pods.contains(pod_uid))
-        .collect();
     BackupObservation {
-        settings: ControllerSettings {
-            identity: config.identity.clone(),
-            agent_image: config.agent_image.clone(),
-            pinning: config.pinning,
-            agent_lost_seconds: config.agent_lost_seconds,
-        },
-        lease_fresh: context.heartbeat.is_fresh(config.replica_lease_seconds),
-        leases: super::replicas::cached(&stores.leases),
-        locations: stores
-            .locations
-            .state_filter(|location| location.namespace().as_deref() == Some(namespace.as_str())),
+        staging: observe_staging(
+            &uid,
+            &namespace,
+            |transfer| owns_transfer(&uid, transfer),
+            context,
+        ),
         cluster: None,
-        nodes: stores.nodes.state(),
-        transfers: stores
-            .transfers
-            .state_filter(|transfer| owns_transfer(&uid, transfer)),
-        pods,
-        replaced_pods,
-        since_last_status_write: context.status_writes.since(&uid),
-        credentials: None,
-        password: None,
-        policies: stores.policies.state(),
-        limit_minimums: stores.limit_minimums(),
         claim_records: BTreeMap::new(),
         backup,
-    }
-}
-
-/// The bytes under the credentials key of the backup's location's Secret.
-async fn credentials_of(
-    observation: &BackupObservation,
-    context: &Context,
-) -> Result<ByteString, Error> {
-    let (_, location) = resolve_location(&observation.backup, &observation.locations);
-    let Some(location) = location else {
-        return Ok(ByteString(Vec::new()));
-    };
-    let secrets: Api<Secret> = Api::namespaced(
-        context.client.clone(),
-        &location.namespace().unwrap_or_default(),
-    );
-    match read_credentials(&secrets, &location.spec).await? {
-        Ok((secret, _)) => Ok(secret
-            .data
-            .and_then(|mut data| data.remove(&location.spec.credential.key))
-            .unwrap_or_default()),
-        Err(message) => Err(Error::Credentials {
-            location: location.name_any(),
-            message,
-        }),
     }
 }
 

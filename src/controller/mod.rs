@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod recent;
 pub mod replicas;
 pub mod restore;
+pub mod staging;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -11,8 +11,6 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::Secret;
 use kube::runtime::controller::Action as Requeue;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, ResourceExt};
@@ -24,10 +22,10 @@ use crate::clock;
 use crate::controller::Context;
 use crate::controller::error::{ApiCall, Error};
 use crate::controller::execute::{OwnerCalls, carry_out, execute, namespaced_name};
-use crate::controller::location::{key_source, password_of, read_credentials, s3_options};
+use crate::controller::location::{key_source, password_of, s3_options};
+use crate::controller::staging::{credentials_file, observe_staging, stage_pod_secrets};
 use crate::engine::Repository;
 use crate::plan::objects::ClusterObjects;
-use crate::reconcile::ownership::ControllerSettings;
 use crate::reconcile::restore::{
     ListedSnapshot, RestoreObservation, decide, decide_cancel, needs_cluster, needs_credentials,
     needs_snapshots,
@@ -93,18 +91,8 @@ fn destination_namespaces(restore: &VolumeRestore) -> Option<BTreeSet<String>> {
 /// Read what deciding on `restore` needs from the caches, once.
 fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObservation {
     let stores = &context.stores;
-    let config = &context.config;
     let uid = restore.uid().unwrap_or_default();
     let namespace = restore.namespace().unwrap_or_default();
-    let owned = |labels: &std::collections::BTreeMap<String, String>| {
-        labels.get(OWNER_UID_LABEL) == Some(&uid)
-    };
-    let pods = stores.pods.state_filter(|pod| owned(pod.labels()));
-    let replaced_pods = pods
-        .iter()
-        .filter_map(|pod| pod.uid())
-        .filter(|pod_uid| context.replaced_pods.contains(pod_uid))
-        .collect();
     let scope = destination_namespaces(&restore);
     let in_scope = |object_namespace: Option<String>| match (&scope, object_namespace) {
         (None, Some(_)) => true,
@@ -128,17 +116,12 @@ fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObse
                 .is_some_and(|claim_namespace| in_scope(Some(claim_namespace)))
     });
     RestoreObservation {
-        settings: ControllerSettings {
-            identity: config.identity.clone(),
-            agent_image: config.agent_image.clone(),
-            pinning: config.pinning,
-            agent_lost_seconds: config.agent_lost_seconds,
-        },
-        lease_fresh: context.heartbeat.is_fresh(config.replica_lease_seconds),
-        leases: super::replicas::cached(&stores.leases),
-        locations: stores
-            .locations
-            .state_filter(|location| location.namespace().as_deref() == Some(namespace.as_str())),
+        staging: observe_staging(
+            &uid,
+            &namespace,
+            |transfer| transfer.labels().get(OWNER_UID_LABEL) == Some(&uid),
+            context,
+        ),
         snapshots: None,
         classes: stores.classes.state(),
         namespaces: stores
@@ -150,17 +133,6 @@ fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObse
         claims,
         volumes,
         cluster: None,
-        nodes: stores.nodes.state(),
-        transfers: stores
-            .transfers
-            .state_filter(|transfer| owned(transfer.labels())),
-        pods,
-        replaced_pods,
-        since_last_status_write: context.status_writes.since(&uid),
-        credentials: None,
-        password: None,
-        policies: stores.policies.state(),
-        limit_minimums: stores.limit_minimums(),
         restore,
     }
 }
@@ -190,60 +162,28 @@ async fn observe(
         observation.cluster = Some(cluster_objects(&restore, context));
     }
     if needs_credentials(&observation) {
-        observation.credentials = Some(credentials_of(&observation, context).await?.0);
-        let restore = &observation.restore;
-        let (_, location) = crate::reconcile::location::resolve_location(
-            &restore.namespace().unwrap_or_default(),
-            restore.spec.storage_location.as_deref(),
-            &observation.locations,
-        );
-        if let Some(location) = location {
-            observation.password = match password_of(location, &context.client).await? {
-                Ok(password) => password.map(|password| ByteString(password.as_bytes().to_vec())),
-                Err(message) => {
-                    return Err(Error::Credentials {
-                        location: location.name_any(),
-                        message,
-                    });
-                }
-            };
-        }
+        let (_, location) = location_of(&observation);
+        let (credentials, password) = stage_pod_secrets(location, context).await?;
+        observation.staging.credentials = Some(credentials);
+        observation.staging.password = password;
     }
     Ok(observation)
 }
 
-/// The location's credentials file (the bytes under its key) and the
-/// parsed credentials, or `None` when it names no usable location.
-async fn credentials_of(
+/// The storage location the restore names (or the default one of its
+/// namespace) and its state.
+fn location_of(
     observation: &RestoreObservation,
-    context: &Context,
-) -> Result<(ByteString, Option<crate::store::S3Credentials>), Error> {
+) -> (
+    crate::reconcile::backup_status::StorageState,
+    Option<&crate::api::BackupStorageLocation>,
+) {
     let restore = &observation.restore;
-    let (_, location) = crate::reconcile::location::resolve_location(
+    crate::reconcile::location::resolve_location(
         &restore.namespace().unwrap_or_default(),
         restore.spec.storage_location.as_deref(),
-        &observation.locations,
-    );
-    let Some(location) = location else {
-        return Ok((ByteString(Vec::new()), None));
-    };
-    let secrets: Api<Secret> = Api::namespaced(
-        context.client.clone(),
-        &location.namespace().unwrap_or_default(),
-    );
-    match read_credentials(&secrets, &location.spec).await? {
-        Ok((secret, credentials)) => Ok((
-            secret
-                .data
-                .and_then(|mut data| data.remove(&location.spec.credential.key))
-                .unwrap_or_default(),
-            Some(credentials),
-        )),
-        Err(message) => Err(Error::Credentials {
-            location: location.name_any(),
-            message,
-        }),
-    }
+        &observation.staging.locations,
+    )
 }
 
 /// List the snapshots of the restore's location, when it is Available.
@@ -253,20 +193,14 @@ async fn list_snapshots(
     observation: &RestoreObservation,
     context: &Context,
 ) -> Result<Option<Result<Vec<ListedSnapshot>, String>>, Error> {
-    let restore = &observation.restore;
-    let (state, location) = crate::reconcile::location::resolve_location(
-        &restore.namespace().unwrap_or_default(),
-        restore.spec.storage_location.as_deref(),
-        &observation.locations,
-    );
+    let (state, location) = location_of(observation);
     let (Some(location), crate::reconcile::backup_status::StorageState::Available { .. }) =
         (location, state)
     else {
         return Ok(None);
     };
-    let credentials = match credentials_of(observation, context).await {
-        Ok((_, Some(credentials))) => credentials,
-        Ok((_, None)) => return Ok(None),
+    let credentials = match credentials_file(location, context).await {
+        Ok((_, credentials)) => credentials,
         Err(Error::Credentials { message, .. }) => return Ok(Some(Err(message))),
         Err(error) => return Err(error),
     };
