@@ -677,32 +677,15 @@ mod tests {
     use crate::action::ObjectName;
     use crate::ownership::{Ownership, WaitReason};
     use crate::staging::PROGRESS_WRITE_INTERVAL;
+    use crate::test_support::{at, available};
     use haulage_api::backup::OwnerClaim;
     use haulage_api::backup::VolumeCounts;
     use haulage_api::condition::reason;
-    use haulage_api::{BackupStorageLocationPhase, BackupStorageLocationStatus};
     use k8s_openapi::ByteString;
     use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, PodStatus};
     use k8s_openapi::api::storage::v1::StorageClass;
-    use k8s_openapi::jiff::Timestamp;
     use std::collections::BTreeSet;
-
-    const T0: i64 = 1_800_000_000;
-
-    fn at(seconds: i64) -> Time {
-        Time(Timestamp::from_second(T0 + seconds).expect("in range"))
-    }
-
-    fn available(name: &str) -> Arc<BackupStorageLocation> {
-        let mut location =
-            BackupStorageLocation::test(name).with_phase(BackupStorageLocationPhase::Available);
-        location.status = Some(BackupStorageLocationStatus {
-            phase: Some(BackupStorageLocationPhase::Available),
-            ..BackupStorageLocationStatus::default()
-        });
-        Arc::new(location)
-    }
 
     fn observation(backup: VolumeBackup) -> BackupObservation {
         BackupObservation {

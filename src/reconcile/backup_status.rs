@@ -449,6 +449,7 @@ fn final_phase(counts: &VolumeCounts) -> Option<(VolumeBackupPhase, &'static str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::at;
     use haulage_api::backup::{PlannedStagePod, UnplaceableVolume};
     use haulage_api::condition::find_condition;
 
@@ -482,10 +483,6 @@ mod tests {
             FinalCounts::of(&counts(3, 1, 1, 1)),
             Some(FinalCounts::SomeCompleted)
         );
-    }
-
-    fn at(seconds: i64) -> Time {
-        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
     }
 
     fn observed(storage: StorageState) -> Observed {

@@ -41,3 +41,5 @@ pub mod restore;
 pub mod stage_pod;
 pub mod staging;
 pub mod supervision;
+#[cfg(test)]
+mod test_support;

@@ -645,10 +645,7 @@ pub fn resolve_location<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn at(seconds: i64) -> Time {
-        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
-    }
+    use crate::test_support::at;
 
     fn failed(problem: ProbeProblem, message: &str) -> ProbeOutcome {
         ProbeOutcome::failed(problem, message)

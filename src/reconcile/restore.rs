@@ -1303,28 +1303,12 @@ pub fn decide_cancel(observation: &RestoreObservation, now: &Time) -> Vec<Action
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{at, available};
     use haulage_api::condition::find_condition;
     use haulage_api::restore::RestoreSource;
-    use haulage_api::{BackupStorageLocationPhase, BackupStorageLocationStatus};
     use haulage_repo::BlobId;
     use haulage_repo::snapshot::{RootAttributes, SnapshotSummary};
     use k8s_openapi::ByteString;
-    use k8s_openapi::jiff::Timestamp;
-
-    const T0: i64 = 1_800_000_000;
-
-    fn at(seconds: i64) -> Time {
-        Time(Timestamp::from_second(T0 + seconds).expect("in range"))
-    }
-
-    fn available(name: &str) -> Arc<BackupStorageLocation> {
-        let mut location = BackupStorageLocation::test(name);
-        location.status = Some(BackupStorageLocationStatus {
-            phase: Some(BackupStorageLocationPhase::Available),
-            ..BackupStorageLocationStatus::default()
-        });
-        Arc::new(location)
-    }
 
     fn class(name: &str, provisioner: &str, binding: &str) -> Arc<StorageClass> {
         Arc::new(
