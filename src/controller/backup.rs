@@ -23,11 +23,10 @@ use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::controller::Action as Requeue;
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Api, ResourceExt};
 use tracing::{debug, info, instrument, warn};
 
-use crate::api::labels::{CANCEL_FINALIZER, FORGET_FINALIZER};
+use crate::api::labels::FORGET_FINALIZER;
 use crate::api::{BackupStorageLocation, VolumeBackup};
 use crate::clock;
 use crate::controller::error::{ApiCall, Error, is_conflict, kube_error};
@@ -35,13 +34,15 @@ use crate::controller::execute::{
     OwnerCalls, carry_out, emit, execute, namespaced_name, status_patch,
 };
 use crate::controller::location::{key_source, read_credentials, read_password, s3_options};
-use crate::controller::staging::{observe_staging, stage_pod_secrets};
+use crate::controller::staging::{
+    CLEANUP_TIMEOUT_SECONDS, cancel_within_timeout, namespaced_api, observe_staging,
+    stage_pod_secrets, through_cancel_finalizer, until_caches_synced,
+};
 use crate::controller::{Context, FIELD_MANAGER};
 use crate::engine::Repository;
 use crate::engine::forget::forget_snapshots;
 use crate::engine::lock::RepositoryLock;
 use crate::plan::objects::ClusterObjects;
-use crate::reconcile::action::Action;
 use crate::reconcile::backup::{
     BackupObservation, FORGET_RETRY_SECONDS, Lifecycle, decide, decide_cancel, decide_lifecycle,
     forget_failed, needs_cluster, needs_credentials, owns_transfer, resolve_location,
@@ -53,33 +54,14 @@ use crate::repo::lock::LockKind;
 use crate::repo::snapshot::ClaimRecord;
 use crate::store::open_store;
 
-/// Upper bound on the cancel cleanup; the finalizer is released after it.
-const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
-/// Seconds before a backup reconciled while the caches are still listing
-/// is looked at again.
-const CACHE_SYNC_RETRY_SECONDS: u64 = 1;
-
 /// Reconcile one VolumeBackup through the cancel finalizer.
 #[instrument(skip_all, fields(backup = %backup.name_any()))]
 pub async fn reconcile(backup: Arc<VolumeBackup>, context: Arc<Context>) -> Result<Requeue, Error> {
-    let namespace = backup.namespace().ok_or(Error::MissingField {
-        kind: "VolumeBackup",
-        field: "metadata.namespace",
-    })?;
-    // Every decision reads the caches: claims and pods for the plan,
-    // transfers and stage pods for the children, leases for adoption (an
-    // unsynced lease cache makes every replica look gone).
-    if !context.readiness.caches_synced() {
-        debug!(
-            waiting_for = ?context.readiness.problem(),
-            "caches still listing; looking again in {CACHE_SYNC_RETRY_SECONDS}s"
-        );
-        return Ok(Requeue::requeue(Duration::from_secs(
-            CACHE_SYNC_RETRY_SECONDS,
-        )));
+    let api = namespaced_api(backup.as_ref(), "VolumeBackup", &context)?;
+    if let Some(requeue) = until_caches_synced(&context) {
+        return Ok(requeue);
     }
-    let name = format!("{namespace}/{}", backup.name_any());
-    let api: Api<VolumeBackup> = Api::namespaced(context.client.clone(), &namespace);
+    let namespace = backup.namespace().unwrap_or_default();
     let locations = context
         .stores
         .locations
@@ -121,22 +103,23 @@ pub async fn reconcile(backup: Arc<VolumeBackup>, context: Arc<Context>) -> Resu
             {
                 Ok(_) => {}
                 Err(kube::Error::Api(status)) if status.code == 404 => {}
-                Err(source) => return Err(kube_error(ApiCall::DeleteBackup, name)(source)),
+                Err(source) => {
+                    return Err(kube_error(
+                        ApiCall::DeleteBackup,
+                        namespaced_name(backup.as_ref()),
+                    )(source));
+                }
             }
             return Ok(Requeue::await_change());
         }
     };
-    let next = finalizer(&api, CANCEL_FINALIZER, backup, |event| async {
-        match event {
-            Finalizer::Apply(backup) => apply(backup, &context).await,
-            Finalizer::Cleanup(backup) => cleanup(backup, &context).await,
-        }
-    })
-    .await
-    .map_err(|source| Error::Finalizer {
-        name,
-        source: Box::new(source),
-    })?;
+    let next = through_cancel_finalizer(
+        &api,
+        backup,
+        |backup| apply(backup, &context),
+        |backup| cleanup(backup, &context),
+    )
+    .await?;
     // A finished backup with a ttl: nothing else wakes it when it expires.
     Ok(ttl_left.map_or(next, Requeue::requeue))
 }
@@ -451,18 +434,14 @@ async fn cleanup(backup: Arc<VolumeBackup>, context: &Context) -> Result<Requeue
     context.status_writes.forget(&uid);
     let observation = observe_caches(backup, context);
     let backup = observation.backup.clone();
-    let actions: Vec<Action> = decide_cancel(&observation, &clock::now());
-    let work = execute(actions, backup.as_ref(), context);
-    match tokio::time::timeout(Duration::from_secs(CLEANUP_TIMEOUT_SECONDS), work).await {
-        Ok(result) => {
-            result?;
-        }
-        Err(_) => warn!(
+    let actions = decide_cancel(&observation, &clock::now());
+    if !cancel_within_timeout(execute(actions, backup.as_ref(), context)).await? {
+        warn!(
             selector = %crate::reconcile::backup::owner_of(&backup)
                 .map(|owner| owner.selector())
                 .unwrap_or_default(),
             "cleanup did not finish in {CLEANUP_TIMEOUT_SECONDS}s; releasing the finalizer, objects with this label may remain"
-        ),
+        );
     }
     info!("canceled and cleaned up");
     Ok(Requeue::await_change())

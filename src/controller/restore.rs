@@ -11,19 +11,21 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kube::ResourceExt;
 use kube::runtime::controller::Action as Requeue;
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Api, ResourceExt};
-use tracing::{debug, info, instrument, warn};
+use tracing::{info, instrument, warn};
 
 use crate::api::VolumeRestore;
-use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
+use crate::api::labels::OWNER_UID_LABEL;
 use crate::clock;
 use crate::controller::Context;
 use crate::controller::error::{ApiCall, Error};
 use crate::controller::execute::{OwnerCalls, carry_out, execute, namespaced_name};
 use crate::controller::location::{key_source, password_of, s3_options};
-use crate::controller::staging::{credentials_file, observe_staging, stage_pod_secrets};
+use crate::controller::staging::{
+    CLEANUP_TIMEOUT_SECONDS, cancel_within_timeout, credentials_file, namespaced_api,
+    observe_staging, stage_pod_secrets, through_cancel_finalizer, until_caches_synced,
+};
 use crate::engine::Repository;
 use crate::plan::objects::ClusterObjects;
 use crate::reconcile::restore::{
@@ -33,11 +35,6 @@ use crate::reconcile::restore::{
 use crate::reconcile::stage_pod::repository_url;
 use crate::store::open_store;
 
-/// Upper bound on the cancel cleanup; the finalizer is released after it.
-const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
-/// Seconds before a restore reconciled while the caches are still listing
-/// is looked at again.
-const CACHE_SYNC_RETRY_SECONDS: u64 = 1;
 /// Time the listing of a location's snapshots may take.
 const SNAPSHOT_LIST_TIMEOUT_SECONDS: u64 = 120;
 
@@ -47,32 +44,17 @@ pub async fn reconcile(
     restore: Arc<VolumeRestore>,
     context: Arc<Context>,
 ) -> Result<Requeue, Error> {
-    let namespace = restore.namespace().ok_or(Error::MissingField {
-        kind: "VolumeRestore",
-        field: "metadata.namespace",
-    })?;
-    if !context.readiness.caches_synced() {
-        debug!(
-            waiting_for = ?context.readiness.problem(),
-            "caches still listing; looking again in {CACHE_SYNC_RETRY_SECONDS}s"
-        );
-        return Ok(Requeue::requeue(Duration::from_secs(
-            CACHE_SYNC_RETRY_SECONDS,
-        )));
+    let api = namespaced_api(restore.as_ref(), "VolumeRestore", &context)?;
+    if let Some(requeue) = until_caches_synced(&context) {
+        return Ok(requeue);
     }
-    let name = format!("{namespace}/{}", restore.name_any());
-    let api: Api<VolumeRestore> = Api::namespaced(context.client.clone(), &namespace);
-    finalizer(&api, CANCEL_FINALIZER, restore, |event| async {
-        match event {
-            Finalizer::Apply(restore) => apply(restore, &context).await,
-            Finalizer::Cleanup(restore) => cleanup(restore, &context).await,
-        }
-    })
+    through_cancel_finalizer(
+        &api,
+        restore,
+        |restore| apply(restore, &context),
+        |restore| cleanup(restore, &context),
+    )
     .await
-    .map_err(|source| Error::Finalizer {
-        name,
-        source: Box::new(source),
-    })
 }
 
 /// The destination namespaces a restore may write into: those of its
@@ -268,14 +250,10 @@ async fn cleanup(restore: Arc<VolumeRestore>, context: &Context) -> Result<Reque
     let observation = observe_caches(restore, context);
     let restore = observation.restore.clone();
     let actions = decide_cancel(&observation, &clock::now());
-    let work = execute(actions, restore.as_ref(), context);
-    match tokio::time::timeout(Duration::from_secs(CLEANUP_TIMEOUT_SECONDS), work).await {
-        Ok(result) => {
-            result?;
-        }
-        Err(_) => warn!(
+    if !cancel_within_timeout(execute(actions, restore.as_ref(), context)).await? {
+        warn!(
             "cleanup did not finish in {CLEANUP_TIMEOUT_SECONDS}s; releasing the finalizer, stage pods of this restore may remain"
-        ),
+        );
     }
     info!(
         "canceled and cleaned up; restored claims stay (those not verified are labelled incomplete)"

@@ -1,20 +1,111 @@
-//! What the reconcilers of backups and restores observe alike: the part of
-//! their observations they share ([`crate::reconcile::staging::StagingObservation`]),
-//! from the caches, and the location's credentials file and repository
-//! password a new stage pod copies, read from its Secrets.
+//! What the reconcilers of backups and restores do alike: wait for the
+//! caches, reconcile through the cancel finalizer, observe the part of
+//! their observations they share
+//! ([`crate::reconcile::staging::StagingObservation`]) from the caches, read
+//! the location's credentials file and repository password a new stage pod
+//! copies from its Secrets, and carry out a cancel within a bounded time.
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
 
 use k8s_openapi::ByteString;
 use k8s_openapi::api::core::v1::Secret;
-use kube::{Api, ResourceExt};
+use kube::runtime::controller::Action as Requeue;
+use kube::runtime::finalizer::{Event as Finalizer, finalizer};
+use kube::{Api, Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tracing::debug;
 
-use crate::api::labels::OWNER_UID_LABEL;
+use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
 use crate::api::{BackupStorageLocation, VolumeTransfer};
 use crate::controller::Context;
 use crate::controller::error::Error;
+#[cfg(doc)]
+use crate::controller::execute::execute;
+use crate::controller::execute::{Executed, namespaced_name};
 use crate::controller::location::{password_of, read_credentials};
 use crate::reconcile::ownership::ControllerSettings;
 use crate::reconcile::staging::StagingObservation;
 use crate::store::S3Credentials;
+
+/// Upper bound on the cancel cleanup; the finalizer is released after it.
+pub const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
+/// Seconds before an object reconciled while the caches are still listing
+/// is looked at again.
+const CACHE_SYNC_RETRY_SECONDS: u64 = 1;
+
+/// The API of `object`'s kind (`kind`, for the error) in its namespace.
+pub fn namespaced_api<K>(object: &K, kind: &'static str, context: &Context) -> Result<Api<K>, Error>
+where
+    K: Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    let namespace = object.namespace().ok_or(Error::MissingField {
+        kind,
+        field: "metadata.namespace",
+    })?;
+    Ok(Api::namespaced(context.client.clone(), &namespace))
+}
+
+/// When to look again while the caches are still listing (`None` once
+/// they have all listed). Every decision reads the caches: claims and pods
+/// for the plan, transfers and stage pods for the children, leases for
+/// adoption (an unsynced lease cache makes every replica look gone).
+pub fn until_caches_synced(context: &Context) -> Option<Requeue> {
+    if context.readiness.caches_synced() {
+        return None;
+    }
+    debug!(
+        waiting_for = ?context.readiness.problem(),
+        "caches still listing; looking again in {CACHE_SYNC_RETRY_SECONDS}s"
+    );
+    Some(Requeue::requeue(Duration::from_secs(
+        CACHE_SYNC_RETRY_SECONDS,
+    )))
+}
+
+/// Reconcile `object` through the `haulage.dev/cancel` finalizer: `apply`
+/// while it lives, `cleanup` once it is being deleted (the finalizer is
+/// released when that returns).
+pub async fn through_cancel_finalizer<K, A, C>(
+    api: &Api<K>,
+    object: Arc<K>,
+    apply: impl FnOnce(Arc<K>) -> A,
+    cleanup: impl FnOnce(Arc<K>) -> C,
+) -> Result<Requeue, Error>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Serialize + Debug,
+    A: Future<Output = Result<Requeue, Error>>,
+    C: Future<Output = Result<Requeue, Error>>,
+{
+    let name = namespaced_name(object.as_ref());
+    finalizer(api, CANCEL_FINALIZER, object, |event| async move {
+        match event {
+            Finalizer::Apply(object) => apply(object).await,
+            Finalizer::Cleanup(object) => cleanup(object).await,
+        }
+    })
+    .await
+    .map_err(|source| Error::Finalizer {
+        name,
+        source: Box::new(source),
+    })
+}
+
+/// Carry out a cancel (`work`: the [`execute`] of its actions), bounded
+/// by [`CLEANUP_TIMEOUT_SECONDS`]; returns whether it finished in time
+/// (after it the finalizer is released anyway).
+pub async fn cancel_within_timeout(
+    work: impl Future<Output = Result<Executed, Error>>,
+) -> Result<bool, Error> {
+    match tokio::time::timeout(Duration::from_secs(CLEANUP_TIMEOUT_SECONDS), work).await {
+        Ok(result) => result.map(|_| true),
+        Err(_) => Ok(false),
+    }
+}
 
 /// What the caches and this replica's memory hold for the backup or
 /// restore with UID `uid` in `namespace`: its stage pods (those labelled
