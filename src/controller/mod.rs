@@ -301,41 +301,13 @@ impl Stores {
         &self,
         in_scope: impl Fn(Option<String>) -> bool,
     ) -> crate::plan::objects::ClusterObjects {
-        let stores = self;
         crate::plan::objects::ClusterObjects {
-            nodes: stores.nodes.state().iter().map(|n| (**n).clone()).collect(),
-            csi_nodes: stores
-                .csi_nodes
-                .state()
-                .iter()
-                .map(|csi_node| (**csi_node).clone())
-                .collect(),
-            pods: stores
-                .pods
-                .state()
-                .iter()
-                .filter(|pod| in_scope(pod.namespace()))
-                .map(|pod| (**pod).clone())
-                .collect(),
-            claims: stores
-                .claims
-                .state()
-                .iter()
-                .filter(|claim| in_scope(claim.namespace()))
-                .map(|claim| (**claim).clone())
-                .collect(),
-            volumes: stores
-                .volumes
-                .state()
-                .iter()
-                .map(|volume| (**volume).clone())
-                .collect(),
-            storage_classes: stores
-                .classes
-                .state()
-                .iter()
-                .map(|class| (**class).clone())
-                .collect(),
+            nodes: copies(&self.nodes, |_| true),
+            csi_nodes: copies(&self.csi_nodes, |_| true),
+            pods: copies(&self.pods, |pod| in_scope(pod.namespace())),
+            claims: copies(&self.claims, |claim| in_scope(claim.namespace())),
+            volumes: copies(&self.volumes, |_| true),
+            storage_classes: copies(&self.classes, |_| true),
             limit_ranges: Vec::new(),
         }
     }
@@ -743,6 +715,20 @@ async fn start_replica_lease(
             }
         }
     }
+}
+
+/// Copies of the objects in `store` that `keep` accepts.
+fn copies<K>(store: &Store<K>, keep: impl Fn(&K) -> bool) -> Vec<K>
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    store
+        .state()
+        .iter()
+        .filter(|object| keep(object))
+        .map(|object| (**object).clone())
+        .collect()
 }
 
 /// A subscription to the changes of a shared cache.

@@ -176,7 +176,7 @@ fn bounded(message: &str) -> String {
 }
 
 /// The generation and time every condition of one status write carries;
-/// backups and restores write their conditions through it.
+/// backups, restores and storage locations write their conditions through it.
 pub(crate) struct Conditions {
     pub(crate) generation: Option<i64>,
     pub(crate) now: Time,
