@@ -552,86 +552,6 @@ impl<K> Cached for K where
 {
 }
 
-/// Run a watcher of `kind` into the cache of `writer` until `tasks` is
-/// dropped. The cached objects carry no `managedFields`
-/// ([`without_managed_fields`]); the subscribers of a shared writer see
-/// every change; a failing watch is logged (kube-runtime logs only a 403
-/// above debug; the watch backs off, so this is never a stream); and
-/// `readiness` learns when the first list is in the cache, from the
-/// stream itself (see [`health::Readiness`] for why not from the store).
-fn spawn_cache<K: Cached>(
-    tasks: &mut JoinSet<()>,
-    readiness: &Arc<health::Readiness>,
-    kind: &'static str,
-    api: Api<K>,
-    config: watcher::Config,
-    writer: reflector::store::Writer<K>,
-) {
-    spawn_cache_reporting_deletions(tasks, readiness, kind, api, config, writer, None);
-}
-
-/// A cache of every `K` in the cluster read by the reconcilers only (no
-/// controller is driven by its changes): its store, filled by a task in
-/// `tasks` that marks `kind` synced in `readiness`.
-fn cluster_cache<K: Cached>(
-    tasks: &mut JoinSet<()>,
-    readiness: &Arc<health::Readiness>,
-    kind: &'static str,
-    client: &Client,
-) -> reflector::Store<K>
-where
-    K::DynamicType: Default,
-{
-    let (store, writer) = reflector::store();
-    spawn_cache(
-        tasks,
-        readiness,
-        kind,
-        Api::<K>::all(client.clone()),
-        watcher::Config::default(),
-        writer,
-    );
-    store
-}
-
-/// [`spawn_cache`], also sending each deleted object to `deletions`: the
-/// shared streams of kube-runtime announce changes only, never deletions.
-fn spawn_cache_reporting_deletions<K: Cached>(
-    tasks: &mut JoinSet<()>,
-    readiness: &Arc<health::Readiness>,
-    kind: &'static str,
-    api: Api<K>,
-    config: watcher::Config,
-    writer: reflector::store::Writer<K>,
-    deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
-) {
-    let readiness = readiness.clone();
-    let mut synced = false;
-    let changes = watcher(api, config)
-        .default_backoff()
-        .modify(without_managed_fields);
-    tasks.spawn(
-        // The reflector applies each change to the cache before passing it on.
-        reflector::reflector(writer, changes).for_each(move |change| {
-            match change {
-                Ok(watcher::Event::InitDone) if !synced => {
-                    synced = true;
-                    info!(kind, "cache synced");
-                    readiness.set_cache_synced(kind);
-                }
-                Ok(watcher::Event::Delete(object)) => {
-                    if let Some(deletions) = &deletions {
-                        let _ = deletions.unbounded_send(object);
-                    }
-                }
-                Err(error) => log_watch_error(kind, &error),
-                Ok(_) => {}
-            }
-            futures::future::ready(())
-        }),
-    );
-}
-
 /// The backup or restore (`operation`) a stage pod belongs to, by its
 /// labels: `(namespace, name)`.
 fn owner_of_stage_pod(pod: &Pod, operation: Operation) -> Option<(String, String)> {
@@ -820,32 +740,85 @@ struct CacheStart<'a> {
 }
 
 impl CacheStart<'_> {
-    /// [`spawn_cache`] of `kind` here.
+    /// Run a watcher of `kind` into the cache of `writer` until `tasks` is
+    /// dropped. The cached objects carry no `managedFields`
+    /// ([`without_managed_fields`]); the subscribers of a shared writer see
+    /// every change; each deleted object is also sent to `deletions`, when
+    /// given (the shared streams of kube-runtime announce changes only,
+    /// never deletions); a failing watch is logged (kube-runtime logs only
+    /// a 403 above debug; the watch backs off, so this is never a stream);
+    /// and `readiness` learns when the first list is in the cache, from the
+    /// stream itself (see [`health::Readiness`] for why not from the store).
     fn spawn<K: Cached>(
         &mut self,
         kind: &'static str,
         api: Api<K>,
         config: watcher::Config,
         writer: reflector::store::Writer<K>,
+        deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
     ) {
-        spawn_cache(self.tasks, self.readiness, kind, api, config, writer);
+        let readiness = self.readiness.clone();
+        let mut synced = false;
+        let changes = watcher(api, config)
+            .default_backoff()
+            .modify(without_managed_fields);
+        self.tasks.spawn(
+            // The reflector applies each change to the cache before passing it on.
+            reflector::reflector(writer, changes).for_each(move |change| {
+                match change {
+                    Ok(watcher::Event::InitDone) if !synced => {
+                        synced = true;
+                        info!(kind, "cache synced");
+                        readiness.set_cache_synced(kind);
+                    }
+                    Ok(watcher::Event::Delete(object)) => {
+                        if let Some(deletions) = &deletions {
+                            let _ = deletions.unbounded_send(object);
+                        }
+                    }
+                    Err(error) => log_watch_error(kind, &error),
+                    Ok(_) => {}
+                }
+                futures::future::ready(())
+            }),
+        );
     }
 
-    /// [`spawn_cache`] of every `K` in the cluster, into `writer`.
+    /// [`CacheStart::spawn`] of every `K` in the cluster, into `writer`,
+    /// with the watcher's default configuration.
     fn spawn_all<K: Cached>(&mut self, kind: &'static str, writer: reflector::store::Writer<K>)
     where
         K::DynamicType: Default,
     {
         let api = Api::<K>::all(self.client.clone());
-        self.spawn(kind, api, watcher::Config::default(), writer);
+        self.spawn(kind, api, watcher::Config::default(), writer, None);
     }
 
-    /// [`cluster_cache`] of `kind` here.
+    /// [`CacheStart::spawn`] of the `K`s in the controller's namespace, into
+    /// `writer` (each deleted one also to `deletions`, when given), with
+    /// the watcher's default configuration.
+    fn spawn_namespaced<K>(
+        &mut self,
+        kind: &'static str,
+        writer: reflector::store::Writer<K>,
+        deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
+    ) where
+        K: Cached + kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        let api = Api::<K>::namespaced(self.client.clone(), self.namespace);
+        self.spawn(kind, api, watcher::Config::default(), writer, deletions);
+    }
+
+    /// A cache of every `K` in the cluster read by the reconcilers only (no
+    /// controller is driven by its changes): its store, filled by a task
+    /// that marks `kind` synced.
     fn cluster<K: Cached>(&mut self, kind: &'static str) -> Store<K>
     where
         K::DynamicType: Default,
     {
-        cluster_cache(self.tasks, self.readiness, kind, self.client)
+        let (store, writer) = reflector::store();
+        self.spawn_all(kind, writer);
+        store
     }
 
     /// Start the caches of Kubernetes' own objects (every claim, pod,
@@ -879,6 +852,7 @@ impl CacheStart<'_> {
                 crate::reconcile::replicas::REPLICA_LEASE_LABEL
             )),
             leases_writer,
+            None,
         );
         Ok(ClusterCaches {
             claims,
@@ -953,27 +927,9 @@ impl CacheStart<'_> {
             policies,
         };
         self.spawn_all(cache::POLICIES, policies_writer);
-        self.spawn(
-            cache::BACKUPS,
-            Api::<VolumeBackup>::namespaced(client.clone(), self.namespace),
-            watcher::Config::default(),
-            backups_writer,
-        );
-        self.spawn(
-            cache::RESTORES,
-            Api::<VolumeRestore>::namespaced(client.clone(), self.namespace),
-            watcher::Config::default(),
-            restores_writer,
-        );
-        spawn_cache_reporting_deletions(
-            self.tasks,
-            self.readiness,
-            cache::LOCATIONS,
-            Api::<BackupStorageLocation>::namespaced(client.clone(), self.namespace),
-            watcher::Config::default(),
-            locations_writer,
-            Some(location_deletions),
-        );
+        self.spawn_namespaced(cache::BACKUPS, backups_writer, None);
+        self.spawn_namespaced(cache::RESTORES, restores_writer, None);
+        self.spawn_namespaced(cache::LOCATIONS, locations_writer, Some(location_deletions));
         self.spawn(
             cache::TRANSFERS,
             Api::<VolumeTransfer>::all(client.clone()),
@@ -983,6 +939,7 @@ impl CacheStart<'_> {
                 crate::api::labels::MANAGED_BY
             )),
             transfers_writer,
+            None,
         );
         Ok(caches)
     }

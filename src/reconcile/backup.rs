@@ -725,6 +725,21 @@ mod tests {
         backup
     }
 
+    /// An observation of `backup` with its stage pod Running and a
+    /// transfer of each of `volumes` in its phase.
+    fn running(
+        backup: &VolumeBackup,
+        volumes: &[(&str, VolumeTransferPhase)],
+    ) -> BackupObservation {
+        let mut seen = observation(backup.clone());
+        seen.staging.pods = vec![stage_pod(backup, "Running")];
+        seen.staging.transfers = volumes
+            .iter()
+            .map(|(pvc, phase)| transfer_of(backup, pvc, *phase))
+            .collect();
+        seen
+    }
+
     fn pod_name_of(backup: &VolumeBackup) -> String {
         backup
             .status
@@ -1017,12 +1032,13 @@ mod tests {
     #[test]
     fn a_pod_whose_volumes_are_all_final_is_stopped() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.staging.pods = vec![stage_pod(&backup, "Running")];
-        seen.staging.transfers = vec![
-            transfer_of(&backup, "db", VolumeTransferPhase::Completed),
-            transfer_of(&backup, "logs", VolumeTransferPhase::InProgress),
-        ];
+        let mut seen = running(
+            &backup,
+            &[
+                ("db", VolumeTransferPhase::Completed),
+                ("logs", VolumeTransferPhase::InProgress),
+            ],
+        );
         let running = acts(decide(&seen, &at(5)).expect("decided"));
         assert!(running.actions.is_empty());
         seen.staging.transfers[1] = transfer_of(&backup, "logs", VolumeTransferPhase::Failed);
@@ -1129,12 +1145,13 @@ mod tests {
     #[test]
     fn a_progress_only_change_waits_for_the_write_interval_and_a_phase_change_does_not() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.staging.pods = vec![stage_pod(&backup, "Running")];
-        seen.staging.transfers = vec![
-            transfer_of(&backup, "db", VolumeTransferPhase::InProgress),
-            transfer_of(&backup, "logs", VolumeTransferPhase::InProgress),
-        ];
+        let mut seen = running(
+            &backup,
+            &[
+                ("db", VolumeTransferPhase::InProgress),
+                ("logs", VolumeTransferPhase::InProgress),
+            ],
+        );
         let first = acts(decide(&seen, &at(0)).expect("decided"));
         let written = first
             .status
@@ -1202,12 +1219,13 @@ mod tests {
     #[test]
     fn cancel_marks_open_transfers_canceled_releases_pods_and_deletes_every_transfer() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.staging.pods = vec![stage_pod(&backup, "Running")];
-        seen.staging.transfers = vec![
-            transfer_of(&backup, "db", VolumeTransferPhase::Completed),
-            transfer_of(&backup, "logs", VolumeTransferPhase::InProgress),
-        ];
+        let seen = running(
+            &backup,
+            &[
+                ("db", VolumeTransferPhase::Completed),
+                ("logs", VolumeTransferPhase::InProgress),
+            ],
+        );
         let actions = decide_cancel(&seen, &at(0));
         let canceled: Vec<&ObjectName> = actions
             .iter()
@@ -1258,9 +1276,7 @@ mod tests {
     #[test]
     fn the_volume_counts_follow_the_transfers() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.staging.pods = vec![stage_pod(&backup, "Running")];
-        seen.staging.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::Completed)];
+        let seen = running(&backup, &[("db", VolumeTransferPhase::Completed)]);
         let status = acts(decide(&seen, &at(0)).expect("decided"))
             .status
             .expect("written");

@@ -1701,14 +1701,7 @@ mod tests {
         seen.restore = Arc::new(restore);
         assert!(needs_credentials(&seen));
         let acts = acts(decide(&seen, &at(2)).expect("decided"));
-        let objects = acts
-            .actions
-            .iter()
-            .find_map(|action| match action {
-                Action::CreateStagePod(objects) => Some(objects),
-                _ => None,
-            })
-            .expect("a stage pod");
+        let objects = created_stage_pod(&acts);
         for transfer in &objects.transfers {
             assert_eq!(
                 transfer.spec.direction,
@@ -1842,14 +1835,7 @@ mod tests {
         assert!(needs_credentials(&seen));
         seen.staging.credentials = Some(ByteString(b"[default]".to_vec()));
         let next = acts(decide(&seen, &at(2)).expect("decided"));
-        let objects = next
-            .actions
-            .iter()
-            .find_map(|action| match action {
-                Action::CreateStagePod(objects) => Some(objects),
-                _ => None,
-            })
-            .expect("a stage pod");
+        let objects = created_stage_pod(&next);
         let copied = objects
             .credentials
             .data
@@ -2024,9 +2010,10 @@ mod tests {
         )
     }
 
-    #[test]
-    fn a_written_read_only_many_claim_gone_for_its_hand_back_is_not_created_again() {
-        let volume = |final_modes: &[&str]| RestoreVolume {
+    /// Claim shop/db of the selection, to create ReadWriteOnce and hand
+    /// back with `final_modes`.
+    fn db_volume(final_modes: &[&str]) -> RestoreVolume {
+        RestoreVolume {
             snapshot_id: "a".repeat(64),
             source: "shop/db".to_string(),
             namespace: "shop".to_string(),
@@ -2040,12 +2027,33 @@ mod tests {
             action: ClaimAction::Create,
             labels: BTreeMap::new(),
             annotations: BTreeMap::new(),
-        };
-        let owner = Owner {
+        }
+    }
+
+    /// The first stage pod `acts` creates.
+    fn created_stage_pod(acts: &RestoreActs) -> &crate::stage_pod::StagePodObjects {
+        acts.actions
+            .iter()
+            .find_map(|action| match action {
+                Action::CreateStagePod(objects) => Some(objects.as_ref()),
+                _ => None,
+            })
+            .expect("a stage pod")
+    }
+
+    /// The owner of the restore `move`.
+    fn move_owner() -> Owner {
+        Owner {
             namespace: "haulage-system".into(),
             name: "move".into(),
             uid: "uid-move".into(),
-        };
+        }
+    }
+
+    #[test]
+    fn a_written_read_only_many_claim_gone_for_its_hand_back_is_not_created_again() {
+        let volume = db_volume;
+        let owner = move_owner();
         let mut seen = observation(restore_of("nightly"));
         seen.claims.clear();
         let creates = |seen: &RestoreObservation, volume: &RestoreVolume| {
@@ -2076,26 +2084,8 @@ mod tests {
 
     #[test]
     fn a_read_only_many_claim_is_handed_back_step_by_step_keeping_its_volume() {
-        let rox = RestoreVolume {
-            snapshot_id: "a".repeat(64),
-            source: "shop/db".to_string(),
-            namespace: "shop".to_string(),
-            pvc: "db".to_string(),
-            storage_class: Some("ceph-block".to_string()),
-            access_modes: vec!["ReadWriteOnce".to_string()],
-            final_access_modes: vec!["ReadOnlyMany".to_string()],
-            volume_mode: None,
-            request_bytes: 2 << 30,
-            data_bytes: 1 << 30,
-            action: ClaimAction::Create,
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
-        };
-        let owner = Owner {
-            namespace: "haulage-system".into(),
-            name: "move".into(),
-            uid: "uid-move".into(),
-        };
+        let rox = db_volume(&["ReadOnlyMany"]);
+        let owner = move_owner();
         let mut seen = observation(restore_of("nightly"));
         let mut written = (*claim("shop", "db", "Bound", "ceph-block")).clone();
         written.spec.as_mut().expect("spec").volume_name = Some("pv-db".to_string());
