@@ -147,25 +147,17 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
     status.progress = Some(Progress::sum(&progress));
     status.results = results;
 
-    let phase = final_phase(&counts);
     status.volumes = Some(counts.clone());
-    match phase {
-        Some((phase, why, message)) => {
-            conditions.finished(
-                &mut status.conditions,
-                phase == VolumeBackupPhase::Completed,
-                why,
-                &message,
-            );
-            status.phase = Some(phase);
-            status.message = Some(haulage_api::condition::bounded_message(&message));
-            status.completion_time = Some(now.clone());
-        }
-        None => {
-            conditions.running(&mut status.conditions, &counts);
-            status.phase = Some(VolumeBackupPhase::InProgress);
-            status.message = None;
-        }
+    let rolled_up = conditions.roll_up(
+        &mut status.conditions,
+        &counts,
+        final_phase(&counts),
+        [VolumeBackupPhase::Completed, VolumeBackupPhase::InProgress],
+    );
+    status.phase = Some(rolled_up.phase);
+    status.message = rolled_up.message;
+    if let Some(completion_time) = rolled_up.completion_time {
+        status.completion_time = Some(completion_time);
     }
     status
 }
@@ -173,6 +165,14 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
 /// A message bounded for a status.
 fn bounded(message: &str) -> String {
     haulage_api::condition::bounded_message(message)
+}
+
+/// What [`Conditions::roll_up`] gives a status: its phase, its message,
+/// and its completion time once final.
+pub(crate) struct RolledUp<P> {
+    pub(crate) phase: P,
+    pub(crate) message: Option<String>,
+    pub(crate) completion_time: Option<Time>,
 }
 
 /// The generation and time every condition of one status write carries;
@@ -292,6 +292,38 @@ impl Conditions {
                 plan.unplaceable.len()
             ),
         );
+    }
+
+    /// The phase, message and conditions of an object whose volumes are at
+    /// `counts`: with `outcome` (their final phase, its reason and message)
+    /// those of a finished one ([`Conditions::finished`], succeeded when
+    /// the phase is the first of `[completed, in_progress]`), without it
+    /// `in_progress` ([`Conditions::running`]).
+    pub(crate) fn roll_up<P: Copy + PartialEq>(
+        &self,
+        conditions: &mut Vec<Condition>,
+        counts: &VolumeCounts,
+        outcome: Option<(P, &str, String)>,
+        [completed, in_progress]: [P; 2],
+    ) -> RolledUp<P> {
+        match outcome {
+            Some((phase, why, message)) => {
+                self.finished(conditions, phase == completed, why, &message);
+                RolledUp {
+                    phase,
+                    message: Some(bounded(&message)),
+                    completion_time: Some(self.now.clone()),
+                }
+            }
+            None => {
+                self.running(conditions, counts);
+                RolledUp {
+                    phase: in_progress,
+                    message: None,
+                    completion_time: None,
+                }
+            }
+        }
     }
 
     /// The Progressing, Complete and Failed conditions of an object whose

@@ -950,23 +950,19 @@ fn roll_up(
             ),
         ),
     });
-    match outcome {
-        Some((phase, why, message)) => {
-            conditions.finished(
-                &mut status.conditions,
-                phase == VolumeRestorePhase::Completed,
-                why,
-                &message,
-            );
-            status.phase = Some(phase);
-            status.message = Some(bounded_message(&message));
-            status.completion_time = Some(conditions.now.clone());
-        }
-        None => {
-            conditions.running(&mut status.conditions, &counts);
-            status.phase = Some(VolumeRestorePhase::InProgress);
-            status.message = None;
-        }
+    let rolled_up = conditions.roll_up(
+        &mut status.conditions,
+        &counts,
+        outcome,
+        [
+            VolumeRestorePhase::Completed,
+            VolumeRestorePhase::InProgress,
+        ],
+    );
+    status.phase = Some(rolled_up.phase);
+    status.message = rolled_up.message;
+    if let Some(completion_time) = rolled_up.completion_time {
+        status.completion_time = Some(completion_time);
     }
 }
 
