@@ -52,38 +52,42 @@ impl EncodeLabelSet for NoLabels {
 
 /// Write a gauge family of `series` from labelled values, at scrape time
 /// (a `prometheus_client` collector).
-pub fn encode_gauges<L, N>(
+pub fn encode_gauges<L: EncodeLabelSet, N: EncodeGaugeValue>(
     encoder: &mut DescriptorEncoder,
     series: Series,
     rows: impl IntoIterator<Item = (L, N)>,
-) -> Result<(), std::fmt::Error>
-where
-    L: EncodeLabelSet,
-    N: EncodeGaugeValue,
-{
-    let help = format!("{}.", series.help);
-    let mut family = encoder.encode_descriptor(series.name, &help, None, MetricType::Gauge)?;
-    for (labels, value) in rows {
-        ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
-    }
-    Ok(())
+) -> Result<(), std::fmt::Error> {
+    let gauges = rows
+        .into_iter()
+        .map(|(labels, value)| (labels, ConstGauge::new(value)));
+    encode_family(encoder, series, MetricType::Gauge, gauges)
 }
 
 /// Write a counter family of `series` from labelled values, at scrape time;
 /// the caller guarantees each value never decreases while the process runs.
-pub fn encode_counters<L, N>(
+pub fn encode_counters<L: EncodeLabelSet, N: EncodeCounterValue>(
     encoder: &mut DescriptorEncoder,
     series: Series,
     rows: impl IntoIterator<Item = (L, N)>,
-) -> Result<(), std::fmt::Error>
-where
-    L: EncodeLabelSet,
-    N: EncodeCounterValue,
-{
+) -> Result<(), std::fmt::Error> {
+    let counters = rows
+        .into_iter()
+        .map(|(labels, value)| (labels, ConstCounter::new(value)));
+    encode_family(encoder, series, MetricType::Counter, counters)
+}
+
+/// Write the family of `series` of type `metric_type`: its descriptor
+/// (the help text with its final full stop), then each labelled metric.
+fn encode_family<L: EncodeLabelSet, M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    series: Series,
+    metric_type: MetricType,
+    metrics: impl IntoIterator<Item = (L, M)>,
+) -> Result<(), std::fmt::Error> {
     let help = format!("{}.", series.help);
-    let mut family = encoder.encode_descriptor(series.name, &help, None, MetricType::Counter)?;
-    for (labels, value) in rows {
-        ConstCounter::new(value).encode(family.encode_family(&labels)?)?;
+    let mut family = encoder.encode_descriptor(series.name, &help, None, metric_type)?;
+    for (labels, metric) in metrics {
+        metric.encode(family.encode_family(&labels)?)?;
     }
     Ok(())
 }

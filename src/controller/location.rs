@@ -285,13 +285,10 @@ pub async fn check_repository(
                     };
                     Box::pin(check_repository(store, &existing, password)).await
                 }
-                Err(EngineError::Store { source, .. }) => Err(ProbeOutcome::failed(
-                    problem_of(source.cause()),
-                    format!("cannot create the repository at {location}: {source}"),
-                )),
-                Err(error) => Err(ProbeOutcome::failed(
+                Err(error) => Err(repository_failure(
+                    &format!("cannot create the repository at {location}"),
                     ProbeProblem::Other,
-                    format!("cannot create the repository at {location}: {error}"),
+                    error,
                 )),
             };
         }
@@ -367,14 +364,23 @@ async fn open_with_key(
                 "the repository at {location} is encrypted and the location has no spec.encryption: set spec.encryption.passwordSecretRef to a Secret holding its password"
             ),
         )),
-        Err(EngineError::Store { source, .. }) => Err(ProbeOutcome::failed(
-            problem_of(source.cause()),
-            format!("cannot open the repository at {location}: {source}"),
-        )),
-        Err(error) => Err(ProbeOutcome::failed(
+        Err(error) => Err(repository_failure(
+            &format!("cannot open the repository at {location}"),
             ProbeProblem::RepositoryIncompatible,
-            format!("cannot open the repository at {location}: {error}"),
+            error,
         )),
+    }
+}
+
+/// The probe's outcome when `what` (creating or opening the repository)
+/// failed with `error`: the store's own problem when the store failed,
+/// else `otherwise`.
+fn repository_failure(what: &str, otherwise: ProbeProblem, error: EngineError) -> ProbeOutcome {
+    match error {
+        EngineError::Store { source, .. } => {
+            ProbeOutcome::failed(problem_of(source.cause()), format!("{what}: {source}"))
+        }
+        error => ProbeOutcome::failed(otherwise, format!("{what}: {error}")),
     }
 }
 

@@ -36,6 +36,7 @@ pub mod metrics;
 pub mod recent;
 pub mod replicas;
 pub mod restore;
+pub mod staging;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -59,6 +60,7 @@ use crate::api::{
 };
 use crate::reconcile::stage_pod::Operation;
 use crate::reconcile::stage_pod::Pinning;
+use crate::reconcile::staging::StagedStatus;
 pub use error::Error;
 use metrics::{
     BACKUP_CONTROLLER, ControllerMetrics, LOCATION_CONTROLLER, MetricCaches, RESTORE_CONTROLLER,
@@ -299,41 +301,13 @@ impl Stores {
         &self,
         in_scope: impl Fn(Option<String>) -> bool,
     ) -> crate::plan::objects::ClusterObjects {
-        let stores = self;
         crate::plan::objects::ClusterObjects {
-            nodes: stores.nodes.state().iter().map(|n| (**n).clone()).collect(),
-            csi_nodes: stores
-                .csi_nodes
-                .state()
-                .iter()
-                .map(|csi_node| (**csi_node).clone())
-                .collect(),
-            pods: stores
-                .pods
-                .state()
-                .iter()
-                .filter(|pod| in_scope(pod.namespace()))
-                .map(|pod| (**pod).clone())
-                .collect(),
-            claims: stores
-                .claims
-                .state()
-                .iter()
-                .filter(|claim| in_scope(claim.namespace()))
-                .map(|claim| (**claim).clone())
-                .collect(),
-            volumes: stores
-                .volumes
-                .state()
-                .iter()
-                .map(|volume| (**volume).clone())
-                .collect(),
-            storage_classes: stores
-                .classes
-                .state()
-                .iter()
-                .map(|class| (**class).clone())
-                .collect(),
+            nodes: copies(&self.nodes, |_| true),
+            csi_nodes: copies(&self.csi_nodes, |_| true),
+            pods: copies(&self.pods, |pod| in_scope(pod.namespace())),
+            claims: copies(&self.claims, |claim| in_scope(claim.namespace())),
+            volumes: copies(&self.volumes, |_| true),
+            storage_classes: copies(&self.classes, |_| true),
             limit_ranges: Vec::new(),
         }
     }
@@ -578,86 +552,6 @@ impl<K> Cached for K where
 {
 }
 
-/// Run a watcher of `kind` into the cache of `writer` until `tasks` is
-/// dropped. The cached objects carry no `managedFields`
-/// ([`without_managed_fields`]); the subscribers of a shared writer see
-/// every change; a failing watch is logged (kube-runtime logs only a 403
-/// above debug; the watch backs off, so this is never a stream); and
-/// `readiness` learns when the first list is in the cache, from the
-/// stream itself (see [`health::Readiness`] for why not from the store).
-fn spawn_cache<K: Cached>(
-    tasks: &mut JoinSet<()>,
-    readiness: &Arc<health::Readiness>,
-    kind: &'static str,
-    api: Api<K>,
-    config: watcher::Config,
-    writer: reflector::store::Writer<K>,
-) {
-    spawn_cache_reporting_deletions(tasks, readiness, kind, api, config, writer, None);
-}
-
-/// A cache of every `K` in the cluster read by the reconcilers only (no
-/// controller is driven by its changes): its store, filled by a task in
-/// `tasks` that marks `kind` synced in `readiness`.
-fn cluster_cache<K: Cached>(
-    tasks: &mut JoinSet<()>,
-    readiness: &Arc<health::Readiness>,
-    kind: &'static str,
-    client: &Client,
-) -> reflector::Store<K>
-where
-    K::DynamicType: Default,
-{
-    let (store, writer) = reflector::store();
-    spawn_cache(
-        tasks,
-        readiness,
-        kind,
-        Api::<K>::all(client.clone()),
-        watcher::Config::default(),
-        writer,
-    );
-    store
-}
-
-/// [`spawn_cache`], also sending each deleted object to `deletions`: the
-/// shared streams of kube-runtime announce changes only, never deletions.
-fn spawn_cache_reporting_deletions<K: Cached>(
-    tasks: &mut JoinSet<()>,
-    readiness: &Arc<health::Readiness>,
-    kind: &'static str,
-    api: Api<K>,
-    config: watcher::Config,
-    writer: reflector::store::Writer<K>,
-    deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
-) {
-    let readiness = readiness.clone();
-    let mut synced = false;
-    let changes = watcher(api, config)
-        .default_backoff()
-        .modify(without_managed_fields);
-    tasks.spawn(
-        // The reflector applies each change to the cache before passing it on.
-        reflector::reflector(writer, changes).for_each(move |change| {
-            match change {
-                Ok(watcher::Event::InitDone) if !synced => {
-                    synced = true;
-                    info!(kind, "cache synced");
-                    readiness.set_cache_synced(kind);
-                }
-                Ok(watcher::Event::Delete(object)) => {
-                    if let Some(deletions) = &deletions {
-                        let _ = deletions.unbounded_send(object);
-                    }
-                }
-                Err(error) => log_watch_error(kind, &error),
-                Ok(_) => {}
-            }
-            futures::future::ready(())
-        }),
-    );
-}
-
 /// The backup or restore (`operation`) a stage pod belongs to, by its
 /// labels: `(namespace, name)`.
 fn owner_of_stage_pod(pod: &Pod, operation: Operation) -> Option<(String, String)> {
@@ -743,6 +637,555 @@ async fn start_replica_lease(
     }
 }
 
+/// Copies of the objects in `store` that `keep` accepts.
+fn copies<K>(store: &Store<K>, keep: impl Fn(&K) -> bool) -> Vec<K>
+where
+    K: kube::Resource + Clone + 'static,
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    store
+        .state()
+        .iter()
+        .filter(|object| keep(object))
+        .map(|object| (**object).clone())
+        .collect()
+}
+
+/// A subscription to the changes of a shared cache.
+type Subscription<K> = reflector::ReflectHandle<K>;
+
+/// A new subscription to the changes `writer` makes to its cache.
+fn subscribe<K: Cached>(writer: &reflector::store::Writer<K>) -> Result<Subscription<K>, RunError> {
+    writer.subscribe().ok_or(RunError::Subscribe)
+}
+
+/// `N` subscriptions to the changes `writer` makes to its cache, one for
+/// each consumer.
+fn subscriptions<K: Cached, const N: usize>(
+    writer: &reflector::store::Writer<K>,
+) -> Result<[Subscription<K>; N], RunError> {
+    let subscriptions = (0..N)
+        .map(|_| subscribe(writer))
+        .collect::<Result<Vec<_>, _>>()?;
+    subscriptions.try_into().map_err(|_| RunError::Subscribe)
+}
+
+/// The caches of Kubernetes' own objects, filling in `tasks`, and the
+/// subscriptions to the changes of claims and pods.
+struct ClusterCaches {
+    claims: Store<PersistentVolumeClaim>,
+    pods: Store<Pod>,
+    namespaces: Store<k8s_openapi::api::core::v1::Namespace>,
+    limit_ranges: Store<k8s_openapi::api::core::v1::LimitRange>,
+    csi_nodes: Store<k8s_openapi::api::storage::v1::CSINode>,
+    nodes: Store<Node>,
+    volumes: Store<PersistentVolume>,
+    classes: Store<StorageClass>,
+    leases: Store<Lease>,
+    /// What of them wakes backups and restores.
+    triggers: ClusterTriggers,
+}
+
+/// The changes of Kubernetes' own objects that wake backups and restores.
+struct ClusterTriggers {
+    /// Claim changes, for the restores (a restored claim that binds).
+    claim_events: Subscription<PersistentVolumeClaim>,
+    /// Stage pod changes, for the backups.
+    pod_events_for_backups: Subscription<Pod>,
+    /// Stage pod changes, for the restores.
+    pod_events_for_restores: Subscription<Pod>,
+}
+
+/// The caches of haulage's own objects, filling in `tasks`, with one
+/// subscription to their changes for each consumer: each feeds a
+/// controller and triggers the others.
+struct HaulageCaches {
+    backups: Store<VolumeBackup>,
+    locations: Store<BackupStorageLocation>,
+    transfers: Store<VolumeTransfer>,
+    policies: Store<StoragePolicy>,
+    /// Transfer changes, for the metrics of bytes moved.
+    transfer_events_for_metrics: Subscription<VolumeTransfer>,
+    /// Transfer, location and policy changes, for admission.
+    admission_wakers: [futures::stream::BoxStream<'static, ()>; 3],
+    /// What drives and wakes the controllers.
+    controllers: ControllerTriggers,
+}
+
+/// The caches of haulage's objects the controllers of backups, restores
+/// and locations reconcile, and the changes that drive and wake them.
+struct ControllerTriggers {
+    backups: Store<VolumeBackup>,
+    backup_events: Subscription<VolumeBackup>,
+    restores: Store<VolumeRestore>,
+    restore_events: Subscription<VolumeRestore>,
+    locations: Store<BackupStorageLocation>,
+    location_events: Subscription<BackupStorageLocation>,
+    location_events_for_backups: Subscription<BackupStorageLocation>,
+    location_events_for_restores: Subscription<BackupStorageLocation>,
+    location_events_for_defaults: Subscription<BackupStorageLocation>,
+    /// The deleted locations (the shared streams announce changes only).
+    deleted_locations: futures::channel::mpsc::UnboundedReceiver<BackupStorageLocation>,
+    transfer_events_for_backups: Subscription<VolumeTransfer>,
+    transfer_events_for_restores: Subscription<VolumeTransfer>,
+}
+
+/// Where the caches start: the tasks that fill them, the readiness they
+/// report their first list to, the client and the controller's namespace.
+struct CacheStart<'a> {
+    tasks: &'a mut JoinSet<()>,
+    readiness: &'a Arc<health::Readiness>,
+    client: &'a Client,
+    namespace: &'a str,
+}
+
+impl CacheStart<'_> {
+    /// Run a watcher of `kind` into the cache of `writer` until `tasks` is
+    /// dropped. The cached objects carry no `managedFields`
+    /// ([`without_managed_fields`]); the subscribers of a shared writer see
+    /// every change; each deleted object is also sent to `deletions`, when
+    /// given (the shared streams of kube-runtime announce changes only,
+    /// never deletions); a failing watch is logged (kube-runtime logs only
+    /// a 403 above debug; the watch backs off, so this is never a stream);
+    /// and `readiness` learns when the first list is in the cache, from the
+    /// stream itself (see [`health::Readiness`] for why not from the store).
+    fn spawn<K: Cached>(
+        &mut self,
+        kind: &'static str,
+        api: Api<K>,
+        config: watcher::Config,
+        writer: reflector::store::Writer<K>,
+        deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
+    ) {
+        let readiness = self.readiness.clone();
+        let mut synced = false;
+        let changes = watcher(api, config)
+            .default_backoff()
+            .modify(without_managed_fields);
+        self.tasks.spawn(
+            // The reflector applies each change to the cache before passing it on.
+            reflector::reflector(writer, changes).for_each(move |change| {
+                match change {
+                    Ok(watcher::Event::InitDone) if !synced => {
+                        synced = true;
+                        info!(kind, "cache synced");
+                        readiness.set_cache_synced(kind);
+                    }
+                    Ok(watcher::Event::Delete(object)) => {
+                        if let Some(deletions) = &deletions {
+                            let _ = deletions.unbounded_send(object);
+                        }
+                    }
+                    Err(error) => log_watch_error(kind, &error),
+                    Ok(_) => {}
+                }
+                futures::future::ready(())
+            }),
+        );
+    }
+
+    /// [`CacheStart::spawn`] of every `K` in the cluster, into `writer`,
+    /// with the watcher's default configuration.
+    fn spawn_all<K: Cached>(&mut self, kind: &'static str, writer: reflector::store::Writer<K>)
+    where
+        K::DynamicType: Default,
+    {
+        let api = Api::<K>::all(self.client.clone());
+        self.spawn(kind, api, watcher::Config::default(), writer, None);
+    }
+
+    /// [`CacheStart::spawn`] of the `K`s in the controller's namespace, into
+    /// `writer` (each deleted one also to `deletions`, when given), with
+    /// the watcher's default configuration.
+    fn spawn_namespaced<K>(
+        &mut self,
+        kind: &'static str,
+        writer: reflector::store::Writer<K>,
+        deletions: Option<futures::channel::mpsc::UnboundedSender<K>>,
+    ) where
+        K: Cached + kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        let api = Api::<K>::namespaced(self.client.clone(), self.namespace);
+        self.spawn(kind, api, watcher::Config::default(), writer, deletions);
+    }
+
+    /// A cache of every `K` in the cluster read by the reconcilers only (no
+    /// controller is driven by its changes): its store, filled by a task
+    /// that marks `kind` synced.
+    fn cluster<K: Cached>(&mut self, kind: &'static str) -> Store<K>
+    where
+        K::DynamicType: Default,
+    {
+        let (store, writer) = reflector::store();
+        self.spawn_all(kind, writer);
+        store
+    }
+
+    /// Start the caches of Kubernetes' own objects (every claim, pod,
+    /// namespace, LimitRange, CSINode, node, volume and class, and the
+    /// replicas' liveness Leases in the controller's namespace).
+    fn cluster_caches(&mut self) -> Result<ClusterCaches, RunError> {
+        let client = self.client;
+        let (claims, claims_writer) =
+            reflector::store_shared::<PersistentVolumeClaim>(SUBSCRIBER_BUFFER);
+        let claim_events = subscribe(&claims_writer)?;
+        self.spawn_all(cache::CLAIMS, claims_writer);
+        // Pods are shared: the planner reads them and stage pod changes wake
+        // their VolumeBackup or VolumeRestore (a crash loop or an eviction is
+        // acted on at once).
+        let (pods, pods_writer) = reflector::store_shared::<Pod>(SUBSCRIBER_BUFFER);
+        let [pod_events_for_backups, pod_events_for_restores] = subscriptions(&pods_writer)?;
+        self.spawn_all(cache::PODS, pods_writer);
+        let namespaces = self.cluster(cache::NAMESPACES);
+        let limit_ranges = self.cluster(cache::LIMIT_RANGES);
+        let csi_nodes = self.cluster(cache::CSI_NODES);
+        let nodes = self.cluster(cache::NODES);
+        let volumes = self.cluster(cache::VOLUMES);
+        let classes = self.cluster(cache::CLASSES);
+
+        let (leases, leases_writer) = reflector::store();
+        self.spawn(
+            cache::LEASES,
+            Api::<Lease>::namespaced(client.clone(), self.namespace),
+            watcher::Config::default().labels(&format!(
+                "{}=true",
+                crate::reconcile::replicas::REPLICA_LEASE_LABEL
+            )),
+            leases_writer,
+            None,
+        );
+        Ok(ClusterCaches {
+            claims,
+            pods,
+            namespaces,
+            limit_ranges,
+            csi_nodes,
+            nodes,
+            volumes,
+            classes,
+            leases,
+            triggers: ClusterTriggers {
+                claim_events,
+                pod_events_for_backups,
+                pod_events_for_restores,
+            },
+        })
+    }
+
+    /// Start the caches of haulage's objects: StoragePolicies, the
+    /// VolumeBackups, VolumeRestores and BackupStorageLocations of the
+    /// controller's namespace, and haulage's VolumeTransfers everywhere.
+    fn haulage_caches(&mut self) -> Result<HaulageCaches, RunError> {
+        let client = self.client;
+        let (backups, backups_writer) = reflector::store_shared::<VolumeBackup>(SUBSCRIBER_BUFFER);
+        let (locations, locations_writer) =
+            reflector::store_shared::<BackupStorageLocation>(SUBSCRIBER_BUFFER);
+        let (restores, restores_writer) =
+            reflector::store_shared::<VolumeRestore>(SUBSCRIBER_BUFFER);
+        let (transfers, transfers_writer) =
+            reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
+        let (policies, policies_writer) =
+            reflector::store_shared::<StoragePolicy>(SUBSCRIBER_BUFFER);
+        let (location_deletions, deleted_locations) = futures::channel::mpsc::unbounded();
+        let [
+            location_events,
+            location_events_for_backups,
+            location_events_for_restores,
+            location_events_for_defaults,
+            location_events_for_admission,
+        ] = subscriptions(&locations_writer)?;
+        let [
+            transfer_events_for_backups,
+            transfer_events_for_restores,
+            transfer_events_for_metrics,
+            transfer_events_for_admission,
+        ] = subscriptions(&transfers_writer)?;
+        let caches = HaulageCaches {
+            transfer_events_for_metrics,
+            admission_wakers: [
+                transfer_events_for_admission.map(|_| ()).boxed(),
+                location_events_for_admission.map(|_| ()).boxed(),
+                subscribe(&policies_writer)?.map(|_| ()).boxed(),
+            ],
+            controllers: ControllerTriggers {
+                backups: backups.clone(),
+                backup_events: subscribe(&backups_writer)?,
+                restores,
+                restore_events: subscribe(&restores_writer)?,
+                locations: locations.clone(),
+                location_events,
+                location_events_for_backups,
+                location_events_for_restores,
+                location_events_for_defaults,
+                deleted_locations,
+                transfer_events_for_backups,
+                transfer_events_for_restores,
+            },
+            backups,
+            locations,
+            transfers,
+            policies,
+        };
+        self.spawn_all(cache::POLICIES, policies_writer);
+        self.spawn_namespaced(cache::BACKUPS, backups_writer, None);
+        self.spawn_namespaced(cache::RESTORES, restores_writer, None);
+        self.spawn_namespaced(cache::LOCATIONS, locations_writer, Some(location_deletions));
+        self.spawn(
+            cache::TRANSFERS,
+            Api::<VolumeTransfer>::all(client.clone()),
+            watcher::Config::default().labels(&format!(
+                "{}={}",
+                crate::api::labels::MANAGED_BY_LABEL,
+                crate::api::labels::MANAGED_BY
+            )),
+            transfers_writer,
+            None,
+        );
+        Ok(caches)
+    }
+}
+
+/// Start admission: one replica at a time (the admission lease holder,
+/// whose lease is released at `release_leases`) runs the admission loop,
+/// woken by changes of transfers, locations and policies (each
+/// subscription drained at once, so a slow pass never holds the shared
+/// caches back). Returns the lease loop and the admission loop.
+fn spawn_admission(
+    tasks: &mut JoinSet<()>,
+    context: &Arc<Context>,
+    release_leases: &CancellationToken,
+    wakers: [futures::stream::BoxStream<'static, ()>; 3],
+    shutdown: &CancellationToken,
+) -> [tokio_util::task::AbortOnDropHandle<()>; 2] {
+    let config = &context.config;
+    let leadership = Arc::new(lease::Leadership::default());
+    let lease_loop = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(lease::run(
+        Api::namespaced(context.client.clone(), &config.namespace),
+        config.identity.clone(),
+        leadership.clone(),
+        release_leases.clone(),
+    )));
+    let wake = Arc::new(tokio::sync::Notify::new());
+    for events in wakers {
+        let wake = wake.clone();
+        tasks.spawn(events.for_each(move |()| {
+            wake.notify_one();
+            futures::future::ready(())
+        }));
+    }
+    let admission = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
+        admission::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
+    ));
+    [lease_loop, admission]
+}
+
+/// A kind whose objects move volumes through stage pods and transfers
+/// (VolumeBackup, VolumeRestore): what the watches of its controller need
+/// to know of it.
+trait StagedKind: Cached {
+    /// The operation its stage pods are labelled with.
+    const OPERATION: Operation;
+    /// Whether a change of `transfer` may concern the object of this kind
+    /// its `backupRef` names.
+    fn woken_by(transfer: &VolumeTransfer) -> bool;
+    /// Whether the object's phase is final.
+    fn is_finished(&self) -> bool;
+}
+
+impl StagedKind for VolumeBackup {
+    const OPERATION: Operation = Operation::Backup;
+    fn woken_by(_transfer: &VolumeTransfer) -> bool {
+        true
+    }
+    fn is_finished(&self) -> bool {
+        self.status
+            .as_ref()
+            .and_then(StagedStatus::final_phase)
+            .is_some()
+    }
+}
+
+impl StagedKind for VolumeRestore {
+    const OPERATION: Operation = Operation::Restore;
+    fn woken_by(transfer: &VolumeTransfer) -> bool {
+        transfer.spec.direction == crate::api::TransferDirection::Download
+    }
+    fn is_finished(&self) -> bool {
+        self.status
+            .as_ref()
+            .and_then(StagedStatus::final_phase)
+            .is_some()
+    }
+}
+
+/// What wakes the objects of a [`StagedKind`] besides their own changes.
+struct StagedWakers {
+    /// Changes of transfers (their `backupRef` names the object).
+    transfers: Subscription<VolumeTransfer>,
+    /// Changes of stage pods (their owner labels name the object).
+    pods: Subscription<Pod>,
+    /// Changes of locations (every unfinished object in their namespace).
+    locations: Subscription<BackupStorageLocation>,
+}
+
+/// The controller of a [`StagedKind`] over `store`, driven by `objects`
+/// and woken by its transfers, its stage pods and the locations of its
+/// namespace ([`unfinished_in`]).
+fn staged_controller<K: StagedKind>(
+    objects: Subscription<K>,
+    store: Store<K>,
+    wakers: StagedWakers,
+    config: ControllerConfig,
+) -> Controller<K> {
+    let store_for_locations = store.clone();
+    Controller::for_shared_stream(objects, store)
+        .with_config(config)
+        .watches_shared_stream(wakers.transfers, |transfer: Arc<VolumeTransfer>| {
+            K::woken_by(&transfer).then(|| {
+                let reference = &transfer.spec.backup_ref;
+                ObjectRef::<K>::new(&reference.name).within(&reference.namespace)
+            })
+        })
+        .watches_shared_stream(wakers.pods, |pod: Arc<Pod>| {
+            let (namespace, name) = owner_of_stage_pod(&pod, K::OPERATION)?;
+            Some(ObjectRef::<K>::new(&name).within(&namespace))
+        })
+        .watches_shared_stream(
+            wakers.locations,
+            move |location: Arc<BackupStorageLocation>| {
+                unfinished_in(&store_for_locations, &location, K::is_finished)
+            },
+        )
+}
+
+/// The restore a restored claim carries the owner labels of: a claim that
+/// binds (or is replaced) moves its restore on.
+fn restore_of_claim(claim: Arc<PersistentVolumeClaim>) -> Option<ObjectRef<VolumeRestore>> {
+    let labels = claim.labels();
+    labels.get(crate::reconcile::claims::RESTORE_STATE_LABEL)?;
+    let namespace = labels.get(crate::api::labels::OWNER_NAMESPACE_LABEL)?;
+    let name = labels.get(crate::api::labels::OWNER_NAME_LABEL)?;
+    Some(ObjectRef::<VolumeRestore>::new(name).within(namespace))
+}
+
+/// The controller of the locations over `locations`, driven by `events`:
+/// a change of one location (`changes`), or the deletion of a default one
+/// (`deleted`), can change the default conditions of the others marked
+/// default ([`other_defaults`]).
+fn location_controller(
+    events: Subscription<BackupStorageLocation>,
+    locations: Store<BackupStorageLocation>,
+    changes: Subscription<BackupStorageLocation>,
+    deleted: futures::channel::mpsc::UnboundedReceiver<BackupStorageLocation>,
+    config: ControllerConfig,
+) -> Controller<BackupStorageLocation> {
+    let locations_for_changes = locations.clone();
+    let locations_for_deletions = locations.clone();
+    Controller::for_shared_stream(events, locations)
+        .with_config(config)
+        .watches_shared_stream(changes, move |changed: Arc<BackupStorageLocation>| {
+            other_defaults(&locations_for_changes, &changed)
+        })
+        .reconcile_on(deleted.flat_map(move |deleted: BackupStorageLocation| {
+            let others = if deleted.spec.is_default {
+                other_defaults(&locations_for_deletions, &deleted)
+            } else {
+                Vec::new()
+            };
+            futures::stream::iter(others)
+        }))
+}
+
+/// Run `controller` with `reconcile` (timed and its errors counted under
+/// `name` in `metrics`) until `shutdown`.
+fn run_controller<K, F, Fut>(
+    controller: Controller<K>,
+    name: &'static str,
+    reconcile: F,
+    metrics: Arc<ControllerMetrics>,
+    context: Arc<Context>,
+    shutdown: CancellationToken,
+) -> impl std::future::Future<Output = ()>
+where
+    K: Cached,
+    F: Fn(Arc<K>, Arc<Context>) -> Fut,
+    Fut: std::future::Future<Output = Result<Action, Error>> + Send + 'static,
+{
+    controller
+        .graceful_shutdown_on(shutdown.cancelled_owned())
+        .run(
+            timed(name, metrics.clone(), reconcile),
+            counted(name, metrics),
+            context,
+        )
+        .for_each(|_| futures::future::ready(()))
+}
+
+/// Run the controllers of backups, restores and locations (with
+/// `config.concurrency` reconciles each) until `shutdown`, each driven by
+/// the changes of its own objects and woken by `triggers` and `cluster`.
+fn run_controllers(
+    triggers: ControllerTriggers,
+    cluster: ClusterTriggers,
+    metrics: Arc<ControllerMetrics>,
+    context: Arc<Context>,
+    shutdown: &CancellationToken,
+) -> impl std::future::Future<Output = ()> {
+    let controller_config = ControllerConfig::default().concurrency(context.config.concurrency);
+    let backups_running = run_controller(
+        staged_controller(
+            triggers.backup_events,
+            triggers.backups,
+            StagedWakers {
+                transfers: triggers.transfer_events_for_backups,
+                pods: cluster.pod_events_for_backups,
+                locations: triggers.location_events_for_backups,
+            },
+            controller_config.clone(),
+        ),
+        BACKUP_CONTROLLER,
+        backup::reconcile,
+        metrics.clone(),
+        context.clone(),
+        shutdown.clone(),
+    );
+    let restores_running = run_controller(
+        staged_controller(
+            triggers.restore_events,
+            triggers.restores,
+            StagedWakers {
+                transfers: triggers.transfer_events_for_restores,
+                pods: cluster.pod_events_for_restores,
+                locations: triggers.location_events_for_restores,
+            },
+            controller_config.clone(),
+        )
+        .watches_shared_stream(cluster.claim_events, restore_of_claim),
+        RESTORE_CONTROLLER,
+        restore::reconcile,
+        metrics.clone(),
+        context.clone(),
+        shutdown.clone(),
+    );
+    let locations_running = run_controller(
+        location_controller(
+            triggers.location_events,
+            triggers.locations,
+            triggers.location_events_for_defaults,
+            triggers.deleted_locations,
+            controller_config,
+        ),
+        LOCATION_CONTROLLER,
+        location::reconcile,
+        metrics,
+        context,
+        shutdown.clone(),
+    );
+    async move {
+        futures::future::join3(backups_running, restores_running, locations_running).await;
+    }
+}
+
 /// [`run`] with the health and metrics endpoints on `listener`, bound by
 /// the caller (who then knows its address, e.g. for port 0);
 /// `config.health_address` is not used.
@@ -764,71 +1207,13 @@ pub async fn run_with_listener(
         readiness.clone(),
         shutdown.clone(),
     ));
-
-    let (claims, claims_writer) =
-        reflector::store_shared::<PersistentVolumeClaim>(SUBSCRIBER_BUFFER);
-    let Some(claim_events) = claims_writer.subscribe() else {
-        return Err(RunError::Subscribe);
+    let mut caches = CacheStart {
+        tasks: &mut tasks,
+        readiness: &readiness,
+        client: &client,
+        namespace: &config.namespace,
     };
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::CLAIMS,
-        Api::<PersistentVolumeClaim>::all(client.clone()),
-        watcher::Config::default(),
-        claims_writer,
-    );
-    // Pods are shared: the planner reads them and stage pod changes wake
-    // their VolumeBackup (a crash loop or an eviction is acted on at once).
-    let (pods, pods_writer) = reflector::store_shared::<Pod>(SUBSCRIBER_BUFFER);
-    let (Some(pod_events), Some(pod_events_for_restores)) =
-        (pods_writer.subscribe(), pods_writer.subscribe())
-    else {
-        return Err(RunError::Subscribe);
-    };
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::PODS,
-        Api::<Pod>::all(client.clone()),
-        watcher::Config::default(),
-        pods_writer,
-    );
-    let namespaces = cluster_cache::<k8s_openapi::api::core::v1::Namespace>(
-        &mut tasks,
-        &readiness,
-        cache::NAMESPACES,
-        &client,
-    );
-    let limit_ranges = cluster_cache::<k8s_openapi::api::core::v1::LimitRange>(
-        &mut tasks,
-        &readiness,
-        cache::LIMIT_RANGES,
-        &client,
-    );
-    let csi_nodes = cluster_cache::<k8s_openapi::api::storage::v1::CSINode>(
-        &mut tasks,
-        &readiness,
-        cache::CSI_NODES,
-        &client,
-    );
-    let nodes = cluster_cache::<Node>(&mut tasks, &readiness, cache::NODES, &client);
-    let volumes =
-        cluster_cache::<PersistentVolume>(&mut tasks, &readiness, cache::VOLUMES, &client);
-    let classes = cluster_cache::<StorageClass>(&mut tasks, &readiness, cache::CLASSES, &client);
-
-    let (leases, leases_writer) = reflector::store();
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::LEASES,
-        Api::<Lease>::namespaced(client.clone(), &config.namespace),
-        watcher::Config::default().labels(&format!(
-            "{}=true",
-            crate::reconcile::replicas::REPLICA_LEASE_LABEL
-        )),
-        leases_writer,
-    );
+    let cluster = caches.cluster_caches()?;
 
     // This replica's liveness lease, written before it claims anything.
     // An API server that is not reachable yet is waited for, not a crash.
@@ -843,122 +1228,26 @@ pub async fn run_with_listener(
         return Ok(());
     };
 
-    // Shared caches: each feeds a controller and triggers the other.
-    let (backups, backups_writer) = reflector::store_shared::<VolumeBackup>(SUBSCRIBER_BUFFER);
-    let backup_events = backups_writer.subscribe();
-    let (locations, locations_writer) =
-        reflector::store_shared::<BackupStorageLocation>(SUBSCRIBER_BUFFER);
-    let location_events = locations_writer.subscribe();
-    let location_events_for_backups = locations_writer.subscribe();
-    let location_events_for_defaults = locations_writer.subscribe();
-    let location_events_for_restores = locations_writer.subscribe();
-    let (restores, restores_writer) = reflector::store_shared::<VolumeRestore>(SUBSCRIBER_BUFFER);
-    let restore_events = restores_writer.subscribe();
-    let (transfers, transfers_writer) =
-        reflector::store_shared::<VolumeTransfer>(SUBSCRIBER_BUFFER);
-    let transfer_events = transfers_writer.subscribe();
-    let transfer_events_for_metrics = transfers_writer.subscribe();
-    let transfer_events_for_admission = transfers_writer.subscribe();
-    let transfer_events_for_restores = transfers_writer.subscribe();
-    let location_events_for_admission = locations_writer.subscribe();
-    let (policies, policies_writer) = reflector::store_shared::<StoragePolicy>(SUBSCRIBER_BUFFER);
-    let policy_events = policies_writer.subscribe();
-    let (
-        Some(backup_events),
-        Some(location_events),
-        Some(location_events_for_backups),
-        Some(location_events_for_defaults),
-        Some(transfer_events),
-        Some(transfer_events_for_metrics),
-        Some(transfer_events_for_admission),
-        Some(location_events_for_admission),
-        Some(policy_events),
-        Some(restore_events),
-        Some(location_events_for_restores),
-        Some(transfer_events_for_restores),
-    ) = (
-        backup_events,
-        location_events,
-        location_events_for_backups,
-        location_events_for_defaults,
-        transfer_events,
-        transfer_events_for_metrics,
-        transfer_events_for_admission,
-        location_events_for_admission,
-        policy_events,
-        restore_events,
-        location_events_for_restores,
-        transfer_events_for_restores,
-    )
-    else {
-        return Err(RunError::Subscribe);
-    };
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::POLICIES,
-        Api::<StoragePolicy>::all(client.clone()),
-        watcher::Config::default(),
-        policies_writer,
-    );
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::BACKUPS,
-        Api::<VolumeBackup>::namespaced(client.clone(), &config.namespace),
-        watcher::Config::default(),
-        backups_writer,
-    );
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::RESTORES,
-        Api::<VolumeRestore>::namespaced(client.clone(), &config.namespace),
-        watcher::Config::default(),
-        restores_writer,
-    );
-    let (location_deletions, deleted_locations) = futures::channel::mpsc::unbounded();
-    spawn_cache_reporting_deletions(
-        &mut tasks,
-        &readiness,
-        cache::LOCATIONS,
-        Api::<BackupStorageLocation>::namespaced(client.clone(), &config.namespace),
-        watcher::Config::default(),
-        locations_writer,
-        Some(location_deletions),
-    );
-    spawn_cache(
-        &mut tasks,
-        &readiness,
-        cache::TRANSFERS,
-        Api::<VolumeTransfer>::all(client.clone()),
-        watcher::Config::default().labels(&format!(
-            "{}={}",
-            crate::api::labels::MANAGED_BY_LABEL,
-            crate::api::labels::MANAGED_BY
-        )),
-        transfers_writer,
-    );
-
+    let haulage = caches.haulage_caches()?;
     let stores = Stores {
-        locations: locations.clone(),
-        transfers: transfers.clone(),
-        claims,
-        pods,
-        nodes,
-        volumes,
-        classes,
-        leases,
-        policies,
-        namespaces,
-        limit_ranges,
-        csi_nodes,
+        locations: haulage.locations.clone(),
+        transfers: haulage.transfers.clone(),
+        claims: cluster.claims,
+        pods: cluster.pods,
+        nodes: cluster.nodes,
+        volumes: cluster.volumes,
+        classes: cluster.classes,
+        leases: cluster.leases,
+        policies: haulage.policies,
+        namespaces: cluster.namespaces,
+        limit_ranges: cluster.limit_ranges,
+        csi_nodes: cluster.csi_nodes,
     };
     let metrics = Arc::new(ControllerMetrics::new(Some(MetricCaches {
         locations: stores.locations.clone(),
         transfers: stores.transfers.clone(),
         claims: stores.claims.clone(),
-        backups: backups.clone(),
+        backups: haulage.backups.clone(),
     })));
     tasks.spawn(health::serve(
         listener,
@@ -967,7 +1256,7 @@ pub async fn run_with_listener(
         shutdown.clone(),
     ));
     tasks.spawn(metrics::account_transfer_bytes(
-        transfer_events_for_metrics,
+        haulage.transfer_events_for_metrics,
         stores.transfers.clone(),
         stores.claims.clone(),
         metrics.clone(),
@@ -984,154 +1273,29 @@ pub async fn run_with_listener(
         readiness: readiness.clone(),
         cluster_id: cluster_identity(&client).await,
     });
-    // Admission: one replica at a time (the admission lease holder) runs
-    // the admission loop, woken by changes of transfers, locations and
-    // policies (each subscription drained at once, so a slow pass never
-    // holds the shared caches back).
-    let leadership = Arc::new(lease::Leadership::default());
-    let lease_loop = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(lease::run(
-        Api::namespaced(client.clone(), &config.namespace),
-        config.identity.clone(),
-        leadership.clone(),
-        release_leases.clone(),
-    )));
-    let wake = Arc::new(tokio::sync::Notify::new());
-    for events in [
-        transfer_events_for_admission.map(|_| ()).boxed(),
-        location_events_for_admission.map(|_| ()).boxed(),
-        policy_events.map(|_| ()).boxed(),
-    ] {
-        let wake = wake.clone();
-        tasks.spawn(events.for_each(move |()| {
-            wake.notify_one();
-            futures::future::ready(())
-        }));
-    }
-    let admission = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
-        admission::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
-    ));
-
-    let controller_config = ControllerConfig::default().concurrency(config.concurrency);
-
-    let backups_for_mapping = backups.clone();
-    let backup_controller = Controller::for_shared_stream(backup_events, backups)
-        .with_config(controller_config.clone())
-        .watches_shared_stream(transfer_events, |transfer: Arc<VolumeTransfer>| {
-            let reference = &transfer.spec.backup_ref;
-            Some(ObjectRef::<VolumeBackup>::new(&reference.name).within(&reference.namespace))
-        })
-        .watches_shared_stream(pod_events, |pod: Arc<Pod>| {
-            let (namespace, name) = owner_of_stage_pod(&pod, Operation::Backup)?;
-            Some(ObjectRef::<VolumeBackup>::new(&name).within(&namespace))
-        })
-        .watches_shared_stream(
-            location_events_for_backups,
-            move |location: Arc<BackupStorageLocation>| {
-                unfinished_in(&backups_for_mapping, &location, |backup: &VolumeBackup| {
-                    backup
-                        .status
-                        .as_ref()
-                        .and_then(|status| status.phase)
-                        .is_some_and(|phase| phase.is_final())
-                })
-            },
-        )
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(
-            timed(BACKUP_CONTROLLER, metrics.clone(), backup::reconcile),
-            counted(BACKUP_CONTROLLER, metrics.clone()),
-            context.clone(),
-        )
-        .for_each(|_| futures::future::ready(()));
-
-    let restores_for_mapping = restores.clone();
-    let restore_controller = Controller::for_shared_stream(restore_events, restores)
-        .with_config(controller_config.clone())
-        .watches_shared_stream(
-            transfer_events_for_restores,
-            |transfer: Arc<VolumeTransfer>| {
-                (transfer.spec.direction == crate::api::TransferDirection::Download).then(|| {
-                    let reference = &transfer.spec.backup_ref;
-                    ObjectRef::<VolumeRestore>::new(&reference.name).within(&reference.namespace)
-                })
-            },
-        )
-        .watches_shared_stream(pod_events_for_restores, |pod: Arc<Pod>| {
-            let (namespace, name) = owner_of_stage_pod(&pod, Operation::Restore)?;
-            Some(ObjectRef::<VolumeRestore>::new(&name).within(&namespace))
-        })
-        .watches_shared_stream(claim_events, |claim: Arc<PersistentVolumeClaim>| {
-            // A restored claim that binds (or is replaced) moves its
-            // restore on; it carries its restore's owner labels.
-            let labels = claim.labels();
-            labels.get(crate::reconcile::claims::RESTORE_STATE_LABEL)?;
-            let namespace = labels.get(crate::api::labels::OWNER_NAMESPACE_LABEL)?;
-            let name = labels.get(crate::api::labels::OWNER_NAME_LABEL)?;
-            Some(ObjectRef::<VolumeRestore>::new(name).within(namespace))
-        })
-        .watches_shared_stream(
-            location_events_for_restores,
-            move |location: Arc<BackupStorageLocation>| {
-                unfinished_in(
-                    &restores_for_mapping,
-                    &location,
-                    |restore: &VolumeRestore| {
-                        restore
-                            .status
-                            .as_ref()
-                            .and_then(|status| status.phase)
-                            .is_some_and(|phase| phase.is_final())
-                    },
-                )
-            },
-        )
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(
-            timed(RESTORE_CONTROLLER, metrics.clone(), restore::reconcile),
-            counted(RESTORE_CONTROLLER, metrics.clone()),
-            context.clone(),
-        )
-        .for_each(|_| futures::future::ready(()));
+    let [lease_loop, admission] = spawn_admission(
+        &mut tasks,
+        &context,
+        &release_leases,
+        haulage.admission_wakers,
+        &shutdown,
+    );
 
     tasks.spawn(summarize_locations_periodically(
         config.namespace.clone(),
-        locations.clone(),
+        haulage.locations.clone(),
         readiness.clone(),
         shutdown.clone(),
     ));
-
-    // A change of one location, or the deletion of a default one, can
-    // change the default conditions of the others marked default.
-    let locations_for_changes = locations.clone();
-    let locations_for_deletions = locations.clone();
-    let location_controller = Controller::for_shared_stream(location_events, locations)
-        .with_config(controller_config)
-        .watches_shared_stream(
-            location_events_for_defaults,
-            move |changed: Arc<BackupStorageLocation>| {
-                other_defaults(&locations_for_changes, &changed)
-            },
-        )
-        .reconcile_on(
-            deleted_locations.flat_map(move |deleted: BackupStorageLocation| {
-                let others = if deleted.spec.is_default {
-                    other_defaults(&locations_for_deletions, &deleted)
-                } else {
-                    Vec::new()
-                };
-                futures::stream::iter(others)
-            }),
-        )
-        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(
-            timed(LOCATION_CONTROLLER, metrics.clone(), location::reconcile),
-            counted(LOCATION_CONTROLLER, metrics),
-            context,
-        )
-        .for_each(|_| futures::future::ready(()));
-
+    let controllers = run_controllers(
+        haulage.controllers,
+        cluster.triggers,
+        metrics,
+        context,
+        &shutdown,
+    );
     info!(identity = %config.identity, namespace = %config.namespace, "controller started");
-    futures::future::join3(backup_controller, restore_controller, location_controller).await;
+    controllers.await;
     // Every reconcile and admission pass has ended (the admission loop
     // stops at `shutdown`): release the replica lease, so other replicas
     // adopt this one's backups now, and the admission lease, so another

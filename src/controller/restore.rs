@@ -11,23 +11,23 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::ByteString;
-use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
 use kube::runtime::controller::Action as Requeue;
-use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Api, ResourceExt};
-use tracing::{debug, info, instrument, warn};
+use tracing::{info, instrument, warn};
 
 use crate::api::VolumeRestore;
-use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
+use crate::api::labels::OWNER_UID_LABEL;
 use crate::clock;
 use crate::controller::Context;
 use crate::controller::error::{ApiCall, Error};
 use crate::controller::execute::{OwnerCalls, carry_out, execute, namespaced_name};
-use crate::controller::location::{key_source, password_of, read_credentials, s3_options};
+use crate::controller::location::{key_source, password_of, s3_options};
+use crate::controller::staging::{
+    CLEANUP_TIMEOUT_SECONDS, cancel_within_timeout, credentials_file, namespaced_api,
+    observe_staging, stage_pod_secrets, through_cancel_finalizer, until_caches_synced,
+};
 use crate::engine::Repository;
 use crate::plan::objects::ClusterObjects;
-use crate::reconcile::ownership::ControllerSettings;
 use crate::reconcile::restore::{
     ListedSnapshot, RestoreObservation, decide, decide_cancel, needs_cluster, needs_credentials,
     needs_snapshots,
@@ -35,11 +35,6 @@ use crate::reconcile::restore::{
 use crate::reconcile::stage_pod::repository_url;
 use crate::store::open_store;
 
-/// Upper bound on the cancel cleanup; the finalizer is released after it.
-const CLEANUP_TIMEOUT_SECONDS: u64 = 30;
-/// Seconds before a restore reconciled while the caches are still listing
-/// is looked at again.
-const CACHE_SYNC_RETRY_SECONDS: u64 = 1;
 /// Time the listing of a location's snapshots may take.
 const SNAPSHOT_LIST_TIMEOUT_SECONDS: u64 = 120;
 
@@ -49,32 +44,17 @@ pub async fn reconcile(
     restore: Arc<VolumeRestore>,
     context: Arc<Context>,
 ) -> Result<Requeue, Error> {
-    let namespace = restore.namespace().ok_or(Error::MissingField {
-        kind: "VolumeRestore",
-        field: "metadata.namespace",
-    })?;
-    if !context.readiness.caches_synced() {
-        debug!(
-            waiting_for = ?context.readiness.problem(),
-            "caches still listing; looking again in {CACHE_SYNC_RETRY_SECONDS}s"
-        );
-        return Ok(Requeue::requeue(Duration::from_secs(
-            CACHE_SYNC_RETRY_SECONDS,
-        )));
+    let api = namespaced_api(restore.as_ref(), "VolumeRestore", &context)?;
+    if let Some(requeue) = until_caches_synced(&context) {
+        return Ok(requeue);
     }
-    let name = format!("{namespace}/{}", restore.name_any());
-    let api: Api<VolumeRestore> = Api::namespaced(context.client.clone(), &namespace);
-    finalizer(&api, CANCEL_FINALIZER, restore, |event| async {
-        match event {
-            Finalizer::Apply(restore) => apply(restore, &context).await,
-            Finalizer::Cleanup(restore) => cleanup(restore, &context).await,
-        }
-    })
+    through_cancel_finalizer(
+        &api,
+        restore,
+        |restore| apply(restore, &context),
+        |restore| cleanup(restore, &context),
+    )
     .await
-    .map_err(|source| Error::Finalizer {
-        name,
-        source: Box::new(source),
-    })
 }
 
 /// The destination namespaces a restore may write into: those of its
@@ -93,18 +73,8 @@ fn destination_namespaces(restore: &VolumeRestore) -> Option<BTreeSet<String>> {
 /// Read what deciding on `restore` needs from the caches, once.
 fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObservation {
     let stores = &context.stores;
-    let config = &context.config;
     let uid = restore.uid().unwrap_or_default();
     let namespace = restore.namespace().unwrap_or_default();
-    let owned = |labels: &std::collections::BTreeMap<String, String>| {
-        labels.get(OWNER_UID_LABEL) == Some(&uid)
-    };
-    let pods = stores.pods.state_filter(|pod| owned(pod.labels()));
-    let replaced_pods = pods
-        .iter()
-        .filter_map(|pod| pod.uid())
-        .filter(|pod_uid| context.replaced_pods.contains(pod_uid))
-        .collect();
     let scope = destination_namespaces(&restore);
     let in_scope = |object_namespace: Option<String>| match (&scope, object_namespace) {
         (None, Some(_)) => true,
@@ -128,17 +98,12 @@ fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObse
                 .is_some_and(|claim_namespace| in_scope(Some(claim_namespace)))
     });
     RestoreObservation {
-        settings: ControllerSettings {
-            identity: config.identity.clone(),
-            agent_image: config.agent_image.clone(),
-            pinning: config.pinning,
-            agent_lost_seconds: config.agent_lost_seconds,
-        },
-        lease_fresh: context.heartbeat.is_fresh(config.replica_lease_seconds),
-        leases: super::replicas::cached(&stores.leases),
-        locations: stores
-            .locations
-            .state_filter(|location| location.namespace().as_deref() == Some(namespace.as_str())),
+        staging: observe_staging(
+            &uid,
+            &namespace,
+            |transfer| transfer.labels().get(OWNER_UID_LABEL) == Some(&uid),
+            context,
+        ),
         snapshots: None,
         classes: stores.classes.state(),
         namespaces: stores
@@ -150,17 +115,6 @@ fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObse
         claims,
         volumes,
         cluster: None,
-        nodes: stores.nodes.state(),
-        transfers: stores
-            .transfers
-            .state_filter(|transfer| owned(transfer.labels())),
-        pods,
-        replaced_pods,
-        since_last_status_write: context.status_writes.since(&uid),
-        credentials: None,
-        password: None,
-        policies: stores.policies.state(),
-        limit_minimums: stores.limit_minimums(),
         restore,
     }
 }
@@ -190,60 +144,28 @@ async fn observe(
         observation.cluster = Some(cluster_objects(&restore, context));
     }
     if needs_credentials(&observation) {
-        observation.credentials = Some(credentials_of(&observation, context).await?.0);
-        let restore = &observation.restore;
-        let (_, location) = crate::reconcile::location::resolve_location(
-            &restore.namespace().unwrap_or_default(),
-            restore.spec.storage_location.as_deref(),
-            &observation.locations,
-        );
-        if let Some(location) = location {
-            observation.password = match password_of(location, &context.client).await? {
-                Ok(password) => password.map(|password| ByteString(password.as_bytes().to_vec())),
-                Err(message) => {
-                    return Err(Error::Credentials {
-                        location: location.name_any(),
-                        message,
-                    });
-                }
-            };
-        }
+        let (_, location) = location_of(&observation);
+        let (credentials, password) = stage_pod_secrets(location, context).await?;
+        observation.staging.credentials = Some(credentials);
+        observation.staging.password = password;
     }
     Ok(observation)
 }
 
-/// The location's credentials file (the bytes under its key) and the
-/// parsed credentials, or `None` when it names no usable location.
-async fn credentials_of(
+/// The storage location the restore names (or the default one of its
+/// namespace) and its state.
+fn location_of(
     observation: &RestoreObservation,
-    context: &Context,
-) -> Result<(ByteString, Option<crate::store::S3Credentials>), Error> {
+) -> (
+    crate::reconcile::backup_status::StorageState,
+    Option<&crate::api::BackupStorageLocation>,
+) {
     let restore = &observation.restore;
-    let (_, location) = crate::reconcile::location::resolve_location(
+    crate::reconcile::location::resolve_location(
         &restore.namespace().unwrap_or_default(),
         restore.spec.storage_location.as_deref(),
-        &observation.locations,
-    );
-    let Some(location) = location else {
-        return Ok((ByteString(Vec::new()), None));
-    };
-    let secrets: Api<Secret> = Api::namespaced(
-        context.client.clone(),
-        &location.namespace().unwrap_or_default(),
-    );
-    match read_credentials(&secrets, &location.spec).await? {
-        Ok((secret, credentials)) => Ok((
-            secret
-                .data
-                .and_then(|mut data| data.remove(&location.spec.credential.key))
-                .unwrap_or_default(),
-            Some(credentials),
-        )),
-        Err(message) => Err(Error::Credentials {
-            location: location.name_any(),
-            message,
-        }),
-    }
+        &observation.staging.locations,
+    )
 }
 
 /// List the snapshots of the restore's location, when it is Available.
@@ -253,20 +175,14 @@ async fn list_snapshots(
     observation: &RestoreObservation,
     context: &Context,
 ) -> Result<Option<Result<Vec<ListedSnapshot>, String>>, Error> {
-    let restore = &observation.restore;
-    let (state, location) = crate::reconcile::location::resolve_location(
-        &restore.namespace().unwrap_or_default(),
-        restore.spec.storage_location.as_deref(),
-        &observation.locations,
-    );
+    let (state, location) = location_of(observation);
     let (Some(location), crate::reconcile::backup_status::StorageState::Available { .. }) =
         (location, state)
     else {
         return Ok(None);
     };
-    let credentials = match credentials_of(observation, context).await {
-        Ok((_, Some(credentials))) => credentials,
-        Ok((_, None)) => return Ok(None),
+    let credentials = match credentials_file(location, context).await {
+        Ok((_, credentials)) => credentials,
         Err(Error::Credentials { message, .. }) => return Ok(Some(Err(message))),
         Err(error) => return Err(error),
     };
@@ -334,14 +250,10 @@ async fn cleanup(restore: Arc<VolumeRestore>, context: &Context) -> Result<Reque
     let observation = observe_caches(restore, context);
     let restore = observation.restore.clone();
     let actions = decide_cancel(&observation, &clock::now());
-    let work = execute(actions, restore.as_ref(), context);
-    match tokio::time::timeout(Duration::from_secs(CLEANUP_TIMEOUT_SECONDS), work).await {
-        Ok(result) => {
-            result?;
-        }
-        Err(_) => warn!(
+    if !cancel_within_timeout(execute(actions, restore.as_ref(), context)).await? {
+        warn!(
             "cleanup did not finish in {CLEANUP_TIMEOUT_SECONDS}s; releasing the finalizer, stage pods of this restore may remain"
-        ),
+        );
     }
     info!(
         "canceled and cleaned up; restored claims stay (those not verified are labelled incomplete)"

@@ -784,6 +784,15 @@ mod tests {
         facts
     }
 
+    /// Transfer `name` on node `node-<name>`, under StoragePolicy ceph-rbd.
+    fn on_ceph(name: &str, created: i64, state: TransferState) -> TransferFacts {
+        with(
+            transfer(name, created, state),
+            &format!("node-{name}"),
+            &["ceph-rbd"],
+        )
+    }
+
     fn key(name: &str) -> TransferKey {
         TransferKey {
             namespace: "shop".to_string(),
@@ -809,21 +818,9 @@ mod tests {
     #[test]
     fn a_full_policy_queues_the_rest_in_creation_order_and_names_itself() {
         let transfers = vec![
-            with(
-                transfer("c", 3, TransferState::Waiting),
-                "node-c",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("a", 1, TransferState::Waiting),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Waiting),
-                "node-b",
-                &["ceph-rbd"],
-            ),
+            on_ceph("c", 3, TransferState::Waiting),
+            on_ceph("a", 1, TransferState::Waiting),
+            on_ceph("b", 2, TransferState::Waiting),
         ];
         let admission = admit(&ceph(Some(1), None), &transfers);
         assert_eq!(
@@ -883,16 +880,8 @@ mod tests {
             },
         );
         let mut transfers = vec![
-            with(
-                transfer("a", 1, TransferState::Running),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Waiting),
-                "node-b",
-                &["ceph-rbd"],
-            ),
+            on_ceph("a", 1, TransferState::Running),
+            on_ceph("b", 2, TransferState::Waiting),
             with(transfer("c", 3, TransferState::Waiting), "node-c", &[]),
         ];
         let admission = admit(&limits, &transfers);
@@ -935,21 +924,9 @@ mod tests {
     #[test]
     fn a_bandwidth_cap_admits_no_more_than_it_can_give_a_kibibyte_per_second() {
         let transfers = vec![
-            with(
-                transfer("a", 1, TransferState::Waiting),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Waiting),
-                "node-b",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("c", 3, TransferState::Waiting),
-                "node-c",
-                &["ceph-rbd"],
-            ),
+            on_ceph("a", 1, TransferState::Waiting),
+            on_ceph("b", 2, TransferState::Waiting),
+            on_ceph("c", 3, TransferState::Waiting),
         ];
         let admission = admit(&ceph(None, Some(2048)), &transfers);
         assert!(matches!(
@@ -968,21 +945,9 @@ mod tests {
     #[test]
     fn running_transfers_are_kept_when_a_cap_is_lowered_below_them() {
         let transfers = vec![
-            with(
-                transfer("a", 1, TransferState::Running),
-                "node-a",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("b", 2, TransferState::Running),
-                "node-b",
-                &["ceph-rbd"],
-            ),
-            with(
-                transfer("c", 3, TransferState::Waiting),
-                "node-c",
-                &["ceph-rbd"],
-            ),
+            on_ceph("a", 1, TransferState::Running),
+            on_ceph("b", 2, TransferState::Running),
+            on_ceph("c", 3, TransferState::Waiting),
         ];
         let admission = admit(&ceph(Some(1), None), &transfers);
         assert_eq!(

@@ -20,43 +20,35 @@
 //! stops), the actions, the status (with the resourceVersion this replica
 //! last saw), then the actions after the status.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use haulage_api::backup::{BackupPlan, PlannedStagePod};
+use haulage_api::backup::BackupPlan;
 use haulage_api::condition::{condition_type, find_condition};
 use haulage_api::labels::{MANAGED_BY, MANAGED_BY_LABEL, OWNER_UID_LABEL};
-use haulage_api::transfer::StorageLocationReference;
 use haulage_api::{
     BackupStorageLocation, VolumeBackup, VolumeBackupPhase, VolumeBackupStatus, VolumeTransfer,
-    VolumeTransferPhase, VolumeTransferStatus,
+    VolumeTransferPhase,
 };
-use haulage_plan::objects::{ClusterObjects, DumpError, facts_from_objects, node_facts};
+use haulage_plan::objects::{ClusterObjects, DumpError, facts_from_objects};
 use haulage_plan::selector::LabelRequirement;
 use haulage_plan::{LabelSelector, PlanError, Selection, plan_stage_pods};
-use k8s_openapi::ByteString;
-use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
-use crate::action::{Action, Event, ObjectName, Requeue};
+use crate::action::{Action, Event, Requeue};
 use crate::backup_status::{Observed, StorageState, TransferObservation, next_status};
-use crate::ownership::{ControllerSettings, Decision, OwnerActs, OwnershipFacts, decide_ownership};
+use crate::ownership::{Decision, OwnerActs};
 use crate::stage_pod::{
-    BackupIdentity, LocationSettings, Operation, Owner, StagePodInputs, StagePodTemplate,
-    TransferDetails, credentials_copy, desired_stage_pod, resources_for, status_plan,
+    BackupIdentity, Operation, Owner, StagePodTemplate, TransferDetails, credentials_copy,
+    status_plan,
 };
-use crate::supervision::{supervise_stage_pods, transfer_name_of, transfers_of};
+use crate::staging::{StagingObservation, StatusStanding, after_final_status, status_to_write};
 
 /// How often a waiting or running backup is looked at even without events.
 pub const RECHECK_SECONDS: u64 = 15;
-/// Least time between two status writes of a backup that change only its
-/// progress: each agent reports every 2 s and each volume moves through
-/// several phases, so a backup of many volumes would otherwise be
-/// rewritten several times a second.
-pub const PROGRESS_WRITE_INTERVAL: Duration = Duration::from_secs(5);
 /// How long planning waits for a selected claim that is still Pending
 /// (created with its backup, its volume not provisioned yet).
 pub const CLAIM_BINDING_GRACE_SECONDS: i64 = 120;
@@ -69,40 +61,13 @@ const MINIMUM_REQUEUE_SECONDS: u64 = 1;
 pub struct BackupObservation {
     /// The backup as the cache shows it.
     pub backup: Arc<VolumeBackup>,
-    /// The controller's settings.
-    pub settings: ControllerSettings,
-    /// Whether this replica renewed its liveness lease recently enough to
-    /// act as an owner (another replica may be adopting its backups).
-    pub lease_fresh: bool,
-    /// The replicas' liveness Leases.
-    pub leases: Vec<Lease>,
-    /// The BackupStorageLocations of the backup's namespace.
-    pub locations: Vec<Arc<BackupStorageLocation>>,
+    /// What a backup's reconcile reads like a restore's: this replica's
+    /// standing, the locations of the backup's namespace, its stage pods
+    /// and transfers, and what a new stage pod is built from.
+    pub staging: StagingObservation,
     /// The cluster's objects in the backup's namespaces, read only while
     /// the backup has no plan yet.
     pub cluster: Option<ClusterObjects>,
-    /// The nodes (for the tolerations of a stage pod on a cordoned node).
-    pub nodes: Vec<Arc<Node>>,
-    /// The backup's VolumeTransfers.
-    pub transfers: Vec<Arc<VolumeTransfer>>,
-    /// The backup's stage pods.
-    pub pods: Vec<Arc<Pod>>,
-    /// UIDs of stage pods this replica deleted to replace them: a lagging
-    /// cache may still show one as running, and it must not be judged
-    /// (and replaced, and counted) twice.
-    pub replaced_pods: BTreeSet<String>,
-    /// How long ago this replica last wrote the backup's status, if it did.
-    pub since_last_status_write: Option<Duration>,
-    /// The location's credentials file (the bytes under its key), read
-    /// when [`needs_credentials`] said so.
-    pub credentials: Option<ByteString>,
-    /// The repository's password, read with the credentials for a
-    /// location with `spec.encryption`.
-    pub password: Option<ByteString>,
-    /// The StoragePolicies (their `stagePodResources`).
-    pub policies: Vec<Arc<haulage_api::StoragePolicy>>,
-    /// The LimitRange minimum of each namespace that has one.
-    pub limit_minimums: BTreeMap<String, haulage_plan::facts::ResourceMinimum>,
     /// The record of each claim of the plan (`claims::claim_record`), by
     /// (namespace, name), for the snapshots; a claim gone from the cache
     /// has none.
@@ -159,16 +124,7 @@ pub type BackupActs = OwnerActs<VolumeBackupStatus>;
 
 /// The owner of a backup's children.
 pub fn owner_of(backup: &VolumeBackup) -> Result<Owner, BackupError> {
-    let missing = |field| BackupError::MissingField { field };
-    Ok(Owner {
-        namespace: backup.namespace().ok_or(missing("metadata.namespace"))?,
-        name: backup
-            .metadata
-            .name
-            .clone()
-            .ok_or(missing("metadata.name"))?,
-        uid: backup.uid().ok_or(missing("metadata.uid"))?,
-    })
+    Owner::of(backup).map_err(|field| BackupError::MissingField { field })
 }
 
 /// Whether `transfer` belongs to `owner`'s backup.
@@ -265,37 +221,6 @@ fn make_plan(
     Ok(status_plan(Operation::Backup, owner, plan))
 }
 
-/// The planned stage pods the caches do not show yet and that still have
-/// work: a pod stopped because every volume of it is final is not made
-/// again.
-fn missing_stage_pods<'a>(
-    plan: &'a BackupPlan,
-    observation: &BackupObservation,
-) -> Vec<&'a PlannedStagePod> {
-    let existing: BTreeSet<(String, String)> = observation
-        .pods
-        .iter()
-        .map(|pod| (pod.namespace().unwrap_or_default(), pod.name_any()))
-        .collect();
-    plan.stage_pods
-        .iter()
-        .filter(|planned| {
-            !existing.contains(&(planned.stage.namespace.clone(), planned.pod_name.clone()))
-        })
-        .filter(|planned| {
-            let of_pod = transfers_of(
-                &observation.transfers,
-                &planned.stage.namespace,
-                &planned.pod_name,
-            );
-            let all_final = !of_pod.is_empty()
-                && of_pod.len() >= planned.stage.volumes.len()
-                && of_pod.iter().all(|transfer| transfer.phase().is_final());
-            !all_final
-        })
-        .collect()
-}
-
 /// The plan this reconcile works with: the status's, or a new one when
 /// the location is Available (`None` while it is not).
 fn current_plan(
@@ -373,39 +298,14 @@ pub fn needs_credentials(observation: &BackupObservation, now: &Time) -> Result<
         return Ok(false);
     }
     let owner = owner_of(backup)?;
-    let (storage, location) = resolve_location(backup, &observation.locations);
+    let (storage, location) = resolve_location(backup, &observation.staging.locations);
     if location.is_none() || matches!(storage, StorageState::Missing { .. }) {
         return Ok(false);
     }
     Ok(current_plan(observation, &owner, &storage, now)?
         .ok()
         .flatten()
-        .is_some_and(|plan| !missing_stage_pods(&plan, observation).is_empty()))
-}
-
-/// The release of every stage pod of the backup: those of its plan and
-/// those in the cache.
-fn release_all(observation: &BackupObservation) -> Vec<Action> {
-    let mut pods: BTreeSet<ObjectName> = observation
-        .backup
-        .status
-        .as_ref()
-        .and_then(|status| status.plan.as_ref())
-        .map(|plan| {
-            plan.stage_pods
-                .iter()
-                .filter(|pod| !pod.pod_name.is_empty())
-                .map(|pod| ObjectName::new(&pod.stage.namespace, &pod.pod_name))
-                .collect()
-        })
-        .unwrap_or_default();
-    pods.extend(
-        observation
-            .pods
-            .iter()
-            .map(|pod| ObjectName::new(pod.namespace().unwrap_or_default(), pod.name_any())),
-    );
-    pods.into_iter().map(Action::ReleaseStagePod).collect()
+        .is_some_and(|plan| !observation.staging.missing_stage_pods(&plan).is_empty()))
 }
 
 /// The transfer as [`next_status`] sees it.
@@ -428,201 +328,94 @@ fn observe_transfer(transfer: &VolumeTransfer) -> TransferObservation {
     }
 }
 
-/// Whether `status` differs from `old` only in what changes as the volumes
-/// move (progress, volume counts, per-volume results and the Progressing
-/// condition's message): such a write may wait for the throttle; a change
-/// of phase, condition or plan, and the final status, are written at once.
-pub fn is_progress_only(old: &VolumeBackupStatus, status: &VolumeBackupStatus) -> bool {
-    let mut without_progress = status.clone();
-    without_progress.progress = old.progress.clone();
-    without_progress.volumes = old.volumes.clone();
-    without_progress.results = old.results.clone();
-    let progressing = |status: &VolumeBackupStatus| {
-        find_condition(&status.conditions, condition_type::PROGRESSING).cloned()
-    };
-    if let (Some(new), Some(previous)) = (progressing(&without_progress), progressing(old))
-        && new.status == previous.status
-        && new.reason == previous.reason
-    {
-        for condition in &mut without_progress.conditions {
-            if condition.type_ == condition_type::PROGRESSING {
-                *condition = previous.clone();
-            }
-        }
-    }
-    without_progress == *old
-}
-
-/// The Event of a backup that just reached `phase`.
-fn finish_event(status: &VolumeBackupStatus, phase: VolumeBackupPhase) -> Event {
-    let note = status
-        .message
-        .clone()
-        .unwrap_or_else(|| format!("{phase:?}"));
-    let counts = status.volumes.clone().unwrap_or_default();
-    let note = format!(
-        "{note} ({} of {} volumes completed, {} failed)",
-        counts.completed, counts.total, counts.failed
-    );
-    if phase == VolumeBackupPhase::Completed {
-        Event::normal("Completed", "Finish", note)
-    } else {
-        Event::warning(format!("{phase:?}"), "Finish", note)
-    }
-}
-
 /// The stage pods of `plan` to create now, each complete
-/// ([`desired_stage_pod`]), with the location's credentials copied.
+/// ([`StagingObservation::create_stage_pod`]), with the location's
+/// credentials copied.
 fn stage_pods_to_create(
     observation: &BackupObservation,
     owner: &Owner,
     plan: &BackupPlan,
     location: &BackupStorageLocation,
 ) -> Vec<Action> {
-    let missing = missing_stage_pods(plan, observation);
+    let staging = &observation.staging;
+    let missing = staging.missing_stage_pods(plan);
     if missing.is_empty() {
         return Vec::new();
     }
     let template = StagePodTemplate {
-        pinning: observation.settings.pinning,
         backup_identity: match observation.backup.spec.agent_user {
             Some(user_id) => BackupIdentity::NonRoot { user_id },
             None => BackupIdentity::Root,
         },
-        ..StagePodTemplate::new(
-            Operation::Backup,
-            owner.clone(),
-            &observation.settings.agent_image,
-            LocationSettings {
-                reference: StorageLocationReference {
-                    namespace: location.namespace().unwrap_or_default(),
-                    name: location.name_any(),
-                },
-                spec: location.spec.clone(),
-            },
-        )
+        ..staging.stage_pod_template(Operation::Backup, owner, location)
     };
     let credentials = credentials_copy(
         &location.spec,
-        observation.credentials.clone().unwrap_or_default(),
-        observation.password.clone(),
+        staging.credentials.clone().unwrap_or_default(),
+        staging.password.clone(),
     );
     missing
         .into_iter()
         .map(|planned| {
-            let node = observation
-                .nodes
+            let record_of = |pvc: &String| {
+                observation
+                    .claim_records
+                    .get(&(planned.stage.namespace.clone(), pvc.clone()))
+            };
+            let classes: Vec<(String, String)> = planned
+                .stage
+                .volumes
                 .iter()
-                .find(|node| node.metadata.name.as_deref() == Some(planned.stage.node.as_str()))
-                .and_then(|node| node_facts(node, None).ok());
-            Action::CreateStagePod(Box::new(desired_stage_pod(
-                &template,
-                &planned.stage,
-                StagePodInputs {
-                    node: node.as_ref(),
-                    minimum: observation
-                        .limit_minimums
-                        .get(&planned.stage.namespace)
-                        .copied(),
-                    resources: resources_for(
-                        &observation
-                            .policies
-                            .iter()
-                            .map(Arc::as_ref)
-                            .collect::<Vec<_>>(),
-                        &planned
-                            .stage
-                            .volumes
-                            .iter()
-                            .filter_map(|pvc| {
-                                let record = observation
-                                    .claim_records
-                                    .get(&(planned.stage.namespace.clone(), pvc.clone()))?;
-                                Some((
-                                    record.storage_class.clone().unwrap_or_default(),
-                                    record.provisioner.clone().unwrap_or_default(),
-                                ))
-                            })
-                            .collect::<Vec<_>>(),
-                    ),
-                    credentials: credentials.clone(),
-                    volumes: planned
-                        .stage
-                        .volumes
-                        .iter()
-                        .map(|pvc| {
-                            let claim = observation
-                                .claim_records
-                                .get(&(planned.stage.namespace.clone(), pvc.clone()))
-                                .cloned();
-                            (
-                                pvc.clone(),
-                                TransferDetails {
-                                    snapshot: None,
-                                    since_snapshot: None,
-                                    claim,
-                                    parent_policy: observation.backup.spec.parent_policy,
-                                    tags: observation.backup.spec.snapshot_tags(),
-                                },
-                            )
-                        })
-                        .collect(),
-                },
-            )))
+                .filter_map(|pvc| {
+                    let record = record_of(pvc)?;
+                    Some((
+                        record.storage_class.clone().unwrap_or_default(),
+                        record.provisioner.clone().unwrap_or_default(),
+                    ))
+                })
+                .collect();
+            let volumes = planned
+                .stage
+                .volumes
+                .iter()
+                .map(|pvc| {
+                    (
+                        pvc.clone(),
+                        TransferDetails {
+                            snapshot: None,
+                            since_snapshot: None,
+                            claim: record_of(pvc).cloned(),
+                            parent_policy: observation.backup.spec.parent_policy,
+                            tags: observation.backup.spec.snapshot_tags(),
+                        },
+                    )
+                })
+                .collect();
+            staging.create_stage_pod(&template, planned, &classes, credentials.clone(), volumes)
         })
         .collect()
-}
-
-/// Whether to write `status` now: a change of only what moves with the
-/// volumes waits until [`PROGRESS_WRITE_INTERVAL`] after this replica's
-/// last write. Returns the status to write, or how long the write waits.
-fn status_to_write(
-    old: &VolumeBackupStatus,
-    status: VolumeBackupStatus,
-    since_last_write: Option<Duration>,
-) -> Result<Option<VolumeBackupStatus>, Duration> {
-    if status == *old {
-        return Ok(None);
-    }
-    match since_last_write {
-        Some(elapsed) if is_progress_only(old, &status) && elapsed < PROGRESS_WRITE_INTERVAL => {
-            Err(PROGRESS_WRITE_INTERVAL - elapsed)
-        }
-        _ => Ok(Some(status)),
-    }
 }
 
 /// Decide one reconcile of a VolumeBackup at `now` (pure; see the module
 /// documentation for the order in which the result is carried out).
 pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecision, BackupError> {
     let backup = &observation.backup;
+    let staging = &observation.staging;
     let owner = owner_of(backup)?;
     let old = backup.status.clone().unwrap_or_default();
-    if old.phase.is_some_and(VolumeBackupPhase::is_final) {
-        return Ok(BackupDecision::Finished {
-            release: if observation.pods.is_empty() {
-                Vec::new()
-            } else {
-                release_all(observation)
-            },
-        });
-    }
-    let ownership = match decide_ownership(
-        OwnershipFacts {
-            owner: old.owner.as_ref(),
-            identity: &observation.settings.identity,
-            lease_fresh: observation.lease_fresh,
-            leases: &observation.leases,
-            noun: "backup",
-        },
-        now,
-    ) {
+    let standing = StatusStanding {
+        finished: old.phase.is_some_and(VolumeBackupPhase::is_final),
+        plan: old.plan.as_ref(),
+        owner: old.owner.as_ref(),
+        noun: "backup",
+    };
+    let ownership = match staging.ownership(standing, now) {
         Ok(ownership) => ownership,
-        Err((why, requeue)) => return Ok(BackupDecision::Wait { why, requeue }),
+        Err(decision) => return Ok(decision),
     };
     let claim = ownership.claim().clone();
 
-    let (storage, location) = resolve_location(backup, &observation.locations);
+    let (storage, location) = resolve_location(backup, &staging.locations);
     let (plan, waiting) = match current_plan(observation, &owner, &storage, now)? {
         Ok(plan) => (plan, None),
         Err(waiting) => (None, Some(waiting)),
@@ -633,23 +426,17 @@ pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecis
         }
         _ => Vec::new(),
     };
-    let (supervision, backoff) = supervise_stage_pods(
-        &observation.pods,
-        &observation.transfers,
-        &observation.replaced_pods,
-        observation.settings.agent_lost_seconds,
-        now,
-    );
+    let (supervision, backoff) = staging.supervise(now);
     actions.extend(supervision);
 
     let observed = Observed {
         generation: backup.metadata.generation,
-        replica: observation.settings.identity.clone(),
+        replica: staging.settings.identity.clone(),
         adopted_from: claim.adopted_from.clone(),
         storage,
         fail_after_unavailable_seconds: backup.spec.fail_after_unavailable_seconds,
         plan,
-        transfers: observation
+        transfers: staging
             .transfers
             .iter()
             .map(|transfer| observe_transfer(transfer))
@@ -658,39 +445,15 @@ pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecis
     };
     let mut status = next_status(&old, &observed, now.clone());
     status.owner = Some(claim);
-    if let Some(plan) = &status.plan {
-        crate::supervision::note_stage_pods(
-            &mut status.conditions,
-            &[],
-            missing_stage_pods(plan, observation).is_empty(),
-            backup.metadata.generation,
-            now,
-        );
-    }
+    staging.note_stage_pods(&mut status, backup.metadata.generation, now);
 
     let (write, progress_wait) =
-        match status_to_write(&old, status.clone(), observation.since_last_status_write) {
+        match status_to_write(&old, status.clone(), staging.since_last_status_write) {
             Ok(write) => (write, None),
             Err(wait) => (None, Some(wait)),
         };
-    let mut after_status = Vec::new();
-    let final_phase = status.phase.filter(|phase| phase.is_final());
-    if let Some(phase) = final_phase
-        && old.phase != Some(phase)
-    {
-        after_status.push(Action::Emit(finish_event(&status, phase)));
-    }
-    if final_phase.is_some() {
-        let mut released = BackupObservation {
-            backup: Arc::new({
-                let mut finished = (**backup).clone();
-                finished.status = Some(status.clone());
-                finished
-            }),
-            ..observation.clone()
-        };
-        released.cluster = None;
-        after_status.extend(release_all(&released));
+    let after_status = after_final_status(staging, &old, &status, "completed");
+    if status.phase.is_some_and(VolumeBackupPhase::is_final) {
         return Ok(BackupDecision::Act(Box::new(BackupActs {
             ownership,
             actions,
@@ -720,28 +483,10 @@ pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecis
 /// watching them stop and abort their uploads), release its stage pods,
 /// delete its transfers (the controller bounds the time this may take).
 pub fn decide_cancel(observation: &BackupObservation, now: &Time) -> Vec<Action> {
-    let mut actions: Vec<Action> = observation
-        .transfers
-        .iter()
-        .filter(|transfer| !transfer.phase().is_final())
-        .map(|transfer| Action::WriteTransferStatus {
-            transfer: transfer_name_of(transfer),
-            status: Box::new(VolumeTransferStatus {
-                phase: Some(VolumeTransferPhase::Canceled),
-                message: Some("its VolumeBackup was deleted".to_string()),
-                completion_time: Some(now.clone()),
-                ..VolumeTransferStatus::default()
-            }),
-        })
-        .collect();
-    actions.extend(release_all(observation));
-    actions.extend(
-        observation
-            .transfers
-            .iter()
-            .map(|transfer| Action::DeleteTransfer(transfer_name_of(transfer))),
-    );
-    actions
+    let status = observation.backup.status.as_ref();
+    let plan = status.and_then(|status| status.plan.as_ref());
+    let why = "its VolumeBackup was deleted";
+    observation.staging.cancel(plan, why, now)
 }
 
 /// How long after a failed forget of a deleted backup's snapshots it is
@@ -929,58 +674,24 @@ pub fn forget_failed(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::action::ObjectName;
     use crate::ownership::{Ownership, WaitReason};
-    use crate::stage_pod::Pinning;
+    use crate::staging::PROGRESS_WRITE_INTERVAL;
+    use crate::test_support::{at, available};
     use haulage_api::backup::OwnerClaim;
     use haulage_api::backup::VolumeCounts;
     use haulage_api::condition::reason;
-    use haulage_api::{BackupStorageLocationPhase, BackupStorageLocationStatus};
+    use k8s_openapi::ByteString;
+    use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, PodStatus};
     use k8s_openapi::api::storage::v1::StorageClass;
-    use k8s_openapi::jiff::Timestamp;
-
-    const T0: i64 = 1_800_000_000;
-
-    fn at(seconds: i64) -> Time {
-        Time(Timestamp::from_second(T0 + seconds).expect("in range"))
-    }
-
-    fn available(name: &str) -> Arc<BackupStorageLocation> {
-        let mut location =
-            BackupStorageLocation::test(name).with_phase(BackupStorageLocationPhase::Available);
-        location.status = Some(BackupStorageLocationStatus {
-            phase: Some(BackupStorageLocationPhase::Available),
-            ..BackupStorageLocationStatus::default()
-        });
-        Arc::new(location)
-    }
-
-    fn settings() -> ControllerSettings {
-        ControllerSettings {
-            identity: "controller-0".to_string(),
-            agent_image: "agent:1".to_string(),
-            pinning: Pinning::RequiredNodeAffinity,
-            agent_lost_seconds: 300,
-        }
-    }
+    use std::collections::BTreeSet;
 
     fn observation(backup: VolumeBackup) -> BackupObservation {
         BackupObservation {
             backup: Arc::new(backup),
-            settings: settings(),
-            lease_fresh: true,
-            leases: Vec::new(),
-            locations: vec![available("s3")],
+            staging: StagingObservation::test(vec![available("s3")]),
             cluster: None,
-            nodes: Vec::new(),
-            transfers: Vec::new(),
-            pods: Vec::new(),
-            replaced_pods: BTreeSet::new(),
-            since_last_status_write: None,
-            credentials: None,
-            password: None,
-            policies: Vec::new(),
-            limit_minimums: BTreeMap::new(),
             claim_records: BTreeMap::new(),
         }
     }
@@ -1012,6 +723,21 @@ mod tests {
         });
         status.plan = Some(plan);
         backup
+    }
+
+    /// An observation of `backup` with its stage pod Running and a
+    /// transfer of each of `volumes` in its phase.
+    fn running(
+        backup: &VolumeBackup,
+        volumes: &[(&str, VolumeTransferPhase)],
+    ) -> BackupObservation {
+        let mut seen = observation(backup.clone());
+        seen.staging.pods = vec![stage_pod(backup, "Running")];
+        seen.staging.transfers = volumes
+            .iter()
+            .map(|(pvc, phase)| transfer_of(backup, pvc, *phase))
+            .collect();
+        seen
     }
 
     fn pod_name_of(backup: &VolumeBackup) -> String {
@@ -1153,7 +879,7 @@ mod tests {
     #[test]
     fn a_replica_whose_own_lease_is_stale_does_not_act_on_its_backups() {
         let mut seen = observation(owned_and_planned(&["db"]));
-        seen.lease_fresh = false;
+        seen.staging.lease_fresh = false;
         let decision = decide(&seen, &at(5)).expect("decided");
         assert!(matches!(
             decision,
@@ -1167,7 +893,7 @@ mod tests {
     #[test]
     fn a_missing_location_makes_the_backup_wait_without_planning() {
         let mut seen = observation(VolumeBackup::test("nightly"));
-        seen.locations.clear();
+        seen.staging.locations.clear();
         seen.cluster = Some(ClusterObjects::default());
         assert!(!needs_credentials(&seen, &at(0)).expect("decided"));
         let acts = acts(decide(&seen, &at(0)).expect("decided"));
@@ -1223,7 +949,7 @@ mod tests {
             needs_credentials(&seen, &at(0)).expect("decided"),
             "a pod is to be made"
         );
-        seen.credentials = Some(ByteString(b"[default]\n".to_vec()));
+        seen.staging.credentials = Some(ByteString(b"[default]\n".to_vec()));
         let record = haulage_repo::snapshot::ClaimRecord {
             namespace: "shop".to_string(),
             name: "db".to_string(),
@@ -1282,7 +1008,7 @@ mod tests {
     fn a_stage_pod_in_the_cache_is_not_created_again_nor_one_whose_volumes_are_all_final() {
         let backup = owned_and_planned(&["db"]);
         let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Running")];
+        seen.staging.pods = vec![stage_pod(&backup, "Running")];
         assert!(!needs_credentials(&seen, &at(0)).expect("decided"));
         let acts_running = acts(decide(&seen, &at(5)).expect("decided"));
         assert!(
@@ -1292,7 +1018,7 @@ mod tests {
         );
 
         let mut finished = observation(backup.clone());
-        finished.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::Failed)];
+        finished.staging.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::Failed)];
         assert!(!needs_credentials(&finished, &at(0)).expect("decided"));
         let decided = acts(decide(&finished, &at(5)).expect("decided"));
         assert!(
@@ -1306,15 +1032,16 @@ mod tests {
     #[test]
     fn a_pod_whose_volumes_are_all_final_is_stopped() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Running")];
-        seen.transfers = vec![
-            transfer_of(&backup, "db", VolumeTransferPhase::Completed),
-            transfer_of(&backup, "logs", VolumeTransferPhase::InProgress),
-        ];
+        let mut seen = running(
+            &backup,
+            &[
+                ("db", VolumeTransferPhase::Completed),
+                ("logs", VolumeTransferPhase::InProgress),
+            ],
+        );
         let running = acts(decide(&seen, &at(5)).expect("decided"));
         assert!(running.actions.is_empty());
-        seen.transfers[1] = transfer_of(&backup, "logs", VolumeTransferPhase::Failed);
+        seen.staging.transfers[1] = transfer_of(&backup, "logs", VolumeTransferPhase::Failed);
         let done = acts(decide(&seen, &at(6)).expect("decided"));
         assert!(done.actions.iter().any(|action| matches!(
             action,
@@ -1329,8 +1056,8 @@ mod tests {
     fn a_failed_stage_pod_is_recreated_after_its_backoff_recording_the_attempt() {
         let backup = owned_and_planned(&["db"]);
         let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Failed")];
-        seen.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::InProgress)];
+        seen.staging.pods = vec![stage_pod(&backup, "Failed")];
+        seen.staging.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::InProgress)];
         let acts = acts(decide(&seen, &at(0)).expect("decided"));
         // No termination time: the backoff counts from now.
         assert!(acts.actions.is_empty(), "{:?}", acts.actions);
@@ -1341,7 +1068,7 @@ mod tests {
             ))
         );
         // The pod says when it failed: past the backoff.
-        seen.pods = vec![evicted_pod(&backup)];
+        seen.staging.pods = vec![evicted_pod(&backup)];
         let later = decide(&seen, &at(3600)).expect("decided");
         let acts = self::acts(later);
         assert_eq!(events(&acts.actions), ["StagePodRecreated"]);
@@ -1360,11 +1087,11 @@ mod tests {
     fn a_pod_this_replica_replaced_is_not_judged_again() {
         let backup = owned_and_planned(&["db"]);
         let mut seen = observation(backup.clone());
-        seen.pods = vec![evicted_pod(&backup)];
-        seen.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::InProgress)];
+        seen.staging.pods = vec![evicted_pod(&backup)];
+        seen.staging.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::InProgress)];
         let first = acts(decide(&seen, &at(3600)).expect("decided"));
         assert_eq!(events(&first.actions), ["StagePodRecreated"]);
-        seen.replaced_pods = BTreeSet::from(["pod-uid-1".to_string()]);
+        seen.staging.replaced_pods = BTreeSet::from(["pod-uid-1".to_string()]);
         let acts = acts(decide(&seen, &at(3601)).expect("decided"));
         assert!(acts.actions.is_empty(), "{:?}", acts.actions);
     }
@@ -1373,10 +1100,10 @@ mod tests {
     fn a_stage_pod_out_of_attempts_fails_its_open_volumes_with_its_reason() {
         let backup = owned_and_planned(&["db"]);
         let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Failed")];
+        seen.staging.pods = vec![stage_pod(&backup, "Failed")];
         let mut transfer = (*transfer_of(&backup, "db", VolumeTransferPhase::InProgress)).clone();
         transfer.status.as_mut().expect("status").attempts = Some(2);
-        seen.transfers = vec![Arc::new(transfer)];
+        seen.staging.transfers = vec![Arc::new(transfer)];
         let acts = acts(decide(&seen, &at(0)).expect("decided"));
         assert_eq!(events(&acts.actions), [reason::STAGE_POD_FAILED]);
         let failed = acts
@@ -1401,14 +1128,14 @@ mod tests {
     fn a_running_agent_that_stopped_reporting_gets_its_pod_recreated() {
         let backup = owned_and_planned(&["db"]);
         let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Running")];
+        seen.staging.pods = vec![stage_pod(&backup, "Running")];
         let mut transfer = (*transfer_of(&backup, "db", VolumeTransferPhase::InProgress)).clone();
         transfer.status.as_mut().expect("status").agent = Some(haulage_api::transfer::AgentClaim {
             identity: pod_name_of(&backup),
             claimed_at: at(0),
             heartbeat_time: at(0),
         });
-        seen.transfers = vec![Arc::new(transfer)];
+        seen.staging.transfers = vec![Arc::new(transfer)];
         let quiet = acts(decide(&seen, &at(100)).expect("decided"));
         assert!(quiet.actions.is_empty());
         let lost = acts(decide(&seen, &at(3600)).expect("decided"));
@@ -1418,12 +1145,13 @@ mod tests {
     #[test]
     fn a_progress_only_change_waits_for_the_write_interval_and_a_phase_change_does_not() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Running")];
-        seen.transfers = vec![
-            transfer_of(&backup, "db", VolumeTransferPhase::InProgress),
-            transfer_of(&backup, "logs", VolumeTransferPhase::InProgress),
-        ];
+        let mut seen = running(
+            &backup,
+            &[
+                ("db", VolumeTransferPhase::InProgress),
+                ("logs", VolumeTransferPhase::InProgress),
+            ],
+        );
         let first = acts(decide(&seen, &at(0)).expect("decided"));
         let written = first
             .status
@@ -1432,19 +1160,19 @@ mod tests {
         after.status = Some(written);
         seen.backup = Arc::new(after);
         // Progress moves, two seconds after the last write: held back.
-        let mut moving = (*seen.transfers[0]).clone();
+        let mut moving = (*seen.staging.transfers[0]).clone();
         moving.status.as_mut().expect("status").progress = Some(haulage_api::Progress {
             total_bytes: 100,
             bytes_done: 40,
             ..haulage_api::Progress::default()
         });
-        seen.transfers[0] = Arc::new(moving);
-        seen.since_last_status_write = Some(Duration::from_secs(2));
+        seen.staging.transfers[0] = Arc::new(moving);
+        seen.staging.since_last_status_write = Some(Duration::from_secs(2));
         let held = acts(decide(&seen, &at(2)).expect("decided"));
         assert_eq!(held.status, None);
         assert_eq!(held.requeue, Requeue::After(Duration::from_secs(3)));
         // Past the interval: written.
-        seen.since_last_status_write = Some(PROGRESS_WRITE_INTERVAL);
+        seen.staging.since_last_status_write = Some(PROGRESS_WRITE_INTERVAL);
         assert!(
             acts(decide(&seen, &at(5)).expect("decided"))
                 .status
@@ -1452,8 +1180,8 @@ mod tests {
         );
         // A volume finishing changes a condition's reason? No: the counts
         // only; a backup finishing changes the phase: written at once.
-        seen.since_last_status_write = Some(Duration::from_secs(1));
-        seen.transfers = vec![
+        seen.staging.since_last_status_write = Some(Duration::from_secs(1));
+        seen.staging.transfers = vec![
             transfer_of(&backup, "db", VolumeTransferPhase::Completed),
             transfer_of(&backup, "logs", VolumeTransferPhase::Completed),
         ];
@@ -1478,7 +1206,7 @@ mod tests {
             panic!("final");
         };
         assert!(release.is_empty(), "no pod left: nothing to release");
-        seen.pods = vec![stage_pod(&backup, "Succeeded")];
+        seen.staging.pods = vec![stage_pod(&backup, "Succeeded")];
         let BackupDecision::Finished { release } = decide(&seen, &at(0)).expect("decided") else {
             panic!("final");
         };
@@ -1491,12 +1219,13 @@ mod tests {
     #[test]
     fn cancel_marks_open_transfers_canceled_releases_pods_and_deletes_every_transfer() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Running")];
-        seen.transfers = vec![
-            transfer_of(&backup, "db", VolumeTransferPhase::Completed),
-            transfer_of(&backup, "logs", VolumeTransferPhase::InProgress),
-        ];
+        let seen = running(
+            &backup,
+            &[
+                ("db", VolumeTransferPhase::Completed),
+                ("logs", VolumeTransferPhase::InProgress),
+            ],
+        );
         let actions = decide_cancel(&seen, &at(0));
         let canceled: Vec<&ObjectName> = actions
             .iter()
@@ -1547,9 +1276,7 @@ mod tests {
     #[test]
     fn the_volume_counts_follow_the_transfers() {
         let backup = owned_and_planned(&["db", "logs"]);
-        let mut seen = observation(backup.clone());
-        seen.pods = vec![stage_pod(&backup, "Running")];
-        seen.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::Completed)];
+        let seen = running(&backup, &[("db", VolumeTransferPhase::Completed)]);
         let status = acts(decide(&seen, &at(0)).expect("decided"))
             .status
             .expect("written");
@@ -1568,7 +1295,7 @@ mod tests {
     fn a_stage_pod_gets_its_storage_policys_resources_and_its_namespaces_limit_range_minimum() {
         let mut seen = observation(VolumeBackup::test("nightly"));
         seen.cluster = Some(cluster_with_one_claim());
-        seen.credentials = Some(ByteString(b"[default]".to_vec()));
+        seen.staging.credentials = Some(ByteString(b"[default]".to_vec()));
         seen.claim_records = BTreeMap::from([(
             ("shop".to_string(), "db".to_string()),
             haulage_repo::snapshot::ClaimRecord {
@@ -1587,8 +1314,8 @@ mod tests {
             }))
             .expect("resources"),
         );
-        seen.policies = vec![Arc::new(policy)];
-        seen.limit_minimums = BTreeMap::from([(
+        seen.staging.policies = vec![Arc::new(policy)];
+        seen.staging.limit_minimums = BTreeMap::from([(
             "shop".to_string(),
             haulage_plan::facts::ResourceMinimum {
                 cpu_millis: Some(750),

@@ -96,87 +96,39 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
     let set = |status: &mut VolumeBackupStatus, type_, state, why, message: &str| {
         conditions.set(&mut status.conditions, type_, state, why, message);
     };
-    match &observed.adopted_from {
-        None => set(
-            &mut status,
-            condition_type::CLAIMED,
-            ConditionStatus::True,
-            reason::CLAIMED_BY_REPLICA,
-            &format!("claimed by replica {}", observed.replica),
-        ),
-        Some(previous) => set(
-            &mut status,
-            condition_type::CLAIMED,
-            ConditionStatus::True,
-            reason::ADOPTED_FROM_REPLICA,
-            &format!(
-                "claimed by replica {}, adopted from replica {previous} after its lease expired",
-                observed.replica
-            ),
-        ),
-    }
+    conditions.claimed(
+        &mut status.conditions,
+        &observed.replica,
+        observed.adopted_from.as_deref(),
+    );
 
-    let (storage_reason, storage_message) = match &observed.storage {
-        StorageState::Available { name } => {
+    // Once planned, the agents talk to the storage themselves and report
+    // their own failures; only a backup that has not started waits for
+    // the location.
+    if let Some(storage_message) = conditions.storage(&mut status.conditions, &observed.storage)
+        && observed.plan.is_none()
+    {
+        let waited = now.0.as_second() - start.0.as_second();
+        let timed_out = observed
+            .fail_after_unavailable_seconds
+            .is_some_and(|limit| waited >= limit);
+        if timed_out {
+            let message = format!("{storage_message}; gave up after {waited}s");
             set(
                 &mut status,
-                condition_type::STORAGE_AVAILABLE,
+                condition_type::FAILED,
                 ConditionStatus::True,
-                reason::STORAGE_LOCATION_AVAILABLE,
-                &format!("BackupStorageLocation {name} is Available"),
+                reason::STORAGE_UNAVAILABLE_TIMEOUT,
+                &message,
             );
-            (None, String::new())
+            status.phase = Some(VolumeBackupPhase::Failed);
+            status.message = Some(haulage_api::condition::bounded_message(&message));
+            status.completion_time = Some(now.clone());
+        } else {
+            status.phase = Some(VolumeBackupPhase::WaitingForStorage);
+            status.message = Some(haulage_api::condition::bounded_message(&storage_message));
         }
-        StorageState::Missing { name } => (
-            Some(reason::STORAGE_LOCATION_NOT_FOUND),
-            format!("BackupStorageLocation {name} does not exist"),
-        ),
-        StorageState::Unavailable { name, message } => (
-            Some(reason::STORAGE_LOCATION_UNAVAILABLE),
-            format!("BackupStorageLocation {name} is Unavailable: {message}"),
-        ),
-    };
-    if let Some(storage_reason) = storage_reason {
-        // Once planned, the agents talk to the storage themselves and
-        // report their own failures; only a backup that has not started
-        // waits for the location.
-        if observed.plan.is_none() {
-            let waited = now.0.as_second() - start.0.as_second();
-            let timed_out = observed
-                .fail_after_unavailable_seconds
-                .is_some_and(|limit| waited >= limit);
-            set(
-                &mut status,
-                condition_type::STORAGE_AVAILABLE,
-                ConditionStatus::False,
-                storage_reason,
-                &storage_message,
-            );
-            if timed_out {
-                let message = format!("{storage_message}; gave up after {waited}s");
-                set(
-                    &mut status,
-                    condition_type::FAILED,
-                    ConditionStatus::True,
-                    reason::STORAGE_UNAVAILABLE_TIMEOUT,
-                    &message,
-                );
-                status.phase = Some(VolumeBackupPhase::Failed);
-                status.message = Some(haulage_api::condition::bounded_message(&message));
-                status.completion_time = Some(now.clone());
-            } else {
-                status.phase = Some(VolumeBackupPhase::WaitingForStorage);
-                status.message = Some(haulage_api::condition::bounded_message(&storage_message));
-            }
-            return status;
-        }
-        set(
-            &mut status,
-            condition_type::STORAGE_AVAILABLE,
-            ConditionStatus::False,
-            storage_reason,
-            &storage_message,
-        );
+        return status;
     }
 
     let Some(plan) = &observed.plan else {
@@ -188,88 +140,24 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
         return status;
     };
     status.plan = Some(plan.clone());
-    let placed_count: usize = plan
-        .stage_pods
-        .iter()
-        .map(|pod| pod.stage.volumes.len())
-        .sum();
-    set(
-        &mut status,
-        condition_type::PLANNED,
-        ConditionStatus::True,
-        if plan.unplaceable.is_empty() {
-            reason::PLAN_COMPLETE
-        } else {
-            reason::VOLUMES_UNPLACEABLE
-        },
-        &format!(
-            "{placed_count} volumes in {} stage pods, {} unplaceable",
-            plan.stage_pods.len(),
-            plan.unplaceable.len()
-        ),
-    );
+    conditions.planned(&mut status.conditions, plan);
 
     let (results, progress) = volume_results(plan, &observed.transfers);
     let counts = VolumeCounts::from_phases(results.iter().map(|result| result.phase));
     status.progress = Some(Progress::sum(&progress));
     status.results = results;
 
-    let phase = final_phase(&counts);
     status.volumes = Some(counts.clone());
-    match phase {
-        Some((phase, why, message)) => {
-            let succeeded = phase == VolumeBackupPhase::Completed;
-            set(
-                &mut status,
-                condition_type::PROGRESSING,
-                ConditionStatus::False,
-                why,
-                &message,
-            );
-            set(
-                &mut status,
-                condition_type::COMPLETE,
-                if succeeded {
-                    ConditionStatus::True
-                } else {
-                    ConditionStatus::False
-                },
-                why,
-                &message,
-            );
-            set(
-                &mut status,
-                condition_type::FAILED,
-                if succeeded {
-                    ConditionStatus::False
-                } else {
-                    ConditionStatus::True
-                },
-                why,
-                &message,
-            );
-            status.phase = Some(phase);
-            status.message = Some(haulage_api::condition::bounded_message(&message));
-            status.completion_time = Some(now.clone());
-        }
-        None => {
-            let message = format!(
-                "{} of {} volumes done, {} running, {} pending",
-                counts.completed + counts.failed + counts.canceled,
-                counts.total,
-                counts.in_progress,
-                counts.pending
-            );
-            set(
-                &mut status,
-                condition_type::PROGRESSING,
-                ConditionStatus::True,
-                reason::TRANSFERS_RUNNING,
-                &message,
-            );
-            status.phase = Some(VolumeBackupPhase::InProgress);
-            status.message = None;
-        }
+    let rolled_up = conditions.roll_up(
+        &mut status.conditions,
+        &counts,
+        final_phase(&counts),
+        [VolumeBackupPhase::Completed, VolumeBackupPhase::InProgress],
+    );
+    status.phase = Some(rolled_up.phase);
+    status.message = rolled_up.message;
+    if let Some(completion_time) = rolled_up.completion_time {
+        status.completion_time = Some(completion_time);
     }
     status
 }
@@ -279,9 +167,16 @@ fn bounded(message: &str) -> String {
     haulage_api::condition::bounded_message(message)
 }
 
-/// Sets conditions with one generation and time.
+/// What [`Conditions::roll_up`] gives a status: its phase, its message,
+/// and its completion time once final.
+pub(crate) struct RolledUp<P> {
+    pub(crate) phase: P,
+    pub(crate) message: Option<String>,
+    pub(crate) completion_time: Option<Time>,
+}
+
 /// The generation and time every condition of one status write carries;
-/// backups and restores write their conditions through it.
+/// backups, restores and storage locations write their conditions through it.
 pub(crate) struct Conditions {
     pub(crate) generation: Option<i64>,
     pub(crate) now: Time,
@@ -308,6 +203,170 @@ impl Conditions {
                 self.now.clone(),
             ),
             self.now.clone(),
+        );
+    }
+
+    /// The Claimed condition of an object `replica` owns, adopted from
+    /// replica `adopted_from` when that one's lease expired.
+    pub(crate) fn claimed(
+        &self,
+        conditions: &mut Vec<Condition>,
+        replica: &str,
+        adopted_from: Option<&str>,
+    ) {
+        match adopted_from {
+            None => self.set(
+                conditions,
+                condition_type::CLAIMED,
+                ConditionStatus::True,
+                reason::CLAIMED_BY_REPLICA,
+                &format!("claimed by replica {replica}"),
+            ),
+            Some(previous) => self.set(
+                conditions,
+                condition_type::CLAIMED,
+                ConditionStatus::True,
+                reason::ADOPTED_FROM_REPLICA,
+                &format!(
+                    "claimed by replica {replica}, adopted from replica {previous} after its lease expired"
+                ),
+            ),
+        }
+    }
+
+    /// The StorageAvailable condition of the object's location in
+    /// `storage`; returns what is wrong with the location (`None` when it
+    /// is Available).
+    pub(crate) fn storage(
+        &self,
+        conditions: &mut Vec<Condition>,
+        storage: &StorageState,
+    ) -> Option<String> {
+        let (state, why, message) = match storage {
+            StorageState::Available { name } => (
+                ConditionStatus::True,
+                reason::STORAGE_LOCATION_AVAILABLE,
+                format!("BackupStorageLocation {name} is Available"),
+            ),
+            StorageState::Missing { name } => (
+                ConditionStatus::False,
+                reason::STORAGE_LOCATION_NOT_FOUND,
+                format!("BackupStorageLocation {name} does not exist"),
+            ),
+            StorageState::Unavailable { name, message } => (
+                ConditionStatus::False,
+                reason::STORAGE_LOCATION_UNAVAILABLE,
+                format!("BackupStorageLocation {name} is Unavailable: {message}"),
+            ),
+        };
+        self.set(
+            conditions,
+            condition_type::STORAGE_AVAILABLE,
+            state,
+            why,
+            &message,
+        );
+        (state == ConditionStatus::False).then_some(message)
+    }
+
+    /// The Planned condition of `plan`: how many volumes it placed in how
+    /// many stage pods, and how many it could not place.
+    pub(crate) fn planned(&self, conditions: &mut Vec<Condition>, plan: &BackupPlan) {
+        let placed_count: usize = plan
+            .stage_pods
+            .iter()
+            .map(|pod| pod.stage.volumes.len())
+            .sum();
+        self.set(
+            conditions,
+            condition_type::PLANNED,
+            ConditionStatus::True,
+            if plan.unplaceable.is_empty() {
+                reason::PLAN_COMPLETE
+            } else {
+                reason::VOLUMES_UNPLACEABLE
+            },
+            &format!(
+                "{placed_count} volumes in {} stage pods, {} unplaceable",
+                plan.stage_pods.len(),
+                plan.unplaceable.len()
+            ),
+        );
+    }
+
+    /// The phase, message and conditions of an object whose volumes are at
+    /// `counts`: with `outcome` (their final phase, its reason and message)
+    /// those of a finished one ([`Conditions::finished`], succeeded when
+    /// the phase is the first of `[completed, in_progress]`), without it
+    /// `in_progress` ([`Conditions::running`]).
+    pub(crate) fn roll_up<P: Copy + PartialEq>(
+        &self,
+        conditions: &mut Vec<Condition>,
+        counts: &VolumeCounts,
+        outcome: Option<(P, &str, String)>,
+        [completed, in_progress]: [P; 2],
+    ) -> RolledUp<P> {
+        match outcome {
+            Some((phase, why, message)) => {
+                self.finished(conditions, phase == completed, why, &message);
+                RolledUp {
+                    phase,
+                    message: Some(bounded(&message)),
+                    completion_time: Some(self.now.clone()),
+                }
+            }
+            None => {
+                self.running(conditions, counts);
+                RolledUp {
+                    phase: in_progress,
+                    message: None,
+                    completion_time: None,
+                }
+            }
+        }
+    }
+
+    /// The Progressing, Complete and Failed conditions of an object whose
+    /// volumes are all final (`succeeded`: it is Completed), for `why`.
+    pub(crate) fn finished(
+        &self,
+        conditions: &mut Vec<Condition>,
+        succeeded: bool,
+        why: &str,
+        message: &str,
+    ) {
+        let (complete, failed) = if succeeded {
+            (ConditionStatus::True, ConditionStatus::False)
+        } else {
+            (ConditionStatus::False, ConditionStatus::True)
+        };
+        self.set(
+            conditions,
+            condition_type::PROGRESSING,
+            ConditionStatus::False,
+            why,
+            message,
+        );
+        self.set(conditions, condition_type::COMPLETE, complete, why, message);
+        self.set(conditions, condition_type::FAILED, failed, why, message);
+    }
+
+    /// The Progressing condition of an object whose volumes still move,
+    /// with their `counts`.
+    pub(crate) fn running(&self, conditions: &mut Vec<Condition>, counts: &VolumeCounts) {
+        let message = format!(
+            "{} of {} volumes done, {} running, {} pending",
+            counts.completed + counts.failed + counts.canceled,
+            counts.total,
+            counts.in_progress,
+            counts.pending
+        );
+        self.set(
+            conditions,
+            condition_type::PROGRESSING,
+            ConditionStatus::True,
+            reason::TRANSFERS_RUNNING,
+            &message,
         );
     }
 }
@@ -422,6 +481,7 @@ fn final_phase(counts: &VolumeCounts) -> Option<(VolumeBackupPhase, &'static str
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::at;
     use haulage_api::backup::{PlannedStagePod, UnplaceableVolume};
     use haulage_api::condition::find_condition;
 
@@ -455,10 +515,6 @@ mod tests {
             FinalCounts::of(&counts(3, 1, 1, 1)),
             Some(FinalCounts::SomeCompleted)
         );
-    }
-
-    fn at(seconds: i64) -> Time {
-        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
     }
 
     fn observed(storage: StorageState) -> Observed {

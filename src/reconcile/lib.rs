@@ -23,6 +23,10 @@
 //! - [`replicas`]: whether the replica owning an object is alive, from the
 //!   liveness Leases; the admission Lease's next step.
 //! - [`stage_pod`]: the complete desired objects of one stage pod.
+//! - [`staging`]: what backups and restores decide alike (who acts, the
+//!   stage pods to create, their supervision and release, the cancel, the
+//!   progress-write throttle, the finish Event), from the part of their
+//!   observations they share.
 //! - [`action`]: the actions decisions return and the controller executes.
 
 pub mod action;
@@ -35,4 +39,7 @@ pub mod ownership;
 pub mod replicas;
 pub mod restore;
 pub mod stage_pod;
+pub mod staging;
 pub mod supervision;
+#[cfg(test)]
+mod test_support;

@@ -16,8 +16,7 @@ use std::hash::{Hash, Hasher};
 use std::time::Duration;
 
 use haulage_api::condition::{
-    Condition, ConditionStatus, bounded_message, condition_type, find_condition, reason,
-    set_condition,
+    ConditionStatus, bounded_message, condition_type, find_condition, reason,
 };
 use haulage_api::{BackupStorageLocation, BackupStorageLocationPhase, BackupStorageLocationStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
@@ -26,7 +25,7 @@ use kube::ResourceExt;
 use std::sync::Arc;
 
 use crate::action::{Event, Requeue};
-use crate::backup_status::StorageState;
+use crate::backup_status::{Conditions, StorageState};
 
 /// Each location's interval is stretched or shrunk by up to this many per
 /// mille (±10 %), by a fixed amount per location, so locations created
@@ -175,17 +174,12 @@ pub fn next_location_status(
     status.last_validation_time = Some(now.clone());
     status.message = Some(bounded_message(&message));
     status.observed_generation = generation;
-    set_condition(
+    Conditions { generation, now }.set(
         &mut status.conditions,
-        Condition::new(
-            condition_type::AVAILABLE,
-            state,
-            why,
-            &message,
-            generation,
-            now.clone(),
-        ),
-        now,
+        condition_type::AVAILABLE,
+        state,
+        why,
+        &message,
     );
     status
 }
@@ -363,20 +357,13 @@ pub fn with_default_condition(
         None => status
             .conditions
             .retain(|condition| condition.type_ != condition_type::UNIQUE_DEFAULT),
-        Some((state, why, message)) => {
-            set_condition(
-                &mut status.conditions,
-                Condition::new(
-                    condition_type::UNIQUE_DEFAULT,
-                    state,
-                    why,
-                    &message,
-                    generation,
-                    now.clone(),
-                ),
-                now,
-            );
-        }
+        Some((state, why, message)) => Conditions { generation, now }.set(
+            &mut status.conditions,
+            condition_type::UNIQUE_DEFAULT,
+            state,
+            why,
+            &message,
+        ),
     }
     status
 }
@@ -645,9 +632,14 @@ pub fn resolve_location<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::at;
 
-    fn at(seconds: i64) -> Time {
-        Time(k8s_openapi::jiff::Timestamp::from_second(1_800_000_000 + seconds).expect("valid"))
+    /// Location `name`, marked default, created `created` seconds after
+    /// the epoch.
+    fn default_at(name: &str, created: i64) -> BackupStorageLocation {
+        BackupStorageLocation::test(name)
+            .marked_default()
+            .created_at(created)
     }
 
     fn failed(problem: ProbeProblem, message: &str) -> ProbeOutcome {
@@ -782,15 +774,9 @@ mod tests {
 
     #[test]
     fn the_oldest_default_wins_then_the_name_and_each_default_gets_a_condition() {
-        let older = BackupStorageLocation::test("zeta")
-            .marked_default()
-            .created_at(0);
-        let newer = BackupStorageLocation::test("alpha")
-            .marked_default()
-            .created_at(10);
-        let same_time = BackupStorageLocation::test("beta")
-            .marked_default()
-            .created_at(10);
+        let older = default_at("zeta", 0);
+        let newer = default_at("alpha", 10);
+        let same_time = default_at("beta", 10);
         let plain = BackupStorageLocation::test("plain").created_at(-100);
         let all = [
             newer.clone(),
@@ -998,12 +984,8 @@ mod tests {
 
     #[test]
     fn the_default_condition_follows_the_siblings_without_a_probe() {
-        let older = BackupStorageLocation::test("zeta")
-            .marked_default()
-            .created_at(0);
-        let newer = BackupStorageLocation::test("alpha")
-            .marked_default()
-            .created_at(10);
+        let older = default_at("zeta", 0);
+        let newer = default_at("alpha", 10);
         let decision = decide_status(
             &LocationObservation {
                 location: &newer,

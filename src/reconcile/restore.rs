@@ -26,43 +26,34 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use haulage_api::backup::{BackupPlan, PlannedStagePod, VolumeCounts};
-use haulage_api::condition::{
-    ConditionStatus, bounded_message, condition_type, find_condition, reason,
-};
+use haulage_api::backup::{BackupPlan, OwnerClaim, VolumeCounts};
+use haulage_api::condition::{ConditionStatus, bounded_message, condition_type, reason};
 use haulage_api::restore::{
     ClaimAction, ExistingClaimPolicy, RestoreResult, RestoreVolume, VolumeRestore,
     VolumeRestorePhase, VolumeRestoreStatus,
 };
-use haulage_api::transfer::StorageLocationReference;
-use haulage_api::{
-    BackupStorageLocation, Progress, VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus,
-};
+use haulage_api::{BackupStorageLocation, Progress, VolumeTransfer, VolumeTransferPhase};
 use haulage_plan::facts::BindingMode;
-use haulage_plan::objects::{ClusterObjects, DumpError, facts_from_objects, node_facts};
+use haulage_plan::objects::{ClusterObjects, DumpError, facts_from_objects};
 use haulage_plan::{LabelSelector, PlanError, RestoreClaim, plan_restore};
 use haulage_repo::snapshot::{ClaimRecord, Snapshot};
-use k8s_openapi::ByteString;
-use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
-use crate::action::{Action, ClaimChange, Event, ObjectName, Requeue};
-use crate::backup::{PROGRESS_WRITE_INTERVAL, RECHECK_SECONDS, label_selector_of};
-use crate::backup_status::{Conditions, FinalCounts, StorageState};
+use crate::action::{Action, ClaimChange, ObjectName, Requeue};
+use crate::backup::{RECHECK_SECONDS, label_selector_of};
+use crate::backup_status::{Conditions, FinalCounts};
 use crate::claims::{
     RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION,
     destination_claim, destination_of,
 };
 use crate::location::resolve_location;
-use crate::ownership::{ControllerSettings, Decision, OwnerActs, OwnershipFacts, decide_ownership};
-use crate::stage_pod::{
-    LocationSettings, Operation, Owner, StagePodInputs, StagePodTemplate, TransferDetails,
-    credentials_copy, desired_stage_pod, resources_for, status_plan,
-};
-use crate::supervision::{supervise_stage_pods, transfer_name_of, transfers_of};
+use crate::ownership::{Decision, OwnerActs, Ownership};
+use crate::stage_pod::{Operation, Owner, TransferDetails, credentials_copy, status_plan};
+use crate::staging::{StagingObservation, StatusStanding, after_final_status, status_to_write};
+use crate::supervision::transfers_of;
 
 /// How soon a restore whose claims are not ready for planning (an
 /// Immediate class still binding) is looked at again.
@@ -85,14 +76,10 @@ pub struct ListedSnapshot {
 pub struct RestoreObservation {
     /// The restore as the cache shows it.
     pub restore: Arc<VolumeRestore>,
-    /// The controller's settings.
-    pub settings: ControllerSettings,
-    /// Whether this replica's liveness lease is fresh.
-    pub lease_fresh: bool,
-    /// The replicas' liveness Leases.
-    pub leases: Vec<Lease>,
-    /// The BackupStorageLocations of the restore's namespace.
-    pub locations: Vec<Arc<BackupStorageLocation>>,
+    /// What a restore's reconcile reads like a backup's: this replica's
+    /// standing, the locations of the restore's namespace, its stage pods
+    /// and transfers, and what a new stage pod is built from.
+    pub staging: StagingObservation,
     /// The location's snapshots (or why they could not be read), listed
     /// only while the restore has no selection ([`needs_snapshots`]).
     pub snapshots: Option<Result<Vec<ListedSnapshot>, String>>,
@@ -106,26 +93,6 @@ pub struct RestoreObservation {
     pub volumes: Vec<Arc<PersistentVolume>>,
     /// The cluster's objects, read only while there is no plan.
     pub cluster: Option<ClusterObjects>,
-    /// The nodes.
-    pub nodes: Vec<Arc<Node>>,
-    /// The restore's VolumeTransfers.
-    pub transfers: Vec<Arc<VolumeTransfer>>,
-    /// The restore's stage pods.
-    pub pods: Vec<Arc<Pod>>,
-    /// Stage pods this replica deleted to replace them.
-    pub replaced_pods: BTreeSet<String>,
-    /// How long ago this replica last wrote the status, if it did.
-    pub since_last_status_write: Option<Duration>,
-    /// The location's credentials file, read when [`needs_credentials`]
-    /// said so.
-    pub credentials: Option<ByteString>,
-    /// The repository's password, read with the credentials for a
-    /// location with `spec.encryption`.
-    pub password: Option<ByteString>,
-    /// The StoragePolicies (their `stagePodResources`).
-    pub policies: Vec<Arc<haulage_api::StoragePolicy>>,
-    /// The LimitRange minimum of each namespace that has one.
-    pub limit_minimums: BTreeMap<String, haulage_plan::facts::ResourceMinimum>,
 }
 
 /// A restore that cannot be decided on (permanent until someone changes
@@ -162,16 +129,7 @@ pub type RestoreActs = OwnerActs<VolumeRestoreStatus>;
 
 /// The owner of a restore's children.
 pub fn owner_of(restore: &VolumeRestore) -> Result<Owner, RestoreError> {
-    let missing = |field| RestoreError::MissingField { field };
-    Ok(Owner {
-        namespace: restore.namespace().ok_or(missing("metadata.namespace"))?,
-        name: restore
-            .metadata
-            .name
-            .clone()
-            .ok_or(missing("metadata.name"))?,
-        uid: restore.uid().ok_or(missing("metadata.uid"))?,
-    })
+    Owner::of(restore).map_err(|field| RestoreError::MissingField { field })
 }
 
 fn is_final(restore: &VolumeRestore) -> bool {
@@ -546,32 +504,6 @@ fn make_plan(
     Ok(status_plan(Operation::Restore, owner, plan))
 }
 
-/// The planned stage pods not in the cache that still have work.
-fn missing_stage_pods<'a>(
-    plan: &'a BackupPlan,
-    observation: &RestoreObservation,
-) -> Vec<&'a PlannedStagePod> {
-    plan.stage_pods
-        .iter()
-        .filter(|planned| {
-            !observation.pods.iter().any(|pod| {
-                pod.namespace().as_deref() == Some(planned.stage.namespace.as_str())
-                    && pod.name_any() == planned.pod_name
-            })
-        })
-        .filter(|planned| {
-            let of_pod = transfers_of(
-                &observation.transfers,
-                &planned.stage.namespace,
-                &planned.pod_name,
-            );
-            !(!of_pod.is_empty()
-                && of_pod.len() >= planned.stage.volumes.len()
-                && of_pod.iter().all(|transfer| transfer.phase().is_final()))
-        })
-        .collect()
-}
-
 /// Whether [`decide`] will create a stage pod now (so the credentials are
 /// read first).
 pub fn needs_credentials(observation: &RestoreObservation) -> bool {
@@ -584,9 +516,12 @@ pub fn needs_credentials(observation: &RestoreObservation) -> bool {
     status
         .plan
         .as_ref()
-        .is_some_and(|plan| !missing_stage_pods(plan, observation).is_empty())
+        .is_some_and(|plan| !observation.staging.missing_stage_pods(plan).is_empty())
 }
 
+/// The stage pods of `plan` to create now, each complete
+/// ([`StagingObservation::create_stage_pod`]), after the change that marks
+/// each claim to sync as being synced ([`sync_start`]).
 fn stage_pods_to_create(
     observation: &RestoreObservation,
     owner: &Owner,
@@ -594,106 +529,72 @@ fn stage_pods_to_create(
     selection: &[RestoreVolume],
     location: &BackupStorageLocation,
 ) -> Vec<Action> {
-    let missing = missing_stage_pods(plan, observation);
+    let staging = &observation.staging;
+    let missing = staging.missing_stage_pods(plan);
     // The credentials are read only when the observed status already has
     // the plan (`needs_credentials`); a plan made in this pass gets its
     // stage pods in the next one, never a copy without credentials.
-    let Some(location_credentials) = observation.credentials.clone() else {
+    let Some(location_credentials) = staging.credentials.clone() else {
         return Vec::new();
     };
     if missing.is_empty() {
         return Vec::new();
     }
-    let template = StagePodTemplate {
-        pinning: observation.settings.pinning,
-        ..StagePodTemplate::new(
-            Operation::Restore,
-            owner.clone(),
-            &observation.settings.agent_image,
-            LocationSettings {
-                reference: StorageLocationReference {
-                    namespace: location.namespace().unwrap_or_default(),
-                    name: location.name_any(),
-                },
-                spec: location.spec.clone(),
-            },
-        )
-    };
+    let template = staging.stage_pod_template(Operation::Restore, owner, location);
     let credentials = credentials_copy(
         &location.spec,
         location_credentials,
-        observation.password.clone(),
+        staging.password.clone(),
     );
     let mut actions = Vec::new();
     for planned in missing {
-        {
-            let node = observation
-                .nodes
+        let volume_of = |pvc: &String| {
+            selection
                 .iter()
-                .find(|node| node.metadata.name.as_deref() == Some(planned.stage.node.as_str()))
-                .and_then(|node| node_facts(node, None).ok());
-            let volumes = planned
-                .stage
-                .volumes
-                .iter()
-                .map(|pvc| {
-                    let volume = selection.iter().find(|volume| {
-                        volume.namespace == planned.stage.namespace && &volume.pvc == pvc
-                    });
-                    let (since_snapshot, begin_sync) = volume
-                        .map(|volume| sync_start(observation, volume))
-                        .unwrap_or_default();
-                    actions.extend(begin_sync);
-                    (
-                        pvc.clone(),
-                        TransferDetails {
-                            snapshot: volume.map(|volume| volume.snapshot_id.clone()),
-                            since_snapshot,
-                            ..TransferDetails::default()
-                        },
-                    )
-                })
-                .collect();
-            actions.push(Action::CreateStagePod(Box::new(desired_stage_pod(
-                &template,
-                &planned.stage,
-                StagePodInputs {
-                    node: node.as_ref(),
-                    minimum: observation
-                        .limit_minimums
-                        .get(&planned.stage.namespace)
-                        .copied(),
-                    resources: resources_for(
-                        &observation
-                            .policies
-                            .iter()
-                            .map(Arc::as_ref)
-                            .collect::<Vec<_>>(),
-                        &planned
-                            .stage
-                            .volumes
-                            .iter()
-                            .filter_map(|pvc| {
-                                let volume = selection.iter().find(|volume| {
-                                    volume.namespace == planned.stage.namespace
-                                        && &volume.pvc == pvc
-                                })?;
-                                let class = volume.storage_class.clone()?;
-                                let provisioner = observation
-                                    .classes
-                                    .iter()
-                                    .find(|known| known.name_any() == class)
-                                    .map(|known| known.provisioner.clone())
-                                    .unwrap_or_default();
-                                Some((class, provisioner))
-                            })
-                            .collect::<Vec<_>>(),
-                    ),
-                    credentials: credentials.clone(),
-                    volumes,
-                },
-            ))));
-        }
+                .find(|volume| volume.namespace == planned.stage.namespace && &volume.pvc == pvc)
+        };
+        let volumes = planned
+            .stage
+            .volumes
+            .iter()
+            .map(|pvc| {
+                let volume = volume_of(pvc);
+                let (since_snapshot, begin_sync) = volume
+                    .map(|volume| sync_start(observation, volume))
+                    .unwrap_or_default();
+                actions.extend(begin_sync);
+                (
+                    pvc.clone(),
+                    TransferDetails {
+                        snapshot: volume.map(|volume| volume.snapshot_id.clone()),
+                        since_snapshot,
+                        ..TransferDetails::default()
+                    },
+                )
+            })
+            .collect();
+        let classes: Vec<(String, String)> = planned
+            .stage
+            .volumes
+            .iter()
+            .filter_map(|pvc| {
+                let class = volume_of(pvc)?.storage_class.clone()?;
+                let provisioner = observation
+                    .classes
+                    .iter()
+                    .find(|known| known.name_any() == class)
+                    .map(|known| known.provisioner.clone())
+                    .unwrap_or_default();
+                Some((class, provisioner))
+            })
+            .collect();
+        actions.push(staging.create_stage_pod(
+            &template,
+            planned,
+            &classes,
+            credentials.clone(),
+            volumes,
+        ));
     }
     actions
 }
@@ -738,7 +639,7 @@ fn transfer_for<'a>(
     namespace: &str,
     pvc: &str,
 ) -> Option<&'a Arc<VolumeTransfer>> {
-    observation.transfers.iter().find(|transfer| {
+    observation.staging.transfers.iter().find(|transfer| {
         transfer.namespace().as_deref() == Some(namespace) && transfer.spec.pvc == pvc
     })
 }
@@ -933,7 +834,7 @@ fn finish_volumes(
         }
         // Its stage pod goes first: the claim cannot be replaced while
         // mounted.
-        let pod_gone = !observation.pods.iter().any(|pod| {
+        let pod_gone = !observation.staging.pods.iter().any(|pod| {
             pod.namespace().as_deref() == Some(volume.namespace.as_str())
                 && pod.name_any() == transfer.spec.stage_pod
         });
@@ -964,29 +865,6 @@ fn finish_volumes(
     unfinished
 }
 
-/// Whether only progress changed between two statuses.
-fn is_progress_only(old: &VolumeRestoreStatus, status: &VolumeRestoreStatus) -> bool {
-    let mut without = status.clone();
-    without.progress = old.progress.clone();
-    without.volumes = old.volumes.clone();
-    without.results = old.results.clone();
-    let progressing = |status: &VolumeRestoreStatus| {
-        find_condition(&status.conditions, condition_type::PROGRESSING).cloned()
-    };
-    if let (Some(new), Some(previous)) = (progressing(&without), progressing(old))
-        && new.status == previous.status
-        && new.reason == previous.reason
-    {
-        for condition in &mut without.conditions {
-            if condition.type_ == condition_type::PROGRESSING {
-                *condition = previous.clone();
-            }
-        }
-    }
-    without == *old
-}
-
-/// Sets conditions with one generation and time.
 /// The status's phase and its conditions from the volumes, once planned.
 fn roll_up(
     status: &mut VolumeRestoreStatus,
@@ -1072,93 +950,33 @@ fn roll_up(
             ),
         ),
     });
-    match outcome {
-        Some((phase, why, message)) => {
-            let succeeded = phase == VolumeRestorePhase::Completed;
-            conditions.set(
-                &mut status.conditions,
-                condition_type::PROGRESSING,
-                ConditionStatus::False,
-                why,
-                &message,
-            );
-            conditions.set(
-                &mut status.conditions,
-                condition_type::COMPLETE,
-                if succeeded {
-                    ConditionStatus::True
-                } else {
-                    ConditionStatus::False
-                },
-                why,
-                &message,
-            );
-            conditions.set(
-                &mut status.conditions,
-                condition_type::FAILED,
-                if succeeded {
-                    ConditionStatus::False
-                } else {
-                    ConditionStatus::True
-                },
-                why,
-                &message,
-            );
-            status.phase = Some(phase);
-            status.message = Some(bounded_message(&message));
-            status.completion_time = Some(conditions.now.clone());
-        }
-        None => {
-            let message = format!(
-                "{} of {} volumes done, {} running, {} pending",
-                counts.completed + counts.failed + counts.canceled,
-                counts.total,
-                counts.in_progress,
-                counts.pending
-            );
-            conditions.set(
-                &mut status.conditions,
-                condition_type::PROGRESSING,
-                ConditionStatus::True,
-                reason::TRANSFERS_RUNNING,
-                &message,
-            );
-            status.phase = Some(VolumeRestorePhase::InProgress);
-            status.message = None;
-        }
-    }
-}
-
-/// The release of every stage pod of the restore.
-fn release_all(observation: &RestoreObservation, plan: Option<&BackupPlan>) -> Vec<Action> {
-    let mut pods: BTreeSet<ObjectName> = plan
-        .map(|plan| {
-            plan.stage_pods
-                .iter()
-                .filter(|pod| !pod.pod_name.is_empty())
-                .map(|pod| ObjectName::new(&pod.stage.namespace, &pod.pod_name))
-                .collect()
-        })
-        .unwrap_or_default();
-    pods.extend(
-        observation
-            .pods
-            .iter()
-            .map(|pod| ObjectName::new(pod.namespace().unwrap_or_default(), pod.name_any())),
+    let rolled_up = conditions.roll_up(
+        &mut status.conditions,
+        &counts,
+        outcome,
+        [
+            VolumeRestorePhase::Completed,
+            VolumeRestorePhase::InProgress,
+        ],
     );
-    pods.into_iter().map(Action::ReleaseStagePod).collect()
+    status.phase = Some(rolled_up.phase);
+    status.message = rolled_up.message;
+    if let Some(completion_time) = rolled_up.completion_time {
+        status.completion_time = Some(completion_time);
+    }
 }
 
 /// Stop the stage pods of volumes that are all final (so each claim is
 /// free for its hand-back and no agent lingers).
 fn stop_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
     observation
+        .staging
         .pods
         .iter()
         .filter(|pod| pod.metadata.deletion_timestamp.is_none())
         .filter_map(|pod| {
             let namespace = pod.namespace().unwrap_or_default();
-            let of_pod = transfers_of(&observation.transfers, &namespace, &pod.name_any());
+            let of_pod = transfers_of(&observation.staging.transfers, &namespace, &pod.name_any());
             (!of_pod.is_empty() && of_pod.iter().all(|transfer| transfer.phase().is_final()))
                 .then(|| Action::ReleaseStagePod(ObjectName::new(namespace, pod.name_any())))
         })
@@ -1166,7 +984,10 @@ fn stop_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
 }
 
 /// Decide one reconcile of a VolumeRestore at `now` (pure; carried out in
-/// the order of [`RestoreActs`]).
+/// the order of [`RestoreActs`]): who acts, then the steps of the module
+/// documentation — [`select`] while there is no selection, the claims to
+/// create, [`plan_when_ready`] while there is no plan, [`stage`] once there
+/// is one — and [`finish`]: what is written and what follows.
 pub fn decide(
     observation: &RestoreObservation,
     now: &Time,
@@ -1174,146 +995,168 @@ pub fn decide(
     let restore = &observation.restore;
     let owner = owner_of(restore)?;
     let old = restore.status.clone().unwrap_or_default();
-    if old.phase.is_some_and(VolumeRestorePhase::is_final) {
-        return Ok(RestoreDecision::Finished {
-            release: if observation.pods.is_empty() {
-                Vec::new()
-            } else {
-                release_all(observation, old.plan.as_ref())
-            },
-        });
-    }
-    let ownership = match decide_ownership(
-        OwnershipFacts {
-            owner: old.owner.as_ref(),
-            identity: &observation.settings.identity,
-            lease_fresh: observation.lease_fresh,
-            leases: &observation.leases,
-            noun: "restore",
-        },
-        now,
-    ) {
-        Ok(ownership) => ownership,
-        Err((why, requeue)) => return Ok(RestoreDecision::Wait { why, requeue }),
+    let standing = StatusStanding {
+        finished: old.phase.is_some_and(VolumeRestorePhase::is_final),
+        plan: old.plan.as_ref(),
+        owner: old.owner.as_ref(),
+        noun: "restore",
     };
-    let claim = ownership.claim().clone();
-    let generation = restore.metadata.generation;
+    let ownership = match observation.staging.ownership(standing, now) {
+        Ok(ownership) => ownership,
+        Err(decision) => return Ok(decision),
+    };
     let conditions = Conditions {
-        generation,
+        generation: restore.metadata.generation,
         now: now.clone(),
     };
-    let mut status = old.clone();
-    status.owner = Some(claim.clone());
-    status.observed_generation = generation;
-    let start = status.start_time.clone().unwrap_or_else(|| now.clone());
-    status.start_time = Some(start.clone());
-    conditions.set(
-        &mut status.conditions,
-        condition_type::CLAIMED,
-        ConditionStatus::True,
-        if claim.adopted_from.is_some() {
-            reason::ADOPTED_FROM_REPLICA
-        } else {
-            reason::CLAIMED_BY_REPLICA
-        },
-        &match &claim.adopted_from {
-            None => format!("claimed by replica {}", claim.replica),
-            Some(previous) => format!(
-                "claimed by replica {}, adopted from replica {previous} after its lease expired",
-                claim.replica
-            ),
-        },
-    );
-
-    let mut actions = Vec::new();
-    let mut after_status = Vec::new();
-    let mut requeue = Duration::from_secs(RECHECK_SECONDS);
+    let mut status = claimed(&old, ownership.claim(), &conditions);
     let (storage, location) = resolve_location(
         &restore.namespace().unwrap_or_default(),
         restore.spec.storage_location.as_deref(),
-        &observation.locations,
+        &observation.staging.locations,
     );
-    let storage_problem = match &storage {
-        StorageState::Available { name } => {
-            conditions.set(
-                &mut status.conditions,
-                condition_type::STORAGE_AVAILABLE,
-                ConditionStatus::True,
-                reason::STORAGE_LOCATION_AVAILABLE,
-                &format!("BackupStorageLocation {name} is Available"),
+    let storage_problem = conditions.storage(&mut status.conditions, &storage);
+
+    let mut requeue = Duration::from_secs(RECHECK_SECONDS);
+    if status.selection.is_empty()
+        && let Some(retry) = select(
+            observation,
+            &owner,
+            storage_problem.as_deref(),
+            &conditions,
+            &mut status,
+        )
+    {
+        requeue = retry;
+    }
+    let mut actions = Vec::new();
+    let selection = status.selection.clone();
+    if !selection.is_empty() && status.phase != Some(VolumeRestorePhase::Failed) {
+        actions.extend(claims_to_create(observation, &selection, &owner));
+        if status.plan.is_none() && !plan_when_ready(observation, &owner, &conditions, &mut status)?
+        {
+            requeue = Duration::from_secs(CLAIMS_BINDING_RETRY_SECONDS);
+        }
+        if let (Some(plan), Some(location)) = (status.plan.clone(), location) {
+            let staged = stage(
+                observation,
+                &owner,
+                (&plan, location),
+                &conditions,
+                &mut status,
             );
+            actions.extend(staged.actions);
+            if let Some(backoff) = staged.backoff {
+                requeue = requeue.min(backoff);
+            }
+        }
+    }
+    Ok(finish(
+        observation,
+        &old,
+        status,
+        (ownership, actions),
+        requeue,
+        &conditions,
+    ))
+}
+
+/// The old status as this reconcile starts it: owned by `claim` (the
+/// Claimed condition says by whom), of this generation, started.
+fn claimed(
+    old: &VolumeRestoreStatus,
+    claim: &OwnerClaim,
+    conditions: &Conditions,
+) -> VolumeRestoreStatus {
+    let mut status = old.clone();
+    status.owner = Some(claim.clone());
+    status.observed_generation = conditions.generation;
+    status.start_time = Some(
+        status
+            .start_time
+            .clone()
+            .unwrap_or_else(|| conditions.now.clone()),
+    );
+    conditions.claimed(
+        &mut status.conditions,
+        &claim.replica,
+        claim.adopted_from.as_deref(),
+    );
+    status
+}
+
+/// `status` Failed for `why`, now.
+fn fail(status: &mut VolumeRestoreStatus, conditions: &Conditions, why: &str, message: &str) {
+    conditions.set(
+        &mut status.conditions,
+        condition_type::FAILED,
+        ConditionStatus::True,
+        why,
+        message,
+    );
+    status.phase = Some(VolumeRestorePhase::Failed);
+    status.message = Some(bounded_message(message));
+    status.completion_time = Some(conditions.now.clone());
+}
+
+/// The selection, while the restore has none: wait for its storage
+/// location (`storage_problem`: what is wrong with it) or give up after
+/// `failAfterUnavailableSeconds`, wait for the listing of its snapshots,
+/// say that they cannot be read, refuse the spec ([`make_selection`]), or
+/// select. Returns when to look again when that is not the usual time.
+fn select(
+    observation: &RestoreObservation,
+    owner: &Owner,
+    storage_problem: Option<&str>,
+    conditions: &Conditions,
+    status: &mut VolumeRestoreStatus,
+) -> Option<Duration> {
+    match (storage_problem, &observation.snapshots) {
+        (Some(message), _) => {
+            let start = status
+                .start_time
+                .clone()
+                .unwrap_or_else(|| conditions.now.clone());
+            let waited = conditions.now.0.as_second() - start.0.as_second();
+            if observation
+                .restore
+                .spec
+                .fail_after_unavailable_seconds
+                .is_some_and(|limit| waited >= limit)
+            {
+                fail(
+                    status,
+                    conditions,
+                    reason::STORAGE_UNAVAILABLE_TIMEOUT,
+                    &format!("{message}; gave up after {waited}s"),
+                );
+            } else {
+                status.phase = Some(VolumeRestorePhase::WaitingForStorage);
+                status.message = Some(bounded_message(message));
+            }
             None
         }
-        StorageState::Missing { name } => Some((
-            reason::STORAGE_LOCATION_NOT_FOUND,
-            format!("BackupStorageLocation {name} does not exist"),
-        )),
-        StorageState::Unavailable { name, message } => Some((
-            reason::STORAGE_LOCATION_UNAVAILABLE,
-            format!("BackupStorageLocation {name} is Unavailable: {message}"),
-        )),
-    };
-    if let Some((why, message)) = &storage_problem {
-        conditions.set(
-            &mut status.conditions,
-            condition_type::STORAGE_AVAILABLE,
-            ConditionStatus::False,
-            why,
-            message,
-        );
-    }
-
-    let fail = |status: &mut VolumeRestoreStatus, why: &str, message: &str| {
-        conditions.set(
-            &mut status.conditions,
-            condition_type::FAILED,
-            ConditionStatus::True,
-            why,
-            message,
-        );
-        status.phase = Some(VolumeRestorePhase::Failed);
-        status.message = Some(bounded_message(message));
-        status.completion_time = Some(now.clone());
-    };
-
-    if status.selection.is_empty() {
-        match (&storage_problem, &observation.snapshots) {
-            (Some((_, message)), _) => {
-                let waited = now.0.as_second() - start.0.as_second();
-                if restore
-                    .spec
-                    .fail_after_unavailable_seconds
-                    .is_some_and(|limit| waited >= limit)
-                {
-                    fail(
-                        &mut status,
-                        reason::STORAGE_UNAVAILABLE_TIMEOUT,
-                        &format!("{message}; gave up after {waited}s"),
-                    );
-                } else {
-                    status.phase = Some(VolumeRestorePhase::WaitingForStorage);
-                    status.message = Some(bounded_message(message));
-                }
-            }
-            (None, None) => {
-                status.phase = Some(VolumeRestorePhase::Selecting);
-            }
-            (None, Some(Err(message))) => {
-                let message = format!(
-                    "cannot read the storage location's snapshots: {message}; trying again in {SNAPSHOT_LIST_RETRY_SECONDS}s"
-                );
-                conditions.set(
-                    &mut status.conditions,
-                    condition_type::SELECTED,
-                    ConditionStatus::False,
-                    reason::REPOSITORY_UNREADABLE,
-                    &message,
-                );
-                status.phase = Some(VolumeRestorePhase::Selecting);
-                status.message = Some(bounded_message(&message));
-                requeue = Duration::from_secs(SNAPSHOT_LIST_RETRY_SECONDS);
-            }
-            (None, Some(Ok(listed))) => match make_selection(observation, listed, &owner) {
+        (None, None) => {
+            status.phase = Some(VolumeRestorePhase::Selecting);
+            None
+        }
+        (None, Some(Err(message))) => {
+            let message = format!(
+                "cannot read the storage location's snapshots: {message}; trying again in {SNAPSHOT_LIST_RETRY_SECONDS}s"
+            );
+            conditions.set(
+                &mut status.conditions,
+                condition_type::SELECTED,
+                ConditionStatus::False,
+                reason::REPOSITORY_UNREADABLE,
+                &message,
+            );
+            status.phase = Some(VolumeRestorePhase::Selecting);
+            status.message = Some(bounded_message(&message));
+            Some(Duration::from_secs(SNAPSHOT_LIST_RETRY_SECONDS))
+        }
+        (None, Some(Ok(listed))) => {
+            match make_selection(observation, listed, owner) {
                 Err(refusal) => {
                     conditions.set(
                         &mut status.conditions,
@@ -1322,139 +1165,114 @@ pub fn decide(
                         refusal.reason,
                         &refusal.message,
                     );
-                    fail(&mut status, refusal.reason, &refusal.message);
+                    fail(status, conditions, refusal.reason, &refusal.message);
                 }
                 Ok(selection) => {
-                    let skipped = selection
-                        .iter()
-                        .filter(|volume| volume.action == ClaimAction::Skip)
-                        .count();
+                    let count = |action| {
+                        selection
+                            .iter()
+                            .filter(|volume| volume.action == action)
+                            .count()
+                    };
                     conditions.set(
                         &mut status.conditions,
                         condition_type::SELECTED,
                         ConditionStatus::True,
                         reason::SNAPSHOTS_SELECTED,
                         &format!(
-                            "{} snapshots selected, {} claims to create, {} to sync, {skipped} left alone",
+                            "{} snapshots selected, {} claims to create, {} to sync, {} left alone",
                             selection.len(),
-                            selection.iter().filter(|v| v.action == ClaimAction::Create).count(),
-                            selection.iter().filter(|v| v.action == ClaimAction::Sync).count(),
+                            count(ClaimAction::Create),
+                            count(ClaimAction::Sync),
+                            count(ClaimAction::Skip),
                         ),
                     );
                     status.selection = selection;
                     status.phase = Some(VolumeRestorePhase::Planning);
                     status.message = None;
                 }
-            },
+            }
+            None
         }
     }
+}
 
+/// The plan, while the restore has none: made once every claim to write
+/// is ready for it ([`claims_ready`]) and the cluster's objects are read.
+/// Returns whether it was made (if not, the restore stays Planning).
+fn plan_when_ready(
+    observation: &RestoreObservation,
+    owner: &Owner,
+    conditions: &Conditions,
+    status: &mut VolumeRestoreStatus,
+) -> Result<bool, RestoreError> {
+    status.phase = Some(VolumeRestorePhase::Planning);
+    let Some(cluster) = observation
+        .cluster
+        .as_ref()
+        .filter(|_| claims_ready(observation, &status.selection))
+    else {
+        return Ok(false);
+    };
+    let plan = make_plan(&status.selection, owner, cluster)?;
+    conditions.planned(&mut status.conditions, &plan);
+    status.plan = Some(plan);
+    Ok(true)
+}
+
+/// What [`stage`] does.
+struct Staged {
+    /// The changes and creations of stage pods, claims and volumes.
+    actions: Vec<Action>,
+    /// When to look again, if a stage pod's backoff is running.
+    backoff: Option<Duration>,
+}
+
+/// The work of a planned restore at its location: the stage pods to
+/// create, their supervision, the stop of those whose volumes are all
+/// final, each verified claim labelled complete and handed back; then the
+/// status rolled up from the volumes.
+fn stage(
+    observation: &RestoreObservation,
+    owner: &Owner,
+    (plan, location): (&BackupPlan, &BackupStorageLocation),
+    conditions: &Conditions,
+    status: &mut VolumeRestoreStatus,
+) -> Staged {
     let selection = status.selection.clone();
-    if !selection.is_empty() && status.phase != Some(VolumeRestorePhase::Failed) {
-        actions.extend(claims_to_create(observation, &selection, &owner));
-        if status.plan.is_none() {
-            status.phase = Some(VolumeRestorePhase::Planning);
-            if claims_ready(observation, &selection)
-                && let Some(cluster) = &observation.cluster
-            {
-                let plan = make_plan(&selection, &owner, cluster)?;
-                let placed: usize = plan
-                    .stage_pods
-                    .iter()
-                    .map(|pod| pod.stage.volumes.len())
-                    .sum();
-                conditions.set(
-                    &mut status.conditions,
-                    condition_type::PLANNED,
-                    ConditionStatus::True,
-                    if plan.unplaceable.is_empty() {
-                        reason::PLAN_COMPLETE
-                    } else {
-                        reason::VOLUMES_UNPLACEABLE
-                    },
-                    &format!(
-                        "{placed} volumes in {} stage pods, {} unplaceable",
-                        plan.stage_pods.len(),
-                        plan.unplaceable.len()
-                    ),
-                );
-                status.plan = Some(plan);
-            } else {
-                requeue = Duration::from_secs(CLAIMS_BINDING_RETRY_SECONDS);
-            }
-        }
-        if let (Some(plan), Some(location)) = (status.plan.clone(), location) {
-            actions.extend(stage_pods_to_create(
-                observation,
-                &owner,
-                &plan,
-                &selection,
-                location,
-            ));
-            let (supervision, backoff) = supervise_stage_pods(
-                &observation.pods,
-                &observation.transfers,
-                &observation.replaced_pods,
-                observation.settings.agent_lost_seconds,
-                now,
-            );
-            actions.extend(supervision);
-            actions.extend(stop_finished_pods(observation));
-            let unfinished = finish_volumes(observation, &selection, &owner, &mut actions);
-            roll_up(&mut status, observation, &unfinished, &conditions);
-            if let Some(backoff) = backoff {
-                requeue = requeue.min(backoff);
-            }
-        }
-    }
+    let mut actions = stage_pods_to_create(observation, owner, plan, &selection, location);
+    let (supervision, backoff) = observation.staging.supervise(&conditions.now);
+    actions.extend(supervision);
+    actions.extend(stop_finished_pods(observation));
+    let unfinished = finish_volumes(observation, &selection, owner, &mut actions);
+    roll_up(status, observation, &unfinished, conditions);
+    Staged { actions, backoff }
+}
 
-    if let Some(plan) = &status.plan {
-        crate::supervision::note_stage_pods(
-            &mut status.conditions,
-            &[],
-            missing_stage_pods(plan, observation).is_empty(),
-            generation,
-            now,
-        );
-    }
+/// The end of a reconcile that acts with `ownership` and `actions`: the
+/// StagePodsCreated condition, the finish Event and the release of the
+/// stage pods once final, the status to write now ([`status_to_write`]),
+/// and when to look again (`requeue`, or sooner for a held write).
+fn finish(
+    observation: &RestoreObservation,
+    old: &VolumeRestoreStatus,
+    mut status: VolumeRestoreStatus,
+    (ownership, actions): (Ownership, Vec<Action>),
+    mut requeue: Duration,
+    conditions: &Conditions,
+) -> RestoreDecision {
+    let staging = &observation.staging;
+    staging.note_stage_pods(&mut status, conditions.generation, &conditions.now);
     let finished = status.phase.is_some_and(VolumeRestorePhase::is_final);
-    if let Some(phase) = status.phase.filter(|phase| phase.is_final())
-        && old.phase != Some(phase)
-    {
-        let counts = status.volumes.clone().unwrap_or_default();
-        let note = format!(
-            "{} ({} of {} volumes restored, {} failed)",
-            status
-                .message
-                .clone()
-                .unwrap_or_else(|| format!("{phase:?}")),
-            counts.completed,
-            counts.total,
-            counts.failed
-        );
-        after_status.push(Action::Emit(if phase == VolumeRestorePhase::Completed {
-            Event::normal("Completed", "Finish", note)
-        } else {
-            Event::warning(format!("{phase:?}"), "Finish", note)
-        }));
-    }
-    if finished {
-        after_status.extend(release_all(observation, status.plan.as_ref()));
-    }
-    let write = if status == old {
-        None
-    } else {
-        match observation.since_last_status_write {
-            Some(elapsed)
-                if is_progress_only(&old, &status) && elapsed < PROGRESS_WRITE_INTERVAL =>
-            {
-                requeue = requeue.min(PROGRESS_WRITE_INTERVAL - elapsed);
-                None
-            }
-            _ => Some(status),
+    let after_status = after_final_status(staging, old, &status, "restored");
+    let write = match status_to_write(old, status, staging.since_last_status_write) {
+        Ok(write) => write,
+        Err(wait) => {
+            requeue = requeue.min(wait);
+            None
         }
     };
-    Ok(RestoreDecision::Act(Box::new(RestoreActs {
+    RestoreDecision::Act(Box::new(RestoreActs {
         ownership,
         actions,
         status: write,
@@ -1465,66 +1283,28 @@ pub fn decide(
         } else {
             Requeue::After(requeue.max(Duration::from_secs(1)))
         },
-    })))
+    }))
 }
 
 /// Cancel a deleted restore: its open transfers Canceled, its stage pods
 /// released, its transfers deleted. Its claims stay (nothing written is
 /// deleted); one not verified keeps the label `incomplete`.
 pub fn decide_cancel(observation: &RestoreObservation, now: &Time) -> Vec<Action> {
-    let mut actions: Vec<Action> = observation
-        .transfers
-        .iter()
-        .filter(|transfer| !transfer.phase().is_final())
-        .map(|transfer| Action::WriteTransferStatus {
-            transfer: transfer_name_of(transfer),
-            status: Box::new(VolumeTransferStatus {
-                phase: Some(VolumeTransferPhase::Canceled),
-                message: Some("its VolumeRestore was deleted".to_string()),
-                completion_time: Some(now.clone()),
-                ..VolumeTransferStatus::default()
-            }),
-        })
-        .collect();
-    let plan = observation
-        .restore
-        .status
-        .as_ref()
-        .and_then(|status| status.plan.as_ref());
-    actions.extend(release_all(observation, plan));
-    actions.extend(
-        observation
-            .transfers
-            .iter()
-            .map(|transfer| Action::DeleteTransfer(transfer_name_of(transfer))),
-    );
-    actions
+    let status = observation.restore.status.as_ref();
+    let plan = status.and_then(|status| status.plan.as_ref());
+    let why = "its VolumeRestore was deleted";
+    observation.staging.cancel(plan, why, now)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::stage_pod::Pinning;
+    use crate::test_support::{at, available};
+    use haulage_api::condition::find_condition;
     use haulage_api::restore::RestoreSource;
-    use haulage_api::{BackupStorageLocationPhase, BackupStorageLocationStatus};
     use haulage_repo::BlobId;
     use haulage_repo::snapshot::{RootAttributes, SnapshotSummary};
-    use k8s_openapi::jiff::Timestamp;
-
-    const T0: i64 = 1_800_000_000;
-
-    fn at(seconds: i64) -> Time {
-        Time(Timestamp::from_second(T0 + seconds).expect("in range"))
-    }
-
-    fn available(name: &str) -> Arc<BackupStorageLocation> {
-        let mut location = BackupStorageLocation::test(name);
-        location.status = Some(BackupStorageLocationStatus {
-            phase: Some(BackupStorageLocationPhase::Available),
-            ..BackupStorageLocationStatus::default()
-        });
-        Arc::new(location)
-    }
+    use k8s_openapi::ByteString;
 
     fn class(name: &str, provisioner: &str, binding: &str) -> Arc<StorageClass> {
         Arc::new(
@@ -1579,15 +1359,10 @@ mod tests {
     fn observation(restore: VolumeRestore) -> RestoreObservation {
         RestoreObservation {
             restore: Arc::new(restore),
-            settings: ControllerSettings {
-                identity: "controller-0".to_string(),
-                agent_image: "agent:1".to_string(),
-                pinning: Pinning::RequiredNodeAffinity,
-                agent_lost_seconds: 300,
+            staging: StagingObservation {
+                credentials: Some(ByteString(b"[default]".to_vec())),
+                ..StagingObservation::test(vec![available("s3")])
             },
-            lease_fresh: true,
-            leases: Vec::new(),
-            locations: vec![available("s3")],
             snapshots: Some(Ok(history())),
             classes: vec![
                 class(
@@ -1601,15 +1376,6 @@ mod tests {
             claims: Vec::new(),
             volumes: Vec::new(),
             cluster: Some(cluster()),
-            nodes: Vec::new(),
-            transfers: Vec::new(),
-            pods: Vec::new(),
-            replaced_pods: BTreeSet::new(),
-            since_last_status_write: None,
-            credentials: Some(ByteString(b"[default]".to_vec())),
-            password: None,
-            policies: Vec::new(),
-            limit_minimums: BTreeMap::new(),
         }
     }
 
@@ -1891,7 +1657,7 @@ mod tests {
     #[test]
     fn a_missing_location_makes_the_restore_wait() {
         let mut seen = observation(restore_of("nightly"));
-        seen.locations.clear();
+        seen.staging.locations.clear();
         let status = acts(decide(&seen, &at(0)).expect("decided"))
             .status
             .expect("written");
@@ -1931,14 +1697,7 @@ mod tests {
         seen.restore = Arc::new(restore);
         assert!(needs_credentials(&seen));
         let acts = acts(decide(&seen, &at(2)).expect("decided"));
-        let objects = acts
-            .actions
-            .iter()
-            .find_map(|action| match action {
-                Action::CreateStagePod(objects) => Some(objects),
-                _ => None,
-            })
-            .expect("a stage pod");
+        let objects = created_stage_pod(&acts);
         for transfer in &objects.transfers {
             assert_eq!(
                 transfer.spec.direction,
@@ -2046,7 +1805,7 @@ mod tests {
             .and_then(|status| status.selection.iter().find(|v| v.pvc == pvc))
             .expect("selected")
             .clone();
-        seen.transfers = vec![Arc::new(transfer.clone())];
+        seen.staging.transfers = vec![Arc::new(transfer.clone())];
         let (since, begin) = sync_start(&seen, &volume);
         assert_eq!(since, transfer.spec.since_snapshot);
         assert!(begin.is_none(), "marked again: {begin:?}");
@@ -2058,7 +1817,7 @@ mod tests {
         // What the controller observes: no plan in the status yet, so it
         // read no credentials.
         assert!(!needs_credentials(&seen));
-        seen.credentials = None;
+        seen.staging.credentials = None;
         let planned = acts(decide(&seen, &at(1)).expect("decided"));
         assert!(planned.status.as_ref().is_some_and(|s| s.plan.is_some()));
         assert!(
@@ -2070,16 +1829,9 @@ mod tests {
         );
         seen.restore = Arc::new(after(&restore, &planned));
         assert!(needs_credentials(&seen));
-        seen.credentials = Some(ByteString(b"[default]".to_vec()));
+        seen.staging.credentials = Some(ByteString(b"[default]".to_vec()));
         let next = acts(decide(&seen, &at(2)).expect("decided"));
-        let objects = next
-            .actions
-            .iter()
-            .find_map(|action| match action {
-                Action::CreateStagePod(objects) => Some(objects),
-                _ => None,
-            })
-            .expect("a stage pod");
+        let objects = created_stage_pod(&next);
         let copied = objects
             .credentials
             .data
@@ -2129,7 +1881,7 @@ mod tests {
             .pod_name
             .clone();
         seen.restore = Arc::new(restore);
-        seen.transfers = phases
+        seen.staging.transfers = phases
             .iter()
             .map(|(pvc, phase)| {
                 let mut transfer =
@@ -2155,7 +1907,8 @@ mod tests {
         assert!(acts_running.actions.iter().any(|action| matches!(action, Action::ChangeClaim { claim, change: ClaimChange::MarkComplete } if claim.name == "db")));
         let status = acts_running.status.expect("written");
         assert_eq!(status.phase, Some(VolumeRestorePhase::InProgress));
-        seen.transfers = seen
+        seen.staging.transfers = seen
+            .staging
             .transfers
             .iter()
             .map(|transfer| {
@@ -2253,9 +2006,10 @@ mod tests {
         )
     }
 
-    #[test]
-    fn a_written_read_only_many_claim_gone_for_its_hand_back_is_not_created_again() {
-        let volume = |final_modes: &[&str]| RestoreVolume {
+    /// Claim shop/db of the selection, to create ReadWriteOnce and hand
+    /// back with `final_modes`.
+    fn db_volume(final_modes: &[&str]) -> RestoreVolume {
+        RestoreVolume {
             snapshot_id: "a".repeat(64),
             source: "shop/db".to_string(),
             namespace: "shop".to_string(),
@@ -2269,12 +2023,33 @@ mod tests {
             action: ClaimAction::Create,
             labels: BTreeMap::new(),
             annotations: BTreeMap::new(),
-        };
-        let owner = Owner {
+        }
+    }
+
+    /// The first stage pod `acts` creates.
+    fn created_stage_pod(acts: &RestoreActs) -> &crate::stage_pod::StagePodObjects {
+        acts.actions
+            .iter()
+            .find_map(|action| match action {
+                Action::CreateStagePod(objects) => Some(objects.as_ref()),
+                _ => None,
+            })
+            .expect("a stage pod")
+    }
+
+    /// The owner of the restore `move`.
+    fn move_owner() -> Owner {
+        Owner {
             namespace: "haulage-system".into(),
             name: "move".into(),
             uid: "uid-move".into(),
-        };
+        }
+    }
+
+    #[test]
+    fn a_written_read_only_many_claim_gone_for_its_hand_back_is_not_created_again() {
+        let volume = db_volume;
+        let owner = move_owner();
         let mut seen = observation(restore_of("nightly"));
         seen.claims.clear();
         let creates = |seen: &RestoreObservation, volume: &RestoreVolume| {
@@ -2288,7 +2063,7 @@ mod tests {
             1,
             "not written yet"
         );
-        seen.transfers = vec![Arc::new(
+        seen.staging.transfers = vec![Arc::new(
             VolumeTransfer::test("move-db", "db").with_phase(VolumeTransferPhase::Completed),
         )];
         assert_eq!(
@@ -2305,26 +2080,8 @@ mod tests {
 
     #[test]
     fn a_read_only_many_claim_is_handed_back_step_by_step_keeping_its_volume() {
-        let rox = RestoreVolume {
-            snapshot_id: "a".repeat(64),
-            source: "shop/db".to_string(),
-            namespace: "shop".to_string(),
-            pvc: "db".to_string(),
-            storage_class: Some("ceph-block".to_string()),
-            access_modes: vec!["ReadWriteOnce".to_string()],
-            final_access_modes: vec!["ReadOnlyMany".to_string()],
-            volume_mode: None,
-            request_bytes: 2 << 30,
-            data_bytes: 1 << 30,
-            action: ClaimAction::Create,
-            labels: BTreeMap::new(),
-            annotations: BTreeMap::new(),
-        };
-        let owner = Owner {
-            namespace: "haulage-system".into(),
-            name: "move".into(),
-            uid: "uid-move".into(),
-        };
+        let rox = db_volume(&["ReadOnlyMany"]);
+        let owner = move_owner();
         let mut seen = observation(restore_of("nightly"));
         let mut written = (*claim("shop", "db", "Bound", "ceph-block")).clone();
         written.spec.as_mut().expect("spec").volume_name = Some("pv-db".to_string());

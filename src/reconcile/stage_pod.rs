@@ -179,6 +179,17 @@ pub struct Owner {
 }
 
 impl Owner {
+    /// The owner of `object`'s children (a VolumeBackup or VolumeRestore),
+    /// or the first of its namespace, name and UID it lacks.
+    pub fn of(object: &impl kube::Resource) -> Result<Owner, &'static str> {
+        let meta = object.meta();
+        Ok(Owner {
+            namespace: meta.namespace.clone().ok_or("metadata.namespace")?,
+            name: meta.name.clone().ok_or("metadata.name")?,
+            uid: meta.uid.clone().ok_or("metadata.uid")?,
+        })
+    }
+
     /// The owner labels every child carries; cleanup selects on the UID.
     pub fn labels(&self) -> BTreeMap<String, String> {
         BTreeMap::from([
