@@ -288,7 +288,7 @@ async fn device_nodes_are_not_made_unless_asked_and_a_hardlink_never_reaches_out
     let payload = forger.blob(repository, BlobKind::Data, b"pwned");
     // The disk itself, as a block and a character device.
     let mut block = entry(b"sda", EntryKind::BlockDevice);
-    block.rdev = (8 << 8) | 0;
+    block.rdev = 8 << 8;
     let mut character = entry(b"mem", EntryKind::CharDevice);
     character.rdev = (1 << 8) | 1;
     // Two names of one inode: the first escapes (refused), so the second
