@@ -262,19 +262,7 @@ pub struct MetricCaches {
 /// The storage class of a claim: `spec.storageClassName`, or the beta
 /// annotation older claims carry; empty when neither is set.
 pub fn storage_class_of(claim: &PersistentVolumeClaim) -> String {
-    claim
-        .spec
-        .as_ref()
-        .and_then(|spec| spec.storage_class_name.clone())
-        .or_else(|| {
-            claim
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|annotations| annotations.get("volume.beta.kubernetes.io/storage-class"))
-                .cloned()
-        })
-        .unwrap_or_default()
+    haulage_plan::objects::claim_storage_class(claim).unwrap_or_default()
 }
 
 fn transfer_labels(

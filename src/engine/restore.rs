@@ -489,25 +489,6 @@ fn display(components: &[ByteBuf]) -> String {
     parts.join("/")
 }
 
-/// Open a directory inside the target without following any symlink.
-fn open_directory_at(root: &OwnedFd, components: &[ByteBuf]) -> Result<OwnedFd, Errno> {
-    let mut current = rustix::fs::openat(
-        root,
-        ".",
-        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    for part in components {
-        current = rustix::fs::openat(
-            &current,
-            part.as_slice(),
-            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
-    }
-    Ok(current)
-}
-
 /// What the walker and the batch writers share.
 struct Shared {
     repository: Repository,
@@ -965,8 +946,9 @@ impl Walker {
                 };
                 let (first_name, first_dir) = first.split_last().expect("non-empty path");
                 let (name, dir) = path.split_last().expect("non-empty path");
-                let from = open_directory_at(&root_fd, first_dir).map_err(|e| e.to_string())?;
-                let to = open_directory_at(&root_fd, dir).map_err(|e| e.to_string())?;
+                let from =
+                    scan::open_directory_at(&root_fd, first_dir).map_err(|e| e.to_string())?;
+                let to = scan::open_directory_at(&root_fd, dir).map_err(|e| e.to_string())?;
                 if self.shared.options.sync {
                     match rustix::fs::statat(&to, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
                         Ok(_) => remove_entry(&to, name).map_err(|e| e.to_string())?,
@@ -992,7 +974,7 @@ impl Walker {
             let (name, dir) = path.split_last().expect("non-empty path");
             let target = entry.link_target.clone().unwrap_or_default();
             let result = (|| -> Result<(), Errno> {
-                let dir_fd = open_directory_at(&root_fd, dir)?;
+                let dir_fd = scan::open_directory_at(&root_fd, dir)?;
                 if self.shared.options.sync {
                     match rustix::fs::statat(&dir_fd, name.as_slice(), AtFlags::SYMLINK_NOFOLLOW) {
                         Ok(stat)
@@ -1020,7 +1002,7 @@ impl Walker {
             }
         }
         for (path, entry) in std::mem::take(&mut self.directories).into_iter().rev() {
-            let result = open_directory_at(&root_fd, &path)
+            let result = scan::open_directory_at(&root_fd, &path)
                 .and_then(|fd| apply_metadata_fd(&fd, &entry, &self.shared.options));
             if let Err(error) = result {
                 self.problem(

@@ -2,7 +2,8 @@
 //! root with its size, symlinks not followed, unreadable directories
 //! skipped. The backup's progress totals and `haulage bench`'s view of a
 //! source are both this walk; a restore and a verification list a
-//! directory they hold open with [`list_directory`].
+//! directory they hold open with [`list_directory`] and reach one with
+//! [`open_directory_at`].
 
 use std::fs;
 use std::io;
@@ -62,6 +63,31 @@ pub(crate) fn list_directory(fd: &std::os::fd::OwnedFd) -> Result<Vec<Vec<u8>>, 
         }
     }
     Ok(names)
+}
+
+/// Open the directory at `components` below the open directory `root`,
+/// following no symlink on the way: what a restore and a verification
+/// reach a directory of the target with.
+pub(crate) fn open_directory_at(
+    root: &std::os::fd::OwnedFd,
+    components: &[impl AsRef<[u8]>],
+) -> Result<std::os::fd::OwnedFd, rustix::io::Errno> {
+    use rustix::fs::{Mode, OFlags};
+    let mut current = rustix::fs::openat(
+        root,
+        ".",
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    for part in components {
+        current = rustix::fs::openat(
+            &current,
+            part.as_ref(),
+            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+    }
+    Ok(current)
 }
 
 #[cfg(test)]

@@ -913,7 +913,7 @@ impl Checker {
         tree: Option<Tree>,
         since: Option<&SinceDirectory>,
     ) -> Option<Visit> {
-        let directory = match open_directory_at(&self.root_fd, &path) {
+        let directory = match scan::open_directory_at(&self.root_fd, &path) {
             Ok(fd) => fd,
             Err(error) => {
                 self.unreadable(&path, "open the directory", error);
@@ -1313,25 +1313,6 @@ fn first_nonzero_in(
         position = data_end;
     }
     Ok(None)
-}
-
-/// Open a directory inside the target without following any symlink.
-fn open_directory_at(root: &OwnedFd, components: &[Vec<u8>]) -> Result<OwnedFd, Errno> {
-    let mut current = rustix::fs::openat(
-        root,
-        ".",
-        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
-    for part in components {
-        current = rustix::fs::openat(
-            &current,
-            part.as_slice(),
-            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )?;
-    }
-    Ok(current)
 }
 
 /// The extended attributes of an open file or directory; `None` when its

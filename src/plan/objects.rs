@@ -233,6 +233,23 @@ fn refuse_aliases_and_depth(text: &str) -> Result<(), DumpError> {
 /// levels deep); serde_yaml refuses deeper than 128 too.
 const MAX_DUMP_DEPTH: usize = 100;
 
+/// The storage class of a claim: `spec.storageClassName`, or the beta
+/// annotation older claims carry.
+pub fn claim_storage_class(claim: &PersistentVolumeClaim) -> Option<String> {
+    claim
+        .spec
+        .as_ref()
+        .and_then(|spec| spec.storage_class_name.clone())
+        .or_else(|| {
+            claim
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|annotations| annotations.get("volume.beta.kubernetes.io/storage-class"))
+                .cloned()
+        })
+}
+
 fn item_name(item: &serde_yaml::Value) -> String {
     let metadata = item.get("metadata");
     let field = |key: &str| {
@@ -558,14 +575,7 @@ pub fn claim_facts(claim: &PersistentVolumeClaim) -> Result<ClaimFacts, DumpErro
             spec.access_modes.as_deref().unwrap_or(&[]),
         )?,
     };
-    let storage_class = spec.storage_class_name.clone().or_else(|| {
-        claim
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|annotations| annotations.get("volume.beta.kubernetes.io/storage-class"))
-            .cloned()
-    });
+    let storage_class = claim_storage_class(claim);
     Ok(ClaimFacts {
         namespace: namespace.to_string(),
         name: name.to_string(),

@@ -302,13 +302,8 @@ pub fn decode_trailer(
         return Err(damaged("trailer checksum mismatch"));
     }
     let count = read_u32(&trailer[body_end - 4..body_end]) as usize;
-    let entries = decode_entries(
+    entries_filling_the_pack(
         &trailer[..count * TRAILER_ENTRY_BYTES],
-        PACK_MAGIC.len() as u64,
-        &damaged,
-    )?;
-    covering_the_pack(
-        entries,
         PACK_MAGIC.len() as u64,
         trailer.len(),
         pack_length,
@@ -328,8 +323,20 @@ pub fn decode_pack(bytes: &[u8], pack: &str) -> Result<Vec<PackEntry>, PackError
     decode_trailer(trailer, bytes.len() as u64, pack)
 }
 
-/// Decode trailer entries, giving each its offset: `first_offset` plus
-/// the stored lengths before it.
+/// The trailer's entry records decoded ([`decode_entries`], offsets from
+/// after the magic) if, after the magic, they and the trailer cover the
+/// pack exactly: what both formats' trailers must satisfy.
+fn entries_filling_the_pack(
+    records: &[u8],
+    magic_length: u64,
+    trailer_length: usize,
+    pack_length: u64,
+    damaged: &dyn Fn(&str) -> PackError,
+) -> Result<Vec<PackEntry>, PackError> {
+    let entries = decode_entries(records, magic_length, damaged)?;
+    covering_the_pack(entries, magic_length, trailer_length, pack_length, damaged)
+}
+
 /// `entries` if, after the magic, they and the trailer cover the pack
 /// exactly (no gap, no overlap, nothing after the trailer).
 fn covering_the_pack(
@@ -352,6 +359,8 @@ fn covering_the_pack(
     Ok(entries)
 }
 
+/// Decode trailer entry records, giving each its offset: `first_offset`
+/// plus the stored lengths before it.
 fn decode_entries(
     records: &[u8],
     first_offset: u64,
@@ -441,13 +450,8 @@ pub fn decode_sealed_trailer(
             plain.len() - 4
         )));
     }
-    let entries = decode_entries(
+    entries_filling_the_pack(
         &plain[..count * TRAILER_ENTRY_BYTES],
-        SEALED_PACK_MAGIC.len() as u64,
-        &damaged,
-    )?;
-    covering_the_pack(
-        entries,
         SEALED_PACK_MAGIC.len() as u64,
         trailer.len(),
         pack_length,
