@@ -38,6 +38,13 @@ async fn server_with_bucket() -> MinioServer {
     server
 }
 
+/// A fault-injecting proxy in front of `server`.
+async fn proxy_in_front_of(server: &MinioServer) -> FaultProxy {
+    FaultProxy::start(([127, 0, 0, 1], server.port()).into())
+        .await
+        .expect("start proxy")
+}
+
 /// `haulage ARGS` with the repository at `endpoint`, credentials from the
 /// standard variables.
 fn haulage_at(endpoint: &str) -> Command {
@@ -374,9 +381,7 @@ async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_
 #[tokio::test(flavor = "multi_thread")]
 async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
     let server = server_with_bucket().await;
-    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
-        .await
-        .expect("start proxy");
+    let proxy = proxy_in_front_of(&server).await;
     let (dir, source) = initialised_repo_and_source(&server, 4, 12 << 20);
 
     let mut backup = spawn_backup(
@@ -410,9 +415,7 @@ async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_before_exiting() {
     let server = server_with_bucket().await;
-    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
-        .await
-        .expect("start proxy");
+    let proxy = proxy_in_front_of(&server).await;
     let (_dir, source) = initialised_repo_and_source(&server, 4, 16 << 20);
 
     // Hold every upload byte after the first few MiB, so multipart uploads
