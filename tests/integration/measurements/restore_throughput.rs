@@ -43,6 +43,40 @@ fn logged_seconds(log: &str, marker: &str) -> Option<f64> {
     value.split_whitespace().next()?.parse().ok()
 }
 
+/// Wait for the VolumeRestore `name` to finish, check it completed, and
+/// return its (first) stage pod's name and that pod's agent log, the pod
+/// running in `namespace`.
+async fn completed_restore_agent_log(
+    fixture: &Fixture,
+    restores: &Api<VolumeRestore>,
+    name: &str,
+    namespace: &str,
+) -> anyhow::Result<(String, String)> {
+    let restore = final_restore(restores, &fixture.kubelet, name, Duration::from_secs(900)).await?;
+    let status = restore.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeRestorePhase::Completed),
+        "{status:#?}"
+    );
+    let pod = status
+        .plan
+        .as_ref()
+        .and_then(|plan| plan.stage_pods.first())
+        .map(|pod| pod.pod_name.clone())
+        .context("stage pod")?;
+    let log = std::fs::read_to_string(
+        fixture
+            .work
+            .path()
+            .join("kubelet/pods")
+            .join(namespace)
+            .join(&pod)
+            .join("agent.log"),
+    )?;
+    Ok((pod, log))
+}
+
 /// One claim of 1 GiB of sample data (a quarter small files, the rest
 /// random, log-like and duplicated) backed up once, then restored in
 /// turns, three times each: by a VolumeRestore into a new claim (the
@@ -121,29 +155,8 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
                     "namespaceMap": {"solo": namespace}, "createNamespaces": true}}),
         )
         .await?;
-        let restore =
-            final_restore(&restores, &fixture.kubelet, &name, Duration::from_secs(900)).await?;
-        let status = restore.status.context("status")?;
-        assert_eq!(
-            status.phase,
-            Some(VolumeRestorePhase::Completed),
-            "{status:#?}"
-        );
-        let pod = status
-            .plan
-            .as_ref()
-            .and_then(|plan| plan.stage_pods.first())
-            .map(|pod| pod.pod_name.clone())
-            .context("stage pod")?;
-        let log = std::fs::read_to_string(
-            fixture
-                .work
-                .path()
-                .join("kubelet/pods")
-                .join(&namespace)
-                .join(&pod)
-                .join("agent.log"),
-        )?;
+        let (pod, log) =
+            completed_restore_agent_log(&fixture, &restores, &name, &namespace).await?;
         let restored = logged_seconds(&log, "restored; verifying").context("restore seconds")?;
         let verified = logged_seconds(&log, "verified").context("verify seconds")?;
         let peak = fixture
@@ -259,34 +272,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
                 "namespaceMap": {"solo": namespace}, "existingClaim": "Sync"}}),
     )
     .await?;
-    let cutover = final_restore(
-        &restores,
-        &fixture.kubelet,
-        "cutover",
-        Duration::from_secs(900),
-    )
-    .await?;
-    let status = cutover.status.context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeRestorePhase::Completed),
-        "{status:#?}"
-    );
-    let pod = status
-        .plan
-        .as_ref()
-        .and_then(|plan| plan.stage_pods.first())
-        .map(|pod| pod.pod_name.clone())
-        .context("stage pod")?;
-    let log = std::fs::read_to_string(
-        fixture
-            .work
-            .path()
-            .join("kubelet/pods")
-            .join(&namespace)
-            .join(&pod)
-            .join("agent.log"),
-    )?;
+    let (_, log) = completed_restore_agent_log(&fixture, &restores, "cutover", &namespace).await?;
     for line in log
         .lines()
         .filter(|line| line.contains("restored; verifying") || line.contains("verified"))
