@@ -28,9 +28,9 @@ use serde_json::json;
 
 use crate::engine::support::{assert_same_tree, haulage, random_bytes};
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup, create_backup_of,
-    create_restore_of_backup, create_storage_policy, eventually, final_backup, final_restore,
-    leftovers, no_leftovers_within,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
+    create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
+    final_backup, final_restore, leftovers, no_leftovers_within,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -237,12 +237,7 @@ async fn a_killed_restore_agent_is_restarted_and_finishes_without_writing_again_
         .start()
         .await?;
     let client = &fixture.client;
-    create_backup_of(
-        client,
-        "archive-only",
-        json!({"matchLabels": {"claim": "archive"}}),
-    )
-    .await?;
+    create_backup_of_claim(client, "archive-only", "archive").await?;
     fixture
         .completed_backup("archive-only", BACKUP_DEADLINE)
         .await?;
@@ -323,7 +318,7 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     let source = fixture.volumes.join("shop/db");
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    create_backup_of(client, "first", json!({"matchLabels": {"claim": "db"}})).await?;
+    create_backup_of_claim(client, "first", "db").await?;
     final_backup(&backups, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
     create_restore_of_backup(client, "first", "first").await?;
     let first = final_restore(&restores, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
@@ -362,7 +357,7 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     let small = crate::engine::support::files_under(&source.join("small"));
     std::fs::write(&small[0].0, random_bytes(78, REWRITTEN))?;
     std::fs::remove_file(&small[1].0)?;
-    create_backup_of(client, "cutover", json!({"matchLabels": {"claim": "db"}})).await?;
+    create_backup_of_claim(client, "cutover", "db").await?;
     final_backup(&backups, &fixture.kubelet, "cutover", BACKUP_DEADLINE).await?;
     create::<VolumeRestore>(
         client,

@@ -17,7 +17,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create, create_backup, create_backup_of,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create, create_backup, create_backup_of_claim,
     create_backup_to, eventually, final_backup,
 };
 use crate::support::health::{http_status, wait_until_ready};
@@ -517,12 +517,7 @@ async fn a_backup_to_a_location_behind_a_private_ca_completes() -> anyhow::Resul
     let fixture = Fixture::builder().tls().start().await?;
     let client = &fixture.client;
     assert!(fixture.minio.endpoint().starts_with("https://"));
-    create_backup_of(
-        client,
-        "private-ca",
-        json!({"matchLabels": {"claim": "db"}}),
-    )
-    .await?;
+    create_backup_of_claim(client, "private-ca", "db").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let backup = final_backup(&backups, &fixture.kubelet, "private-ca", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;

@@ -309,9 +309,8 @@ pub struct Fixture {
 ///
 /// ```ignore
 /// let fixture = Fixture::builder()
-///     .upload_bytes_per_second(1 << 20)
-///     .volume_bytes(12 << 20)
-///     .random_data_in_small_packs()
+///     .volume_bytes(4 << 20)
+///     .provisioning()
 ///     .start()
 ///     .await?;
 /// ```
@@ -352,6 +351,16 @@ impl FixtureBuilder {
     pub fn random_data_in_small_packs(mut self) -> Self {
         self.random_data_in_small_packs = true;
         self
+    }
+
+    /// Transfers that run long enough (about 12 s each) to be interrupted,
+    /// hung or scraped while they run: 12 MiB of
+    /// [random data in 1 MiB packs](Self::random_data_in_small_packs) per
+    /// claim, uploaded at 1 MiB/s.
+    pub fn long_running_transfers(self) -> Self {
+        self.upload_bytes_per_second(1 << 20)
+            .volume_bytes(12 << 20)
+            .random_data_in_small_packs()
     }
 
     /// The BSL's `uploadBytesPerSecond`, the upload cap of each agent: slow
@@ -874,6 +883,16 @@ pub async fn create_backup_of(
     selector: serde_json::Value,
 ) -> anyhow::Result<()> {
     create_backup_in(client, name, &["shop", "web"], selector).await
+}
+
+/// Create the VolumeBackup `name` of the claims labelled `claim: CLAIM`
+/// in `shop` and `web`.
+pub async fn create_backup_of_claim(
+    client: &kube::Client,
+    name: &str,
+    claim: &str,
+) -> anyhow::Result<()> {
+    create_backup_of(client, name, json!({"matchLabels": {"claim": claim}})).await
 }
 
 /// Create the VolumeBackup `name` of the claims `selector` picks in
