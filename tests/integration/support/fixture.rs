@@ -514,24 +514,14 @@ impl FixtureBuilder {
             .then(|| Provisioner::start(client.clone(), &volumes, STORAGE_CLASS, PROVISIONER));
 
         // The BSL, pointing at MinIO, with its credentials Secret.
-        create::<Secret>(
-        &client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
-            "stringData": {"cloud": format!(
-                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
-    )
-    .await?;
-        create::<BackupStorageLocation>(
+        create_credentials_secret(&client, &secret_key).await?;
+        create_minio_location(
             &client,
-            Some(SYSTEM_NAMESPACE),
-            json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
-            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
-            "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
-                "region": REGION, "s3ForcePathStyle": true, "default": true,
-                "credential": {"name": "s3-credentials", "key": "cloud"}, "caBundle": ca_bundle,
-                "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
+            &minio,
+            BUCKET,
+            PREFIX,
+            json!({"caBundle": ca_bundle, "validationFrequency": "10s",
+                "uploadBytesPerSecond": upload_bytes_per_second}),
         )
         .await?;
         if !extra_objects.is_empty() {
@@ -883,6 +873,54 @@ pub async fn create_backup_of(
     selector: serde_json::Value,
 ) -> anyhow::Result<()> {
     create_backup_in(client, name, &["shop", "web"], selector).await
+}
+
+/// Create the Secret `s3-credentials` in the controller's namespace: an
+/// AWS credentials file (key `cloud`) with MinIO's access key and
+/// `secret_key`.
+pub async fn create_credentials_secret(
+    client: &kube::Client,
+    secret_key: &str,
+) -> anyhow::Result<()> {
+    create::<Secret>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
+            "stringData": {"cloud": format!(
+                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
+    )
+    .await?;
+    Ok(())
+}
+
+/// Create the default BackupStorageLocation `minio` in the controller's
+/// namespace: `bucket` and `prefix` on `minio`, with the credentials of
+/// [`create_credentials_secret`] and the further spec fields in `settings`
+/// (an object).
+pub async fn create_minio_location(
+    client: &kube::Client,
+    minio: &MinioServer,
+    bucket: &str,
+    prefix: &str,
+    settings: serde_json::Value,
+) -> anyhow::Result<()> {
+    let mut spec = json!({"bucket": bucket, "prefix": prefix, "endpoint": minio.endpoint(),
+        "region": REGION, "s3ForcePathStyle": true, "default": true,
+        "credential": {"name": "s3-credentials", "key": "cloud"}});
+    let (Some(fields), serde_json::Value::Object(settings)) = (spec.as_object_mut(), settings)
+    else {
+        bail!("the location's settings are not an object");
+    };
+    fields.extend(settings);
+    create::<BackupStorageLocation>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE}, "spec": spec}),
+    )
+    .await?;
+    Ok(())
 }
 
 /// Create the VolumeBackup `name` of the claims labelled `claim: CLAIM`
