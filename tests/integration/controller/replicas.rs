@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::fixture::{
     BACKUP_DEADLINE, Fixture, controller_process, create_backup, create_backup_of_claim,
-    eventually, final_backup, leftovers,
+    eventually, final_phase, leftovers,
 };
 use crate::support::health::{http_status, wait_until_ready};
 use crate::support::kube::KubeCluster;
@@ -57,7 +57,7 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
     }
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     for name in ["first", "second", "third"] {
-        let backup = final_backup(&backups, &fixture.kubelet, name, BACKUP_DEADLINE).await?;
+        let backup = final_phase(&backups, &fixture.kubelet, name, BACKUP_DEADLINE).await?;
         let status = backup.status.context("status")?;
         assert_eq!(status.phase, Some(VolumeBackupPhase::Completed), "{name}");
         let owner = status.owner.context("owner")?.replica;

@@ -30,7 +30,7 @@ use crate::engine::support::{assert_same_tree, haulage, random_bytes};
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
     create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
-    final_backup, final_restore, leftovers, no_leftovers_within,
+    final_phase, leftovers, no_leftovers_within,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -319,9 +319,9 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     create_backup_of_claim(client, "first", "db").await?;
-    final_backup(&backups, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
+    final_phase(&backups, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
     create_restore_of_backup(client, "first", "first").await?;
-    let first = final_restore(&restores, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
+    let first = final_phase(&restores, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
     let first = first.status.context("the first restore's status")?;
     assert_eq!(first.phase, Some(VolumeRestorePhase::Completed));
     let first_snapshot = first.selection[0].snapshot_id.clone();
@@ -358,7 +358,7 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     std::fs::write(&small[0].0, random_bytes(78, REWRITTEN))?;
     std::fs::remove_file(&small[1].0)?;
     create_backup_of_claim(client, "cutover", "db").await?;
-    final_backup(&backups, &fixture.kubelet, "cutover", BACKUP_DEADLINE).await?;
+    final_phase(&backups, &fixture.kubelet, "cutover", BACKUP_DEADLINE).await?;
     create::<VolumeRestore>(
         client,
         Some(SYSTEM_NAMESPACE),

@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::support::fixture::{
     BACKUP_DEADLINE, Fixture, PROVISIONER, STORAGE_CLASS, create_backup, create_storage_policy,
-    eventually, final_backup,
+    eventually, final_phase,
 };
 
 /// What a watch of every VolumeTransfer saw, event by event.
@@ -106,7 +106,7 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
 
     create_backup(client, "serial").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "serial", BACKUP_DEADLINE)
+    let backup = final_phase(&backups, &fixture.kubelet, "serial", BACKUP_DEADLINE)
         .await
         .with_context(|| {
             format!(
@@ -236,7 +236,7 @@ async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the
 
     create_backup(client, "resplit").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "resplit", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "resplit", BACKUP_DEADLINE).await?;
     recorder.abort();
     assert_eq!(
         backup.status.and_then(|status| status.phase),

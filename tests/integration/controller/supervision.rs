@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams};
 use serde_json::json;
 
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, create_backup_of, create_backup_of_claim, eventually, final_backup,
+    BACKUP_DEADLINE, Fixture, create_backup_of, create_backup_of_claim, eventually, final_phase,
     leftovers,
 };
 
@@ -109,7 +109,7 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
     .context("content's agent was not restarted five times")?;
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "supervised", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "supervised", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -233,7 +233,7 @@ async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
     );
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "hung", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "hung", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,

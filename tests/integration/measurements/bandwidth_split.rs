@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::engine::support::random_bytes;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, STORAGE_CLASS, create_backup, create_storage_policy, final_backup,
+    BACKUP_DEADLINE, Fixture, STORAGE_CLASS, create_backup, create_storage_policy, final_phase,
 };
 
 /// The bandwidth split measured, not asserted (figures in
@@ -124,7 +124,7 @@ async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<
 
     create_backup(client, "measured").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "measured", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "measured", BACKUP_DEADLINE).await?;
     recorder.abort();
     let status = backup.status.context("status")?;
     assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));

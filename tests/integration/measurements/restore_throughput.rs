@@ -18,7 +18,7 @@ use kube::api::Api;
 use serde_json::json;
 
 use crate::support::fixture::{
-    BUCKET, Fixture, Layout, PREFIX, create, create_backup_in, final_backup, final_restore,
+    BUCKET, Fixture, Layout, PREFIX, create, create_backup_in, final_phase,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -52,7 +52,7 @@ async fn completed_restore_agent_log(
     name: &str,
     namespace: &str,
 ) -> anyhow::Result<(String, String)> {
-    let restore = final_restore(restores, &fixture.kubelet, name, Duration::from_secs(900)).await?;
+    let restore = final_phase(restores, &fixture.kubelet, name, Duration::from_secs(900)).await?;
     let status = restore.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -124,7 +124,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
     )
     .await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(
+    let backup = final_phase(
         &backups,
         &fixture.kubelet,
         "source",
@@ -248,7 +248,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
         json!({"matchLabels": {"claim": "data"}}),
     )
     .await?;
-    let changed_backup = final_backup(
+    let changed_backup = final_phase(
         &backups,
         &fixture.kubelet,
         "changed",

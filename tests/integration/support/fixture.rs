@@ -655,7 +655,7 @@ impl Fixture {
         deadline: Duration,
     ) -> anyhow::Result<VolumeBackupStatus> {
         let backups: Api<VolumeBackup> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let backup = final_backup(&backups, &self.kubelet, name, deadline).await?;
+        let backup = final_phase(&backups, &self.kubelet, name, deadline).await?;
         self.completed_status(backup, |status| {
             status.phase == Some(VolumeBackupPhase::Completed)
         })
@@ -670,7 +670,7 @@ impl Fixture {
         deadline: Duration,
     ) -> anyhow::Result<VolumeRestoreStatus> {
         let restores: Api<VolumeRestore> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let restore = final_restore(&restores, &self.kubelet, name, deadline).await?;
+        let restore = final_phase(&restores, &self.kubelet, name, deadline).await?;
         self.completed_status(restore, |status| {
             status.phase == Some(VolumeRestorePhase::Completed)
         })
@@ -727,43 +727,32 @@ impl Fixture {
     }
 }
 
-/// Wait up to `deadline` for VolumeBackup `name` to reach a final phase;
-/// a timeout names it with its last status and every agent's log.
-pub async fn final_backup(
-    backups: &Api<VolumeBackup>,
-    kubelet: &Kubelet,
-    name: &str,
-    deadline: Duration,
-) -> anyhow::Result<VolumeBackup> {
-    final_object(backups, kubelet, name, deadline, |status| {
-        status.phase.is_some_and(|phase| phase.is_final())
-    })
-    .await
+/// The status of an object whose phase can be final (nothing more happens).
+pub trait FinalPhase {
+    /// Whether the object's phase is final.
+    fn is_final(&self) -> bool;
 }
 
-/// Wait up to `deadline` for VolumeRestore `name` to reach a final phase;
-/// a timeout names it with its last status and every agent's log.
-pub async fn final_restore(
-    restores: &Api<VolumeRestore>,
-    kubelet: &Kubelet,
-    name: &str,
-    deadline: Duration,
-) -> anyhow::Result<VolumeRestore> {
-    final_object(restores, kubelet, name, deadline, |status| {
-        status.phase.is_some_and(|phase| phase.is_final())
-    })
-    .await
+impl FinalPhase for VolumeBackupStatus {
+    fn is_final(&self) -> bool {
+        self.phase.is_some_and(|phase| phase.is_final())
+    }
 }
 
-/// Wait up to `deadline` for the object `name` of `api` to have a status
-/// that `is_final`; a timeout names it, kind and name, with its last status
-/// and every agent's log.
-async fn final_object<K>(
+impl FinalPhase for VolumeRestoreStatus {
+    fn is_final(&self) -> bool {
+        self.phase.is_some_and(|phase| phase.is_final())
+    }
+}
+
+/// Wait up to `deadline` for the VolumeBackup or VolumeRestore `name` of
+/// `api` to reach a final phase; a timeout names it, kind and name, with
+/// its last status and every agent's log.
+pub async fn final_phase<K>(
     api: &Api<K>,
     kubelet: &Kubelet,
     name: &str,
     deadline: Duration,
-    is_final: impl Fn(&K::Status) -> bool,
 ) -> anyhow::Result<K>
 where
     K: kube::Resource<DynamicType = ()>
@@ -771,11 +760,14 @@ where
         + Clone
         + serde::de::DeserializeOwned
         + std::fmt::Debug,
-    K::Status: std::fmt::Debug,
+    K::Status: FinalPhase + std::fmt::Debug,
 {
     let finished = eventually(deadline, || async {
         let object = api.get(name).await?;
-        Ok(object.status().is_some_and(&is_final).then_some(object))
+        Ok(object
+            .status()
+            .is_some_and(FinalPhase::is_final)
+            .then_some(object))
     })
     .await;
     match finished {
