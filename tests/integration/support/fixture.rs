@@ -853,20 +853,6 @@ pub async fn create_restore_of_backup_into(
     Ok(())
 }
 
-/// Create the VolumeBackup `name` of both namespaces' labelled claims.
-pub async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
-    create_backup_of(client, name, json!({"matchLabels": {"backup": "yes"}})).await
-}
-
-/// Create the VolumeBackup `name` of the claims `selector` picks.
-pub async fn create_backup_of(
-    client: &kube::Client,
-    name: &str,
-    selector: serde_json::Value,
-) -> anyhow::Result<()> {
-    create_backup_in(client, name, &["shop", "web"], selector).await
-}
-
 /// Create the Secret `s3-credentials` in the controller's namespace: an
 /// AWS credentials file (key `cloud`) with MinIO's access key and
 /// `secret_key`.
@@ -915,6 +901,20 @@ pub async fn create_minio_location(
     Ok(())
 }
 
+/// Create the VolumeBackup `name` of both namespaces' labelled claims.
+pub async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
+    create_backup_of(client, name, json!({"matchLabels": {"backup": "yes"}})).await
+}
+
+/// Create the VolumeBackup `name` of the claims `selector` picks.
+pub async fn create_backup_of(
+    client: &kube::Client,
+    name: &str,
+    selector: serde_json::Value,
+) -> anyhow::Result<()> {
+    create_backup_in(client, name, &["shop", "web"], selector).await
+}
+
 /// Create the VolumeBackup `name` of the claims labelled `claim: CLAIM`
 /// in `shop` and `web`.
 pub async fn create_backup_of_claim(
@@ -933,12 +933,25 @@ pub async fn create_backup_in(
     namespaces: &[&str],
     selector: serde_json::Value,
 ) -> anyhow::Result<()> {
+    create_backup_with_spec(
+        client,
+        name,
+        json!({"namespaces": namespaces, "selector": selector}),
+    )
+    .await
+}
+
+/// Create the VolumeBackup `name` in the controller's namespace with `spec`.
+async fn create_backup_with_spec(
+    client: &kube::Client,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<()> {
     create::<VolumeBackup>(
         client,
         Some(SYSTEM_NAMESPACE),
         json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
-            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
-            "spec": {"namespaces": namespaces, "selector": selector}}),
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE}, "spec": spec}),
     )
     .await?;
     Ok(())
@@ -946,15 +959,12 @@ pub async fn create_backup_in(
 
 /// Stage pods and credentials copies left in the cluster.
 pub async fn leftovers(client: &kube::Client) -> anyhow::Result<(usize, usize)> {
-    let stage_pods: Api<Pod> = Api::all(client.clone());
-    let pods = stage_pods
-        .list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
-        .await?;
+    let pods = stage_pods(client).await?;
     let secrets: Api<Secret> = Api::all(client.clone());
     let copies = secrets
         .list(&ListParams::default().labels(&format!("{CREDENTIALS_COPY_LABEL}=true")))
         .await?;
-    Ok((pods.items.len(), copies.items.len()))
+    Ok((pods.len(), copies.items.len()))
 }
 
 /// Create a VolumeBackup of the claim labelled `claim` into `location`.
@@ -964,16 +974,13 @@ pub async fn create_backup_to(
     claim: &str,
     location: &str,
 ) -> anyhow::Result<()> {
-    create::<VolumeBackup>(
+    create_backup_with_spec(
         client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
-            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
-            "spec": {"namespaces": ["shop", "web"], "storageLocation": location,
-                "selector": {"matchLabels": {"claim": claim}}}}),
+        name,
+        json!({"namespaces": ["shop", "web"], "storageLocation": location,
+            "selector": {"matchLabels": {"claim": claim}}}),
     )
-    .await?;
-    Ok(())
+    .await
 }
 
 /// The stage pods (namespace, name) that exist now.
