@@ -855,11 +855,11 @@ pub async fn create_restore_of_backup_into(
 
 /// Create the Secret `s3-credentials` in the controller's namespace: an
 /// AWS credentials file (key `cloud`) with MinIO's access key and
-/// `secret_key`.
+/// `secret_key`; returns the Secret created.
 pub async fn create_credentials_secret(
     client: &kube::Client,
     secret_key: &str,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Secret> {
     create::<Secret>(
         client,
         Some(SYSTEM_NAMESPACE),
@@ -868,8 +868,7 @@ pub async fn create_credentials_secret(
             "stringData": {"cloud": format!(
                 "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
     )
-    .await?;
-    Ok(())
+    .await
 }
 
 /// Create the default BackupStorageLocation `minio` in the controller's
