@@ -13,7 +13,8 @@ use haulage::api::backup::{VolumeBackupPhase, VolumeBackupStatus};
 use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
 use haulage::api::restore::{VolumeRestorePhase, VolumeRestoreStatus};
 use haulage::api::{
-    BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeRestore,
+    BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeRestore, VolumeTransfer,
+    VolumeTransferPhase,
 };
 use haulage::engine::Repository;
 use haulage::store::open_store;
@@ -954,6 +955,39 @@ async fn create_backup_with_spec(
     )
     .await?;
     Ok(())
+}
+
+/// Watch every VolumeTransfer of the cluster, calling `on_change` with
+/// each one as it is created or changed, in the API server's order, until
+/// the returned task is aborted.
+pub fn watch_transfers(
+    client: &kube::Client,
+    mut on_change: impl FnMut(&VolumeTransfer) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let events = watcher(
+        Api::<VolumeTransfer>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .applied_objects();
+    tokio::spawn(async move {
+        let mut events = std::pin::pin!(events);
+        while let Some(Ok(transfer)) = events.next().await {
+            on_change(&transfer);
+        }
+    })
+}
+
+/// Whether a transfer in `phase` is running: admitted and not yet done.
+pub fn is_running_phase(phase: VolumeTransferPhase) -> bool {
+    matches!(
+        phase,
+        VolumeTransferPhase::Admitted
+            | VolumeTransferPhase::InProgress
+            | VolumeTransferPhase::Finalizing
+    )
 }
 
 /// Stage pods and credentials copies left in the cluster.
