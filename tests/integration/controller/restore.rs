@@ -26,7 +26,9 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::{Api, ListParams};
 use serde_json::json;
 
-use crate::engine::support::{assert_same_tree, haulage, random_bytes};
+use crate::engine::support::{
+    assert_same_tree, haulage, make_fifo, random_bytes, set_xattr, write_sparse_file,
+};
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
     create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
@@ -50,23 +52,14 @@ fn add_entries_of_every_kind(claim: &Path) -> anyhow::Result<()> {
     std::fs::write(special.join("linked"), b"one inode, two names")?;
     std::fs::hard_link(special.join("linked"), special.join("shared/also-linked"))?;
     std::os::unix::fs::symlink("../large/app.log", special.join("log"))?;
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        special.join("pipe"),
-        rustix::fs::FileType::Fifo,
-        rustix::fs::Mode::from_raw_mode(0o620),
-        0,
+    make_fifo(&special.join("pipe"), 0o620)?;
+    set_xattr(&special.join("owned"), "user.origin", b"cluster-a")?;
+    write_sparse_file(
+        &special.join("sparse.img"),
+        16 << 20,
+        &random_bytes(9, 8192),
+        8 << 20,
     )?;
-    rustix::fs::setxattr(
-        special.join("owned"),
-        "user.origin",
-        b"cluster-a",
-        rustix::fs::XattrFlags::empty(),
-    )?;
-    let sparse = std::fs::File::create(special.join("sparse.img"))?;
-    sparse.set_len(16 << 20)?;
-    std::os::unix::fs::FileExt::write_all_at(&sparse, &random_bytes(9, 8192), 8 << 20)?;
-    drop(sparse);
     std::fs::File::options()
         .write(true)
         .open(special.join("linked"))?

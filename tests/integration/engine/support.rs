@@ -326,6 +326,35 @@ pub fn assert_a_problem(report: &VerifyReport, expected: impl Fn(&VerifyProblem)
     );
 }
 
+/// A sparse file of `length` bytes at `path` whose only data is `data` at
+/// `offset`.
+pub fn write_sparse_file(
+    path: &Path,
+    length: u64,
+    data: &[u8],
+    offset: u64,
+) -> std::io::Result<()> {
+    let file = std::fs::File::create(path)?;
+    file.set_len(length)?;
+    std::os::unix::fs::FileExt::write_all_at(&file, data, offset)
+}
+
+/// A named pipe at `path` with the permission bits `mode`.
+pub fn make_fifo(path: &Path, mode: u32) -> rustix::io::Result<()> {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(mode),
+        0,
+    )
+}
+
+/// Set the extended attribute `name` of `path` to `value`.
+pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> rustix::io::Result<()> {
+    rustix::fs::setxattr(path, name, value, rustix::fs::XattrFlags::empty())
+}
+
 pub fn haulage() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_haulage"));
     command.env_remove("HAULAGE_REPO");
