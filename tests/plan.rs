@@ -1197,9 +1197,8 @@ fn exclusive_attached_volumes_stay_on_their_node(cluster: &PlannedCluster) -> Pr
         if !claim.is_shared() && !attached.is_empty() {
             prop_assert!(
                 attached.contains(&node_name),
-                "exclusive {}/{} moved off its node",
-                claim.namespace,
-                claim.name
+                "exclusive {} moved off its node",
+                claim_name(claim)
             );
         }
     }
@@ -1254,6 +1253,11 @@ fn single_pod_volumes_in_use_ask_to_quiesce(cluster: &PlannedCluster) -> Propert
     Ok(())
 }
 
+/// A claim as `namespace/name`, for the properties' messages.
+fn claim_name(claim: &ClaimFacts) -> String {
+    format!("{}/{}", claim.namespace, claim.name)
+}
+
 fn shared_volumes_prefer_a_ready_node_they_are_attached_to(cluster: &PlannedCluster) -> Property {
     let oracle = &cluster.oracle;
     for (claim, node_name) in cluster.placed_claims() {
@@ -1270,16 +1274,14 @@ fn shared_volumes_prefer_a_ready_node_they_are_attached_to(cluster: &PlannedClus
         if ready_attached {
             prop_assert!(
                 attached.contains(&node_name) && node.ready,
-                "shared {}/{} not on a ready attached node",
-                claim.namespace,
-                claim.name
+                "shared {} not on a ready attached node",
+                claim_name(claim)
             );
         } else if attached.contains(&node_name) {
             prop_assert!(
                 oracle.usable_for_attached(claim, &node_name),
-                "shared {}/{} on an unusable attached node",
-                claim.namespace,
-                claim.name
+                "shared {} on an unusable attached node",
+                claim_name(claim)
             );
         }
     }
@@ -1298,9 +1300,8 @@ fn placed_volumes_are_on_nodes_they_may_use(cluster: &PlannedCluster) -> Propert
         if let Some(affinity) = volume.and_then(|volume| volume.node_affinity.as_ref()) {
             prop_assert!(
                 affinity.matches(node),
-                "{}/{} outside its node affinity on {}",
-                claim.namespace,
-                claim.name,
+                "{} outside its node affinity on {}",
+                claim_name(claim),
                 node_name
             );
         }
@@ -1331,9 +1332,8 @@ fn unavailable_nodes_take_only_attached_volumes(cluster: &PlannedCluster) -> Pro
         if !Oracle::takes_new_volumes(node) {
             prop_assert!(
                 oracle.attached_nodes(claim).contains(&node_name),
-                "{}/{} is new on unavailable node {}",
-                claim.namespace,
-                claim.name,
+                "{} is new on unavailable node {}",
+                claim_name(claim),
                 node_name
             );
         }

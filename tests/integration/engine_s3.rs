@@ -4,7 +4,7 @@
 //! mid-upload, a cancelled backup, and a restore that reads each pack once.
 
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +14,7 @@ use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::repo::codec::ObjectCodec;
 use haulage::repo::{BlobId, DATA_PREFIX, ObjectId};
-use haulage::store::open_store;
+use haulage::store::{DynStore, open_store};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::support::{
@@ -36,6 +36,13 @@ async fn server_with_bucket() -> MinioServer {
     let server = MinioServer::start().await.expect("start minio");
     server.create_bucket(BUCKET).await.expect("create bucket");
     server
+}
+
+/// A fault-injecting proxy in front of `server`.
+async fn proxy_in_front_of(server: &MinioServer) -> FaultProxy {
+    FaultProxy::start(([127, 0, 0, 1], server.port()).into())
+        .await
+        .expect("start proxy")
 }
 
 /// `haulage ARGS` with the repository at `endpoint`, credentials from the
@@ -71,6 +78,39 @@ fn init_repo(endpoint: &str) {
         .output()
         .expect("run haulage repo init");
     assert_success(&output, "repo init");
+}
+
+/// A repository initialised on `server` and, in a fresh temporary directory
+/// (returned to keep it alive), a source tree written by [`write_source`].
+fn initialised_repo_and_source(
+    server: &MinioServer,
+    large: u64,
+    large_bytes: usize,
+) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let source = dir.path().join("source");
+    write_source(&source, large, large_bytes);
+    init_repo(&server.endpoint());
+    (dir, source)
+}
+
+/// Start `haulage backup FLAGS --repo … SOURCE` against `endpoint` with its
+/// output captured.
+fn spawn_backup(endpoint: &str, flags: &[&str], source: &Path) -> Child {
+    haulage_at(endpoint)
+        .arg("backup")
+        .args(flags)
+        .args(["--repo", &repo_url()])
+        .arg(source)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start backup")
+}
+
+/// The snapshot id in a `backup --json` summary.
+fn snapshot_id(summary: &serde_json::Value) -> &str {
+    summary["snapshotId"].as_str().expect("id")
 }
 
 /// Back up `source`; returns the JSON summary.
@@ -176,17 +216,27 @@ async fn pack_count(server: &MinioServer) -> usize {
 
 /// How the repository the CLI created encodes its objects.
 async fn repo_codec(server: &MinioServer) -> ObjectCodec {
-    let store = open_store(&repo_url(), &server.store_options())
+    open_repository(repo_store(server).await)
         .await
-        .expect("open store");
+        .codec()
+        .clone()
+}
+
+/// The repository's store on `server`, as the CLI opens it.
+async fn repo_store(server: &MinioServer) -> DynStore {
+    open_store(&repo_url(), &server.store_options())
+        .await
+        .expect("open store")
+}
+
+/// The repository in `store`, opened with the test password.
+async fn open_repository(store: DynStore) -> Repository {
     Repository::open(
         store,
         &haulage::engine::KeySource::password(crate::engine::support::TEST_PASSWORD),
     )
     .await
     .expect("open the repository")
-    .codec()
-    .clone()
 }
 
 /// Check that every stored pack is whole: its bytes hash to its name and
@@ -215,6 +265,29 @@ fn assert_packs_whole(
     (total, unique)
 }
 
+/// [`assert_packs_whole`] over the packs stored on `server`.
+async fn assert_stored_packs_whole(server: &MinioServer) -> (usize, HashSet<BlobId>) {
+    assert_packs_whole(&repo_codec(server).await, &stored_packs(server).await)
+}
+
+/// Every stored pack is whole and no blob is stored in two of them.
+async fn assert_packs_whole_and_each_blob_stored_once(server: &MinioServer) {
+    let (total, unique) = assert_stored_packs_whole(server).await;
+    assert_eq!(total, unique.len(), "a blob was stored twice");
+}
+
+/// No multipart upload is left pending under the repository.
+async fn assert_no_multipart_upload_pending(server: &MinioServer, what: &str) {
+    let pending = server
+        .multipart_uploads(BUCKET, PREFIX)
+        .await
+        .expect("list uploads");
+    assert!(
+        pending.is_empty(),
+        "{what} left multipart uploads pending: {pending:?}"
+    );
+}
+
 /// Wait (bounded) for `condition`, checking the backup process is still running.
 async fn wait_while_running(
     child: &mut Child,
@@ -239,17 +312,13 @@ fn wait_with_output(child: Child) -> Output {
 #[tokio::test(flavor = "multi_thread")]
 async fn backup_verify_and_restore_through_s3_are_byte_identical_and_leave_no_upload_behind() {
     let server = server_with_bucket().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let source = dir.path().join("source");
-    write_source(&source, 3, 12 << 20);
-    init_repo(&server.endpoint());
+    let (dir, source) = initialised_repo_and_source(&server, 3, 12 << 20);
 
     let summary = backup_json(&server.endpoint(), &source);
     assert!(summary["packsWritten"].as_u64().expect("packs") >= 2);
-    let snapshot = summary["snapshotId"].as_str().expect("id").to_string();
     verify_and_restore(
         &server.endpoint(),
-        &snapshot,
+        snapshot_id(&summary),
         &source,
         &dir.path().join("restored"),
     );
@@ -257,42 +326,22 @@ async fn backup_verify_and_restore_through_s3_are_byte_identical_and_leave_no_up
     // A second backup of the unchanged tree stores nothing new.
     let again = backup_json(&server.endpoint(), &source);
     assert_eq!(again["bytesNew"].as_u64(), Some(0), "{again}");
-    let (total, unique) =
-        assert_packs_whole(&repo_codec(&server).await, &stored_packs(&server).await);
-    assert_eq!(total, unique.len(), "a blob was stored twice");
-    assert!(
-        server
-            .multipart_uploads(BUCKET, PREFIX)
-            .await
-            .expect("list uploads")
-            .is_empty()
-    );
+    assert_packs_whole_and_each_blob_stored_once(&server).await;
+    assert_no_multipart_upload_pending(&server, "the backups").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_sends_only_missing_packs()
  {
     let mut server = server_with_bucket().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let source = dir.path().join("source");
-    write_source(&source, 8, 16 << 20);
-    init_repo(&server.endpoint());
+    let (dir, source) = initialised_repo_and_source(&server, 8, 16 << 20);
 
     // Slow reading so the server can be stopped between packs.
-    let mut first = haulage_at(&server.endpoint())
-        .args([
-            "backup",
-            "--no-progress",
-            "--limit-read",
-            "40MiB",
-            "--repo",
-            &repo_url(),
-        ])
-        .arg(&source)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start backup");
+    let mut first = spawn_backup(
+        &server.endpoint(),
+        &["--no-progress", "--limit-read", "40MiB"],
+        &source,
+    );
     wait_while_running(&mut first, "two packs were stored", async || {
         pack_count(&server).await >= 2
     })
@@ -311,8 +360,7 @@ async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_
     );
 
     server.restart().await.expect("restart minio");
-    let (stored_before, _) =
-        assert_packs_whole(&repo_codec(&server).await, &stored_packs(&server).await);
+    let (stored_before, _) = assert_stored_packs_whole(&server).await;
     assert!(stored_before > 0);
     let summary = backup_json(&server.endpoint(), &source);
     let bytes_new = summary["bytesNew"].as_u64().expect("bytesNew");
@@ -321,13 +369,10 @@ async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_
         bytes_new < total_bytes,
         "the rerun stored everything again ({bytes_new} of {total_bytes} bytes)"
     );
-    let (total, unique) =
-        assert_packs_whole(&repo_codec(&server).await, &stored_packs(&server).await);
-    assert_eq!(total, unique.len(), "a blob was stored twice");
-    let snapshot = summary["snapshotId"].as_str().expect("id").to_string();
+    assert_packs_whole_and_each_blob_stored_once(&server).await;
     verify_and_restore(
         &server.endpoint(),
-        &snapshot,
+        snapshot_id(&summary),
         &source,
         &dir.path().join("restored"),
     );
@@ -336,29 +381,14 @@ async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_
 #[tokio::test(flavor = "multi_thread")]
 async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
     let server = server_with_bucket().await;
-    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
-        .await
-        .expect("start proxy");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let source = dir.path().join("source");
-    write_source(&source, 4, 12 << 20);
-    init_repo(&server.endpoint());
+    let proxy = proxy_in_front_of(&server).await;
+    let (dir, source) = initialised_repo_and_source(&server, 4, 12 << 20);
 
-    let mut backup = haulage_at(&proxy.endpoint())
-        .args([
-            "backup",
-            "--json",
-            "--no-progress",
-            "--limit-read",
-            "40MiB",
-            "--repo",
-            &repo_url(),
-        ])
-        .arg(&source)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start backup");
+    let mut backup = spawn_backup(
+        &proxy.endpoint(),
+        &["--json", "--no-progress", "--limit-read", "40MiB"],
+        &source,
+    );
     // Cut three upload connections, each a few MiB into whatever is in flight.
     for cut in 1..=3u64 {
         proxy.cut_upload_after(3 << 20);
@@ -367,51 +397,31 @@ async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
         })
         .await;
         // Nothing visible is ever partial, also while the backup runs.
-        assert_packs_whole(&repo_codec(&server).await, &stored_packs(&server).await);
+        assert_stored_packs_whole(&server).await;
     }
     let output = wait_with_output(backup);
     assert_success(&output, "backup through the cutting proxy");
     let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
-    let (total, unique) =
-        assert_packs_whole(&repo_codec(&server).await, &stored_packs(&server).await);
-    assert_eq!(total, unique.len(), "a blob was stored twice");
-    let snapshot = summary["snapshotId"].as_str().expect("id").to_string();
+    assert_packs_whole_and_each_blob_stored_once(&server).await;
     verify_and_restore(
         &server.endpoint(),
-        &snapshot,
+        snapshot_id(&summary),
         &source,
         &dir.path().join("restored"),
     );
-    assert!(
-        server
-            .multipart_uploads(BUCKET, PREFIX)
-            .await
-            .expect("list uploads")
-            .is_empty()
-    );
+    assert_no_multipart_upload_pending(&server, "the backups").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_before_exiting() {
     let server = server_with_bucket().await;
-    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into())
-        .await
-        .expect("start proxy");
-    let dir = tempfile::tempdir().expect("tempdir");
-    let source = dir.path().join("source");
-    write_source(&source, 4, 16 << 20);
-    init_repo(&server.endpoint());
+    let proxy = proxy_in_front_of(&server).await;
+    let (_dir, source) = initialised_repo_and_source(&server, 4, 16 << 20);
 
     // Hold every upload byte after the first few MiB, so multipart uploads
     // are in flight when the signal arrives.
     proxy.stall_upload_after(6 << 20);
-    let mut backup = haulage_at(&proxy.endpoint())
-        .args(["backup", "--no-progress", "--repo", &repo_url()])
-        .arg(&source)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("start backup");
+    let mut backup = spawn_backup(&proxy.endpoint(), &["--no-progress"], &source);
     wait_while_running(
         &mut backup,
         "a multipart upload was in flight",
@@ -440,41 +450,19 @@ async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_b
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let pending = server
-        .multipart_uploads(BUCKET, PREFIX)
-        .await
-        .expect("list uploads");
-    assert!(
-        pending.is_empty(),
-        "the cancelled backup exited with multipart uploads pending: {pending:?}"
-    );
-    assert_packs_whole(&repo_codec(&server).await, &stored_packs(&server).await);
+    assert_no_multipart_upload_pending(&server, "the cancelled backup").await;
+    assert_stored_packs_whole(&server).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_restore_through_s3_reads_each_pack_once() {
     let server = server_with_bucket().await;
-    let dir = tempfile::tempdir().expect("tempdir");
-    let source = dir.path().join("source");
-    write_source(&source, 3, 12 << 20);
-    init_repo(&server.endpoint());
+    let (dir, source) = initialised_repo_and_source(&server, 3, 12 << 20);
     let summary = backup_json(&server.endpoint(), &source);
-    let snapshot: ObjectId = summary["snapshotId"]
-        .as_str()
-        .expect("id")
-        .parse()
-        .expect("snapshot id");
+    let snapshot: ObjectId = snapshot_id(&summary).parse().expect("snapshot id");
 
-    let store = open_store(&repo_url(), &server.store_options())
-        .await
-        .expect("open store");
-    let counter = CountingStore::new(store);
-    let repository = Repository::open(
-        counter.clone(),
-        &haulage::engine::KeySource::password(crate::engine::support::TEST_PASSWORD),
-    )
-    .await
-    .expect("open");
+    let counter = CountingStore::new(repo_store(&server).await);
+    let repository = open_repository(counter.clone()).await;
     let packs = pack_entries(&repository).await;
     assert!(packs.len() >= 2, "{} packs", packs.len());
     counter.take_reads();

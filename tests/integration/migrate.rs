@@ -61,6 +61,35 @@ fn with_maps(extra: &[&'static str]) -> Vec<&'static str> {
     MAPS.iter().chain(extra).copied().collect()
 }
 
+/// [`with_maps`], with the map `map` replaced by `replacement`.
+fn with_map_replaced(
+    map: &str,
+    replacement: &'static str,
+    extra: &[&'static str],
+) -> anyhow::Result<Vec<&'static str>> {
+    let mut arguments = with_maps(extra);
+    let at = arguments.iter().position(|a| *a == map).context("map")?;
+    arguments[at] = replacement;
+    Ok(arguments)
+}
+
+/// Neither a VolumeBackup on the source nor a VolumeRestore on the
+/// destination exists.
+async fn assert_no_backup_and_no_restore(
+    backups: &Api<VolumeBackup>,
+    restores: &Api<VolumeRestore>,
+) -> anyhow::Result<()> {
+    assert!(backups.list(&ListParams::default()).await?.items.is_empty());
+    assert!(
+        restores
+            .list(&ListParams::default())
+            .await?
+            .items
+            .is_empty()
+    );
+    Ok(())
+}
+
 fn destination_of(namespace: &str) -> String {
     format!("{namespace}-b")
 }
@@ -138,14 +167,7 @@ async fn a_dry_run_prints_both_plans_changes_nothing_and_bad_input_is_refused_by
     let destination = &clusters.destination.client;
     let backups: Api<VolumeBackup> = Api::namespaced(source.clone(), SYSTEM_NAMESPACE);
     let restores: Api<VolumeRestore> = Api::namespaced(destination.clone(), SYSTEM_NAMESPACE);
-    assert!(backups.list(&ListParams::default()).await?.items.is_empty());
-    assert!(
-        restores
-            .list(&ListParams::default())
-            .await?
-            .items
-            .is_empty()
-    );
+    assert_no_backup_and_no_restore(&backups, &restores).await?;
     let namespaces: Api<Namespace> = Api::all(destination.clone());
     assert!(namespaces.get_opt("shop-b").await?.is_none());
     let sets: Api<StatefulSet> = Api::namespaced(source.clone(), "shop");
@@ -167,43 +189,30 @@ async fn a_dry_run_prints_both_plans_changes_nothing_and_bad_input_is_refused_by
             anyhow::Ok(())
         }
     };
-    let mut missing_class = with_maps(&["--dry-run"]);
-    let at = missing_class
-        .iter()
-        .position(|a| *a == "fast=gp3")
-        .context("map")?;
-    missing_class[at] = "fast=premium";
-    refused(
-        missing_class,
-        "--storage-class-map fast=premium: storage class premium does not exist on the destination cluster",
-    )
-    .await?;
-    refused(
-        with_maps(&["--namespace-map", "blog=blog-b"]),
-        "namespace blog is not migrated",
-    )
-    .await?;
-    let mut colliding = with_maps(&[]);
-    let at = colliding
-        .iter()
-        .position(|a| *a == "shop=shop-b")
-        .context("map")?;
-    colliding[at] = "shop=web-b";
-    refused(
-        colliding,
-        "namespaces shop and web would all be migrated into namespace web-b",
-    )
-    .await?;
-    refused(
-        with_maps(&["--to-location", "offsite"]),
-        "BackupStorageLocation haulage-system/offsite does not exist on the destination cluster",
-    )
-    .await?;
-    refused(
-        with_maps(&["--from-location", "nearby"]),
-        "BackupStorageLocation haulage-system/nearby does not exist on the source cluster",
-    )
-    .await?;
+    for (arguments, expected) in [
+        (
+            with_map_replaced("fast=gp3", "fast=premium", &["--dry-run"])?,
+            "--storage-class-map fast=premium: storage class premium does not exist on the destination cluster",
+        ),
+        (
+            with_maps(&["--namespace-map", "blog=blog-b"]),
+            "namespace blog is not migrated",
+        ),
+        (
+            with_map_replaced("shop=shop-b", "shop=web-b", &[])?,
+            "namespaces shop and web would all be migrated into namespace web-b",
+        ),
+        (
+            with_maps(&["--to-location", "offsite"]),
+            "BackupStorageLocation haulage-system/offsite does not exist on the destination cluster",
+        ),
+        (
+            with_maps(&["--from-location", "nearby"]),
+            "BackupStorageLocation haulage-system/nearby does not exist on the source cluster",
+        ),
+    ] {
+        refused(arguments, expected).await?;
+    }
 
     // A claim that exists on the destination (first pass).
     create::<Namespace>(
@@ -251,14 +260,7 @@ async fn a_dry_run_prints_both_plans_changes_nothing_and_bad_input_is_refused_by
         "belongs to DaemonSet web/ledger-agent, which cannot be scaled to zero",
     )
     .await?;
-    assert!(backups.list(&ListParams::default()).await?.items.is_empty());
-    assert!(
-        restores
-            .list(&ListParams::default())
-            .await?
-            .items
-            .is_empty()
-    );
+    assert_no_backup_and_no_restore(&backups, &restores).await?;
     clusters.stop().await;
     Ok(())
 }
@@ -270,6 +272,22 @@ fn written(path: &Path) -> String {
         let _ = file.read_to_string(&mut text);
     }
     text
+}
+
+/// Start `haulage migrate` with [`with_maps`], its output written to
+/// `log_name` in the clusters' work directory; returns the process and
+/// the log's path.
+fn spawn_migrate_logging(
+    clusters: &TwoClusters,
+    log_name: &str,
+) -> anyhow::Result<(tokio::process::Child, std::path::PathBuf)> {
+    let log = clusters.work.path().join(log_name);
+    let child = clusters
+        .migrate(&with_maps(&[]))
+        .stdout(std::fs::File::create(&log)?)
+        .stderr(std::process::Stdio::inherit())
+        .spawn()?;
+    Ok((child, log))
 }
 
 /// SIGTERM the process (by its id) and return its exit code.
@@ -298,12 +316,7 @@ async fn the_first_pass_backs_up_the_source_creates_the_restore_and_a_rerun_resu
     let destination = &clusters.destination.client;
     let backups: Api<VolumeBackup> = Api::namespaced(source.clone(), SYSTEM_NAMESPACE);
     let restores: Api<VolumeRestore> = Api::namespaced(destination.clone(), SYSTEM_NAMESPACE);
-    let first_log = clusters.work.path().join("first.log");
-    let mut first = clusters
-        .migrate(&with_maps(&[]))
-        .stdout(std::fs::File::create(&first_log)?)
-        .stderr(std::process::Stdio::inherit())
-        .spawn()?;
+    let (mut first, first_log) = spawn_migrate_logging(&clusters, "first.log")?;
     let restore = eventually(PASS_DEADLINE, || async {
         Ok(restores.get_opt("move-1").await?)
     })
@@ -429,12 +442,7 @@ async fn the_first_pass_backs_up_the_source_creates_the_restore_and_a_rerun_resu
     assert!(log.contains("restore move-1: "), "{log}");
 
     // Run again: it follows the same objects, creates nothing.
-    let second_log = clusters.work.path().join("second.log");
-    let mut second = clusters
-        .migrate(&with_maps(&[]))
-        .stdout(std::fs::File::create(&second_log)?)
-        .stderr(std::process::Stdio::inherit())
-        .spawn()?;
+    let (mut second, second_log) = spawn_migrate_logging(&clusters, "second.log")?;
     eventually(Duration::from_secs(60), || async {
         Ok(written(&second_log)
             .contains("restore move-1: ")

@@ -11,11 +11,10 @@ use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::{VolumeBackup, VolumeTransfer, VolumeTransferPhase};
 use haulage::engine::Repository;
 use kube::api::{Api, DeleteParams, ListParams};
-use serde_json::json;
 
 use crate::engine::support::assert_snapshot_restores_as;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup, create_backup_of, eventually,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup, create_backup_of_claim, eventually,
     leftovers, no_leftovers_within,
 };
 
@@ -238,20 +237,10 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
 -> anyhow::Result<()> {
     // 12 MiB of random data per claim in 1 MiB packs, uploaded at 1 MiB/s:
     // the kill lands well before the snapshot is written.
-    let fixture = Fixture::builder()
-        .upload_bytes_per_second(1 << 20)
-        .volume_bytes(12 << 20)
-        .random_data_in_small_packs()
-        .start()
-        .await?;
+    let fixture = Fixture::builder().long_running_transfers().start().await?;
     let client = &fixture.client;
     // One claim only, so every pack in the bucket is this transfer's.
-    create_backup_of(
-        client,
-        "resumed",
-        json!({"matchLabels": {"claim": "archive"}}),
-    )
-    .await?;
+    create_backup_of_claim(client, "resumed", "archive").await?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
     let s3 = fixture.minio.admin_client();
     let packs_stored = || async {

@@ -19,7 +19,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::json;
 
-use crate::support::fixture::{BACKUP_DEADLINE, Fixture, create, eventually, final_backup};
+use crate::support::fixture::{BACKUP_DEADLINE, Fixture, create, eventually, final_phase};
 
 /// Create the VolumeBackup `name` of the claims named in `claims`, with
 /// the given extra spec fields (`deletionPolicy`, `ttl`).
@@ -88,9 +88,9 @@ async fn deleting_a_backup_with_deletion_policy_delete_forgets_exactly_its_snaps
         json!({"deletionPolicy": "Delete"}),
     )
     .await?;
-    let doomed = final_backup(&backups, &fixture.kubelet, "doomed", BACKUP_DEADLINE).await?;
-    let kept = final_backup(&backups, &fixture.kubelet, "kept", BACKUP_DEADLINE).await?;
-    let stuck = final_backup(&backups, &fixture.kubelet, "stuck", BACKUP_DEADLINE).await?;
+    let doomed = final_phase(&backups, &fixture.kubelet, "doomed", BACKUP_DEADLINE).await?;
+    let kept = final_phase(&backups, &fixture.kubelet, "kept", BACKUP_DEADLINE).await?;
+    let stuck = final_phase(&backups, &fixture.kubelet, "stuck", BACKUP_DEADLINE).await?;
     let (doomed_ids, kept_ids, stuck_ids) = (
         snapshot_ids(&doomed)?,
         snapshot_ids(&kept)?,
@@ -198,8 +198,8 @@ async fn a_finished_backup_is_deleted_when_its_ttl_is_over() -> anyhow::Result<(
     )
     .await?;
     create_backup_with(client, "lasting", &["content"], json!({})).await?;
-    let brief = final_backup(&backups, &fixture.kubelet, "brief", BACKUP_DEADLINE).await?;
-    let lasting = final_backup(&backups, &fixture.kubelet, "lasting", BACKUP_DEADLINE).await?;
+    let brief = final_phase(&backups, &fixture.kubelet, "brief", BACKUP_DEADLINE).await?;
+    let lasting = final_phase(&backups, &fixture.kubelet, "lasting", BACKUP_DEADLINE).await?;
     let (brief_ids, lasting_ids) = (snapshot_ids(&brief)?, snapshot_ids(&lasting)?);
     eventually(Duration::from_secs(120), || async {
         Ok(backups.get_opt("brief").await?.is_none().then_some(()))

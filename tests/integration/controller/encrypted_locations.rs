@@ -22,7 +22,7 @@ use serde_json::json;
 
 use crate::engine::support::assert_same_tree;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, create, create_backup_to, eventually, final_restore,
+    BACKUP_DEADLINE, BUCKET, Fixture, create, create_backup_to, eventually, final_phase,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -175,7 +175,7 @@ async fn an_encrypted_location_seals_every_object_and_a_wrong_password_is_named(
     )
     .await?;
     let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let restore = final_restore(&restores, &fixture.kubelet, "unsealed", BACKUP_DEADLINE).await?;
+    let restore = final_phase(&restores, &fixture.kubelet, "unsealed", BACKUP_DEADLINE).await?;
     let status = restore.status.clone().context("restore status")?;
     assert_eq!(
         status.phase,

@@ -13,12 +13,11 @@ use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::Api;
-use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, controller_process, create_backup, create_backup_of, eventually,
-    final_backup, leftovers,
+    BACKUP_DEADLINE, Fixture, controller_process, create_backup, create_backup_of_claim,
+    eventually, final_phase, leftovers,
 };
 use crate::support::health::{http_status, wait_until_ready};
 use crate::support::kube::KubeCluster;
@@ -58,7 +57,7 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
     }
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     for name in ["first", "second", "third"] {
-        let backup = final_backup(&backups, &fixture.kubelet, name, BACKUP_DEADLINE).await?;
+        let backup = final_phase(&backups, &fixture.kubelet, name, BACKUP_DEADLINE).await?;
         let status = backup.status.context("status")?;
         assert_eq!(status.phase, Some(VolumeBackupPhase::Completed), "{name}");
         let owner = status.owner.context("owner")?.replica;
@@ -91,19 +90,9 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
 async fn a_crashed_replicas_backup_is_adopted_by_another_and_completes() -> anyhow::Result<()> {
     // 12 MiB per claim at 1 MiB/s: the backup is still running when its
     // owner crashes.
-    let fixture = Fixture::builder()
-        .upload_bytes_per_second(1 << 20)
-        .volume_bytes(12 << 20)
-        .random_data_in_small_packs()
-        .start()
-        .await?;
+    let fixture = Fixture::builder().long_running_transfers().start().await?;
     let client = fixture.client.clone();
-    create_backup_of(
-        &client,
-        "adopted",
-        json!({"matchLabels": {"claim": "archive"}}),
-    )
-    .await?;
+    create_backup_of_claim(&client, "adopted", "archive").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     eventually(Duration::from_secs(120), || async {
         let backup = backups.get("adopted").await?;

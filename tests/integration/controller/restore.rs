@@ -26,11 +26,13 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::{Api, ListParams};
 use serde_json::json;
 
-use crate::engine::support::{assert_same_tree, haulage, random_bytes};
+use crate::engine::support::{
+    assert_same_tree, haulage, make_fifo, random_bytes, set_xattr, write_sparse_file,
+};
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup, create_backup_of,
-    create_restore_of_backup, create_storage_policy, eventually, final_backup, final_restore,
-    leftovers, no_leftovers_within,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
+    create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
+    final_phase, leftovers, no_leftovers_within,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -50,23 +52,14 @@ fn add_entries_of_every_kind(claim: &Path) -> anyhow::Result<()> {
     std::fs::write(special.join("linked"), b"one inode, two names")?;
     std::fs::hard_link(special.join("linked"), special.join("shared/also-linked"))?;
     std::os::unix::fs::symlink("../large/app.log", special.join("log"))?;
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        special.join("pipe"),
-        rustix::fs::FileType::Fifo,
-        rustix::fs::Mode::from_raw_mode(0o620),
-        0,
+    make_fifo(&special.join("pipe"), 0o620)?;
+    set_xattr(&special.join("owned"), "user.origin", b"cluster-a")?;
+    write_sparse_file(
+        &special.join("sparse.img"),
+        16 << 20,
+        &random_bytes(9, 8192),
+        8 << 20,
     )?;
-    rustix::fs::setxattr(
-        special.join("owned"),
-        "user.origin",
-        b"cluster-a",
-        rustix::fs::XattrFlags::empty(),
-    )?;
-    let sparse = std::fs::File::create(special.join("sparse.img"))?;
-    sparse.set_len(16 << 20)?;
-    std::os::unix::fs::FileExt::write_all_at(&sparse, &random_bytes(9, 8192), 8 << 20)?;
-    drop(sparse);
     std::fs::File::options()
         .write(true)
         .open(special.join("linked"))?
@@ -237,12 +230,7 @@ async fn a_killed_restore_agent_is_restarted_and_finishes_without_writing_again_
         .start()
         .await?;
     let client = &fixture.client;
-    create_backup_of(
-        client,
-        "archive-only",
-        json!({"matchLabels": {"claim": "archive"}}),
-    )
-    .await?;
+    create_backup_of_claim(client, "archive-only", "archive").await?;
     fixture
         .completed_backup("archive-only", BACKUP_DEADLINE)
         .await?;
@@ -323,10 +311,10 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     let source = fixture.volumes.join("shop/db");
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let restores: Api<VolumeRestore> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    create_backup_of(client, "first", json!({"matchLabels": {"claim": "db"}})).await?;
-    final_backup(&backups, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
+    create_backup_of_claim(client, "first", "db").await?;
+    final_phase(&backups, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
     create_restore_of_backup(client, "first", "first").await?;
-    let first = final_restore(&restores, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
+    let first = final_phase(&restores, &fixture.kubelet, "first", BACKUP_DEADLINE).await?;
     let first = first.status.context("the first restore's status")?;
     assert_eq!(first.phase, Some(VolumeRestorePhase::Completed));
     let first_snapshot = first.selection[0].snapshot_id.clone();
@@ -362,8 +350,8 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     let small = crate::engine::support::files_under(&source.join("small"));
     std::fs::write(&small[0].0, random_bytes(78, REWRITTEN))?;
     std::fs::remove_file(&small[1].0)?;
-    create_backup_of(client, "cutover", json!({"matchLabels": {"claim": "db"}})).await?;
-    final_backup(&backups, &fixture.kubelet, "cutover", BACKUP_DEADLINE).await?;
+    create_backup_of_claim(client, "cutover", "db").await?;
+    final_phase(&backups, &fixture.kubelet, "cutover", BACKUP_DEADLINE).await?;
     create::<VolumeRestore>(
         client,
         Some(SYSTEM_NAMESPACE),

@@ -17,8 +17,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create, create_backup, create_backup_of,
-    create_backup_to, eventually, final_backup,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create, create_backup, create_backup_of_claim,
+    create_backup_to, eventually, final_phase,
 };
 use crate::support::health::{http_status, wait_until_ready};
 use crate::support::kube::KubeCluster;
@@ -258,7 +258,7 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     create_backup_to(client, "to-good", "logs", "minio").await?;
     create_backup_to(client, "to-stopped", "content", "stopped").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let finished = final_backup(&backups, &fixture.kubelet, "to-good", BACKUP_DEADLINE)
+    let finished = final_phase(&backups, &fixture.kubelet, "to-good", BACKUP_DEADLINE)
         .await?
         .status
         .and_then(|status| status.phase);
@@ -369,7 +369,7 @@ async fn bad_storage_locations_get_their_reasons_while_the_controller_stays_read
     })
     .await
     .context("the restarted server's location never became Available")?;
-    let finished = final_backup(&backups, &fixture.kubelet, "to-stopped", BACKUP_DEADLINE)
+    let finished = final_phase(&backups, &fixture.kubelet, "to-stopped", BACKUP_DEADLINE)
         .await?
         .status
         .and_then(|status| status.phase);
@@ -517,14 +517,9 @@ async fn a_backup_to_a_location_behind_a_private_ca_completes() -> anyhow::Resul
     let fixture = Fixture::builder().tls().start().await?;
     let client = &fixture.client;
     assert!(fixture.minio.endpoint().starts_with("https://"));
-    create_backup_of(
-        client,
-        "private-ca",
-        json!({"matchLabels": {"claim": "db"}}),
-    )
-    .await?;
+    create_backup_of_claim(client, "private-ca", "db").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "private-ca", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "private-ca", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,

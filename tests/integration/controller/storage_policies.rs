@@ -9,13 +9,13 @@ use std::time::Duration;
 use anyhow::Context;
 use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::labels::SYSTEM_NAMESPACE;
-use haulage::api::{VolumeBackup, VolumeTransfer, VolumeTransferPhase};
+use haulage::api::{VolumeBackup, VolumeTransferPhase};
 use kube::api::Api;
 use serde_json::json;
 
 use crate::support::fixture::{
     BACKUP_DEADLINE, Fixture, PROVISIONER, STORAGE_CLASS, create_backup, create_storage_policy,
-    eventually, final_backup,
+    eventually, final_phase, is_running_phase, watch_transfers,
 };
 
 /// What a watch of every VolumeTransfer saw, event by event.
@@ -38,8 +38,6 @@ struct AdmissionRecord {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_queues_the_rest()
 -> anyhow::Result<()> {
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, watcher};
     const POLICY_BYTES_PER_SECOND: i64 = 8 << 20;
     let fixture = Fixture::builder().volume_bytes(2 << 20).start().await?;
     let client = &fixture.client;
@@ -59,54 +57,41 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
     let record = Arc::new(std::sync::Mutex::new(AdmissionRecord::default()));
     let recorder = {
         let record = record.clone();
-        let events = watcher(
-            Api::<VolumeTransfer>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .applied_objects();
-        tokio::spawn(async move {
-            let mut events = std::pin::pin!(events);
-            while let Some(Ok(transfer)) = events.next().await {
-                let mut record = record.lock().expect("record lock");
-                let status = transfer.status.clone().unwrap_or_default();
-                let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
-                let key = (
-                    transfer.metadata.namespace.clone().unwrap_or_default(),
-                    transfer.metadata.name.clone().unwrap_or_default(),
-                );
-                record.phases.insert(key, phase);
-                let running = |phase: &VolumeTransferPhase| {
-                    matches!(
-                        phase,
-                        VolumeTransferPhase::Admitted
-                            | VolumeTransferPhase::InProgress
-                            | VolumeTransferPhase::Finalizing
-                    )
-                };
-                let now_running = record.phases.values().filter(|p| running(p)).count();
-                record.max_running = record.max_running.max(now_running);
-                record.events += 1;
-                if let Some(position) = status.queue_position {
-                    record.positions.insert(position);
-                }
-                if running(&phase) {
-                    record.grants.insert(transfer.spec.granted_bytes_per_second);
-                }
-                if let Some(condition) = haulage::api::condition::find_condition(
-                    &status.conditions,
-                    haulage::api::condition::condition_type::ADMITTED,
-                ) && condition.status == haulage::api::ConditionStatus::False
-                {
-                    record.holds.insert(condition.message.clone());
-                }
+        watch_transfers(client, move |transfer| {
+            let mut record = record.lock().expect("record lock");
+            let status = transfer.status.clone().unwrap_or_default();
+            let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+            let key = (
+                transfer.metadata.namespace.clone().unwrap_or_default(),
+                transfer.metadata.name.clone().unwrap_or_default(),
+            );
+            record.phases.insert(key, phase);
+            let now_running = record
+                .phases
+                .values()
+                .filter(|p| is_running_phase(**p))
+                .count();
+            record.max_running = record.max_running.max(now_running);
+            record.events += 1;
+            if let Some(position) = status.queue_position {
+                record.positions.insert(position);
+            }
+            if is_running_phase(phase) {
+                record.grants.insert(transfer.spec.granted_bytes_per_second);
+            }
+            if let Some(condition) = haulage::api::condition::find_condition(
+                &status.conditions,
+                haulage::api::condition::condition_type::ADMITTED,
+            ) && condition.status == haulage::api::ConditionStatus::False
+            {
+                record.holds.insert(condition.message.clone());
             }
         })
     };
 
     create_backup(client, "serial").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "serial", BACKUP_DEADLINE)
+    let backup = final_phase(&backups, &fixture.kubelet, "serial", BACKUP_DEADLINE)
         .await
         .with_context(|| {
             format!(
@@ -166,8 +151,6 @@ async fn a_storage_policy_of_one_volume_admits_its_transfers_one_at_a_time_and_q
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the_cap()
 -> anyhow::Result<()> {
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, watcher};
     const CAP: i64 = 4 << 20;
     let fixture = Fixture::builder().volume_bytes(4 << 20).start().await?;
     let client = &fixture.client;
@@ -189,54 +172,40 @@ async fn grants_are_re_split_as_transfers_start_and_end_never_adding_up_past_the
     let grants = Arc::new(std::sync::Mutex::new(Grants::default()));
     let recorder = {
         let grants = grants.clone();
-        let events = watcher(
-            Api::<VolumeTransfer>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .applied_objects();
-        tokio::spawn(async move {
-            let mut latest: std::collections::BTreeMap<String, Option<i64>> =
-                std::collections::BTreeMap::new();
-            let mut events = std::pin::pin!(events);
-            while let Some(Ok(transfer)) = events.next().await {
-                let name = transfer.metadata.name.clone().unwrap_or_default();
-                let phase = transfer
-                    .status
-                    .as_ref()
-                    .and_then(|status| status.phase)
-                    .unwrap_or(VolumeTransferPhase::New);
-                let running = matches!(
-                    phase,
-                    VolumeTransferPhase::Admitted
-                        | VolumeTransferPhase::InProgress
-                        | VolumeTransferPhase::Finalizing
-                );
-                let grant = transfer.spec.granted_bytes_per_second;
-                let mut grants = grants.lock().expect("grants lock");
-                if running {
-                    latest.insert(name.clone(), grant);
-                    match grant {
-                        Some(bytes) => {
-                            grants.per_transfer.entry(name).or_default().insert(bytes);
-                        }
-                        None => grants.unlimited_while_running += 1,
+        let mut latest: std::collections::BTreeMap<String, Option<i64>> =
+            std::collections::BTreeMap::new();
+        watch_transfers(client, move |transfer| {
+            let name = transfer.metadata.name.clone().unwrap_or_default();
+            let phase = transfer
+                .status
+                .as_ref()
+                .and_then(|status| status.phase)
+                .unwrap_or(VolumeTransferPhase::New);
+            let running = is_running_phase(phase);
+            let grant = transfer.spec.granted_bytes_per_second;
+            let mut grants = grants.lock().expect("grants lock");
+            if running {
+                latest.insert(name.clone(), grant);
+                match grant {
+                    Some(bytes) => {
+                        grants.per_transfer.entry(name).or_default().insert(bytes);
                     }
-                } else {
-                    latest.remove(&name);
+                    None => grants.unlimited_while_running += 1,
                 }
-                let sum = latest
-                    .values()
-                    .map(|grant| grant.unwrap_or(i64::MAX))
-                    .fold(0i64, i64::saturating_add);
-                grants.max_sum = grants.max_sum.max(sum);
+            } else {
+                latest.remove(&name);
             }
+            let sum = latest
+                .values()
+                .map(|grant| grant.unwrap_or(i64::MAX))
+                .fold(0i64, i64::saturating_add);
+            grants.max_sum = grants.max_sum.max(sum);
         })
     };
 
     create_backup(client, "resplit").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "resplit", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "resplit", BACKUP_DEADLINE).await?;
     recorder.abort();
     assert_eq!(
         backup.status.and_then(|status| status.phase),

@@ -13,7 +13,8 @@ use kube::api::{Api, ListParams};
 use serde_json::json;
 
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, create_backup_of, eventually, final_backup, leftovers,
+    BACKUP_DEADLINE, Fixture, create_backup_of, create_backup_of_claim, eventually, final_phase,
+    leftovers,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -22,12 +23,7 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
     // 12 MiB per claim at 1 MiB/s: both transfers run long enough to be
     // interrupted. "archive" (shop) and "content" (web) are in different
     // namespaces, so in different stage pods.
-    let fixture = Fixture::builder()
-        .upload_bytes_per_second(1 << 20)
-        .volume_bytes(12 << 20)
-        .random_data_in_small_packs()
-        .start()
-        .await?;
+    let fixture = Fixture::builder().long_running_transfers().start().await?;
     let client = fixture.client.clone();
     create_backup_of(
         &client,
@@ -113,7 +109,7 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
     .context("content's agent was not restarted five times")?;
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "supervised", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "supervised", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,
@@ -192,12 +188,7 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
 async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
 -> anyhow::Result<()> {
     // 12 MiB at 1 MiB/s, so the transfer is running when its agent hangs.
-    let fixture = Fixture::builder()
-        .upload_bytes_per_second(1 << 20)
-        .volume_bytes(12 << 20)
-        .random_data_in_small_packs()
-        .start()
-        .await?;
+    let fixture = Fixture::builder().long_running_transfers().start().await?;
     let client = fixture.client.clone();
     // The fixture's controller stops cleanly (releasing its leases); this
     // one counts an agent silent for 10 s as lost (the default is 300 s).
@@ -214,12 +205,7 @@ async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
         })
         .await?;
 
-    create_backup_of(
-        &client,
-        "hung",
-        json!({"matchLabels": {"claim": "archive"}}),
-    )
-    .await?;
+    create_backup_of_claim(&client, "hung", "archive").await?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
     let (namespace, pod) = eventually(Duration::from_secs(120), || async {
         let running = transfers
@@ -247,7 +233,7 @@ async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
     );
 
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "hung", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "hung", BACKUP_DEADLINE).await?;
     let status = backup.status.context("status")?;
     assert_eq!(
         status.phase,

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use haulage::engine::verify::verify;
 
-use super::support::{TestRepo, files_under, random_bytes};
+use super::support::{TestRepo, assert_a_problem, files_under, random_bytes, the_only_file};
 
 fn flip_byte(path: &Path, offset_from_start: u64) {
     let mut bytes = std::fs::read(path).unwrap();
@@ -27,20 +27,12 @@ async fn repo_with_two_files() -> (TestRepo, haulage::repo::ObjectId) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_in_a_pack_is_named_by_verify_and_fails_only_the_affected_file_on_restore() {
     let (repo, snapshot) = repo_with_two_files().await;
-    let packs = files_under(&repo.root().join("data"));
-    assert_eq!(packs.len(), 1);
+    let pack = the_only_file(&repo.root(), "data");
     // The first blob in the pack is victim.bin's first chunk (walk order).
-    flip_byte(&packs[0].0, 100);
+    flip_byte(&pack, 100);
 
-    let report = verify(&repo.repository, Some(snapshot), Default::default())
-        .await
-        .unwrap();
-    let pack_name = packs[0]
-        .0
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
+    let report = repo.verify(snapshot).await;
+    let pack_name = pack.file_name().unwrap().to_string_lossy().into_owned();
     let problem = report
         .problems
         .iter()
@@ -72,20 +64,10 @@ async fn a_flipped_byte_in_a_pack_is_named_by_verify_and_fails_only_the_affected
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_in_an_index_is_reported_and_restore_still_works_from_pack_trailers() {
     let (repo, snapshot) = repo_with_two_files().await;
-    let indexes = files_under(&repo.root().join("index"));
-    assert_eq!(indexes.len(), 1);
-    flip_byte(&indexes[0].0, 20);
-    let report = verify(&repo.repository, Some(snapshot), Default::default())
-        .await
-        .unwrap();
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|problem| problem.message.contains("does not match its name")),
-        "{:?}",
-        report.problems
-    );
+    flip_byte(&the_only_file(&repo.root(), "index"), 20);
+    assert_a_problem(&repo.verify(snapshot).await, |problem| {
+        problem.message.contains("does not match its name")
+    });
     let target = repo.dir.path().join("restored");
     let outcome = repo.restore(&snapshot, &target).await;
     assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
@@ -100,17 +82,9 @@ async fn a_flipped_byte_in_a_snapshot_is_reported_by_verify_and_refused_by_resto
     let (repo, snapshot) = repo_with_two_files().await;
     let manifests = files_under(&repo.root().join("snapshots"));
     flip_byte(&manifests[0].0, 30);
-    let report = verify(&repo.repository, Some(snapshot), Default::default())
-        .await
-        .unwrap();
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|problem| problem.object.starts_with("snapshot")),
-        "{:?}",
-        report.problems
-    );
+    assert_a_problem(&repo.verify(snapshot).await, |problem| {
+        problem.object.starts_with("snapshot")
+    });
     let error = haulage::engine::restore::restore(
         &repo.repository,
         &snapshot,

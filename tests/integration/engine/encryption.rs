@@ -5,11 +5,13 @@
 
 use std::path::Path;
 
-use haulage::engine::verify::verify;
 use haulage::engine::{EngineError, KeySource, Repository};
 use haulage::repo::ObjectId;
 
-use super::support::{TEST_PASSWORD, TestRepo, assert_same_tree, files_under, haulage};
+use super::support::{
+    TEST_PASSWORD, TestRepo, assert_a_problem, assert_same_tree, files_under, haulage,
+    the_only_file,
+};
 
 /// A marker no random data contains, in a compressible text file (so it
 /// would show through zstd's literals if it were not sealed).
@@ -84,12 +86,6 @@ fn flip_byte(path: &Path, position: usize) {
     std::fs::write(path, bytes).unwrap();
 }
 
-fn the_only(root: &Path, prefix: &str) -> std::path::PathBuf {
-    let files = files_under(&root.join(prefix));
-    assert_eq!(files.len(), 1, "{prefix}: {files:?}");
-    files[0].0.clone()
-}
-
 fn name_of(path: &Path) -> String {
     path.file_name().unwrap().to_string_lossy().into_owned()
 }
@@ -106,27 +102,22 @@ async fn repo_with_one_backup() -> (TestRepo, ObjectId) {
 async fn a_flipped_byte_in_any_sealed_object_is_refused_naming_the_object() {
     // A blob of the pack: verify names the blob and the pack.
     let (repo, snapshot) = repo_with_one_backup().await;
-    let pack = the_only(&repo.root(), "data");
+    let pack = the_only_file(&repo.root(), "data");
     flip_byte(&pack, 20);
-    let report = verify(&repo.repository, Some(snapshot), Default::default())
-        .await
-        .unwrap();
-    assert!(
-        report.problems.iter().any(|problem| problem
+    assert_a_problem(&repo.verify(snapshot).await, |problem| {
+        problem
             .object
             .contains(&format!("in pack {}", name_of(&pack)))
-            && problem.message.contains("failed authentication")),
-        "{:?}",
-        report.problems
-    );
+            && problem.message.contains("failed authentication")
+    });
 
     // The pack's trailer: a reader that has no index for the pack (here:
     // the index removed) refuses the trailer, naming the pack.
     let (repo, _) = repo_with_one_backup().await;
-    let pack = the_only(&repo.root(), "data");
+    let pack = the_only_file(&repo.root(), "data");
     let length = std::fs::metadata(&pack).unwrap().len() as usize;
     flip_byte(&pack, length - 20);
-    std::fs::remove_file(the_only(&repo.root(), "index")).unwrap();
+    std::fs::remove_file(the_only_file(&repo.root(), "index")).unwrap();
     let loaded = repo.repository.load_index().await.unwrap();
     assert!(
         loaded
@@ -141,7 +132,7 @@ async fn a_flipped_byte_in_any_sealed_object_is_refused_naming_the_object() {
     // The index file: its name no longer matches; the packs' trailers
     // stand in for it.
     let (repo, snapshot) = repo_with_one_backup().await;
-    let index = the_only(&repo.root(), "index");
+    let index = the_only_file(&repo.root(), "index");
     flip_byte(&index, 30);
     let loaded = repo.repository.load_index().await.unwrap();
     assert!(
@@ -154,13 +145,8 @@ async fn a_flipped_byte_in_any_sealed_object_is_refused_naming_the_object() {
 
     // The snapshot manifest.
     let (repo, snapshot) = repo_with_one_backup().await;
-    flip_byte(&the_only(&repo.root(), "snapshots"), 40);
-    let error = repo
-        .repository
-        .load_snapshot(&snapshot)
-        .await
-        .expect_err("refused");
-    assert!(error.to_string().contains(&snapshot.to_hex()), "{error}");
+    flip_byte(&the_only_file(&repo.root(), "snapshots"), 40);
+    repo.assert_snapshot_refused(&snapshot).await;
 
     // The config's authenticator: the repository does not open.
     let (repo, _) = repo_with_one_backup().await;
@@ -179,7 +165,7 @@ async fn a_flipped_byte_in_any_sealed_object_is_refused_naming_the_object() {
 
     // The key file: it no longer matches its name and opens nothing.
     let (repo, _) = repo_with_one_backup().await;
-    flip_byte(&the_only(&repo.root(), "keys"), 200);
+    flip_byte(&the_only_file(&repo.root(), "keys"), 200);
     let error = Repository::open(
         repo.repository.store().clone(),
         &KeySource::password(TEST_PASSWORD),
@@ -194,7 +180,7 @@ async fn a_swapped_or_truncated_object_is_refused_naming_the_object() {
     // A snapshot manifest dressed as an index file (the index's start
     // marker, named by its hash): the name matches, the seal does not.
     let (repo, _) = repo_with_one_backup().await;
-    let manifest = std::fs::read(the_only(&repo.root(), "snapshots")).unwrap();
+    let manifest = std::fs::read(the_only_file(&repo.root(), "snapshots")).unwrap();
     let mut dressed = haulage::repo::codec::SEALED_INDEX_MAGIC.to_vec();
     dressed.extend_from_slice(&manifest[8..]);
     let as_index = ObjectId::of(&dressed);
@@ -219,7 +205,7 @@ async fn a_swapped_or_truncated_object_is_refused_naming_the_object() {
     std::fs::write(source.join("a"), super::support::random_bytes(1, 100_000)).unwrap();
     std::fs::write(source.join("b"), super::support::random_bytes(2, 100_000)).unwrap();
     let snapshot = repo.backup(&source).await.snapshot_id;
-    let pack = the_only(&repo.root(), "data");
+    let pack = the_only_file(&repo.root(), "data");
     let mut bytes = std::fs::read(&pack).unwrap();
     let entries = repo.repository.codec().decode_pack(&bytes, "pack").unwrap();
     let (first, second) = (entries[0], entries[1]);
@@ -230,9 +216,7 @@ async fn a_swapped_or_truncated_object_is_refused_naming_the_object() {
     bytes.copy_within(b..b + length, a);
     bytes[b..b + length].copy_from_slice(&first_bytes);
     std::fs::write(&pack, &bytes).unwrap();
-    let report = verify(&repo.repository, Some(snapshot), Default::default())
-        .await
-        .unwrap();
+    let report = repo.verify(snapshot).await;
     for entry in [first, second] {
         assert!(
             report
@@ -250,29 +234,16 @@ async fn a_swapped_or_truncated_object_is_refused_naming_the_object() {
 
     // A truncated pack and a truncated snapshot.
     let (repo, snapshot) = repo_with_one_backup().await;
-    let pack = the_only(&repo.root(), "data");
+    let pack = the_only_file(&repo.root(), "data");
     let bytes = std::fs::read(&pack).unwrap();
     std::fs::write(&pack, &bytes[..bytes.len() / 2]).unwrap();
-    let report = verify(&repo.repository, Some(snapshot), Default::default())
-        .await
-        .unwrap();
-    assert!(
-        report
-            .problems
-            .iter()
-            .any(|problem| problem.object.contains(&name_of(&pack))),
-        "{:?}",
-        report.problems
-    );
-    let manifest = the_only(&repo.root(), "snapshots");
+    assert_a_problem(&repo.verify(snapshot).await, |problem| {
+        problem.object.contains(&name_of(&pack))
+    });
+    let manifest = the_only_file(&repo.root(), "snapshots");
     let bytes = std::fs::read(&manifest).unwrap();
     std::fs::write(&manifest, &bytes[..bytes.len() - 1]).unwrap();
-    let error = repo
-        .repository
-        .load_snapshot(&snapshot)
-        .await
-        .expect_err("refused");
-    assert!(error.to_string().contains(&snapshot.to_hex()), "{error}");
+    repo.assert_snapshot_refused(&snapshot).await;
 }
 
 fn run(args: &[&str], password: Option<&str>) -> std::process::Output {

@@ -10,7 +10,9 @@ use haulage::engine::backup::ParentPolicy;
 use haulage::engine::restore::RestoreOptions;
 use proptest::prelude::*;
 
-use super::support::{TestRepo, assert_same_tree, fingerprint, random_bytes};
+use super::support::{
+    TestRepo, assert_same_tree, fingerprint, make_fifo, random_bytes, set_xattr, write_sparse_file,
+};
 
 /// Names: ASCII, unicode, non-UTF-8 bytes, leading dots.
 fn name_strategy() -> impl Strategy<Value = Vec<u8>> {
@@ -57,11 +59,13 @@ fn build(path: &Path, node: &Node) {
             std::fs::set_permissions(path, std::fs::Permissions::from_mode(*mode)).unwrap();
         }
         Node::Sparse { data_at, length } => {
-            let file = std::fs::File::create(path).unwrap();
-            file.set_len(data_at + length + (16 << 20)).unwrap();
-            use std::os::unix::fs::FileExt;
-            file.write_all_at(&random_bytes(*data_at, *length as usize), *data_at)
-                .unwrap();
+            write_sparse_file(
+                path,
+                data_at + length + (16 << 20),
+                &random_bytes(*data_at, *length as usize),
+                *data_at,
+            )
+            .unwrap();
         }
         Node::Dir(children) => {
             std::fs::create_dir(path).unwrap();
@@ -116,37 +120,18 @@ async fn hardlinks_xattrs_fifos_times_and_sparse_files_are_restored() {
     )
     .unwrap();
     std::fs::write(source.join("tagged"), b"x").unwrap();
-    rustix::fs::setxattr(
-        source.join("tagged"),
-        "user.comment",
-        b"hello",
-        rustix::fs::XattrFlags::empty(),
-    )
-    .unwrap();
-    rustix::fs::setxattr(
-        source.join("a"),
-        "user.dir",
-        b"on a directory",
-        rustix::fs::XattrFlags::empty(),
-    )
-    .unwrap();
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        source.join("pipe"),
-        rustix::fs::FileType::Fifo,
-        rustix::fs::Mode::from_raw_mode(0o640),
-        0,
-    )
-    .unwrap();
+    set_xattr(&source.join("tagged"), "user.comment", b"hello").unwrap();
+    set_xattr(&source.join("a"), "user.dir", b"on a directory").unwrap();
+    make_fifo(&source.join("pipe"), 0o640).unwrap();
     std::os::unix::fs::symlink("loop", source.join("loop")).unwrap();
     // 1 GiB sparse file with 4 KiB of data in the middle.
-    let sparse = std::fs::File::create(source.join("sparse.img")).unwrap();
-    sparse.set_len(1 << 30).unwrap();
-    use std::os::unix::fs::FileExt;
-    sparse
-        .write_all_at(&random_bytes(1, 4096), 500 << 20)
-        .unwrap();
-    drop(sparse);
+    write_sparse_file(
+        &source.join("sparse.img"),
+        1 << 30,
+        &random_bytes(1, 4096),
+        500 << 20,
+    )
+    .unwrap();
     std::fs::set_permissions(
         source.join("a/deep"),
         std::fs::Permissions::from_mode(0o555),

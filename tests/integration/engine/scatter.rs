@@ -18,6 +18,7 @@ use haulage::store::local::LocalStore;
 
 use super::support::{
     CountingStore, TestRepo, assert_same_tree, data_reads_per_pack, pack_entries, random_bytes,
+    write_sparse_file,
 };
 
 /// The repository of `repo`, opened again through a [`CountingStore`].
@@ -100,10 +101,13 @@ fn write_shared_chunk_tree(source: &Path) {
     std::fs::write(source.join("repeated.bin"), block.repeat(5)).expect("repeated");
     std::fs::write(source.join("copies/linked"), random_bytes(8, 70_000)).expect("linked");
     std::fs::hard_link(source.join("copies/linked"), source.join("also-linked")).expect("link");
-    let sparse = std::fs::File::create(source.join("sparse.img")).expect("sparse");
-    sparse.set_len(256 << 20).expect("set_len");
-    std::os::unix::fs::FileExt::write_all_at(&sparse, &random_bytes(9, 100_000), 100 << 20)
-        .expect("sparse data");
+    write_sparse_file(
+        &source.join("sparse.img"),
+        256 << 20,
+        &random_bytes(9, 100_000),
+        100 << 20,
+    )
+    .expect("sparse file");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

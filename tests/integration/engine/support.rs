@@ -11,6 +11,7 @@ use std::sync::Arc;
 use haulage::engine::backup::{BackupOptions, BackupOutcome, ParentPolicy, backup};
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, RestoreOutcome, restore};
+use haulage::engine::verify::{VerifyProblem, VerifyReport, verify};
 use haulage::engine::{Encryption, KeySource, Password, Repository};
 use haulage::repo::ObjectId;
 use haulage::repo::keyfile::KdfParameters;
@@ -62,6 +63,23 @@ impl TestRepo {
 
     pub fn root(&self) -> PathBuf {
         self.dir.path().join("repo")
+    }
+
+    /// `verify` of `snapshot`, which must run to its report.
+    pub async fn verify(&self, snapshot: ObjectId) -> VerifyReport {
+        verify(&self.repository, Some(snapshot), Default::default())
+            .await
+            .expect("verify")
+    }
+
+    /// Loading `snapshot`'s manifest is refused, naming the snapshot.
+    pub async fn assert_snapshot_refused(&self, snapshot: &ObjectId) {
+        let error = self
+            .repository
+            .load_snapshot(snapshot)
+            .await
+            .expect_err("refused");
+        assert!(error.to_string().contains(&snapshot.to_hex()), "{error}");
     }
 
     pub fn url(&self) -> String {
@@ -292,6 +310,51 @@ pub async fn assert_snapshot_restores_as(
 }
 
 /// The `haulage` binary built for these tests.
+/// The one file under `root/prefix` (a repository's `data`, `index`, …).
+pub fn the_only_file(root: &Path, prefix: &str) -> PathBuf {
+    let files = files_under(&root.join(prefix));
+    assert_eq!(files.len(), 1, "{prefix}: {files:?}");
+    files[0].0.clone()
+}
+
+/// `report` has a problem that is `expected`.
+pub fn assert_a_problem(report: &VerifyReport, expected: impl Fn(&VerifyProblem) -> bool) {
+    assert!(
+        report.problems.iter().any(expected),
+        "{:?}",
+        report.problems
+    );
+}
+
+/// A sparse file of `length` bytes at `path` whose only data is `data` at
+/// `offset`.
+pub fn write_sparse_file(
+    path: &Path,
+    length: u64,
+    data: &[u8],
+    offset: u64,
+) -> std::io::Result<()> {
+    let file = std::fs::File::create(path)?;
+    file.set_len(length)?;
+    std::os::unix::fs::FileExt::write_all_at(&file, data, offset)
+}
+
+/// A named pipe at `path` with the permission bits `mode`.
+pub fn make_fifo(path: &Path, mode: u32) -> rustix::io::Result<()> {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(mode),
+        0,
+    )
+}
+
+/// Set the extended attribute `name` of `path` to `value`.
+pub fn set_xattr(path: &Path, name: &str, value: &[u8]) -> rustix::io::Result<()> {
+    rustix::fs::setxattr(path, name, value, rustix::fs::XattrFlags::empty())
+}
+
 pub fn haulage() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_haulage"));
     command.env_remove("HAULAGE_REPO");

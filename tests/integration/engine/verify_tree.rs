@@ -13,7 +13,7 @@ use haulage::repo::ObjectId;
 use rustix::fs::{AtFlags, Timestamps};
 use tokio_util::sync::CancellationToken;
 
-use super::support::{TestRepo, random_bytes};
+use super::support::{TestRepo, make_fifo, random_bytes, set_xattr, write_sparse_file};
 
 /// A repository with a snapshot of a tree holding every kind of entry
 /// the verification compares, and that tree restored.
@@ -37,28 +37,11 @@ async fn restored_tree() -> Restored {
         set_mtime(&source.join(twin), 1_600_000_000, 500);
     }
     std::os::unix::fs::symlink("dir/small.txt", source.join("pointer")).unwrap();
-    rustix::fs::mknodat(
-        rustix::fs::CWD,
-        source.join("pipe"),
-        rustix::fs::FileType::Fifo,
-        rustix::fs::Mode::from_raw_mode(0o640),
-        0,
-    )
-    .unwrap();
-    let sparse = std::fs::File::create(source.join("sparse.img")).unwrap();
-    sparse.set_len(64 << 20).unwrap();
-    use std::os::unix::fs::FileExt;
-    sparse
-        .write_all_at(&random_bytes(2, 4096), 32 << 20)
-        .unwrap();
-    drop(sparse);
-    rustix::fs::setxattr(
-        source.join("dir/small.txt"),
-        "user.comment",
-        b"kept",
-        rustix::fs::XattrFlags::empty(),
-    )
-    .unwrap();
+    make_fifo(&source.join("pipe"), 0o640).unwrap();
+    // 64 MiB with 4 KiB of data in the middle.
+    let sparse_data = random_bytes(2, 4096);
+    write_sparse_file(&source.join("sparse.img"), 64 << 20, &sparse_data, 32 << 20).unwrap();
+    set_xattr(&source.join("dir/small.txt"), "user.comment", b"kept").unwrap();
     std::os::unix::fs::chown(source.join("dir/small.txt"), Some(1000), Some(1000)).unwrap();
     std::fs::set_permissions(
         source.join("dir/sub"),
@@ -354,11 +337,10 @@ async fn files_the_snapshot_keeps_apart_joined_by_a_hard_link_are_named() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_changed_extended_attribute_is_named() {
     let restored = restored_tree().await;
-    rustix::fs::setxattr(
-        restored.target.join("dir/small.txt"),
+    set_xattr(
+        &restored.target.join("dir/small.txt"),
         "user.comment",
         b"changed",
-        rustix::fs::XattrFlags::empty(),
     )
     .unwrap();
     assert_one_mismatch(

@@ -10,7 +10,7 @@ use haulage::api::labels::SYSTEM_NAMESPACE;
 use kube::api::Api;
 use serde_json::json;
 
-use crate::support::fixture::{Fixture, Layout, create, final_backup};
+use crate::support::fixture::{Fixture, Layout, create, final_phase};
 
 /// An agent's peak resident memory backing up large claims: first a stage
 /// pod with one claim (one engine), then one with four claims, which its
@@ -64,7 +64,7 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         )
         .await?;
         let backup =
-            final_backup(&backups, &fixture.kubelet, name, Duration::from_secs(900)).await?;
+            final_phase(&backups, &fixture.kubelet, name, Duration::from_secs(900)).await?;
         let status = backup.status.context("status")?;
         assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
         let peak = fixture

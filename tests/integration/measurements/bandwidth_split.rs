@@ -14,7 +14,8 @@ use serde_json::json;
 
 use crate::engine::support::random_bytes;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, STORAGE_CLASS, create_backup, create_storage_policy, final_backup,
+    BACKUP_DEADLINE, Fixture, STORAGE_CLASS, create_backup, create_storage_policy, final_phase,
+    watch_transfers,
 };
 
 /// The bandwidth split measured, not asserted (figures in
@@ -29,8 +30,6 @@ use crate::support::fixture::{
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a measurement for docs/benchmarks.md (~30 s), not a check"]
 async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<()> {
-    use futures::StreamExt;
-    use kube::runtime::{WatchStreamExt, watcher};
     const CAP: i64 = 6 << 20;
     /// How long grants and the running set must stand still for a sample
     /// to count as steady (agents report every 2 s).
@@ -73,50 +72,41 @@ async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<
     let measured = Arc::new(std::sync::Mutex::new(Measured::default()));
     let recorder = {
         let measured = measured.clone();
-        let events = watcher(
-            Api::<VolumeTransfer>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .default_backoff()
-        .applied_objects();
-        tokio::spawn(async move {
-            // name → (running, grant, last reported rate)
-            let mut latest: std::collections::BTreeMap<String, (bool, Option<i64>, i64)> =
-                std::collections::BTreeMap::new();
-            let mut last_change = Instant::now();
-            let mut events = std::pin::pin!(events);
-            while let Some(Ok(transfer)) = events.next().await {
-                let now = Instant::now();
-                let status = transfer.status.clone().unwrap_or_default();
-                let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
-                let running = phase == VolumeTransferPhase::InProgress;
-                let grant = transfer.spec.granted_bytes_per_second;
-                let rate = status.progress.as_ref().map_or(0, |p| p.bytes_per_second);
-                let name = transfer.metadata.name.clone().unwrap_or_default();
-                let before = latest.insert(name, (running, grant, rate));
-                if before.is_none_or(|(was_running, old_grant, _)| {
-                    was_running != running || old_grant != grant
-                }) {
-                    last_change = now;
-                }
-                let mut measured = measured.lock().expect("measured lock");
-                if running {
-                    measured.first_start.get_or_insert(now);
-                }
-                if phase == VolumeTransferPhase::Completed {
-                    measured.last_end = Some(now);
-                }
-                let rates: Vec<i64> = latest
-                    .values()
-                    .filter(|(running, _, _)| *running)
-                    .map(|(_, _, rate)| *rate)
-                    .collect();
-                if rates.len() >= 2 && rates.iter().all(|rate| *rate > 0) {
-                    let sum = rates.iter().sum();
-                    measured.all.push(sum);
-                    if now.duration_since(last_change) >= STEADY {
-                        measured.steady.push(sum);
-                    }
+        // name → (running, grant, last reported rate)
+        let mut latest: std::collections::BTreeMap<String, (bool, Option<i64>, i64)> =
+            std::collections::BTreeMap::new();
+        let mut last_change = Instant::now();
+        watch_transfers(client, move |transfer| {
+            let now = Instant::now();
+            let status = transfer.status.clone().unwrap_or_default();
+            let phase = status.phase.unwrap_or(VolumeTransferPhase::New);
+            let running = phase == VolumeTransferPhase::InProgress;
+            let grant = transfer.spec.granted_bytes_per_second;
+            let rate = status.progress.as_ref().map_or(0, |p| p.bytes_per_second);
+            let name = transfer.metadata.name.clone().unwrap_or_default();
+            let before = latest.insert(name, (running, grant, rate));
+            if before.is_none_or(|(was_running, old_grant, _)| {
+                was_running != running || old_grant != grant
+            }) {
+                last_change = now;
+            }
+            let mut measured = measured.lock().expect("measured lock");
+            if running {
+                measured.first_start.get_or_insert(now);
+            }
+            if phase == VolumeTransferPhase::Completed {
+                measured.last_end = Some(now);
+            }
+            let rates: Vec<i64> = latest
+                .values()
+                .filter(|(running, _, _)| *running)
+                .map(|(_, _, rate)| *rate)
+                .collect();
+            if rates.len() >= 2 && rates.iter().all(|rate| *rate > 0) {
+                let sum = rates.iter().sum();
+                measured.all.push(sum);
+                if now.duration_since(last_change) >= STEADY {
+                    measured.steady.push(sum);
                 }
             }
         })
@@ -124,7 +114,7 @@ async fn measure_the_bandwidth_split_under_a_storage_policy() -> anyhow::Result<
 
     create_backup(client, "measured").await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(&backups, &fixture.kubelet, "measured", BACKUP_DEADLINE).await?;
+    let backup = final_phase(&backups, &fixture.kubelet, "measured", BACKUP_DEADLINE).await?;
     recorder.abort();
     let status = backup.status.context("status")?;
     assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));

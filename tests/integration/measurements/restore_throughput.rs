@@ -18,7 +18,7 @@ use kube::api::Api;
 use serde_json::json;
 
 use crate::support::fixture::{
-    BUCKET, Fixture, Layout, PREFIX, create, create_backup_in, final_backup, final_restore,
+    BUCKET, Fixture, Layout, PREFIX, create, create_backup_in, final_phase,
 };
 use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
 
@@ -41,6 +41,40 @@ fn logged_seconds(log: &str, marker: &str) -> Option<f64> {
     let line = plain.lines().rev().find(|line| line.contains(marker))?;
     let value = line.split("seconds=").nth(1)?;
     value.split_whitespace().next()?.parse().ok()
+}
+
+/// Wait for the VolumeRestore `name` to finish, check it completed, and
+/// return its (first) stage pod's name and that pod's agent log, the pod
+/// running in `namespace`.
+async fn completed_restore_agent_log(
+    fixture: &Fixture,
+    restores: &Api<VolumeRestore>,
+    name: &str,
+    namespace: &str,
+) -> anyhow::Result<(String, String)> {
+    let restore = final_phase(restores, &fixture.kubelet, name, Duration::from_secs(900)).await?;
+    let status = restore.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeRestorePhase::Completed),
+        "{status:#?}"
+    );
+    let pod = status
+        .plan
+        .as_ref()
+        .and_then(|plan| plan.stage_pods.first())
+        .map(|pod| pod.pod_name.clone())
+        .context("stage pod")?;
+    let log = std::fs::read_to_string(
+        fixture
+            .work
+            .path()
+            .join("kubelet/pods")
+            .join(namespace)
+            .join(&pod)
+            .join("agent.log"),
+    )?;
+    Ok((pod, log))
 }
 
 /// One claim of 1 GiB of sample data (a quarter small files, the rest
@@ -90,7 +124,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
     )
     .await?;
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let backup = final_backup(
+    let backup = final_phase(
         &backups,
         &fixture.kubelet,
         "source",
@@ -121,29 +155,8 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
                     "namespaceMap": {"solo": namespace}, "createNamespaces": true}}),
         )
         .await?;
-        let restore =
-            final_restore(&restores, &fixture.kubelet, &name, Duration::from_secs(900)).await?;
-        let status = restore.status.context("status")?;
-        assert_eq!(
-            status.phase,
-            Some(VolumeRestorePhase::Completed),
-            "{status:#?}"
-        );
-        let pod = status
-            .plan
-            .as_ref()
-            .and_then(|plan| plan.stage_pods.first())
-            .map(|pod| pod.pod_name.clone())
-            .context("stage pod")?;
-        let log = std::fs::read_to_string(
-            fixture
-                .work
-                .path()
-                .join("kubelet/pods")
-                .join(&namespace)
-                .join(&pod)
-                .join("agent.log"),
-        )?;
+        let (pod, log) =
+            completed_restore_agent_log(&fixture, &restores, &name, &namespace).await?;
         let restored = logged_seconds(&log, "restored; verifying").context("restore seconds")?;
         let verified = logged_seconds(&log, "verified").context("verify seconds")?;
         let peak = fixture
@@ -235,7 +248,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
         json!({"matchLabels": {"claim": "data"}}),
     )
     .await?;
-    let changed_backup = final_backup(
+    let changed_backup = final_phase(
         &backups,
         &fixture.kubelet,
         "changed",
@@ -259,34 +272,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
                 "namespaceMap": {"solo": namespace}, "existingClaim": "Sync"}}),
     )
     .await?;
-    let cutover = final_restore(
-        &restores,
-        &fixture.kubelet,
-        "cutover",
-        Duration::from_secs(900),
-    )
-    .await?;
-    let status = cutover.status.context("status")?;
-    assert_eq!(
-        status.phase,
-        Some(VolumeRestorePhase::Completed),
-        "{status:#?}"
-    );
-    let pod = status
-        .plan
-        .as_ref()
-        .and_then(|plan| plan.stage_pods.first())
-        .map(|pod| pod.pod_name.clone())
-        .context("stage pod")?;
-    let log = std::fs::read_to_string(
-        fixture
-            .work
-            .path()
-            .join("kubelet/pods")
-            .join(&namespace)
-            .join(&pod)
-            .join("agent.log"),
-    )?;
+    let (_, log) = completed_restore_agent_log(&fixture, &restores, "cutover", &namespace).await?;
     for line in log
         .lines()
         .filter(|line| line.contains("restored; verifying") || line.contains("verified"))

@@ -13,7 +13,8 @@ use haulage::api::backup::{VolumeBackupPhase, VolumeBackupStatus};
 use haulage::api::labels::{CREDENTIALS_COPY_LABEL, SYSTEM_NAMESPACE};
 use haulage::api::restore::{VolumeRestorePhase, VolumeRestoreStatus};
 use haulage::api::{
-    BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeRestore,
+    BackupStorageLocation, BackupStorageLocationPhase, VolumeBackup, VolumeRestore, VolumeTransfer,
+    VolumeTransferPhase,
 };
 use haulage::engine::Repository;
 use haulage::store::open_store;
@@ -309,9 +310,8 @@ pub struct Fixture {
 ///
 /// ```ignore
 /// let fixture = Fixture::builder()
-///     .upload_bytes_per_second(1 << 20)
-///     .volume_bytes(12 << 20)
-///     .random_data_in_small_packs()
+///     .volume_bytes(4 << 20)
+///     .provisioning()
 ///     .start()
 ///     .await?;
 /// ```
@@ -352,6 +352,16 @@ impl FixtureBuilder {
     pub fn random_data_in_small_packs(mut self) -> Self {
         self.random_data_in_small_packs = true;
         self
+    }
+
+    /// Transfers that run long enough (about 12 s each) to be interrupted,
+    /// hung or scraped while they run: 12 MiB of
+    /// [random data in 1 MiB packs](Self::random_data_in_small_packs) per
+    /// claim, uploaded at 1 MiB/s.
+    pub fn long_running_transfers(self) -> Self {
+        self.upload_bytes_per_second(1 << 20)
+            .volume_bytes(12 << 20)
+            .random_data_in_small_packs()
     }
 
     /// The BSL's `uploadBytesPerSecond`, the upload cap of each agent: slow
@@ -505,24 +515,14 @@ impl FixtureBuilder {
             .then(|| Provisioner::start(client.clone(), &volumes, STORAGE_CLASS, PROVISIONER));
 
         // The BSL, pointing at MinIO, with its credentials Secret.
-        create::<Secret>(
-        &client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
-            "stringData": {"cloud": format!(
-                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
-    )
-    .await?;
-        create::<BackupStorageLocation>(
+        create_credentials_secret(&client, &secret_key).await?;
+        create_minio_location(
             &client,
-            Some(SYSTEM_NAMESPACE),
-            json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
-            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
-            "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
-                "region": REGION, "s3ForcePathStyle": true, "default": true,
-                "credential": {"name": "s3-credentials", "key": "cloud"}, "caBundle": ca_bundle,
-                "validationFrequency": "10s", "uploadBytesPerSecond": upload_bytes_per_second}}),
+            &minio,
+            BUCKET,
+            PREFIX,
+            json!({"caBundle": ca_bundle, "validationFrequency": "10s",
+                "uploadBytesPerSecond": upload_bytes_per_second}),
         )
         .await?;
         if !extra_objects.is_empty() {
@@ -656,7 +656,7 @@ impl Fixture {
         deadline: Duration,
     ) -> anyhow::Result<VolumeBackupStatus> {
         let backups: Api<VolumeBackup> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let backup = final_backup(&backups, &self.kubelet, name, deadline).await?;
+        let backup = final_phase(&backups, &self.kubelet, name, deadline).await?;
         self.completed_status(backup, |status| {
             status.phase == Some(VolumeBackupPhase::Completed)
         })
@@ -671,7 +671,7 @@ impl Fixture {
         deadline: Duration,
     ) -> anyhow::Result<VolumeRestoreStatus> {
         let restores: Api<VolumeRestore> = Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
-        let restore = final_restore(&restores, &self.kubelet, name, deadline).await?;
+        let restore = final_phase(&restores, &self.kubelet, name, deadline).await?;
         self.completed_status(restore, |status| {
             status.phase == Some(VolumeRestorePhase::Completed)
         })
@@ -728,43 +728,32 @@ impl Fixture {
     }
 }
 
-/// Wait up to `deadline` for VolumeBackup `name` to reach a final phase;
-/// a timeout names it with its last status and every agent's log.
-pub async fn final_backup(
-    backups: &Api<VolumeBackup>,
-    kubelet: &Kubelet,
-    name: &str,
-    deadline: Duration,
-) -> anyhow::Result<VolumeBackup> {
-    final_object(backups, kubelet, name, deadline, |status| {
-        status.phase.is_some_and(|phase| phase.is_final())
-    })
-    .await
+/// The status of an object whose phase can be final (nothing more happens).
+pub trait FinalPhase {
+    /// Whether the object's phase is final.
+    fn is_final(&self) -> bool;
 }
 
-/// Wait up to `deadline` for VolumeRestore `name` to reach a final phase;
-/// a timeout names it with its last status and every agent's log.
-pub async fn final_restore(
-    restores: &Api<VolumeRestore>,
-    kubelet: &Kubelet,
-    name: &str,
-    deadline: Duration,
-) -> anyhow::Result<VolumeRestore> {
-    final_object(restores, kubelet, name, deadline, |status| {
-        status.phase.is_some_and(|phase| phase.is_final())
-    })
-    .await
+impl FinalPhase for VolumeBackupStatus {
+    fn is_final(&self) -> bool {
+        self.phase.is_some_and(|phase| phase.is_final())
+    }
 }
 
-/// Wait up to `deadline` for the object `name` of `api` to have a status
-/// that `is_final`; a timeout names it, kind and name, with its last status
-/// and every agent's log.
-async fn final_object<K>(
+impl FinalPhase for VolumeRestoreStatus {
+    fn is_final(&self) -> bool {
+        self.phase.is_some_and(|phase| phase.is_final())
+    }
+}
+
+/// Wait up to `deadline` for the VolumeBackup or VolumeRestore `name` of
+/// `api` to reach a final phase; a timeout names it, kind and name, with
+/// its last status and every agent's log.
+pub async fn final_phase<K>(
     api: &Api<K>,
     kubelet: &Kubelet,
     name: &str,
     deadline: Duration,
-    is_final: impl Fn(&K::Status) -> bool,
 ) -> anyhow::Result<K>
 where
     K: kube::Resource<DynamicType = ()>
@@ -772,11 +761,14 @@ where
         + Clone
         + serde::de::DeserializeOwned
         + std::fmt::Debug,
-    K::Status: std::fmt::Debug,
+    K::Status: FinalPhase + std::fmt::Debug,
 {
     let finished = eventually(deadline, || async {
         let object = api.get(name).await?;
-        Ok(object.status().is_some_and(&is_final).then_some(object))
+        Ok(object
+            .status()
+            .is_some_and(FinalPhase::is_final)
+            .then_some(object))
     })
     .await;
     match finished {
@@ -862,6 +854,53 @@ pub async fn create_restore_of_backup_into(
     Ok(())
 }
 
+/// Create the Secret `s3-credentials` in the controller's namespace: an
+/// AWS credentials file (key `cloud`) with MinIO's access key and
+/// `secret_key`; returns the Secret created.
+pub async fn create_credentials_secret(
+    client: &kube::Client,
+    secret_key: &str,
+) -> anyhow::Result<Secret> {
+    create::<Secret>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
+            "stringData": {"cloud": format!(
+                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {secret_key}\n")}}),
+    )
+    .await
+}
+
+/// Create the default BackupStorageLocation `minio` in the controller's
+/// namespace: `bucket` and `prefix` on `minio`, with the credentials of
+/// [`create_credentials_secret`] and the further spec fields in `settings`
+/// (an object).
+pub async fn create_minio_location(
+    client: &kube::Client,
+    minio: &MinioServer,
+    bucket: &str,
+    prefix: &str,
+    settings: serde_json::Value,
+) -> anyhow::Result<()> {
+    let mut spec = json!({"bucket": bucket, "prefix": prefix, "endpoint": minio.endpoint(),
+        "region": REGION, "s3ForcePathStyle": true, "default": true,
+        "credential": {"name": "s3-credentials", "key": "cloud"}});
+    let (Some(fields), serde_json::Value::Object(settings)) = (spec.as_object_mut(), settings)
+    else {
+        bail!("the location's settings are not an object");
+    };
+    fields.extend(settings);
+    create::<BackupStorageLocation>(
+        client,
+        Some(SYSTEM_NAMESPACE),
+        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
+            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE}, "spec": spec}),
+    )
+    .await?;
+    Ok(())
+}
+
 /// Create the VolumeBackup `name` of both namespaces' labelled claims.
 pub async fn create_backup(client: &kube::Client, name: &str) -> anyhow::Result<()> {
     create_backup_of(client, name, json!({"matchLabels": {"backup": "yes"}})).await
@@ -876,6 +915,16 @@ pub async fn create_backup_of(
     create_backup_in(client, name, &["shop", "web"], selector).await
 }
 
+/// Create the VolumeBackup `name` of the claims labelled `claim: CLAIM`
+/// in `shop` and `web`.
+pub async fn create_backup_of_claim(
+    client: &kube::Client,
+    name: &str,
+    claim: &str,
+) -> anyhow::Result<()> {
+    create_backup_of(client, name, json!({"matchLabels": {"claim": claim}})).await
+}
+
 /// Create the VolumeBackup `name` of the claims `selector` picks in
 /// `namespaces`.
 pub async fn create_backup_in(
@@ -884,28 +933,71 @@ pub async fn create_backup_in(
     namespaces: &[&str],
     selector: serde_json::Value,
 ) -> anyhow::Result<()> {
+    create_backup_with_spec(
+        client,
+        name,
+        json!({"namespaces": namespaces, "selector": selector}),
+    )
+    .await
+}
+
+/// Create the VolumeBackup `name` in the controller's namespace with `spec`.
+async fn create_backup_with_spec(
+    client: &kube::Client,
+    name: &str,
+    spec: serde_json::Value,
+) -> anyhow::Result<()> {
     create::<VolumeBackup>(
         client,
         Some(SYSTEM_NAMESPACE),
         json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
-            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
-            "spec": {"namespaces": namespaces, "selector": selector}}),
+            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE}, "spec": spec}),
     )
     .await?;
     Ok(())
 }
 
+/// Watch every VolumeTransfer of the cluster, calling `on_change` with
+/// each one as it is created or changed, in the API server's order, until
+/// the returned task is aborted.
+pub fn watch_transfers(
+    client: &kube::Client,
+    mut on_change: impl FnMut(&VolumeTransfer) + Send + 'static,
+) -> tokio::task::JoinHandle<()> {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let events = watcher(
+        Api::<VolumeTransfer>::all(client.clone()),
+        watcher::Config::default(),
+    )
+    .default_backoff()
+    .applied_objects();
+    tokio::spawn(async move {
+        let mut events = std::pin::pin!(events);
+        while let Some(Ok(transfer)) = events.next().await {
+            on_change(&transfer);
+        }
+    })
+}
+
+/// Whether a transfer in `phase` is running: admitted and not yet done.
+pub fn is_running_phase(phase: VolumeTransferPhase) -> bool {
+    matches!(
+        phase,
+        VolumeTransferPhase::Admitted
+            | VolumeTransferPhase::InProgress
+            | VolumeTransferPhase::Finalizing
+    )
+}
+
 /// Stage pods and credentials copies left in the cluster.
 pub async fn leftovers(client: &kube::Client) -> anyhow::Result<(usize, usize)> {
-    let stage_pods: Api<Pod> = Api::all(client.clone());
-    let pods = stage_pods
-        .list(&ListParams::default().labels("app.kubernetes.io/name=haulage-agent"))
-        .await?;
+    let pods = stage_pods(client).await?;
     let secrets: Api<Secret> = Api::all(client.clone());
     let copies = secrets
         .list(&ListParams::default().labels(&format!("{CREDENTIALS_COPY_LABEL}=true")))
         .await?;
-    Ok((pods.items.len(), copies.items.len()))
+    Ok((pods.len(), copies.items.len()))
 }
 
 /// Create a VolumeBackup of the claim labelled `claim` into `location`.
@@ -915,16 +1007,13 @@ pub async fn create_backup_to(
     claim: &str,
     location: &str,
 ) -> anyhow::Result<()> {
-    create::<VolumeBackup>(
+    create_backup_with_spec(
         client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
-            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE},
-            "spec": {"namespaces": ["shop", "web"], "storageLocation": location,
-                "selector": {"matchLabels": {"claim": claim}}}}),
+        name,
+        json!({"namespaces": ["shop", "web"], "storageLocation": location,
+            "selector": {"matchLabels": {"claim": claim}}}),
     )
-    .await?;
-    Ok(())
+    .await
 }
 
 /// The stage pods (namespace, name) that exist now.

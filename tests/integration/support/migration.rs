@@ -30,17 +30,19 @@ use anyhow::Context;
 use haulage::api::BackupStorageLocation;
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
-use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::fixture::{Fixture, client_from, create, eventually};
+use crate::support::fixture::{
+    Fixture, client_from, create, create_credentials_secret, create_minio_location, eventually,
+};
 use crate::support::kube::{KubeCluster, write_kubeconfig_of};
 use crate::support::kubelet::{Kubelet, register_nodes};
-use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::minio::{MinioServer, SECRET_KEY};
 
 /// Bucket both clusters' locations name.
 pub const BUCKET: &str = "haulage-migrate";
@@ -281,27 +283,15 @@ async fn start_side(
         register_nodes(&client, &NODES).await?;
         None
     };
-    create::<Secret>(
-        &client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "v1", "kind": "Secret",
-            "metadata": {"name": "s3-credentials", "namespace": SYSTEM_NAMESPACE},
-            "stringData": {"cloud": format!(
-                "[default]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n")}}),
-    )
-    .await?;
+    create_credentials_secret(&client, SECRET_KEY).await?;
     // The source's location creates the repository; the destination's
     // finds it there.
-    create::<BackupStorageLocation>(
+    create_minio_location(
         &client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "BackupStorageLocation",
-            "metadata": {"name": "minio", "namespace": SYSTEM_NAMESPACE},
-            "spec": {"bucket": BUCKET, "prefix": PREFIX, "endpoint": minio.endpoint(),
-                "region": REGION, "s3ForcePathStyle": true, "default": true,
-                "initialize": is_source,
-                "credential": {"name": "s3-credentials", "key": "cloud"},
-                "validationFrequency": "5s"}}),
+        minio,
+        BUCKET,
+        PREFIX,
+        json!({"initialize": is_source, "validationFrequency": "5s"}),
     )
     .await?;
     let controller_kubeconfig = cluster
