@@ -794,13 +794,14 @@ fn file_groups(
         let to_read = if file.2 { 0 } else { file.1.size };
         let full = groups.last().is_none_or(|group| {
             group.len() >= FILES_PER_CHECK
-                || (bytes + to_read > BYTES_PER_CHECK && !group.is_empty())
+                || (bytes.saturating_add(to_read) > BYTES_PER_CHECK && !group.is_empty())
         });
         if full {
             groups.push(Vec::new());
             bytes = 0;
         }
-        bytes += to_read;
+        // Saturating: a forged size must not overflow the count.
+        bytes = bytes.saturating_add(to_read);
         groups.last_mut().expect("a group").push(file);
     }
     groups.into_iter()
@@ -1171,8 +1172,10 @@ impl Checker {
         if let Some(difference) = linked {
             self.findings.record(path, difference);
         }
-        let covered: u64 = entry.content.iter().map(Extent::length).sum();
-        if covered != entry.size {
+        if entry.content_length() != Some(entry.size) {
+            let covered = entry
+                .content_length()
+                .map_or_else(|| "more than 2^64".to_string(), |bytes| bytes.to_string());
             return self.findings.record(
                 path,
                 Difference::Snapshot {
@@ -1210,16 +1213,9 @@ impl Checker {
     }
 
     /// The first chunk or hole of `entry` that the file's bytes do not
-    /// match, if any.
+    /// match, if any; its extents add up to its size (checked by the
+    /// caller).
     fn compare_content(&self, fd: &OwnedFd, entry: &Entry) -> Result<Option<Difference>, Stopped> {
-        if entry.content_length() != Some(entry.size) {
-            return Ok(Some(Difference::Snapshot {
-                reason: format!(
-                    "its content does not add up to its size of {} bytes (a damaged or forged tree)",
-                    entry.size
-                ),
-            }));
-        }
         let mut buffer = Vec::new();
         let mut offset = 0u64;
         for extent in &entry.content {
