@@ -15,6 +15,13 @@ pub const OWNER_NAME_LABEL: &str = "haulage.dev/owner-name";
 /// Label with the owner's UID, so objects of a deleted and re-created
 /// VolumeBackup of the same name are told apart.
 pub const OWNER_UID_LABEL: &str = "haulage.dev/owner-uid";
+
+/// Whether `object` (a stage pod, a VolumeTransfer) carries
+/// [`OWNER_UID_LABEL`] with `owner_uid`: it is a child of that object.
+pub fn labelled_as_owned_by(object: &impl kube::ResourceExt, owner_uid: &str) -> bool {
+    object.labels().get(OWNER_UID_LABEL).map(String::as_str) == Some(owner_uid)
+}
+
 /// Standard label naming the manager of an object (value [`MANAGED_BY`]).
 pub const MANAGED_BY_LABEL: &str = "app.kubernetes.io/managed-by";
 /// Value of [`MANAGED_BY_LABEL`].

@@ -16,7 +16,7 @@ use kube::runtime::controller::Action as Requeue;
 use tracing::{info, instrument, warn};
 
 use crate::api::VolumeRestore;
-use crate::api::labels::OWNER_UID_LABEL;
+use crate::api::labels::labelled_as_owned_by;
 use crate::clock;
 use crate::controller::Context;
 use crate::controller::error::{ApiCall, Error};
@@ -101,7 +101,7 @@ fn observe_caches(restore: Arc<VolumeRestore>, context: &Context) -> RestoreObse
         staging: observe_staging(
             &uid,
             &namespace,
-            |transfer| transfer.labels().get(OWNER_UID_LABEL) == Some(&uid),
+            |transfer| labelled_as_owned_by(transfer, &uid),
             context,
         ),
         snapshots: None,

@@ -19,7 +19,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tracing::debug;
 
-use crate::api::labels::{CANCEL_FINALIZER, OWNER_UID_LABEL};
+use crate::api::labels::{CANCEL_FINALIZER, labelled_as_owned_by};
 use crate::api::{BackupStorageLocation, VolumeTransfer};
 use crate::controller::Context;
 use crate::controller::error::Error;
@@ -122,7 +122,7 @@ pub fn observe_staging(
     let config = &context.config;
     let pods = stores
         .pods
-        .state_filter(|pod| pod.labels().get(OWNER_UID_LABEL).map(String::as_str) == Some(uid));
+        .state_filter(|pod| labelled_as_owned_by(pod, uid));
     let replaced_pods = pods
         .iter()
         .filter_map(|pod| pod.uid())

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use haulage_api::backup::BackupPlan;
 use haulage_api::condition::{condition_type, find_condition};
-use haulage_api::labels::{MANAGED_BY, MANAGED_BY_LABEL, OWNER_UID_LABEL};
+use haulage_api::labels::{MANAGED_BY, MANAGED_BY_LABEL, labelled_as_owned_by};
 use haulage_api::{
     BackupStorageLocation, VolumeBackup, VolumeBackupPhase, VolumeBackupStatus, VolumeTransfer,
     VolumeTransferPhase,
@@ -34,7 +34,6 @@ use haulage_api::{
 use haulage_plan::objects::{ClusterObjects, DumpError, facts_from_objects};
 use haulage_plan::selector::LabelRequirement;
 use haulage_plan::{LabelSelector, PlanError, Selection, plan_stage_pods};
-use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
@@ -129,13 +128,8 @@ pub fn owner_of(backup: &VolumeBackup) -> Result<Owner, BackupError> {
 
 /// Whether `transfer` belongs to `owner`'s backup.
 pub fn owns_transfer(owner_uid: &str, transfer: &VolumeTransfer) -> bool {
-    transfer.labels().get(OWNER_UID_LABEL).map(String::as_str) == Some(owner_uid)
+    labelled_as_owned_by(transfer, owner_uid)
         || transfer.spec.backup_ref.uid.as_deref() == Some(owner_uid)
-}
-
-/// Whether `pod` is a stage pod of `owner`'s backup.
-pub fn owns_pod(owner_uid: &str, pod: &Pod) -> bool {
-    pod.labels().get(OWNER_UID_LABEL).map(String::as_str) == Some(owner_uid)
 }
 
 /// Whether the decision needs the cluster's objects: only a backup that
@@ -681,8 +675,10 @@ mod tests {
     use haulage_api::backup::OwnerClaim;
     use haulage_api::backup::VolumeCounts;
     use haulage_api::condition::reason;
+    use haulage_api::labels::OWNER_UID_LABEL;
     use k8s_openapi::ByteString;
     use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, PodStatus};
     use k8s_openapi::api::storage::v1::StorageClass;
     use std::collections::BTreeSet;
