@@ -250,9 +250,11 @@ pub async fn restore(
 }
 
 /// Directories nested deeper than this are refused (reported, not
-/// written): each level of the restore holds its directory open and a
-/// frame of the walk, so a hostile snapshot nested thousands deep would
-/// exhaust descriptors or the stack. No real tree comes near it.
+/// written): each level of the walk is a frame on its stack (see
+/// [`WALK_STACK_BYTES`]) and holds its directory open, so a tree at the
+/// limit holds about 1,025 descriptors at once: more than a soft
+/// `RLIMIT_NOFILE` of 1,024 allows (the directories below that depth then
+/// fail with EMFILE, reported the same way). No real tree comes near it.
 pub const MAX_DIRECTORY_DEPTH: usize = 1024;
 
 /// The stack of the thread that walks a snapshot's trees: each level of
@@ -272,16 +274,38 @@ async fn walk_on_a_deep_stack(
     since: Option<SinceDirectory>,
 ) -> (Result<(), EngineError>, Walker) {
     let handle = tokio::runtime::Handle::current();
+    let span = tracing::Span::current();
+    // The walk goes to the thread once it exists, so that without one it
+    // can still be done here.
+    let (hand_over, handed) = std::sync::mpsc::channel::<WalkStart>();
     let (done, walked) = tokio::sync::oneshot::channel();
-    let thread = std::thread::Builder::new()
+    let spawned = std::thread::Builder::new()
         .name("restore-walk".into())
         .stack_size(WALK_STACK_BYTES)
         .spawn(move || {
+            let _entered = span.enter();
+            let Ok((mut walker, root_fd, root_tree, since)) = handed.recv() else {
+                return;
+            };
             let result =
                 handle.block_on(walker.restore_directory(root_fd, Vec::new(), root_tree, since));
             let _ = done.send((result, walker));
-        })
-        .expect("a thread for the restore's walk");
+        });
+    let thread = match spawned {
+        Ok(thread) => thread,
+        Err(error) => {
+            // No thread to be had (a pod at its pids limit): walk here, as
+            // deep as this thread's stack allows.
+            tracing::warn!("walking the snapshot on the runtime's thread: {error}");
+            let walked = walker
+                .restore_directory(root_fd, Vec::new(), root_tree, since)
+                .await;
+            return (walked, walker);
+        }
+    };
+    if hand_over.send((walker, root_fd, root_tree, since)).is_err() {
+        unreachable!("the walk's thread waits for its walk");
+    }
     match walked.await {
         Ok(walked) => walked,
         // The thread ended without sending: it panicked; so does this.
@@ -291,6 +315,9 @@ async fn walk_on_a_deep_stack(
         },
     }
 }
+
+/// What the walk's thread is given: the walker and where it starts.
+type WalkStart = (Walker, Arc<OwnedFd>, Tree, Option<SinceDirectory>);
 
 /// A snapshot with the repository's index, loaded together: what a restore
 /// reads before anything else, and what the verification after it needs
@@ -334,6 +361,10 @@ pub async fn restore_loaded(
     cancel: CancellationToken,
 ) -> Result<RestoreOutcome, EngineError> {
     let started = loaded.load_started;
+    // The walk runs on a thread of its own: if this future is dropped
+    // rather than cancelled, the guard still stops it.
+    let cancel = cancel.child_token();
+    let _stop_the_walk_when_dropped = cancel.clone().drop_guard();
     let snapshot_id = &loaded.id;
     let snapshot = &loaded.snapshot;
     let index = loaded.index.clone();
