@@ -540,8 +540,6 @@ struct WalkContext {
 /// Metadata of a path as a tree entry (without content).
 fn entry_from_metadata(name: &[u8], kind: EntryKind, metadata: &Metadata) -> Entry {
     Entry {
-        name: ByteBuf::from(name.to_vec()),
-        kind,
         mode: metadata.mode() & 0o7777,
         uid: metadata.uid(),
         gid: metadata.gid(),
@@ -557,11 +555,8 @@ fn entry_from_metadata(name: &[u8], kind: EntryKind, metadata: &Metadata) -> Ent
         } else {
             0
         },
-        content: Vec::new(),
-        subtree: None,
-        link_target: None,
         rdev: metadata.rdev(),
-        xattrs: Vec::new(),
+        ..Entry::new(name, kind)
     }
 }
 

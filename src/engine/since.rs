@@ -160,31 +160,23 @@ pub fn on_disk_as_restored(stat: &Stat, entry: &Entry, owners_restored: bool) ->
 
 #[cfg(test)]
 mod tests {
-    use serde_bytes::ByteBuf;
 
     use super::*;
     use crate::repo::tree::Extent;
 
     fn entry(name: &str, kind: EntryKind, content: Vec<Extent>, subtree: Option<BlobId>) -> Entry {
         Entry {
-            name: ByteBuf::from(name.as_bytes().to_vec()),
-            kind,
             mode: 0o644,
             uid: 1000,
             gid: 1000,
             mtime_seconds: 1_700_000_000,
-            mtime_nanos: 0,
             ctime_seconds: 1_700_000_000,
-            ctime_nanos: 0,
             inode: 1,
             device: 1,
-            links: 1,
             size: content.iter().map(Extent::length).sum(),
             content,
             subtree,
-            link_target: None,
-            rdev: 0,
-            xattrs: Vec::new(),
+            ..Entry::new(name.as_bytes(), kind)
         }
     }
 

@@ -1349,24 +1349,15 @@ mod tests {
 
     fn entry(kind: EntryKind) -> Entry {
         Entry {
-            name: ByteBuf::from(b"f".to_vec()),
-            kind,
             mode: 0o640,
             uid: 1000,
             gid: 2000,
             mtime_seconds: 1_700_000_000,
             mtime_nanos: 123,
-            ctime_seconds: 0,
-            ctime_nanos: 0,
             inode: 7,
             device: 1,
-            links: 1,
             size: if kind == EntryKind::File { 10 } else { 0 },
-            content: Vec::new(),
-            subtree: None,
-            link_target: None,
-            rdev: 0,
-            xattrs: Vec::new(),
+            ..Entry::new(b"f", kind)
         }
     }
 

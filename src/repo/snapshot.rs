@@ -5,8 +5,6 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use serde_bytes::ByteBuf;
-
 use super::tree::{Entry, EntryKind, Xattr};
 use super::{BlobId, ObjectId};
 
@@ -215,24 +213,13 @@ impl Snapshot {
     pub fn root_attributes(&self) -> Entry {
         let root = &self.root;
         Entry {
-            name: ByteBuf::from(b".".to_vec()),
-            kind: EntryKind::Directory,
             mode: root.mode,
             uid: root.uid,
             gid: root.gid,
             mtime_seconds: root.mtime_seconds,
             mtime_nanos: root.mtime_nanos,
-            ctime_seconds: 0,
-            ctime_nanos: 0,
-            inode: 0,
-            device: 0,
-            links: 1,
-            size: 0,
-            content: Vec::new(),
-            subtree: None,
-            link_target: None,
-            rdev: 0,
             xattrs: root.xattrs.clone(),
+            ..Entry::new(b".", EntryKind::Directory)
         }
     }
 

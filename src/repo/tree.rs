@@ -155,6 +155,34 @@ pub enum TreeError {
 }
 
 impl Entry {
+    /// An entry of `kind` named `name` with every other field empty: mode
+    /// 0, owner 0, times 0, inode and device 0, one link, no content, no
+    /// subtree, no link target, no extended attributes. The place to start
+    /// from (`Entry { mode, ..Entry::new(name, kind) }`) so that a field
+    /// added later has one default.
+    pub fn new(name: &[u8], kind: EntryKind) -> Entry {
+        Entry {
+            name: ByteBuf::from(name.to_vec()),
+            kind,
+            mode: 0,
+            uid: 0,
+            gid: 0,
+            mtime_seconds: 0,
+            mtime_nanos: 0,
+            ctime_seconds: 0,
+            ctime_nanos: 0,
+            inode: 0,
+            device: 0,
+            links: 1,
+            size: 0,
+            content: Vec::new(),
+            subtree: None,
+            link_target: None,
+            rdev: 0,
+            xattrs: Vec::new(),
+        }
+    }
+
     /// The bytes its content adds up to (chunks and holes), or `None`
     /// when that overflows: a file whose content does not add up to its
     /// `size` is damaged or forged, and a restore refuses it.

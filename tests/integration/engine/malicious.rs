@@ -81,24 +81,8 @@ impl Forger {
 
 fn entry(name: &[u8], kind: EntryKind) -> Entry {
     Entry {
-        name: ByteBuf::from(name.to_vec()),
-        kind,
         mode: 0o644,
-        uid: 0,
-        gid: 0,
-        mtime_seconds: 0,
-        mtime_nanos: 0,
-        ctime_seconds: 0,
-        ctime_nanos: 0,
-        inode: 0,
-        device: 0,
-        links: 1,
-        size: 0,
-        content: Vec::new(),
-        subtree: None,
-        link_target: None,
-        rdev: 0,
-        xattrs: Vec::new(),
+        ..Entry::new(name, kind)
     }
 }
 
