@@ -364,10 +364,7 @@ impl S3Store {
                     url: url.clone(),
                     message: format!("cannot read CA bundle {}: {err}", path.display()),
                 })?;
-            if !pem
-                .windows(27)
-                .any(|window| window == b"-----BEGIN CERTIFICATE-----")
-            {
+            if !holds_a_pem_certificate(&pem) {
                 return Err(OpenStoreError::Setup {
                     url: url.clone(),
                     message: format!("CA bundle {} holds no PEM certificate", path.display()),
@@ -376,10 +373,7 @@ impl S3Store {
             trust_store = trust_store.with_pem_certificate(pem);
         }
         if let Some(pem) = &options.ca_bundle_pem {
-            if !pem
-                .windows(27)
-                .any(|window| window == b"-----BEGIN CERTIFICATE-----")
-            {
+            if !holds_a_pem_certificate(pem) {
                 return Err(OpenStoreError::Setup {
                     url: url.clone(),
                     message: "the inline CA bundle holds no PEM certificate".to_string(),
@@ -648,6 +642,21 @@ impl S3Store {
         (mode == PutMode::Create && self.upload.conditional_create).then(|| "*".to_string())
     }
 
+    /// What the request that ends a put (a PutObject, or the
+    /// CompleteMultipartUpload) answered, as the put's outcome.
+    fn put_outcome<T, E>(
+        &self,
+        key: &str,
+        answer: Result<T, SdkError<E, HttpResponse>>,
+    ) -> Result<(), StoreError>
+    where
+        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        answer
+            .map(drop)
+            .map_err(|error| self.classify("put", key, error))
+    }
+
     async fn put_single(
         &self,
         key: &str,
@@ -655,7 +664,8 @@ impl S3Store {
         data: Bytes,
         mode: PutMode,
     ) -> Result<(), StoreError> {
-        self.client
+        let answer = self
+            .client
             .put_object()
             .bucket(&self.location.bucket)
             .key(full_key)
@@ -663,9 +673,8 @@ impl S3Store {
             .body(ByteStream::from(data))
             .set_if_none_match(self.if_none_match(mode))
             .send()
-            .await
-            .map(drop)
-            .map_err(|error| self.classify("put", key, error))
+            .await;
+        self.put_outcome(key, answer)
     }
 
     async fn put_multipart(
@@ -783,7 +792,8 @@ impl S3Store {
             .try_collect()
             .await?;
         completed.sort_by_key(|part| part.part_number());
-        self.client
+        let answer = self
+            .client
             .complete_multipart_upload()
             .bucket(&self.location.bucket)
             .key(full_key)
@@ -795,9 +805,8 @@ impl S3Store {
             )
             .set_if_none_match(self.if_none_match(mode))
             .send()
-            .await
-            .map(drop)
-            .map_err(|error| self.classify("put", key, error))
+            .await;
+        self.put_outcome(key, answer)
     }
 
     /// A GET of the object or a range of it, into `buffer` (replacing what
@@ -1284,6 +1293,12 @@ impl ObjectStore for S3Store {
             }
         }
     }
+}
+
+/// Whether `pem` holds at least one PEM certificate block.
+fn holds_a_pem_certificate(pem: &[u8]) -> bool {
+    const BEGIN: &[u8] = b"-----BEGIN CERTIFICATE-----";
+    pem.windows(BEGIN.len()).any(|window| window == BEGIN)
 }
 
 #[cfg(test)]
