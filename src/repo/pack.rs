@@ -532,8 +532,8 @@ fn trailer_of_whole_pack<'a>(
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_pack_is_described_by_its_own_trailer() {
+    /// A plaintext pack writer holding one uncompressed data blob, `hello`.
+    fn writer_with_hello() -> PackWriter {
         let mut writer = PackWriter::new();
         writer.add(
             BlobId([1; 32]),
@@ -542,6 +542,12 @@ mod tests {
             b"hello",
             5,
         );
+        writer
+    }
+
+    #[test]
+    fn a_pack_is_described_by_its_own_trailer() {
+        let mut writer = writer_with_hello();
         writer.add(
             BlobId([2; 32]),
             BlobKind::Tree,
@@ -558,15 +564,7 @@ mod tests {
 
     #[test]
     fn a_flipped_trailer_byte_is_detected() {
-        let mut writer = PackWriter::new();
-        writer.add(
-            BlobId([1; 32]),
-            BlobKind::Data,
-            Compression::None,
-            b"hello",
-            5,
-        );
-        let mut bytes = writer.finish().bytes;
+        let mut bytes = writer_with_hello().finish().bytes;
         let position = bytes.len() - TRAILER_TAIL_BYTES - 3;
         bytes[position] ^= 0x40;
         let error = decode_pack(&bytes, "p").expect_err("must fail");
