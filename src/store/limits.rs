@@ -1,6 +1,6 @@
 //! Caps that protect the storage behind a backup storage location: a limit
 //! on requests in flight and a limit on uploaded bytes per second, each a
-//! wrapper implementing [`ObjectStore`] so backends carry no throttling code.
+//! [`Layer`] of a [`Layered`] store, so backends carry no throttling code.
 //!
 //! The request cap counts store operations. A multipart `put` is one
 //! operation that the S3 backend spreads over up to its part parallelism of
@@ -16,18 +16,16 @@
 //! smooth instead of letting a queue of objects leave in a lump.
 
 use std::num::NonZeroU64;
-use std::ops::Range;
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
-use bytes::Bytes;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use crate::throttle::WaitTime;
 use crate::throttle::{ByteRate, MAX_BYTES_PER_SECOND, Throttle};
 
-use super::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport};
+use super::DynStore;
+use super::layer::{Layer, Layered, Request};
 
 /// Smallest burst of the upload limiter: below this, the per-slice overhead
 /// of the limiter would dominate.
@@ -36,11 +34,13 @@ pub const MIN_UPLOAD_BURST_BYTES: usize = 64 * 1024;
 /// Largest rate the upload limiter accepts.
 pub const MAX_UPLOAD_BYTES_PER_SECOND: u64 = MAX_BYTES_PER_SECOND;
 
-/// An [`ObjectStore`] that lets at most a fixed number of operations of
-/// another run at once; the rest wait in FIFO order.
+/// The request cap: at most a fixed number of operations of the wrapped
+/// store run at once; the rest wait in FIFO order.
+pub type ConcurrencyLimitStore = Layered<ConcurrencyLimit>;
+
+/// The [`Layer`] of [`ConcurrencyLimitStore`]: a permit per request.
 #[derive(Debug)]
-pub struct ConcurrencyLimitStore {
-    inner: DynStore,
+pub struct ConcurrencyLimit {
     permits: Arc<Semaphore>,
     max: usize,
 }
@@ -49,78 +49,31 @@ impl ConcurrencyLimitStore {
     /// Wrap `inner`, allowing `max` operations at once (at least one).
     pub fn new(inner: DynStore, max: usize) -> Self {
         let max = max.max(1);
-        ConcurrencyLimitStore {
+        Layered::wrap(
             inner,
-            permits: Arc::new(Semaphore::new(max)),
-            max,
-        }
+            ConcurrencyLimit {
+                permits: Arc::new(Semaphore::new(max)),
+                max,
+            },
+        )
     }
 
     /// The cap this wrapper enforces.
     pub fn max_concurrent_requests(&self) -> usize {
-        self.max
-    }
-
-    async fn permit(&self) -> tokio::sync::SemaphorePermit<'_> {
-        // The semaphore is never closed, so acquiring cannot fail.
-        match self.permits.acquire().await {
-            Ok(permit) => permit,
-            Err(_) => unreachable!("the request semaphore is never closed"),
-        }
+        self.layer().max
     }
 }
 
 #[async_trait]
-impl ObjectStore for ConcurrencyLimitStore {
-    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
-        let _permit = self.permit().await;
-        self.inner.put(key, data, mode).await
-    }
+impl Layer for ConcurrencyLimit {
+    type Held = OwnedSemaphorePermit;
 
-    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
-        let _permit = self.permit().await;
-        self.inner.get(key, range).await
-    }
-
-    async fn get_range_into(
-        &self,
-        key: &str,
-        range: Range<u64>,
-        buffer: Vec<u8>,
-    ) -> Result<Vec<u8>, StoreError> {
-        let _permit = self.permit().await;
-        self.inner.get_range_into(key, range, buffer).await
-    }
-
-    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
-        let _permit = self.permit().await;
-        self.inner.head(key).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
-        let _permit = self.permit().await;
-        self.inner.list(prefix).await
-    }
-
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        let _permit = self.permit().await;
-        self.inner.delete(key).await
-    }
-
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-
-    async fn sweep_incomplete_uploads(
-        &self,
-        older_than: Duration,
-    ) -> Result<SweepReport, StoreError> {
-        let _permit = self.permit().await;
-        self.inner.sweep_incomplete_uploads(older_than).await
-    }
-
-    async fn wait_for_cleanup(&self) {
-        self.inner.wait_for_cleanup().await
+    async fn before(&self, _: Request<'_>) -> OwnedSemaphorePermit {
+        // The semaphore is never closed, so acquiring cannot fail.
+        match self.permits.clone().acquire_owned().await {
+            Ok(permit) => permit,
+            Err(_) => unreachable!("the request semaphore is never closed"),
+        }
     }
 }
 
@@ -137,18 +90,19 @@ pub enum RateLimitError {
     },
 }
 
-/// An [`ObjectStore`] whose uploads (the bytes of `put`) are held to a rate.
-/// Reads, listings and deletes pass through unthrottled.
-pub struct UploadRateLimitStore {
-    inner: DynStore,
+/// The upload cap: the bytes of each `put` are held to a rate. Reads,
+/// listings and deletes pass through unthrottled.
+pub type UploadRateLimitStore = Layered<UploadRateLimit>;
+
+/// The [`Layer`] of [`UploadRateLimitStore`]: charges a `put`'s bytes.
+pub struct UploadRateLimit {
     throttle: Throttle,
     bytes_per_second: NonZeroU64,
 }
 
-impl std::fmt::Debug for UploadRateLimitStore {
+impl std::fmt::Debug for UploadRateLimit {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UploadRateLimitStore")
-            .field("inner", &self.inner)
+        f.debug_struct("UploadRateLimit")
             .field("bytes_per_second", &self.bytes_per_second)
             .finish()
     }
@@ -162,28 +116,39 @@ impl UploadRateLimitStore {
                 bytes_per_second: bytes_per_second.get(),
             });
         }
-        Ok(UploadRateLimitStore {
+        Ok(Layered::wrap(
             inner,
-            throttle: Throttle::with_burst_floor(
-                Some(ByteRate(bytes_per_second.get())),
-                MIN_UPLOAD_BURST_BYTES,
-            ),
-            bytes_per_second,
-        })
+            UploadRateLimit {
+                throttle: Throttle::with_burst_floor(
+                    Some(ByteRate(bytes_per_second.get())),
+                    MIN_UPLOAD_BURST_BYTES,
+                ),
+                bytes_per_second,
+            },
+        ))
     }
 
     /// Record the time uploads wait for the limiter into `waited`.
     pub fn recording_wait_into(mut self, waited: WaitTime) -> Self {
-        self.throttle = self.throttle.recording_wait_into(waited);
+        let layer = self.layer_mut();
+        layer.throttle = layer.throttle.clone().recording_wait_into(waited);
         self
     }
 
     /// The rate this wrapper enforces.
     pub fn bytes_per_second(&self) -> NonZeroU64 {
-        self.bytes_per_second
+        self.layer().bytes_per_second
     }
+}
 
-    async fn charge(&self, mut bytes: u64) {
+#[async_trait]
+impl Layer for UploadRateLimit {
+    type Held = ();
+
+    async fn before(&self, request: Request<'_>) {
+        let Request::Put { mut bytes, .. } = request else {
+            return;
+        };
         let slice_bytes = self.throttle.max_request_bytes() as u64;
         while bytes > 0 {
             let slice = bytes.min(slice_bytes);
@@ -193,61 +158,17 @@ impl UploadRateLimitStore {
     }
 }
 
-#[async_trait]
-impl ObjectStore for UploadRateLimitStore {
-    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
-        self.charge(data.len() as u64).await;
-        self.inner.put(key, data, mode).await
-    }
-
-    async fn get(&self, key: &str, range: Option<Range<u64>>) -> Result<Bytes, StoreError> {
-        self.inner.get(key, range).await
-    }
-
-    async fn get_range_into(
-        &self,
-        key: &str,
-        range: Range<u64>,
-        buffer: Vec<u8>,
-    ) -> Result<Vec<u8>, StoreError> {
-        self.inner.get_range_into(key, range, buffer).await
-    }
-
-    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
-        self.inner.head(key).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
-        self.inner.list(prefix).await
-    }
-
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.inner.delete(key).await
-    }
-
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-
-    async fn sweep_incomplete_uploads(
-        &self,
-        older_than: Duration,
-    ) -> Result<SweepReport, StoreError> {
-        self.inner.sweep_incomplete_uploads(older_than).await
-    }
-
-    async fn wait_for_cleanup(&self) {
-        self.inner.wait_for_cleanup().await
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use std::ops::Range;
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
 
     use super::*;
     use crate::store::local::LocalStore;
+    use crate::store::{ObjectMeta, ObjectStore, PutMode, StoreError};
 
     /// Counts how many operations run at once and remembers the peak.
     #[derive(Debug, Default)]

@@ -12,10 +12,12 @@
 //! [`s3::S3Store`] (`s3://bucket/prefix`). Wrappers: [`retry::RetryStore`]
 //! (backoff on transient errors), [`limits::ConcurrencyLimitStore`] (a cap on
 //! requests in flight) and [`limits::UploadRateLimitStore`] (an upload
-//! bytes-per-second cap). [`open_store`] assembles them from a URL and
+//! bytes-per-second cap), the last two [`layer::Layered`] stores that act
+//! before each request and pass it on. [`open_store`] assembles them from a URL and
 //! [`StoreOptions`]; [`probe::check_location`] proves a location works;
 //! [`ranges::get_ranges`] reads many ranges of one object in few requests.
 
+pub mod layer;
 pub mod limits;
 pub mod local;
 pub mod probe;

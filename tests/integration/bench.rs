@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Output;
 
 use crate::engine::support::{files_under, haulage, random_bytes};
-use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::minio::{MinioServer, with_s3_credentials};
 
 const BUCKET: &str = "haulage-bench";
 
@@ -133,16 +133,12 @@ async fn bench_against_minio_reports_every_stage_and_deletes_its_objects() {
     let dir = tempfile::tempdir().expect("tempdir");
     let source = dir.path().join("source");
     small_source(&source);
-    let output = haulage()
+    let output = with_s3_credentials(&mut haulage(), &server.endpoint())
         .arg("bench")
         .args(BENCH_ARGS)
         .arg("--source")
         .arg(&source)
         .args(["--repo", &format!("s3://{BUCKET}/team")])
-        .env("AWS_ENDPOINT_URL", server.endpoint())
-        .env("AWS_REGION", REGION)
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
         .output()
         .expect("run bench");
     let report = bench_json(&output);
@@ -161,14 +157,10 @@ async fn bench_against_minio_reports_every_stage_and_deletes_its_objects() {
     );
 
     // The table form names each stage.
-    let table = haulage()
+    let table = with_s3_credentials(&mut haulage(), &server.endpoint())
         .args(["bench", "--objects", "1", "--size", "1MiB", "--source"])
         .arg(&source)
         .args(["--repo", &format!("s3://{BUCKET}/team")])
-        .env("AWS_ENDPOINT_URL", server.endpoint())
-        .env("AWS_REGION", REGION)
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
         .output()
         .expect("run bench");
     assert!(table.status.success());

@@ -18,9 +18,10 @@ use haulage::store::{DynStore, open_store};
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::support::{
-    CountingStore, assert_same_tree, data_reads_per_pack, haulage, pack_entries, random_bytes,
+    assert_same_tree, counting_store, data_reads_per_pack, haulage, pack_entries, random_bytes,
 };
-use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::expect_success;
+use crate::support::minio::{MinioServer, SECRET_KEY, with_s3_credentials};
 use crate::support::proxy::FaultProxy;
 
 const BUCKET: &str = "haulage-engine";
@@ -49,27 +50,14 @@ async fn proxy_in_front_of(server: &MinioServer) -> FaultProxy {
 /// standard variables.
 fn haulage_at(endpoint: &str) -> Command {
     let mut command = haulage();
-    command
-        .env("AWS_ENDPOINT_URL", endpoint)
-        .env("AWS_REGION", REGION)
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        // Packs (16 MiB) as multipart uploads, so the fault tests cut and
-        // cancel multipart uploads, not only single PUTs.
-        .env("HAULAGE_S3_MULTIPART_THRESHOLD", "8MiB")
-        .env_remove("AWS_PROFILE")
-        .env_remove("AWS_SESSION_TOKEN");
+    // Packs (16 MiB) as multipart uploads, so the fault tests cut and
+    // cancel multipart uploads, not only single PUTs.
+    with_s3_credentials(&mut command, endpoint).env("HAULAGE_S3_MULTIPART_THRESHOLD", "8MiB");
     command
 }
 
 fn assert_success(output: &Output, what: &str) {
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\nstdout: {}\nstderr: {}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
+    expect_success(output, what);
 }
 
 fn init_repo(endpoint: &str) {
@@ -124,7 +112,17 @@ fn backup_json(endpoint: &str, source: &Path) -> serde_json::Value {
     serde_json::from_slice(&output.stdout).expect("backup --json prints JSON")
 }
 
-fn verify_and_restore(endpoint: &str, snapshot: &str, source: &Path, target: &Path) {
+/// `haulage verify` succeeds and `backup`'s snapshot restores into
+/// `work/restored` as `source`.
+fn verify_and_restore(
+    server: &MinioServer,
+    backup: &serde_json::Value,
+    source: &Path,
+    work: &Path,
+) {
+    let endpoint = &server.endpoint();
+    let snapshot = snapshot_id(backup);
+    let target = &work.join("restored");
     let verify = haulage_at(endpoint)
         .args(["verify", "--repo", &repo_url()])
         .output()
@@ -316,12 +314,7 @@ async fn backup_verify_and_restore_through_s3_are_byte_identical_and_leave_no_up
 
     let summary = backup_json(&server.endpoint(), &source);
     assert!(summary["packsWritten"].as_u64().expect("packs") >= 2);
-    verify_and_restore(
-        &server.endpoint(),
-        snapshot_id(&summary),
-        &source,
-        &dir.path().join("restored"),
-    );
+    verify_and_restore(&server, &summary, &source, dir.path());
 
     // A second backup of the unchanged tree stores nothing new.
     let again = backup_json(&server.endpoint(), &source);
@@ -370,12 +363,7 @@ async fn a_server_stopped_mid_backup_fails_it_naming_the_endpoint_and_the_rerun_
         "the rerun stored everything again ({bytes_new} of {total_bytes} bytes)"
     );
     assert_packs_whole_and_each_blob_stored_once(&server).await;
-    verify_and_restore(
-        &server.endpoint(),
-        snapshot_id(&summary),
-        &source,
-        &dir.path().join("restored"),
-    );
+    verify_and_restore(&server, &summary, &source, dir.path());
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -403,12 +391,7 @@ async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
     assert_success(&output, "backup through the cutting proxy");
     let summary: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
     assert_packs_whole_and_each_blob_stored_once(&server).await;
-    verify_and_restore(
-        &server.endpoint(),
-        snapshot_id(&summary),
-        &source,
-        &dir.path().join("restored"),
-    );
+    verify_and_restore(&server, &summary, &source, dir.path());
     assert_no_multipart_upload_pending(&server, "the backups").await;
 }
 
@@ -461,11 +444,11 @@ async fn a_restore_through_s3_reads_each_pack_once() {
     let summary = backup_json(&server.endpoint(), &source);
     let snapshot: ObjectId = snapshot_id(&summary).parse().expect("snapshot id");
 
-    let counter = CountingStore::new(repo_store(&server).await);
+    let counter = counting_store(repo_store(&server).await);
     let repository = open_repository(counter.clone()).await;
     let packs = pack_entries(&repository).await;
     assert!(packs.len() >= 2, "{} packs", packs.len());
-    counter.take_reads();
+    counter.layer().take_reads();
     let target = dir.path().join("restored");
     let outcome = restore(
         &repository,
@@ -478,7 +461,7 @@ async fn a_restore_through_s3_reads_each_pack_once() {
     .expect("restore");
     assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
     assert_same_tree(&source, &target);
-    let per_pack = data_reads_per_pack(&counter.take_reads(), &packs);
+    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
     assert_eq!(per_pack.len(), packs.len());
     for (pack, (reads, bytes)) in &per_pack {
         assert_eq!(

@@ -15,21 +15,36 @@ use std::time::Duration;
 use rand::{Rng, SeedableRng};
 
 use crate::engine::support::{TEST_PASSWORD, files_under, haulage, random_bytes};
-use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
+use crate::support::expect_success;
+use crate::support::minio::{MinioServer, with_s3_credentials};
 
 fn check(output: Output, what: &str) -> String {
-    assert!(
-        output.status.success(),
-        "{what} failed ({}):\nstdout: {}\nstderr: {}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout).into_owned()
+    expect_success(&output, what)
 }
 
 fn run(command: &mut Command, what: &str) -> String {
     check(command.output().expect("run haulage"), what)
+}
+
+/// A temporary working directory with a repository initialised (`haulage
+/// repo init`) in its `repo/`, and that repository's path.
+fn init_repository() -> (tempfile::TempDir, std::path::PathBuf) {
+    let work = tempfile::tempdir().unwrap();
+    let repo = work.path().join("repo");
+    run(
+        haulage().arg("repo").arg("init").arg("--repo").arg(&repo),
+        "init",
+    );
+    (work, repo)
+}
+
+/// The repository at `path`, opened in this process with the tests' password.
+async fn open_repository(path: &Path) -> haulage::engine::Repository {
+    let store: haulage::store::DynStore =
+        std::sync::Arc::new(haulage::store::local::LocalStore::new(path));
+    haulage::engine::Repository::open(store, &haulage::engine::KeySource::password(TEST_PASSWORD))
+        .await
+        .unwrap()
 }
 
 /// `file count` files of `size` bytes, content from `seed`.
@@ -180,13 +195,7 @@ async fn prune_reclaims_space_on_minio_and_no_object_in_the_bucket_holds_plainte
     let endpoint = server.endpoint();
     let at_minio = move || {
         let mut command = haulage();
-        command
-            .env("AWS_ENDPOINT_URL", &endpoint)
-            .env("AWS_REGION", REGION)
-            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-            .env_remove("AWS_PROFILE")
-            .env_remove("AWS_SESSION_TOKEN");
+        with_s3_credentials(&mut command, &endpoint);
         command
     };
     let work = tempfile::tempdir().unwrap();
@@ -254,10 +263,8 @@ async fn prune_reclaims_space_on_minio_and_no_object_in_the_bucket_holds_plainte
 
 #[test]
 fn forget_keeps_by_policy_per_source_and_explains_in_a_dry_run() {
-    let work = tempfile::tempdir().unwrap();
-    let repo = work.path().join("repo");
+    let (work, repo) = init_repository();
     let repo = repo.to_str().unwrap();
-    run(haulage().args(["repo", "init", "--repo", repo]), "init");
     for (label, round) in [("ns/a", 0), ("ns/a", 1), ("ns/a", 2), ("ns/b", 3)] {
         let source = work.path().join(format!("src{round}"));
         write_tree(&source, 1, 1000, round);
@@ -320,20 +327,11 @@ async fn a_live_exclusive_lock_blocks_a_backup_and_a_stale_one_is_ignored_and_re
     use haulage::engine::lock::RepositoryLock;
     use haulage::repo::codec::RecordKind;
     use haulage::repo::lock::{LockKind, LockRecord};
-    let work = tempfile::tempdir().unwrap();
-    let repo_path = work.path().join("repo");
+    let (work, repo_path) = init_repository();
     let repo = repo_path.to_str().unwrap().to_string();
     let source = work.path().join("source");
     write_tree(&source, 2, 1000, 1);
-    run(haulage().args(["repo", "init", "--repo", &repo]), "init");
-    let store: haulage::store::DynStore =
-        std::sync::Arc::new(haulage::store::local::LocalStore::new(&repo_path));
-    let repository = haulage::engine::Repository::open(
-        store.clone(),
-        &haulage::engine::KeySource::password(TEST_PASSWORD),
-    )
-    .await
-    .unwrap();
+    let repository = open_repository(&repo_path).await;
     let held = RepositoryLock::acquire(&repository, LockKind::Exclusive, "prune", Duration::ZERO)
         .await
         .unwrap();
@@ -376,7 +374,8 @@ async fn a_live_exclusive_lock_blocks_a_backup_and_a_stale_one_is_ignored_and_re
         repository
             .codec()
             .encode_record(RecordKind::Lock, &dead.to_json(), &mut rand::rng());
-    store
+    repository
+        .store()
         .put(
             "locks/00aa",
             bytes::Bytes::from(sealed),
@@ -409,12 +408,10 @@ async fn a_live_exclusive_lock_blocks_a_backup_and_a_stale_one_is_ignored_and_re
 
 #[test]
 fn verify_of_a_data_subset_reads_only_its_packs_and_the_buckets_cover_every_pack_once() {
-    let work = tempfile::tempdir().unwrap();
-    let repo_path = work.path().join("repo");
+    let (work, repo_path) = init_repository();
     let repo = repo_path.to_str().unwrap();
     let source = work.path().join("source");
     write_tree(&source, 40, 1 << 20, 3);
-    run(haulage().args(["repo", "init", "--repo", repo]), "init");
     run(
         haulage()
             .args(["backup", "--no-progress", "--repo", repo])
@@ -486,12 +483,10 @@ fn backups_racing_a_prune_with_either_side_killed_lose_nothing_that_is_not_forgo
             .and_then(|text| text.parse().ok())
             .unwrap_or_else(rand::random),
     );
-    let work = tempfile::tempdir().unwrap();
-    let repo_path = work.path().join("repo");
+    let (work, repo_path) = init_repository();
     let repo = repo_path.to_str().unwrap();
     let source = work.path().join("source");
     let states = work.path().join("states");
-    run(haulage().args(["repo", "init", "--repo", repo]), "init");
     // Each file holds one of a few versions, so content comes back after the
     // snapshots that had it were forgotten: a backup then finds it in packs
     // prune is about to delete.
@@ -629,8 +624,7 @@ fn backups_racing_a_prune_with_either_side_killed_lose_nothing_that_is_not_forgo
 async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_marked_packs() {
     use haulage::engine::lock::RepositoryLock;
     use haulage::repo::lock::LockKind;
-    let work = tempfile::tempdir().unwrap();
-    let repo_path = work.path().join("repo");
+    let (work, repo_path) = init_repository();
     let repo = repo_path.to_str().unwrap().to_string();
     let source = work.path().join("source");
     write_tree(&source, 4, 1 << 20, 5);
@@ -640,7 +634,6 @@ async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_m
             .unwrap()
     };
     let args = |list: &[&str]| list.iter().map(|text| text.to_string()).collect::<Vec<_>>();
-    in_process(args(&["repo", "init", "--repo", &repo])).await;
     let backup = args(&[
         "backup",
         "--json",
@@ -679,14 +672,7 @@ async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_m
     assert!(again["bytesNew"].as_u64().unwrap() >= 4 << 20, "{again}");
 
     // While a backup holds its shared lock, prune marks but cannot delete.
-    let store: haulage::store::DynStore =
-        std::sync::Arc::new(haulage::store::local::LocalStore::new(&repo_path));
-    let repository = haulage::engine::Repository::open(
-        store,
-        &haulage::engine::KeySource::password(TEST_PASSWORD),
-    )
-    .await
-    .unwrap();
+    let repository = open_repository(&repo_path).await;
     let held = RepositoryLock::acquire(&repository, LockKind::Shared, "backup", Duration::ZERO)
         .await
         .unwrap();

@@ -94,6 +94,27 @@ fn destination_of(namespace: &str) -> String {
     format!("{namespace}-b")
 }
 
+/// The replicas and recorded replica counts of the source's StatefulSet
+/// shop/db and Deployment shop/uploader, in that order.
+async fn shop_workloads(source: &kube::Client) -> anyhow::Result<[(i32, Option<String>); 2]> {
+    let sets: Api<StatefulSet> = Api::namespaced(source.clone(), "shop");
+    let deployments: Api<Deployment> = Api::namespaced(source.clone(), "shop");
+    Ok([
+        replicas_and_record(&sets, "db").await?,
+        replicas_and_record(&deployments, "uploader").await?,
+    ])
+}
+
+/// [`shop_workloads`] running as created: 1 and 2 replicas, nothing recorded.
+fn running_as_created() -> [(i32, Option<String>); 2] {
+    [(1, None), (2, None)]
+}
+
+/// [`shop_workloads`] quiesced: no replicas, the counts they had recorded.
+fn quiesced() -> [(i32, Option<String>); 2] {
+    [(0, Some("1".to_string())), (0, Some("2".to_string()))]
+}
+
 async fn replicas_and_record<K>(api: &Api<K>, name: &str) -> anyhow::Result<(i32, Option<String>)>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + serde::Serialize,
@@ -165,8 +186,8 @@ async fn a_dry_run_prints_both_plans_changes_nothing_and_bad_input_is_refused_by
     // Nothing changed on either cluster.
     let source = &clusters.source.client;
     let destination = &clusters.destination.client;
-    let backups: Api<VolumeBackup> = Api::namespaced(source.clone(), SYSTEM_NAMESPACE);
-    let restores: Api<VolumeRestore> = Api::namespaced(destination.clone(), SYSTEM_NAMESPACE);
+    let backups = clusters.source_backups();
+    let restores = clusters.destination_restores();
     assert_no_backup_and_no_restore(&backups, &restores).await?;
     let namespaces: Api<Namespace> = Api::all(destination.clone());
     assert!(namespaces.get_opt("shop-b").await?.is_none());
@@ -312,10 +333,9 @@ async fn the_first_pass_backs_up_the_source_creates_the_restore_and_a_rerun_resu
         .without_destination_agents()
         .start()
         .await?;
-    let source = &clusters.source.client;
     let destination = &clusters.destination.client;
-    let backups: Api<VolumeBackup> = Api::namespaced(source.clone(), SYSTEM_NAMESPACE);
-    let restores: Api<VolumeRestore> = Api::namespaced(destination.clone(), SYSTEM_NAMESPACE);
+    let backups = clusters.source_backups();
+    let restores = clusters.destination_restores();
     let (mut first, first_log) = spawn_migrate_logging(&clusters, "first.log")?;
     let restore = eventually(PASS_DEADLINE, || async {
         Ok(restores.get_opt("move-1").await?)
@@ -504,11 +524,7 @@ async fn quiescing_records_the_replica_counts_and_unquiescing_gives_them_back() 
     let deployments: Api<Deployment> = Api::namespaced(source.clone(), "shop");
     let replica_sets: Api<ReplicaSet> = Api::namespaced(source.clone(), "shop");
     let pods: Api<Pod> = Api::namespaced(source.clone(), "shop");
-    assert_eq!(replicas_and_record(&sets, "db").await?, (1, None));
-    assert_eq!(
-        replicas_and_record(&deployments, "uploader").await?,
-        (2, None)
-    );
+    assert_eq!(shop_workloads(source).await?, running_as_created());
 
     let mut display = Display::new(true);
     let cancel = CancellationToken::new();
@@ -541,14 +557,7 @@ async fn quiescing_records_the_replica_counts_and_unquiescing_gives_them_back() 
             && format!("{error:#}").contains("shop/uploader-5d8f-stuck"),
         "{error:#}"
     );
-    assert_eq!(
-        replicas_and_record(&sets, "db").await?,
-        (0, Some("1".to_string()))
-    );
-    assert_eq!(
-        replicas_and_record(&deployments, "uploader").await?,
-        (0, Some("2".to_string()))
-    );
+    assert_eq!(shop_workloads(source).await?, quiesced());
     // Run again while the pod is still there: the Deployment is quiesced
     // again, and the count recorded before is kept, not its zero.
     quiesce_source(source, &settings, &claims, short, &cancel, &mut display)
@@ -597,11 +606,7 @@ async fn quiescing_records_the_replica_counts_and_unquiescing_gives_them_back() 
         stdout.contains("scaled Deployment shop/uploader back to 2 replicas"),
         "{stdout}"
     );
-    assert_eq!(replicas_and_record(&sets, "db").await?, (1, None));
-    assert_eq!(
-        replicas_and_record(&deployments, "uploader").await?,
-        (2, None)
-    );
+    assert_eq!(shop_workloads(source).await?, running_as_created());
     assert!(
         deployments
             .get("uploader")
@@ -661,7 +666,7 @@ async fn a_namespace_pair_moves_to_another_cluster_and_the_cutover_writes_only_t
     let clusters = TwoClusters::builder().volume_bytes(2 << 20).start().await?;
     let source = &clusters.source.client;
     let destination = &clusters.destination.client;
-    let restores: Api<VolumeRestore> = Api::namespaced(destination.clone(), SYSTEM_NAMESPACE);
+    let restores = clusters.destination_restores();
 
     // The first pass, to its end, while the workloads run.
     let (code, stdout, stderr) =
@@ -771,16 +776,7 @@ async fn a_namespace_pair_moves_to_another_cluster_and_the_cutover_writes_only_t
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     assert!(stdout.contains("downtime: "), "{stdout}");
     assert!(stdout.contains("final pass"), "{stdout}");
-    let sets: Api<StatefulSet> = Api::namespaced(source.clone(), "shop");
-    let deployments: Api<Deployment> = Api::namespaced(source.clone(), "shop");
-    assert_eq!(
-        replicas_and_record(&sets, "db").await?,
-        (0, Some("1".to_string()))
-    );
-    assert_eq!(
-        replicas_and_record(&deployments, "uploader").await?,
-        (0, Some("2".to_string()))
-    );
+    assert_eq!(shop_workloads(source).await?, quiesced());
     let last = restores.get("move-final").await?;
     let status = last.status.clone().context("final status")?;
     assert_eq!(
@@ -843,11 +839,7 @@ async fn a_namespace_pair_moves_to_another_cluster_and_the_cutover_writes_only_t
         .run_migrate(&["-n", "shop", "-n", "web", "--name", "move", "--unquiesce"])
         .await?;
     assert_eq!(code, 0, "{stdout}\n{stderr}");
-    assert_eq!(replicas_and_record(&sets, "db").await?, (1, None));
-    assert_eq!(
-        replicas_and_record(&deployments, "uploader").await?,
-        (2, None)
-    );
+    assert_eq!(shop_workloads(source).await?, running_as_created());
     clusters.stop().await;
     Ok(())
 }

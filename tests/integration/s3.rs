@@ -14,13 +14,14 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use haulage::store::layer::{Layer, Layered, Request};
 use haulage::store::probe::{ProbeFailureKind, ProbeStepKind, check_location};
 use haulage::store::ranges::{DEFAULT_COALESCE_GAP_BYTES, get_ranges};
 use haulage::store::retry::{RetryPolicy, RetryStore};
 use haulage::store::s3::S3Store;
 use haulage::store::{
-    DynStore, FailureCause, ObjectMeta, ObjectStore, PutMode, S3Credentials, S3Options, StoreError,
-    StoreOptions, SweepReport, open_store,
+    DynStore, FailureCause, ObjectStore, PutMode, S3Credentials, S3Options, StoreError,
+    StoreOptions, open_store,
 };
 
 use crate::store_conformance::{check_store, pattern};
@@ -80,64 +81,31 @@ async fn assert_no_pending_uploads(server: &MinioServer, prefix: &str) {
 
 /// Counts the calls that reach the wrapped store, to prove what a retry
 /// layer above it did.
-#[derive(Debug)]
-struct CountingStore {
-    inner: DynStore,
+type CountingStore = Layered<CallCount>;
+
+/// `inner` behind a [`CallCount`].
+fn counting_store(inner: DynStore) -> Arc<CountingStore> {
+    Arc::new(Layered::wrap(inner, CallCount::default()))
+}
+
+/// The calls a [`CountingStore`] passed on.
+#[derive(Debug, Default)]
+struct CallCount {
     calls: AtomicU32,
 }
 
-impl CountingStore {
-    fn new(inner: DynStore) -> Arc<Self> {
-        Arc::new(CountingStore {
-            inner,
-            calls: AtomicU32::new(0),
-        })
-    }
-
+impl CallCount {
     fn calls(&self) -> u32 {
         self.calls.load(Ordering::SeqCst)
-    }
-
-    fn count(&self) {
-        self.calls.fetch_add(1, Ordering::SeqCst);
     }
 }
 
 #[async_trait]
-impl ObjectStore for CountingStore {
-    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
-        self.count();
-        self.inner.put(key, data, mode).await
-    }
-    async fn get(
-        &self,
-        key: &str,
-        range: Option<std::ops::Range<u64>>,
-    ) -> Result<Bytes, StoreError> {
-        self.count();
-        self.inner.get(key, range).await
-    }
-    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
-        self.count();
-        self.inner.head(key).await
-    }
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
-        self.count();
-        self.inner.list(prefix).await
-    }
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.count();
-        self.inner.delete(key).await
-    }
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-    async fn sweep_incomplete_uploads(
-        &self,
-        older_than: Duration,
-    ) -> Result<SweepReport, StoreError> {
-        self.count();
-        self.inner.sweep_incomplete_uploads(older_than).await
+impl Layer for CallCount {
+    type Held = ();
+
+    async fn before(&self, _: Request<'_>) {
+        self.calls.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -351,7 +319,7 @@ async fn retries_carry_a_put_through_dropped_connections_and_the_object_is_intac
         )
         .await,
     );
-    let counted = CountingStore::new(backend);
+    let counted = counting_store(backend);
     let store = RetryStore::new(counted.clone(), quick_retries());
     let data = pattern(MULTIPART_OBJECT_BYTES, 23);
     proxy.cut_upload_after(6 * 1024 * 1024);
@@ -360,7 +328,11 @@ async fn retries_carry_a_put_through_dropped_connections_and_the_object_is_intac
         .await
         .expect("put succeeds on retry");
     assert_eq!(proxy.cuts(), 1);
-    assert_eq!(counted.calls(), 2, "one failed attempt, one good one");
+    assert_eq!(
+        counted.layer().calls(),
+        2,
+        "one failed attempt, one good one"
+    );
     assert_eq!(store.get("data/retried", None).await.expect("get"), data);
     assert_no_pending_uploads(&server, "").await;
 }
@@ -498,7 +470,7 @@ async fn sweep_aborts_old_uploads_under_the_prefix_only() {
 async fn a_missing_bucket_fails_at_once_with_a_message_naming_it() {
     let server = server_with_bucket().await;
     let backend: DynStore = Arc::new(s3_store(&server.s3_options(), "no-such-bucket/repo").await);
-    let counted = CountingStore::new(backend);
+    let counted = counting_store(backend);
     let store = RetryStore::new(counted.clone(), quick_retries());
     let started = Instant::now();
     let error = store
@@ -507,7 +479,11 @@ async fn a_missing_bucket_fails_at_once_with_a_message_naming_it() {
         .expect_err("no bucket");
     assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
     assert_eq!(error.cause(), FailureCause::BucketNotFound, "{error}");
-    assert_eq!(counted.calls(), 1, "a permanent error is not retried");
+    assert_eq!(
+        counted.layer().calls(),
+        1,
+        "a permanent error is not retried"
+    );
     assert!(started.elapsed() < Duration::from_secs(5));
     let message = error.to_string();
     assert!(message.contains("no-such-bucket"), "{message}");
@@ -542,13 +518,13 @@ async fn wrong_credentials_fail_at_once_without_leaking_the_secret() {
         let mut options = server.s3_options();
         options.credentials = Some(credentials);
         let backend: DynStore = Arc::new(s3_store(&options, &format!("{BUCKET}/{PREFIX}")).await);
-        let counted = CountingStore::new(backend);
+        let counted = counting_store(backend);
         let store = RetryStore::new(counted.clone(), quick_retries());
         let error = store.list("").await.expect_err("refused");
         assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
         assert_eq!(error.cause(), FailureCause::AccessDenied, "{error}");
         assert_eq!(
-            counted.calls(),
+            counted.layer().calls(),
             1,
             "a permanent error is not retried: {error}"
         );
@@ -602,7 +578,7 @@ async fn retries_ride_out_a_short_outage() {
         )
         .await,
     );
-    let counted = CountingStore::new(backend);
+    let counted = counting_store(backend);
     let store = RetryStore::new(
         counted.clone(),
         RetryPolicy {
@@ -618,7 +594,7 @@ async fn retries_ride_out_a_short_outage() {
     let restart = async {
         // The first attempts fail against the stopped server first.
         let deadline = Instant::now() + Duration::from_secs(20);
-        while counted.calls() < 2 {
+        while counted.layer().calls() < 2 {
             assert!(Instant::now() < deadline, "no attempt reached the store");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -627,9 +603,9 @@ async fn retries_ride_out_a_short_outage() {
     let (result, ()) = tokio::join!(put, restart);
     result.expect("the put succeeds once the server is back");
     assert!(
-        counted.calls() >= 2,
+        counted.layer().calls() >= 2,
         "at least one retry: {}",
-        counted.calls()
+        counted.layer().calls()
     );
     assert_eq!(store.get("data/outage", None).await.expect("get"), data);
     assert_no_pending_uploads(&server, "").await;
@@ -753,7 +729,7 @@ async fn neighbouring_blob_ranges_are_read_in_one_request() {
         .put("data/pack", data.clone(), PutMode::Overwrite)
         .await
         .expect("put");
-    let counted = CountingStore::new(backend);
+    let counted = counting_store(backend);
     // Ten blobs back to back with small gaps, and one far away.
     let mut ranges: Vec<std::ops::Range<u64>> = (0..10u64)
         .map(|index| index * 5000..index * 5000 + 4000)
@@ -768,7 +744,7 @@ async fn neighbouring_blob_ranges_are_read_in_one_request() {
     .await
     .expect("ranged reads");
     assert_eq!(
-        counted.calls(),
+        counted.layer().calls(),
         2,
         "one read for the neighbours, one for the far blob"
     );

@@ -15,7 +15,7 @@ use kube::api::{Api, DeleteParams, ListParams};
 use crate::engine::support::assert_snapshot_restores_as;
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup, create_backup_of_claim, eventually,
-    leftovers, no_leftovers_within,
+    no_leftovers, nothing_left_of_deleted,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -153,12 +153,7 @@ async fn a_volume_backup_moves_every_selected_claim_into_the_storage_location() 
     }
 
     // Nothing left behind: stage pods, credentials copies, uploads.
-    no_leftovers_within(
-        client,
-        Duration::from_secs(60),
-        "stage pods or credentials copies remain",
-    )
-    .await?;
+    no_leftovers(client).await?;
     assert!(minio.multipart_uploads(BUCKET, "").await?.is_empty());
     fixture.stop().await;
     Ok(())
@@ -207,20 +202,10 @@ async fn deleting_a_volume_backup_mid_transfer_stops_its_agents_and_leaves_nothi
     .await
     .context("the finalizer was not released")?;
 
-    eventually(Duration::from_secs(60), || async {
-        let remaining = transfers.list(&ListParams::default()).await?.items.len();
-        Ok((remaining == 0
-            && leftovers(client).await? == (0, 0)
-            && fixture.kubelet.running_agents() == 0)
-            .then_some(()))
+    nothing_left_of_deleted(&fixture, "backup", async || {
+        Ok(transfers.list(&ListParams::default()).await?.items.len())
     })
-    .await
-    .with_context(|| {
-        format!(
-            "transfers, stage pods, credentials copies or agents remain:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    .await?;
     assert!(
         fixture
             .minio
@@ -291,11 +276,7 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
         fixture.kubelet.all_agent_logs()
     );
 
-    let repository = Repository::open(
-        fixture.store.clone(),
-        &haulage::engine::KeySource::PlaintextOnly,
-    )
-    .await?;
+    let repository = fixture.repository().await?;
     assert_snapshot_restores_as(
         &repository,
         &final_status.snapshot_id.context("snapshot id")?,

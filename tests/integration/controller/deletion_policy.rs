@@ -13,13 +13,14 @@ use haulage::api::backup::VolumeBackupPhase;
 use haulage::api::condition::{condition_type, find_condition, reason};
 use haulage::api::labels::{FORGET_FINALIZER, SYSTEM_NAMESPACE};
 use haulage::api::{ConditionStatus, VolumeBackup};
-use haulage::engine::{KeySource, Repository};
 use k8s_openapi::api::core::v1::Secret;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams};
 use serde_json::json;
 
-use crate::support::fixture::{BACKUP_DEADLINE, Fixture, create, eventually, final_phase};
+use crate::support::fixture::{
+    BACKUP_DEADLINE, Fixture, create_backup_with_spec, eventually, final_phase,
+};
 
 /// Create the VolumeBackup `name` of the claims named in `claims`, with
 /// the given extra spec fields (`deletionPolicy`, `ttl`).
@@ -34,14 +35,7 @@ async fn create_backup_with(
     for (key, value) in extra.as_object().into_iter().flatten() {
         spec[key] = value.clone();
     }
-    create::<VolumeBackup>(
-        client,
-        Some(SYSTEM_NAMESPACE),
-        json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeBackup",
-            "metadata": {"name": name, "namespace": SYSTEM_NAMESPACE}, "spec": spec}),
-    )
-    .await?;
-    Ok(())
+    create_backup_with_spec(client, name, spec).await
 }
 
 /// The snapshot ids of a completed backup's volumes.
@@ -61,7 +55,7 @@ fn snapshot_ids(backup: &VolumeBackup) -> anyhow::Result<BTreeSet<String>> {
 
 /// Every snapshot id in the fixture's repository.
 async fn repository_snapshots(fixture: &Fixture) -> anyhow::Result<BTreeSet<String>> {
-    let repository = Repository::open(fixture.store.clone(), &KeySource::PlaintextOnly).await?;
+    let repository = fixture.repository().await?;
     let (snapshots, damaged) = repository.list_snapshots().await?;
     anyhow::ensure!(damaged.is_empty(), "damaged snapshots: {damaged:?}");
     Ok(snapshots.iter().map(|(id, _)| id.to_hex()).collect())

@@ -24,7 +24,7 @@ use crate::engine::support::assert_same_tree;
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, create, create_backup_to, eventually, final_phase,
 };
-use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
+use crate::support::minio::{REGION, with_s3_credentials};
 
 /// A marker no sample data contains, in a compressible text file (it would
 /// show through zstd's literals if it were not sealed) and as a file name.
@@ -142,20 +142,17 @@ async fn an_encrypted_location_seals_every_object_and_a_wrong_password_is_named(
     let password_file = fixture.work.path().join("password");
     std::fs::write(&password_file, format!("{PASSWORD}\n"))?;
     let target = fixture.work.path().join("restored-sealed");
-    let restored = std::process::Command::new(env!("CARGO_BIN_EXE_haulage"))
-        .args(["restore", &snapshot, "--no-progress", "--repo"])
-        .arg(format!("s3://{BUCKET}/{PREFIX}"))
-        .arg("--password-file")
-        .arg(&password_file)
-        .arg(&target)
-        .env("AWS_ENDPOINT_URL", fixture.minio.endpoint())
-        .env("AWS_REGION", REGION)
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .env_remove("AWS_PROFILE")
-        .env_remove("AWS_SESSION_TOKEN")
-        .env_remove("HAULAGE_PASSWORD")
-        .output()?;
+    let restored = with_s3_credentials(
+        &mut std::process::Command::new(env!("CARGO_BIN_EXE_haulage")),
+        &fixture.minio.endpoint(),
+    )
+    .args(["restore", &snapshot, "--no-progress", "--repo"])
+    .arg(format!("s3://{BUCKET}/{PREFIX}"))
+    .arg("--password-file")
+    .arg(&password_file)
+    .arg(&target)
+    .env_remove("HAULAGE_PASSWORD")
+    .output()?;
     assert!(
         restored.status.success(),
         "haulage restore: {}",

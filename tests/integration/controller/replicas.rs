@@ -30,7 +30,7 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
     // The second replica: `haulage controller` as the Deployment runs it,
     // with the controller ServiceAccount's token.
     let kubeconfig = fixture
-        .kubelet
+        .cluster
         .service_account_kubeconfig(
             SYSTEM_NAMESPACE,
             "haulage-controller",

@@ -20,7 +20,6 @@ use haulage::api::condition::{ConditionStatus, condition_type, find_condition, r
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::restore::VolumeRestorePhase;
 use haulage::api::{VolumeBackup, VolumeRestore, VolumeTransfer, VolumeTransferPhase};
-use haulage::engine::Repository;
 use haulage::reconcile::claims::{RESTORE_COMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION};
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::{Api, ListParams};
@@ -32,9 +31,9 @@ use crate::engine::support::{
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
     create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
-    final_phase, leftovers, no_leftovers_within,
+    final_phase, no_leftovers, nothing_left_of_deleted,
 };
-use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
+use crate::support::minio::with_s3_credentials;
 
 /// Entries of every kind a restore must bring back as they were, added to
 /// a claim's sample data: owners, a setgid directory, a hard link, a
@@ -71,13 +70,7 @@ fn add_entries_of_every_kind(claim: &Path) -> anyhow::Result<()> {
 /// variables, as a user on the destination side runs it.
 fn haulage_against(fixture: &Fixture) -> std::process::Command {
     let mut command = haulage();
-    command
-        .env("AWS_ENDPOINT_URL", fixture.minio.endpoint())
-        .env("AWS_REGION", REGION)
-        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-        .env_remove("AWS_PROFILE")
-        .env_remove("AWS_SESSION_TOKEN");
+    with_s3_credentials(&mut command, &fixture.minio.endpoint());
     command
 }
 
@@ -138,11 +131,7 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     let counts = status.volumes.clone().context("volume counts")?;
     assert_eq!((counts.total, counts.completed), (5, 5), "{status:#?}");
 
-    let repository = Repository::open(
-        fixture.store.clone(),
-        &haulage::engine::KeySource::PlaintextOnly,
-    )
-    .await?;
+    let repository = fixture.repository().await?;
     for result in &status.results {
         let destination = format!("{}/{}", result.namespace, result.pvc);
         let source_namespace = result
@@ -207,12 +196,7 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     let sparse = std::fs::metadata(fixture.volumes.join("shop-b/db/special/sparse.img"))?;
     assert!(sparse.blocks() * 512 < 1 << 20, "restored dense");
 
-    no_leftovers_within(
-        client,
-        Duration::from_secs(60),
-        "stage pods or credentials copies remain",
-    )
-    .await?;
+    no_leftovers(client).await?;
     fixture.stop().await;
     Ok(())
 }
@@ -551,20 +535,10 @@ async fn a_storage_policy_caps_restores_and_a_restore_deleted_mid_way_leaves_not
     })
     .await
     .context("the deleted VolumeRestore's finalizer was not released")?;
-    eventually(Duration::from_secs(60), || async {
-        let remaining = destination_transfers().await?.len();
-        Ok((remaining == 0
-            && leftovers(client).await? == (0, 0)
-            && fixture.kubelet.running_agents() == 0)
-            .then_some(()))
+    nothing_left_of_deleted(&fixture, "restore", async || {
+        Ok(destination_transfers().await?.len())
     })
-    .await
-    .with_context(|| {
-        format!(
-            "transfers, stage pods, credentials copies or agents of the deleted restore remain:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    .await?;
     // Its claims stay (what was written is not thrown away), none of them
     // marked complete.
     for namespace in ["shop-b", "web-b"] {

@@ -14,7 +14,7 @@ use serde_json::json;
 
 use crate::support::fixture::{
     BACKUP_DEADLINE, Fixture, create_backup_of, create_backup_of_claim, eventually, final_phase,
-    leftovers,
+    leftovers, transfer_of,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -136,13 +136,7 @@ async fn an_evicted_stage_pod_is_recreated_and_a_crash_looping_one_fails_its_vol
             && message.contains("last: exit code 137 (Error): "),
         "{message}"
     );
-    let archive_transfer = transfers
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .find(|transfer| transfer.spec.pvc == "archive")
-        .context("archive transfer")?;
+    let archive_transfer = transfer_of(&transfers, "archive").await?;
     assert_eq!(
         archive_transfer.status.and_then(|status| status.attempts),
         Some(1),
@@ -241,13 +235,7 @@ async fn a_hung_agent_is_noticed_by_its_silence_and_its_stage_pod_is_recreated()
         "{:?}",
         status.results
     );
-    let transfer = transfers
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .find(|transfer| transfer.spec.pvc == "archive")
-        .context("transfer")?;
+    let transfer = transfer_of(&transfers, "archive").await?;
     let events: Api<k8s_openapi::api::events::v1::Event> =
         Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let notes: Vec<String> = events

@@ -80,15 +80,7 @@ fn a_backup_killed_mid_way_is_completed_by_the_next_run_without_sending_stored_p
     let (total, unique) = blobs_in_packs(&repo);
     assert_eq!(total, unique.len(), "a blob was stored twice");
 
-    let verify = haulage()
-        .args(["verify", "--repo", &repo.url()])
-        .output()
-        .unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    repo.assert_cli_verifies();
     let target = repo.dir.path().join("restored");
     let id = summary["snapshotId"].as_str().unwrap();
     assert!(

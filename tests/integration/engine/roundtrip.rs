@@ -410,15 +410,7 @@ fn two_concurrent_backups_into_one_repository_both_verify_and_restore() {
         let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
         ids.push(summary["snapshotId"].as_str().unwrap().to_string());
     }
-    let verify = super::support::haulage()
-        .args(["verify", "--repo", &repo.url()])
-        .output()
-        .unwrap();
-    assert!(
-        verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
-    );
+    repo.assert_cli_verifies();
     for (id, source) in ids.iter().zip(&sources) {
         let target = repo.dir.path().join(format!("restored-{id}"));
         let status = super::support::haulage()

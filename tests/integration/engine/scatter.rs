@@ -17,14 +17,14 @@ use haulage::store::DynStore;
 use haulage::store::local::LocalStore;
 
 use super::support::{
-    CountingStore, TestRepo, assert_same_tree, data_reads_per_pack, pack_entries, random_bytes,
-    write_sparse_file,
+    CountingStore, TestRepo, assert_same_tree, counting_store, data_reads_per_pack, pack_entries,
+    random_bytes, write_sparse_file,
 };
 
 /// The repository of `repo`, opened again through a [`CountingStore`].
 async fn counted(repo: &TestRepo) -> (Arc<CountingStore>, Repository) {
     let store: DynStore = Arc::new(LocalStore::new(repo.root()));
-    let counter = CountingStore::new(store);
+    let counter = counting_store(store);
     let repository = Repository::open(
         counter.clone(),
         &haulage::engine::KeySource::password(super::support::TEST_PASSWORD),
@@ -120,7 +120,7 @@ async fn a_restore_reads_each_pack_once_however_many_files_and_offsets_share_its
 
     let (counter, repository) = counted(&repo).await;
     let packs = pack_entries(&repository).await;
-    counter.take_reads();
+    counter.layer().take_reads();
     let target = repo.dir.path().join("restored");
     let outcome = restore_with(
         &repository,
@@ -144,7 +144,7 @@ async fn a_restore_reads_each_pack_once_however_many_files_and_offsets_share_its
             .ino()
     );
 
-    let reads = counter.take_reads();
+    let reads = counter.layer().take_reads();
     let per_pack = data_reads_per_pack(&reads, &packs);
     assert_eq!(
         per_pack.len(),
@@ -188,12 +188,7 @@ async fn a_damaged_chunk_shared_by_many_files_removes_exactly_those_files() {
     std::fs::write(&pack_path, bytes).expect("damage");
 
     let target = repo.dir.path().join("restored");
-    let outcome = repo.restore(&backup.snapshot_id, &target).await;
-    let failed: BTreeSet<String> = outcome
-        .problems
-        .iter()
-        .map(|problem| problem.path.clone())
-        .collect();
+    let (outcome, failed) = restore_with_failures(&repo, &backup.snapshot_id, &target).await;
     let expected: BTreeSet<String> = files
         .iter()
         .filter(|(_, chunks)| chunks.contains(&victim))
@@ -262,12 +257,7 @@ async fn a_missing_pack_fails_only_the_files_with_chunks_in_it() {
     assert!(!expected.is_empty() && expected.len() < files.len());
 
     let target = repo.dir.path().join("restored");
-    let outcome = repo.restore(&backup.snapshot_id, &target).await;
-    let failed: BTreeSet<String> = outcome
-        .problems
-        .iter()
-        .map(|problem| problem.path.clone())
-        .collect();
+    let (outcome, failed) = restore_with_failures(&repo, &backup.snapshot_id, &target).await;
     assert_eq!(failed, expected, "{:?}", outcome.problems);
     for problem in &outcome.problems {
         assert!(
@@ -304,14 +294,14 @@ async fn a_sync_restore_reads_only_the_chunks_that_differ() {
 
     let (counter, repository) = counted(&repo).await;
     let packs = pack_entries(&repository).await;
-    counter.take_reads();
+    counter.layer().take_reads();
     let mut options = RestoreOptions::new(&target);
     options.sync = true;
     let outcome = restore_with(&repository, &first.snapshot_id, options).await;
     assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
     assert_same_tree(&source, &target);
     assert!(outcome.bytes_written > 0 && outcome.bytes_written <= 4 << 20);
-    let per_pack = data_reads_per_pack(&counter.take_reads(), &packs);
+    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
     let (reads, bytes) = per_pack
         .values()
         .fold((0, 0), |(reads, bytes), (r, b)| (reads + r, bytes + b));
@@ -347,4 +337,19 @@ async fn a_snapshot_of_more_files_than_one_batch_restores_with_links_across_batc
     assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
     assert_eq!(outcome.files, 5_200);
     assert_same_tree(&source, &target);
+}
+
+/// Restore `snapshot` into `target`: the outcome and the paths that failed.
+async fn restore_with_failures(
+    repo: &TestRepo,
+    snapshot: &ObjectId,
+    target: &Path,
+) -> (RestoreOutcome, BTreeSet<String>) {
+    let outcome = repo.restore(snapshot, target).await;
+    let failed = outcome
+        .problems
+        .iter()
+        .map(|problem| problem.path.clone())
+        .collect();
+    (outcome, failed)
 }

@@ -15,8 +15,9 @@ use haulage::engine::verify::{VerifyProblem, VerifyReport, verify};
 use haulage::engine::{Encryption, KeySource, Password, Repository};
 use haulage::repo::ObjectId;
 use haulage::repo::keyfile::KdfParameters;
+use haulage::store::DynStore;
+use haulage::store::layer::{Layer, Layered, Request};
 use haulage::store::local::LocalStore;
-use haulage::store::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError};
 use tokio_util::sync::CancellationToken;
 
 /// A fresh repository in its own temp dir.
@@ -84,6 +85,15 @@ impl TestRepo {
 
     pub fn url(&self) -> String {
         format!("file://{}", self.root().display())
+    }
+
+    /// `haulage verify` of the whole repository succeeds.
+    pub fn assert_cli_verifies(&self) {
+        let verify = haulage()
+            .args(["verify", "--repo", &self.url()])
+            .output()
+            .expect("run haulage verify");
+        crate::support::expect_success(&verify, "haulage verify");
     }
 
     pub async fn backup(&self, source: &Path) -> BackupOutcome {
@@ -380,66 +390,37 @@ pub struct Read {
 
 /// The real store of a repository, recording every read it passes on (by
 /// `get` or `get_range_into`), so tests can count what a restore fetched.
-#[derive(Debug)]
-pub struct CountingStore {
-    inner: DynStore,
+pub type CountingStore = Layered<ReadLog>;
+
+/// `inner` behind a [`ReadLog`].
+pub fn counting_store(inner: DynStore) -> Arc<CountingStore> {
+    Arc::new(Layered::wrap(inner, ReadLog::default()))
+}
+
+/// The reads of a [`CountingStore`].
+#[derive(Debug, Default)]
+pub struct ReadLog {
     reads: std::sync::Mutex<Vec<Read>>,
 }
 
-impl CountingStore {
-    pub fn new(inner: DynStore) -> Arc<Self> {
-        Arc::new(CountingStore {
-            inner,
-            reads: std::sync::Mutex::new(Vec::new()),
-        })
-    }
-
+impl ReadLog {
     /// The reads so far, and forget them.
     pub fn take_reads(&self) -> Vec<Read> {
         std::mem::take(&mut *self.reads.lock().expect("reads"))
     }
-
-    fn record(&self, key: &str, range: Option<std::ops::Range<u64>>) {
-        self.reads.lock().expect("reads").push(Read {
-            key: key.to_string(),
-            range,
-        });
-    }
 }
 
 #[async_trait::async_trait]
-impl ObjectStore for CountingStore {
-    async fn put(&self, key: &str, data: bytes::Bytes, mode: PutMode) -> Result<(), StoreError> {
-        self.inner.put(key, data, mode).await
-    }
-    async fn get(
-        &self,
-        key: &str,
-        range: Option<std::ops::Range<u64>>,
-    ) -> Result<bytes::Bytes, StoreError> {
-        self.record(key, range.clone());
-        self.inner.get(key, range).await
-    }
-    async fn get_range_into(
-        &self,
-        key: &str,
-        range: std::ops::Range<u64>,
-        buffer: Vec<u8>,
-    ) -> Result<Vec<u8>, StoreError> {
-        self.record(key, Some(range.clone()));
-        self.inner.get_range_into(key, range, buffer).await
-    }
-    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
-        self.inner.head(key).await
-    }
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
-        self.inner.list(prefix).await
-    }
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.inner.delete(key).await
-    }
-    fn location(&self) -> String {
-        self.inner.location()
+impl Layer for ReadLog {
+    type Held = ();
+
+    async fn before(&self, request: Request<'_>) {
+        if let Request::Get { key, range } = request {
+            self.reads.lock().expect("reads").push(Read {
+                key: key.to_string(),
+                range,
+            });
+        }
     }
 }
 

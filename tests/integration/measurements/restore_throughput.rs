@@ -20,7 +20,7 @@ use serde_json::json;
 use crate::support::fixture::{
     BUCKET, Fixture, Layout, PREFIX, create, create_backup_in, final_phase,
 };
-use crate::support::minio::{ACCESS_KEY, REGION, SECRET_KEY};
+use crate::support::minio::with_s3_credentials;
 
 /// The `seconds=` figure of the agent log line containing `marker` (the
 /// log's colour codes removed).
@@ -167,22 +167,20 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
             .unwrap_or(0);
         // The CLI, from the same location, into the same filesystem.
         let target = fixture.work.path().join(format!("cli-{run}"));
-        let output = std::process::Command::new(&cli)
-            .args(["restore", &snapshot])
-            .arg(&target)
-            .args([
-                "--repo",
-                &format!("s3://{BUCKET}/{PREFIX}"),
-                "--no-progress",
-                "--json",
-            ])
-            .env("AWS_ENDPOINT_URL", fixture.minio.endpoint())
-            .env("AWS_REGION", REGION)
-            .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-            .env_remove("AWS_PROFILE")
-            .env_remove("HAULAGE_REPO")
-            .output()?;
+        let output = with_s3_credentials(
+            &mut std::process::Command::new(&cli),
+            &fixture.minio.endpoint(),
+        )
+        .args(["restore", &snapshot])
+        .arg(&target)
+        .args([
+            "--repo",
+            &format!("s3://{BUCKET}/{PREFIX}"),
+            "--no-progress",
+            "--json",
+        ])
+        .env_remove("HAULAGE_REPO")
+        .output()?;
         assert!(
             output.status.success(),
             "{}",

@@ -28,6 +28,7 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::support::{assert_snapshot_restores_as, random_bytes};
+use crate::support::fixture::transfer_of;
 use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
 use crate::support::node::{self, RealNode, cgroup_value};
 
@@ -710,13 +711,7 @@ async fn on_a_real_node_the_installed_controller_backs_up_claims_in_use_and_a_ki
     })
     .await?;
     let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), namespace);
-    let transfer = transfers
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .find(|transfer| transfer.spec.pvc == "archive")
-        .context("no transfer of archive")?;
+    let transfer = transfer_of(&transfers, "archive").await?;
     assert!(
         transfer
             .status

@@ -67,46 +67,90 @@ where
     Ok(serde_json::from_value(serde_json::to_value(created)?)?)
 }
 
-/// A bound claim with its volume; `mode` is the access mode.
+/// A bound claim of the fixture's class with its volume (1Gi); `mode` is
+/// the access mode.
 pub async fn bound_claim(
     client: &kube::Client,
     namespace: &str,
     name: &str,
     mode: &str,
 ) -> anyhow::Result<()> {
-    let volume = format!("pv-{namespace}-{name}");
-    create::<PersistentVolume>(
-        client,
-        None,
-        json!({"apiVersion": "v1", "kind": "PersistentVolume",
-            "metadata": {"name": volume},
-            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": [mode],
-                "persistentVolumeReclaimPolicy": "Retain", "storageClassName": STORAGE_CLASS,
-                "csi": {"driver": PROVISIONER, "volumeHandle": volume},
-                "claimRef": {"namespace": namespace, "name": name}}}),
-    )
-    .await?;
-    create::<PersistentVolumeClaim>(
-        client,
-        Some(namespace),
-        json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": name, "namespace": namespace,
-                "labels": {"backup": "yes", "claim": name}},
-            "spec": {"accessModes": [mode], "volumeName": volume,
-                "storageClassName": STORAGE_CLASS,
-                "resources": {"requests": {"storage": "1Gi"}}}}),
-    )
-    .await?;
-    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
-    claims
-        .patch_status(
+    BoundClaim {
+        namespace,
+        name,
+        mode,
+        class: STORAGE_CLASS,
+        provisioner: PROVISIONER,
+        size: "1Gi",
+        metadata: json!({"labels": {"backup": "yes", "claim": name}}),
+    }
+    .create(client)
+    .await
+}
+
+/// A claim bound to a PersistentVolume of its own (`pv-NAMESPACE-NAME`,
+/// reclaim policy Retain), with the status a bound claim has.
+pub struct BoundClaim<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    /// The access mode of the claim and its volume.
+    pub mode: &'a str,
+    pub class: &'a str,
+    /// The CSI driver of the volume.
+    pub provisioner: &'a str,
+    /// The claim's request and the volume's capacity (`1Gi`).
+    pub size: &'a str,
+    /// The claim's labels and annotations: `{"labels": {..}, "annotations": {..}}`.
+    pub metadata: serde_json::Value,
+}
+
+impl BoundClaim<'_> {
+    /// Create the volume and the claim, and mark the claim Bound.
+    pub async fn create(&self, client: &kube::Client) -> anyhow::Result<()> {
+        let BoundClaim {
+            namespace,
             name,
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"phase": "Bound", "accessModes": [mode],
-                "capacity": {"storage": "1Gi"}}})),
+            mode,
+            class,
+            provisioner,
+            size,
+            ..
+        } = *self;
+        let volume = format!("pv-{namespace}-{name}");
+        create::<PersistentVolume>(
+            client,
+            None,
+            json!({"apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": volume},
+                "spec": {"capacity": {"storage": size}, "accessModes": [mode],
+                    "persistentVolumeReclaimPolicy": "Retain", "storageClassName": class,
+                    "csi": {"driver": provisioner, "volumeHandle": volume},
+                    "claimRef": {"namespace": namespace, "name": name}}}),
         )
         .await?;
-    Ok(())
+        let mut metadata = self.metadata.clone();
+        metadata["name"] = json!(name);
+        metadata["namespace"] = json!(namespace);
+        create::<PersistentVolumeClaim>(
+            client,
+            Some(namespace),
+            json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                "metadata": metadata,
+                "spec": {"accessModes": [mode], "volumeName": volume,
+                    "storageClassName": class,
+                    "resources": {"requests": {"storage": size}}}}),
+        )
+        .await?;
+        Api::<PersistentVolumeClaim>::namespaced(client.clone(), namespace)
+            .patch_status(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {"phase": "Bound", "accessModes": [mode],
+                    "capacity": {"storage": size}}})),
+            )
+            .await?;
+        Ok(())
+    }
 }
 
 /// A running application pod on `node` mounting `claim`.
@@ -536,7 +580,7 @@ impl FixtureBuilder {
         }
 
         // The controller, in-process, with its own ServiceAccount's token.
-        let controller_kubeconfig = kubelet
+        let controller_kubeconfig = cluster
             .service_account_kubeconfig(
                 SYSTEM_NAMESPACE,
                 "haulage-controller",
@@ -590,6 +634,15 @@ impl FixtureBuilder {
 }
 
 impl Fixture {
+    /// The fixture's repository (plaintext), opened in this process.
+    pub async fn repository(&self) -> anyhow::Result<haulage::engine::Repository> {
+        Ok(haulage::engine::Repository::open(
+            self.store.clone(),
+            &haulage::engine::KeySource::PlaintextOnly,
+        )
+        .await?)
+    }
+
     /// The options of a fixture, each at its default; `.start()` starts it.
     pub fn builder() -> FixtureBuilder {
         FixtureBuilder {
@@ -627,7 +680,7 @@ impl Fixture {
         tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
     )> {
         let kubeconfig = self
-            .kubelet
+            .cluster
             .service_account_kubeconfig(
                 SYSTEM_NAMESPACE,
                 "haulage-controller",
@@ -818,6 +871,40 @@ pub async fn no_leftovers_within(
     .with_context(|| what.to_string())
 }
 
+/// Within a minute, no stage pod and no copy of credentials is left.
+pub async fn no_leftovers(client: &kube::Client) -> anyhow::Result<()> {
+    no_leftovers_within(
+        client,
+        Duration::from_secs(60),
+        "stage pods or credentials copies remain",
+    )
+    .await
+}
+
+/// Within a minute of `owner`'s deletion, none of its VolumeTransfers
+/// (`transfers_left` counts them), stage pods, copies of credentials or
+/// agents is left.
+pub async fn nothing_left_of_deleted(
+    fixture: &Fixture,
+    owner: &str,
+    transfers_left: impl AsyncFn() -> anyhow::Result<usize>,
+) -> anyhow::Result<()> {
+    let client = &fixture.client;
+    eventually(Duration::from_secs(60), || async {
+        Ok((transfers_left().await? == 0
+            && leftovers(client).await? == (0, 0)
+            && fixture.kubelet.running_agents() == 0)
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "transfers, stage pods, credentials copies or agents of the deleted {owner} remain:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })
+}
+
 /// Create the VolumeRestore `name` (in the controller's namespace, from
 /// the default location) of the snapshots VolumeBackup `backup` wrote,
 /// each source namespace `ns` restored into `ns-b` (created).
@@ -942,7 +1029,7 @@ pub async fn create_backup_in(
 }
 
 /// Create the VolumeBackup `name` in the controller's namespace with `spec`.
-async fn create_backup_with_spec(
+pub async fn create_backup_with_spec(
     client: &kube::Client,
     name: &str,
     spec: serde_json::Value,
@@ -955,6 +1042,20 @@ async fn create_backup_with_spec(
     )
     .await?;
     Ok(())
+}
+
+/// The VolumeTransfer of the claim `pvc` among those `transfers` lists.
+pub async fn transfer_of(
+    transfers: &Api<VolumeTransfer>,
+    pvc: &str,
+) -> anyhow::Result<VolumeTransfer> {
+    transfers
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|transfer| transfer.spec.pvc == pvc)
+        .with_context(|| format!("no VolumeTransfer of claim {pvc}"))
 }
 
 /// Watch every VolumeTransfer of the cluster, calling `on_change` with

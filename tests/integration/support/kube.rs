@@ -598,16 +598,7 @@ impl KubeCluster {
     /// Run kubectl and return its stdout; fail with its stderr when it fails.
     pub async fn kubectl_ok(&self, args: &[&str], stdin: Option<&str>) -> anyhow::Result<String> {
         let output = self.kubectl_output(args, stdin).await?;
-        if !output.status.success() {
-            bail!(
-                "kubectl {} failed ({}):\n{}{}",
-                args.join(" "),
-                output.status,
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        super::stdout_of_success(&output, &format!("kubectl {}", args.join(" ")))
     }
 
     /// Kill the kube-apiserver (etcd keeps running), as an outage a

@@ -580,25 +580,13 @@ impl Kubelet {
             .as_ref()
             .and_then(|spec| spec.service_account_name.clone())
             .unwrap_or_else(|| "default".to_string());
-        self.service_account_kubeconfig(&namespace, &account, &directory.join("kubeconfig"))
-            .await
-    }
-
-    /// Write a kubeconfig at `path` holding a TokenRequest token of the
-    /// service account `namespace/account`.
-    pub async fn service_account_kubeconfig(
-        &self,
-        namespace: &str,
-        account: &str,
-        path: &Path,
-    ) -> anyhow::Result<PathBuf> {
         super::kube::service_account_kubeconfig(
             &self.client,
             &self.server,
             &self.ca_pem,
-            namespace,
-            account,
-            path,
+            &namespace,
+            &account,
+            &directory.join("kubeconfig"),
         )
         .await
     }

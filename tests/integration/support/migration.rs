@@ -27,8 +27,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
-use haulage::api::BackupStorageLocation;
 use haulage::api::labels::SYSTEM_NAMESPACE;
+use haulage::api::{BackupStorageLocation, VolumeBackup, VolumeRestore};
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet, StatefulSet};
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
@@ -38,7 +38,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fixture::{
-    Fixture, client_from, create, create_credentials_secret, create_minio_location, eventually,
+    BoundClaim, Fixture, client_from, create, create_credentials_secret, create_minio_location,
+    eventually,
 };
 use crate::support::kube::{KubeCluster, write_kubeconfig_of};
 use crate::support::kubelet::{Kubelet, register_nodes};
@@ -193,6 +194,18 @@ impl TwoClustersBuilder {
 }
 
 impl TwoClusters {
+    /// The VolumeBackups of the source's controller namespace, which
+    /// `haulage migrate` creates.
+    pub fn source_backups(&self) -> Api<VolumeBackup> {
+        Api::namespaced(self.source.client.clone(), SYSTEM_NAMESPACE)
+    }
+
+    /// The VolumeRestores of the destination's controller namespace, which
+    /// `haulage migrate` creates.
+    pub fn destination_restores(&self) -> Api<VolumeRestore> {
+        Api::namespaced(self.destination.client.clone(), SYSTEM_NAMESPACE)
+    }
+
     /// The default options.
     pub fn builder() -> TwoClustersBuilder {
         TwoClustersBuilder {
@@ -344,38 +357,18 @@ async fn populate_source(side: &Side, volume_bytes: u64) -> anyhow::Result<()> {
             .map_or("unknown", |(_, provisioner)| *provisioner)
     };
     for (namespace, name, mode, class, seed) in SOURCE_CLAIMS {
-        let volume = format!("pv-{namespace}-{name}");
-        create::<PersistentVolume>(
-            client,
-            None,
-            json!({"apiVersion": "v1", "kind": "PersistentVolume",
-                "metadata": {"name": volume},
-                "spec": {"capacity": {"storage": CLAIM_SIZE}, "accessModes": [mode],
-                    "persistentVolumeReclaimPolicy": "Retain", "storageClassName": class,
-                    "csi": {"driver": provisioner_of(class), "volumeHandle": volume},
-                    "claimRef": {"namespace": namespace, "name": name}}}),
-        )
+        BoundClaim {
+            namespace,
+            name,
+            mode,
+            class,
+            provisioner: provisioner_of(class),
+            size: CLAIM_SIZE,
+            metadata: json!({"labels": {"app": name, "tier": "data"},
+                "annotations": {"team": "payments"}}),
+        }
+        .create(client)
         .await?;
-        create::<PersistentVolumeClaim>(
-            client,
-            Some(namespace),
-            json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                "metadata": {"name": name, "namespace": namespace,
-                    "labels": {"app": name, "tier": "data"},
-                    "annotations": {"team": "payments"}},
-                "spec": {"accessModes": [mode], "volumeName": volume,
-                    "storageClassName": class,
-                    "resources": {"requests": {"storage": CLAIM_SIZE}}}}),
-        )
-        .await?;
-        Api::<PersistentVolumeClaim>::namespaced(client.clone(), namespace)
-            .patch_status(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"status": {"phase": "Bound", "accessModes": [mode],
-                    "capacity": {"storage": CLAIM_SIZE}}})),
-            )
-            .await?;
         haulage::sample::generate(&side.volumes.join(namespace).join(name), volume_bytes, seed)?;
     }
     let template = |app: &str, claim: &str| {

@@ -34,6 +34,18 @@ pub const ACCESS_KEY: &str = "haulage-test";
 pub const SECRET_KEY: &str = "haulage-test-secret-7f3a9c";
 /// Region the tests sign for.
 pub const REGION: &str = "us-east-1";
+/// Point `command` (a `haulage` run) at the S3 server at `endpoint` with
+/// the test servers' root credentials in the standard variables, and keep
+/// the caller's own AWS profile and session token out of it.
+pub fn with_s3_credentials<'a>(command: &'a mut Command, endpoint: &str) -> &'a mut Command {
+    command
+        .env("AWS_ENDPOINT_URL", endpoint)
+        .env("AWS_REGION", REGION)
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .env_remove("AWS_PROFILE")
+        .env_remove("AWS_SESSION_TOKEN")
+}
 /// How long a server may take to report ready.
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
 

@@ -8,7 +8,9 @@
 //! its health endpoints ([`health`]); a real one-node cluster (kubelet,
 //! containerd, scheduler, controller-manager, kube-proxy) shared by the
 //! tests that need one ([`node`]);
-//! two clusters sharing one MinIO for `haulage migrate` ([`migration`]).
+//! two clusters sharing one MinIO for `haulage migrate` ([`migration`]);
+//! the output of a command that must succeed ([`stdout_of_success`],
+//! [`expect_success`]).
 
 pub mod audit;
 pub mod fixture;
@@ -22,3 +24,23 @@ pub mod node;
 pub mod provisioner;
 pub mod proxy;
 pub mod scrape;
+
+/// The stdout of a command that succeeded, or an error naming `what` with
+/// the command's exit status, stdout and stderr.
+pub fn stdout_of_success(output: &std::process::Output, what: &str) -> anyhow::Result<String> {
+    if !output.status.success() {
+        anyhow::bail!(
+            "{what} failed ({}):\nstdout: {}\nstderr: {}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// [`stdout_of_success`] for a test that stops at the first failure.
+#[track_caller]
+pub fn expect_success(output: &std::process::Output, what: &str) -> String {
+    stdout_of_success(output, what).unwrap_or_else(|error| panic!("{error:#}"))
+}

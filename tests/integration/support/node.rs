@@ -89,14 +89,7 @@ fn run(command: &mut Command, what: &str) -> anyhow::Result<Output> {
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("start {what}"))?;
-    if !output.status.success() {
-        bail!(
-            "{what} failed ({}):\n{}{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
+    super::stdout_of_success(&output, what)?;
     Ok(output)
 }
 
@@ -247,16 +240,7 @@ impl RealNode {
         let output = tokio::time::timeout(Duration::from_secs(180), child.wait_with_output())
             .await
             .with_context(|| format!("kubectl {} timed out", args.join(" ")))??;
-        if !output.status.success() {
-            bail!(
-                "kubectl {} failed ({}):\n{}{}",
-                args.join(" "),
-                output.status,
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+        super::stdout_of_success(&output, &format!("kubectl {}", args.join(" ")))
     }
 
     /// `kubectl apply -k manifests/` as a user installs haulage (the
