@@ -70,6 +70,21 @@ fn ebs_claim_with_access(
 }
 
 /// Asserts the plan places the claim on the node.
+/// Bound EBS claims in namespace `shop`, by name and bytes used.
+fn shop_claims(claims: &[(&str, u64)]) -> Vec<(ClaimFacts, VolumeFacts)> {
+    claims
+        .iter()
+        .map(|(name, bytes)| ebs_claim("shop", name, *bytes))
+        .collect()
+}
+
+/// Each claim of namespace `shop` is placed on its node: `(claim, node)`.
+fn assert_shop_placements(plan: &StagePlan, placements: &[(&str, &str)]) {
+    for (claim, node) in placements {
+        assert_placed_on(plan, "shop", claim, node);
+    }
+}
+
 fn assert_placed_on(plan: &StagePlan, namespace: &str, claim: &str, node: &str) {
     assert_eq!(
         node_of(plan, namespace, claim).as_deref(),
@@ -198,33 +213,23 @@ fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
 
 #[test]
 fn shared_volume_attached_only_to_an_unready_node_moves_to_a_healthy_one() {
-    let facts = facts_with(
-        vec![
-            NodeFacts::new("a-sick").not_ready(),
-            NodeFacts::new("b-well"),
-        ],
-        vec![ebs_claim_with_access(
-            "shop",
-            "uploads",
-            GIB,
-            AccessMode::ReadWriteMany,
-        )],
-        vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
-    );
+    // A shared claim mounted by a pod on the unready node a-sick, with
+    // `other` as the only other node.
+    let uploads_read_on_a_sick_node = |other: NodeFacts| {
+        facts_with(
+            vec![NodeFacts::new("a-sick").not_ready(), other],
+            vec![ebs_claim_with_access(
+                "shop",
+                "uploads",
+                GIB,
+                AccessMode::ReadWriteMany,
+            )],
+            vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
+        )
+    };
+    let facts = uploads_read_on_a_sick_node(NodeFacts::new("b-well"));
     assert_placed_on(&plan(&facts), "shop", "uploads", "b-well");
-    let stuck = facts_with(
-        vec![
-            NodeFacts::new("a-sick").not_ready(),
-            NodeFacts::new("b-cordoned").cordoned(),
-        ],
-        vec![ebs_claim_with_access(
-            "shop",
-            "uploads",
-            GIB,
-            AccessMode::ReadWriteMany,
-        )],
-        vec![PodFacts::running("shop", "reader", "a-sick").mounting("uploads")],
-    );
+    let stuck = uploads_read_on_a_sick_node(NodeFacts::new("b-cordoned").cordoned());
     assert_eq!(
         node_of(&plan(&stuck), "shop", "uploads").as_deref(),
         Some("a-sick"),
@@ -254,18 +259,17 @@ fn attach_limit_counts_volumes_already_attached() {
                 .with_attached_volume(EBS, "vol-other"),
             NodeFacts::new("b").with_csi_driver(EBS, Some(1)),
         ],
-        vec![
-            ebs_claim("shop", "one", 3 * GIB),
-            ebs_claim("shop", "two", 2 * GIB),
-            ebs_claim("shop", "three", GIB),
-            ebs_claim("shop", "used", GIB),
-        ],
+        shop_claims(&[
+            ("one", 3 * GIB),
+            ("two", 2 * GIB),
+            ("three", GIB),
+            ("used", GIB),
+        ]),
         vec![PodFacts::running("shop", "user", "a").mounting("used")],
     );
     let plan = plan(&facts);
     // a holds vol-other and vol-used: full. b takes one new volume.
-    assert_placed_on(&plan, "shop", "used", "a");
-    assert_placed_on(&plan, "shop", "one", "b");
+    assert_shop_placements(&plan, &[("used", "a"), ("one", "b")]);
     for claim in ["two", "three"] {
         assert_unplaceable_because(
             &plan,
@@ -287,20 +291,19 @@ fn node_without_the_csi_driver_takes_none_of_its_volumes() {
         Vec::new(),
     );
     let plan = plan(&facts);
-    assert_placed_on(&plan, "shop", "one", "b");
-    assert_placed_on(&plan, "shop", "two", "b");
+    assert_shop_placements(&plan, &[("one", "b"), ("two", "b")]);
 }
 
 #[test]
 fn unmounted_volumes_balance_by_bytes_then_count() {
     let facts = facts_with(
         vec![NodeFacts::new("a"), NodeFacts::new("b")],
-        vec![
-            ebs_claim("shop", "large", 8 * GIB),
-            ebs_claim("shop", "medium", 5 * GIB),
-            ebs_claim("shop", "small-1", 2 * GIB),
-            ebs_claim("shop", "small-2", GIB),
-        ],
+        shop_claims(&[
+            ("large", 8 * GIB),
+            ("medium", 5 * GIB),
+            ("small-1", 2 * GIB),
+            ("small-2", GIB),
+        ]),
         Vec::new(),
     );
     let plan = plan(&facts);
@@ -325,11 +328,7 @@ fn equally_loaded_nodes_are_taken_zone_by_zone() {
     ];
     let facts = facts_with(
         nodes,
-        vec![
-            ebs_claim("shop", "x", GIB),
-            ebs_claim("shop", "y", GIB),
-            ebs_claim("shop", "z", GIB),
-        ],
+        shop_claims(&[("x", GIB), ("y", GIB), ("z", GIB)]),
         Vec::new(),
     );
     let used: BTreeSet<String> = placements(&plan(&facts)).into_values().collect();
@@ -348,17 +347,18 @@ fn unavailable_nodes_take_only_volumes_already_attached() {
             NodeFacts::new("tainted").with_taint("dedicated", TaintEffect::NoSchedule),
             NodeFacts::new("preferred").with_taint("spot", TaintEffect::PreferNoSchedule),
         ],
-        vec![
-            ebs_claim("shop", "free-1", GIB),
-            ebs_claim("shop", "free-2", GIB),
-            ebs_claim("shop", "held", GIB),
-        ],
+        shop_claims(&[("free-1", GIB), ("free-2", GIB), ("held", GIB)]),
         vec![PodFacts::running("shop", "holder", "not-ready").mounting("held")],
     );
     let plan = plan(&facts);
-    assert_placed_on(&plan, "shop", "free-1", "preferred");
-    assert_placed_on(&plan, "shop", "free-2", "preferred");
-    assert_placed_on(&plan, "shop", "held", "not-ready");
+    assert_shop_placements(
+        &plan,
+        &[
+            ("free-1", "preferred"),
+            ("free-2", "preferred"),
+            ("held", "not-ready"),
+        ],
+    );
 }
 
 #[test]

@@ -634,6 +634,13 @@ async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_m
             .unwrap()
     };
     let args = |list: &[&str]| list.iter().map(|text| text.to_string()).collect::<Vec<_>>();
+    // `haulage prune --json OPTIONS --repo REPO`, its report.
+    let prune = |options: &[&str]| {
+        let mut list = args(&["prune", "--json"]);
+        list.extend(args(options));
+        list.extend(args(&["--repo", &repo]));
+        async move { serde_json::from_str::<serde_json::Value>(&in_process(list).await).unwrap() }
+    };
     let backup = args(&[
         "backup",
         "--json",
@@ -652,18 +659,7 @@ async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_m
     .await;
 
     // A margin of an hour: the first prune only marks.
-    let marked: serde_json::Value = serde_json::from_str(
-        &in_process(args(&[
-            "prune",
-            "--json",
-            "--safety-margin",
-            "1h",
-            "--repo",
-            &repo,
-        ]))
-        .await,
-    )
-    .unwrap();
+    let marked = prune(&["--safety-margin", "1h"]).await;
     assert!(marked["markedPacks"].as_u64().unwrap() >= 1, "{marked}");
     assert_eq!(marked["deletedPacks"], 0, "{marked}");
     // The same content backed up again is stored again, not taken from
@@ -677,20 +673,7 @@ async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_m
         .await
         .unwrap();
     let packs_before = files_under(&repo_path.join("data")).len();
-    let deferred: serde_json::Value = serde_json::from_str(
-        &in_process(args(&[
-            "prune",
-            "--json",
-            "--safety-margin",
-            "0s",
-            "--retry-lock",
-            "2s",
-            "--repo",
-            &repo,
-        ]))
-        .await,
-    )
-    .unwrap();
+    let deferred = prune(&["--safety-margin", "0s", "--retry-lock", "2s"]).await;
     assert!(
         deferred["deletionDeferred"]
             .as_str()
@@ -699,18 +682,7 @@ async fn prune_defers_deletion_while_a_backup_holds_its_lock_and_backups_avoid_m
     );
     assert_eq!(files_under(&repo_path.join("data")).len(), packs_before);
     held.release().await.unwrap();
-    let done: serde_json::Value = serde_json::from_str(
-        &in_process(args(&[
-            "prune",
-            "--json",
-            "--safety-margin",
-            "0s",
-            "--repo",
-            &repo,
-        ]))
-        .await,
-    )
-    .unwrap();
+    let done = prune(&["--safety-margin", "0s"]).await;
     assert!(done["deletedPacks"].as_u64().unwrap() >= 1, "{done}");
     in_process(args(&["verify", "--repo", &repo])).await;
 }

@@ -579,29 +579,11 @@ impl FixtureBuilder {
                 .await?;
         }
 
-        // The controller, in-process, with its own ServiceAccount's token.
-        let controller_kubeconfig = cluster
-            .service_account_kubeconfig(
-                SYSTEM_NAMESPACE,
-                "haulage-controller",
-                &work.path().join("controller.kubeconfig"),
-            )
-            .await?;
-        let controller_client = client_from(&controller_kubeconfig).await?;
-        let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let health_address = health.local_addr()?;
-        let config = haulage::controller::Config {
+        let InProcessController {
+            shutdown,
+            controller,
             health_address,
-            ..Fixture::controller_config("controller-0")?
-        };
-        let shutdown = CancellationToken::new();
-        crate::support::logs::capture();
-        let controller = tokio::spawn(haulage::controller::run_with_listener(
-            config,
-            controller_client,
-            health,
-            shutdown.clone(),
-        ));
+        } = start_controller(&cluster, work.path(), "controller-0").await?;
 
         let locations: Api<BackupStorageLocation> =
             Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
@@ -631,6 +613,53 @@ impl FixtureBuilder {
             health_address,
         })
     }
+}
+
+/// A controller running in the test's process.
+pub struct InProcessController {
+    /// Cancel it to stop the controller.
+    pub shutdown: CancellationToken,
+    pub controller: tokio::task::JoinHandle<Result<(), haulage::controller::RunError>>,
+    /// Where its health endpoints listen.
+    pub health_address: std::net::SocketAddr,
+}
+
+/// Start the controller `identity` ([`Fixture::controller_config`]) in
+/// this process against `cluster`, with the token of its own
+/// ServiceAccount (the kubeconfig written under `work`) and its health
+/// endpoints on a free port.
+pub async fn start_controller(
+    cluster: &KubeCluster,
+    work: &Path,
+    identity: &str,
+) -> anyhow::Result<InProcessController> {
+    let kubeconfig = cluster
+        .service_account_kubeconfig(
+            SYSTEM_NAMESPACE,
+            "haulage-controller",
+            &work.join(format!("{identity}.kubeconfig")),
+        )
+        .await?;
+    let client = client_from(&kubeconfig).await?;
+    let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let health_address = health.local_addr()?;
+    let config = haulage::controller::Config {
+        health_address,
+        ..Fixture::controller_config(identity)?
+    };
+    let shutdown = CancellationToken::new();
+    crate::support::logs::capture();
+    let controller = tokio::spawn(haulage::controller::run_with_listener(
+        config,
+        client,
+        health,
+        shutdown.clone(),
+    ));
+    Ok(InProcessController {
+        shutdown,
+        controller,
+        health_address,
+    })
 }
 
 impl Fixture {

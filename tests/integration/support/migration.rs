@@ -38,8 +38,8 @@ use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::fixture::{
-    BoundClaim, Fixture, client_from, create, create_credentials_secret, create_minio_location,
-    eventually,
+    BoundClaim, InProcessController, create, create_credentials_secret, create_minio_location,
+    eventually, start_controller,
 };
 use crate::support::kube::{KubeCluster, write_kubeconfig_of};
 use crate::support::kubelet::{Kubelet, register_nodes};
@@ -307,27 +307,11 @@ async fn start_side(
         json!({"initialize": is_source, "validationFrequency": "5s"}),
     )
     .await?;
-    let controller_kubeconfig = cluster
-        .service_account_kubeconfig(
-            SYSTEM_NAMESPACE,
-            "haulage-controller",
-            &work.join(format!("controller-{name}.kubeconfig")),
-        )
-        .await?;
-    let controller_client = client_from(&controller_kubeconfig).await?;
-    let health = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let config = haulage::controller::Config {
-        health_address: health.local_addr()?,
-        ..Fixture::controller_config(&format!("controller-{name}"))?
-    };
-    let shutdown = CancellationToken::new();
-    crate::support::logs::capture();
-    let controller = tokio::spawn(haulage::controller::run_with_listener(
-        config,
-        controller_client,
-        health,
-        shutdown.clone(),
-    ));
+    let InProcessController {
+        shutdown,
+        controller,
+        ..
+    } = start_controller(&cluster, work, &format!("controller-{name}")).await?;
     Ok(Side {
         cluster,
         client,
