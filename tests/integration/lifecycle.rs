@@ -277,19 +277,23 @@ fn forget_keeps_by_policy_per_source_and_explains_in_a_dry_run() {
         }
         run(&mut command, "backup");
     }
-    let dry = run(
-        haulage().args([
-            "forget",
-            "--keep-last",
-            "1",
-            "--keep-tag",
-            "keep",
-            "--dry-run",
-            "--repo",
-            repo,
-        ]),
-        "forget --dry-run",
-    );
+    // Keep the last of each source and whatever is tagged `keep`.
+    let forget = |how: &str| {
+        run(
+            haulage().args([
+                "forget",
+                "--keep-last",
+                "1",
+                "--keep-tag",
+                "keep",
+                how,
+                "--repo",
+                repo,
+            ]),
+            &format!("forget {how}"),
+        )
+    };
+    let dry = forget("--dry-run");
     assert!(dry.contains("source=ns/a: keep 2, would forget 1"), "{dry}");
     assert!(dry.contains("source=ns/b: keep 1, would forget 0"), "{dry}");
     assert!(dry.contains("has tags [keep]"), "{dry}");
@@ -299,19 +303,7 @@ fn forget_keeps_by_policy_per_source_and_explains_in_a_dry_run() {
         listed.contains("4 snapshots"),
         "dry run deleted something: {listed}"
     );
-    let report = run(
-        haulage().args([
-            "forget",
-            "--keep-last",
-            "1",
-            "--keep-tag",
-            "keep",
-            "--json",
-            "--repo",
-            repo,
-        ]),
-        "forget",
-    );
+    let report = forget("--json");
     let report: serde_json::Value = serde_json::from_str(&report).unwrap();
     assert_eq!(report["groups"][0]["remove"].as_array().unwrap().len(), 1);
     let listed = run(haulage().args(["snapshots", "--repo", repo]), "snapshots");
