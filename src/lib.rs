@@ -20,8 +20,9 @@
 //!   pure functions from an observation and the time to the next status
 //!   and actions, and the complete desired objects of a stage pod.
 //! - [`store`]: the object-store trait, its backends (`s3://`, `file://`)
-//!   and the wrappers around them (retries, request and upload caps), the
-//!   location probe.
+//!   and the wrappers around them (retries; the request and upload caps,
+//!   each a `store::layer::Layer` of one forwarding wrapper), the location
+//!   probe.
 //! - [`throttle`]: the one byte-rate limiter (engine reads and writes,
 //!   store uploads).
 //! - [`engine`]: an open repository in a store ([`engine::Repository`]),
