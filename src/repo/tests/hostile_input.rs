@@ -16,7 +16,6 @@
 
 use std::alloc::System;
 
-use cap::Cap;
 use haulage_repo::codec::{ObjectCodec, RecordKind};
 use haulage_repo::config::RepoConfig;
 use haulage_repo::crypto::MasterKey;
@@ -28,14 +27,16 @@ use haulage_repo::prune::DeletionCandidates;
 use haulage_repo::snapshot::{Snapshot, SnapshotSummary};
 use haulage_repo::tree::Tree;
 use haulage_repo::{BlobId, BlobKind, Compression};
+use peakmem_alloc::{PeakMemAlloc, PeakMemAllocTrait};
 use proptest::prelude::*;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde_bytes::ByteBuf;
 
-/// Counts the bytes allocated, so a case can see the most it held.
+/// Counts the bytes allocated, so a case can see the most it held: the
+/// peak is reset before each case, so every case is measured on its own.
 #[global_allocator]
-static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
+static ALLOCATOR: &PeakMemAlloc<System> = &peakmem_alloc::INSTRUMENTED_SYSTEM;
 
 /// The most a parser may hold at once while reading `input_length` bytes:
 /// 64 bytes per input byte plus 4 MiB, plus `decompressed` for a parser
@@ -45,23 +46,19 @@ fn bound_for(input_length: usize, decompressed: usize) -> usize {
 }
 
 /// Run `parse` on `input` and fail when it held more than its bound. Only
-/// this test runs in its binary (one `#[test]`), so the allocator's peak is
-/// the parser's own.
+/// this test runs in its binary (one `#[test]`), so the allocator's peak
+/// (reset before each case) is the parser's own.
 fn within_bound(what: &str, input: &[u8], decompressed: usize, parse: impl FnOnce(&[u8])) {
-    let before = ALLOCATOR.max_allocated();
-    let base = ALLOCATOR.allocated();
+    ALLOCATOR.reset_peak_memory();
     parse(input);
-    let peak = ALLOCATOR.max_allocated();
-    if peak > before {
-        let held = peak - base;
-        let bound = bound_for(input.len(), decompressed);
-        assert!(
-            held <= bound,
-            "{what}: reading {} hostile bytes held {held} bytes at once, above its bound of {bound}: {:02x?}",
-            input.len(),
-            &input[..input.len().min(64)]
-        );
-    }
+    let held = ALLOCATOR.get_peak_memory();
+    let bound = bound_for(input.len(), decompressed);
+    assert!(
+        held <= bound,
+        "{what}: reading {} hostile bytes held {held} bytes at once, above its bound of {bound}: {:02x?}",
+        input.len(),
+        &input[..input.len().min(64)]
+    );
 }
 
 fn rng() -> StdRng {
