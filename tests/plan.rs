@@ -689,9 +689,23 @@ fn malformed_dumps_name_the_object_and_field() {
             .starts_with("the dump is a single Pod, not a v1 List"),
         "{not_a_list}"
     );
+    // Text that cannot be read to its end is refused before the parser
+    // that expands aliases sees it, naming where.
+    let unreadable = parse_dump("items: [").expect_err("bad yaml");
+    assert!(
+        matches!(unreadable, DumpError::Unreadable { .. }),
+        "{unreadable:?}"
+    );
+    assert!(
+        unreadable
+            .to_string()
+            .starts_with("the dump is not valid YAML at line "),
+        "{unreadable}"
+    );
+    // Nor is an alias after the point where the text stops being readable.
     assert!(matches!(
-        parse_dump("items: [").expect_err("bad yaml"),
-        DumpError::Syntax { .. }
+        parse_dump("items: [\n  ]]\nother: *a\n").expect_err("unreadable"),
+        DumpError::Unreadable { .. }
     ));
 }
 

@@ -48,6 +48,20 @@ pub enum DumpError {
         /// Line of the alias, from 1.
         line: usize,
     },
+    /// Text the alias and depth check cannot read to its end: what follows
+    /// the error could hold an alias, so the dump is refused rather than
+    /// given to the parser that expands aliases.
+    #[error(
+        "the dump is not valid YAML at line {line}, column {column} ({message}): give the unedited output of `kubectl get ... -o yaml` (or `-o json`)"
+    )]
+    Unreadable {
+        /// Line of the error, from 1.
+        line: usize,
+        /// Column of the error, from 1.
+        column: usize,
+        /// What the scanner found.
+        message: String,
+    },
     /// Nested deeper than [`MAX_DUMP_DEPTH`].
     #[error(
         "the dump nests deeper than {MAX_DUMP_DEPTH} levels at line {line}, which no Kubernetes object list does"
@@ -202,18 +216,20 @@ pub fn parse_objects(text: &str) -> Result<ClusterObjects, DumpError> {
     Ok(objects)
 }
 
-/// An error at the first YAML alias in `text`, or where it nests deeper
-/// than any dump does. Read event by event (no recursion, so no depth of
-/// input overflows the stack); syntax errors are left to the parser that
-/// reads the dump, which names them better.
+/// An error at the first YAML alias in `text`, where it nests deeper than
+/// any dump does, or where it cannot be read (what follows could hold an
+/// alias: refused, not given to the parser that expands them). Read event
+/// by event (no recursion, so no depth of input overflows the stack).
 fn refuse_aliases_and_depth(text: &str) -> Result<(), DumpError> {
     use yaml_rust2::Event;
     let mut parser = yaml_rust2::parser::Parser::new_from_str(text);
     let mut depth = 0usize;
     loop {
-        let Ok((event, mark)) = parser.next_token() else {
-            return Ok(());
-        };
+        let (event, mark) = parser.next_token().map_err(|error| DumpError::Unreadable {
+            line: error.marker().line(),
+            column: error.marker().col() + 1,
+            message: error.info().to_string(),
+        })?;
         match event {
             Event::Alias(_) => return Err(DumpError::Alias { line: mark.line() }),
             Event::SequenceStart(..) | Event::MappingStart(..) => {
