@@ -192,6 +192,13 @@ pub struct VolumeBackupStatus {
     /// Where each volume is read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<BackupPlan>,
+    /// The BackupStorageLocation the backup writes to, recorded when it is
+    /// planned (`spec.storageLocation`, or the namespace's default at that
+    /// time): the rest of the backup, and the forgetting of its snapshots
+    /// when it is deleted with `deletionPolicy: Delete`, use this one, even
+    /// when another location has become the default since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_location: Option<String>,
     /// Progress summed over the volumes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub progress: Option<Progress>,

@@ -184,15 +184,20 @@ pub fn selection_of(backup: &VolumeBackup) -> Result<Selection, BackupError> {
     })
 }
 
-/// The storage location a backup names (or the default one among
-/// `locations`) and its state.
+/// The storage location of a backup and its state: the one recorded in its
+/// status when it was planned, else the one it names (or the default one
+/// among `locations`).
 pub fn resolve_location<'a>(
     backup: &VolumeBackup,
     locations: &'a [Arc<BackupStorageLocation>],
 ) -> (StorageState, Option<&'a BackupStorageLocation>) {
+    let recorded = backup
+        .status
+        .as_ref()
+        .and_then(|status| status.storage_location.as_deref());
     crate::location::resolve_location(
         &backup.namespace().unwrap_or_default(),
-        backup.spec.storage_location.as_deref(),
+        recorded.or(backup.spec.storage_location.as_deref()),
         locations,
     )
 }
@@ -439,6 +444,10 @@ pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecis
     };
     let mut status = next_status(&old, &observed, now.clone());
     status.owner = Some(claim);
+    // The location the plan was made for stays the backup's.
+    if status.plan.is_some() && status.storage_location.is_none() {
+        status.storage_location = location.map(ResourceExt::name_any);
+    }
     staging.note_stage_pods(&mut status, backup.metadata.generation, now);
 
     let (write, progress_wait) =
@@ -957,6 +966,11 @@ mod tests {
         let acts = acts(decide(&seen, &at(0)).expect("decided"));
         let status = acts.status.expect("written");
         assert_eq!(status.phase, Some(VolumeBackupPhase::InProgress));
+        assert_eq!(
+            status.storage_location.as_deref(),
+            Some("s3"),
+            "the location it is planned for is recorded"
+        );
         let plan = status.plan.expect("planned");
         assert_eq!(plan.stage_pods.len(), 1);
         let [Action::CreateStagePod(objects)] = &acts.actions[..] else {
@@ -1462,6 +1476,40 @@ mod tests {
                     problem.contains("s3") && problem.contains("does not exist"),
                     "{problem}"
                 )
+            }
+            other => panic!("expected the forget to be blocked, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_backup_of_the_default_location_keeps_it_when_another_becomes_the_default() {
+        use haulage_api::backup::DeletionPolicy::Delete;
+        use haulage_api::labels::FORGET_FINALIZER;
+        let default = |name: &str, is_default: bool| {
+            let mut location = (*available(name)).clone();
+            location.spec.is_default = is_default;
+            Arc::new(location)
+        };
+        // Planned while `old` was the default; `new` is the default now.
+        let mut backup = owned_and_planned(&["db"]);
+        backup.spec.storage_location = None;
+        backup.status.as_mut().expect("status").storage_location = Some("old".to_string());
+        let locations = vec![default("old", false), default("new", true)];
+        let (_, location) = resolve_location(&backup, &locations);
+        assert_eq!(location.map(ResourceExt::name_any).as_deref(), Some("old"));
+        // Deleted with Delete: its snapshots are forgotten where they are.
+        let deleted = deleted(with_policy(backup, Delete, &[FORGET_FINALIZER]));
+        assert_eq!(
+            decide_lifecycle(&deleted, &locations, &at(0)).expect("decided"),
+            Lifecycle::Forget {
+                backup: format!("{SYSTEM}/nightly"),
+                location: "old".to_string(),
+            }
+        );
+        // Recorded but gone: blocked, naming it, never another location.
+        match decide_lifecycle(&deleted, &[default("new", true)], &at(0)).expect("decided") {
+            Lifecycle::ForgetBlocked { problem } => {
+                assert!(problem.contains("old"), "{problem}")
             }
             other => panic!("expected the forget to be blocked, got {other:?}"),
         }

@@ -46,6 +46,12 @@ fn snapshot_ids(backup: &VolumeBackup) -> anyhow::Result<BTreeSet<String>> {
         "{} did not complete: {status:#?}",
         backup.name_any()
     );
+    // Planned for the default location, which is recorded.
+    anyhow::ensure!(
+        status.storage_location.as_deref() == Some("minio"),
+        "{} records no location: {status:#?}",
+        backup.name_any()
+    );
     status
         .results
         .iter()
