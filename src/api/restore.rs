@@ -182,6 +182,12 @@ pub struct VolumeRestoreStatus {
     /// the storage location's snapshots.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub selection: Vec<RestoreVolume>,
+    /// The BackupStorageLocation the selection was read from, recorded with
+    /// it (`spec.storageLocation`, or the namespace's default at that time):
+    /// the rest of the restore reads from this one, even when another
+    /// location has become the default since.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage_location: Option<String>,
     /// Where each destination claim is written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub plan: Option<BackupPlan>,

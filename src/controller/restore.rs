@@ -152,18 +152,16 @@ async fn observe(
     Ok(observation)
 }
 
-/// The storage location the restore names (or the default one of its
-/// namespace) and its state.
+/// The restore's storage location and its state
+/// ([`crate::reconcile::restore::restore_location`]).
 fn location_of(
     observation: &RestoreObservation,
 ) -> (
     crate::reconcile::backup_status::StorageState,
     Option<&crate::api::BackupStorageLocation>,
 ) {
-    let restore = &observation.restore;
-    crate::reconcile::location::resolve_location(
-        &restore.namespace().unwrap_or_default(),
-        restore.spec.storage_location.as_deref(),
+    crate::reconcile::restore::restore_location(
+        &observation.restore,
         &observation.staging.locations,
     )
 }

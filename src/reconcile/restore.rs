@@ -44,7 +44,7 @@ use kube::ResourceExt;
 
 use crate::action::{Action, ClaimChange, ObjectName, Requeue};
 use crate::backup::{RECHECK_SECONDS, label_selector_of};
-use crate::backup_status::{Conditions, FinalCounts};
+use crate::backup_status::{Conditions, FinalCounts, StorageState};
 use crate::claims::{
     RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION,
     destination_claim, destination_of,
@@ -983,6 +983,24 @@ fn stop_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
         .collect()
 }
 
+/// The storage location of a restore and its state: the one recorded in
+/// its status with the selection, else the one it names (or the default
+/// one of its namespace among `locations`).
+pub fn restore_location<'a>(
+    restore: &VolumeRestore,
+    locations: &'a [Arc<BackupStorageLocation>],
+) -> (StorageState, Option<&'a BackupStorageLocation>) {
+    let recorded = restore
+        .status
+        .as_ref()
+        .and_then(|status| status.storage_location.as_deref());
+    resolve_location(
+        &restore.namespace().unwrap_or_default(),
+        recorded.or(restore.spec.storage_location.as_deref()),
+        locations,
+    )
+}
+
 /// Decide one reconcile of a VolumeRestore at `now` (pure; carried out in
 /// the order of [`RestoreActs`]): who acts, then the steps of the module
 /// documentation — [`select`] while there is no selection, the claims to
@@ -1010,11 +1028,7 @@ pub fn decide(
         now: now.clone(),
     };
     let mut status = claimed(&old, ownership.claim(), &conditions);
-    let (storage, location) = resolve_location(
-        &restore.namespace().unwrap_or_default(),
-        restore.spec.storage_location.as_deref(),
-        &observation.staging.locations,
-    );
+    let (storage, location) = restore_location(restore, &observation.staging.locations);
     let storage_problem = conditions.storage(&mut status.conditions, &storage);
 
     let mut requeue = Duration::from_secs(RECHECK_SECONDS);
@@ -1028,6 +1042,10 @@ pub fn decide(
         )
     {
         requeue = retry;
+    }
+    // The location the selection was read from stays the restore's.
+    if !status.selection.is_empty() && status.storage_location.is_none() {
+        status.storage_location = location.map(ResourceExt::name_any);
     }
     let mut actions = Vec::new();
     let selection = status.selection.clone();
@@ -1486,6 +1504,28 @@ mod tests {
         let selected_condition =
             find_condition(&status.conditions, condition_type::SELECTED).expect("set");
         assert_eq!(selected_condition.reason, reason::SNAPSHOTS_SELECTED);
+    }
+
+    #[test]
+    fn the_location_of_the_selection_is_recorded_and_kept_when_another_becomes_the_default() {
+        let location = |name: &str, is_default: bool| {
+            let mut location = (*available(name)).clone();
+            location.spec.is_default = is_default;
+            Arc::new(location)
+        };
+        let mut restore = restore_of("nightly");
+        restore.spec.storage_location = None;
+        let mut seen = observation(restore.clone());
+        seen.staging.locations = vec![location("old", true)];
+        let acts = acts(decide(&seen, &at(0)).expect("decided"));
+        let status = acts.status.clone().expect("written");
+        assert!(!status.selection.is_empty());
+        assert_eq!(status.storage_location.as_deref(), Some("old"));
+        // `new` is the default now: the restore still reads from `old`.
+        let next = after(&restore, &acts);
+        let locations = vec![location("old", false), location("new", true)];
+        let (_, chosen) = restore_location(&next, &locations);
+        assert_eq!(chosen.map(ResourceExt::name_any).as_deref(), Some("old"));
     }
 
     #[test]

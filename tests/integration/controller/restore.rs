@@ -130,6 +130,11 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     let status = fixture.completed_restore("move", BACKUP_DEADLINE).await?;
     let counts = status.volumes.clone().context("volume counts")?;
     assert_eq!((counts.total, counts.completed), (5, 5), "{status:#?}");
+    assert_eq!(
+        status.storage_location.as_deref(),
+        Some("minio"),
+        "the default location, recorded with the selection"
+    );
 
     let repository = fixture.repository().await?;
     for result in &status.results {
