@@ -1172,9 +1172,9 @@ impl Checker {
         if let Some(difference) = linked {
             self.findings.record(path, difference);
         }
-        if entry.content_length() != Some(entry.size) {
-            let covered = entry
-                .content_length()
+        let content_length = entry.content_length();
+        if content_length != Some(entry.size) {
+            let covered = content_length
                 .map_or_else(|| "more than 2^64".to_string(), |bytes| bytes.to_string());
             return self.findings.record(
                 path,

@@ -184,20 +184,19 @@ pub fn selection_of(backup: &VolumeBackup) -> Result<Selection, BackupError> {
     })
 }
 
-/// The storage location of a backup and its state: the one recorded in its
-/// status when it was planned, else the one it names (or the default one
-/// among `locations`).
+/// The storage location of a backup and its state: the one recorded when
+/// it was planned ([`crate::location::resolve_kept_location`]).
 pub fn resolve_location<'a>(
     backup: &VolumeBackup,
     locations: &'a [Arc<BackupStorageLocation>],
 ) -> (StorageState, Option<&'a BackupStorageLocation>) {
-    let recorded = backup
-        .status
-        .as_ref()
-        .and_then(|status| status.storage_location.as_deref());
-    crate::location::resolve_location(
+    crate::location::resolve_kept_location(
         &backup.namespace().unwrap_or_default(),
-        recorded.or(backup.spec.storage_location.as_deref()),
+        backup
+            .status
+            .as_ref()
+            .and_then(|status| status.storage_location.as_deref()),
+        backup.spec.storage_location.as_deref(),
         locations,
     )
 }
@@ -680,7 +679,7 @@ mod tests {
     use crate::action::ObjectName;
     use crate::ownership::{Ownership, WaitReason};
     use crate::staging::PROGRESS_WRITE_INTERVAL;
-    use crate::test_support::{at, available};
+    use crate::test_support::{at, available, available_default};
     use haulage_api::backup::OwnerClaim;
     use haulage_api::backup::VolumeCounts;
     use haulage_api::condition::reason;
@@ -1485,16 +1484,14 @@ mod tests {
     fn a_backup_of_the_default_location_keeps_it_when_another_becomes_the_default() {
         use haulage_api::backup::DeletionPolicy::Delete;
         use haulage_api::labels::FORGET_FINALIZER;
-        let default = |name: &str, is_default: bool| {
-            let mut location = (*available(name)).clone();
-            location.spec.is_default = is_default;
-            Arc::new(location)
-        };
         // Planned while `old` was the default; `new` is the default now.
         let mut backup = owned_and_planned(&["db"]);
         backup.spec.storage_location = None;
         backup.status.as_mut().expect("status").storage_location = Some("old".to_string());
-        let locations = vec![default("old", false), default("new", true)];
+        let locations = vec![
+            available_default("old", false),
+            available_default("new", true),
+        ];
         let (_, location) = resolve_location(&backup, &locations);
         assert_eq!(location.map(ResourceExt::name_any).as_deref(), Some("old"));
         // Deleted with Delete: its snapshots are forgotten where they are.
@@ -1507,7 +1504,9 @@ mod tests {
             }
         );
         // Recorded but gone: blocked, naming it, never another location.
-        match decide_lifecycle(&deleted, &[default("new", true)], &at(0)).expect("decided") {
+        match decide_lifecycle(&deleted, &[available_default("new", true)], &at(0))
+            .expect("decided")
+        {
             Lifecycle::ForgetBlocked { problem } => {
                 assert!(problem.contains("old"), "{problem}")
             }

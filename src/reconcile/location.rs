@@ -587,6 +587,19 @@ pub fn decide_status(
     }
 }
 
+/// The storage location of a backup or restore that records the one its
+/// work began with: `recorded` (its status) when there is one, else `named`
+/// (its spec), else the default one of `namespace` — so a location that
+/// becomes the default later never takes over work already begun.
+pub fn resolve_kept_location<'a>(
+    namespace: &str,
+    recorded: Option<&str>,
+    named: Option<&str>,
+    locations: &'a [Arc<BackupStorageLocation>],
+) -> (StorageState, Option<&'a BackupStorageLocation>) {
+    resolve_location(namespace, recorded.or(named), locations)
+}
+
 /// The storage location named `wanted` (or the default one) among the
 /// `locations` of `namespace`, and its state: what a backup or restore
 /// waits for.

@@ -49,7 +49,7 @@ use crate::claims::{
     RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL, RESTORED_FROM_ANNOTATION,
     destination_claim, destination_of,
 };
-use crate::location::resolve_location;
+use crate::location::resolve_kept_location;
 use crate::ownership::{Decision, OwnerActs, Ownership};
 use crate::stage_pod::{Operation, Owner, TransferDetails, credentials_copy, status_plan};
 use crate::staging::{StagingObservation, StatusStanding, after_final_status, status_to_write};
@@ -983,20 +983,19 @@ fn stop_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
         .collect()
 }
 
-/// The storage location of a restore and its state: the one recorded in
-/// its status with the selection, else the one it names (or the default
-/// one of its namespace among `locations`).
+/// The storage location of a restore and its state: the one recorded with
+/// its selection ([`crate::location::resolve_kept_location`]).
 pub fn restore_location<'a>(
     restore: &VolumeRestore,
     locations: &'a [Arc<BackupStorageLocation>],
 ) -> (StorageState, Option<&'a BackupStorageLocation>) {
-    let recorded = restore
-        .status
-        .as_ref()
-        .and_then(|status| status.storage_location.as_deref());
-    resolve_location(
+    resolve_kept_location(
         &restore.namespace().unwrap_or_default(),
-        recorded.or(restore.spec.storage_location.as_deref()),
+        restore
+            .status
+            .as_ref()
+            .and_then(|status| status.storage_location.as_deref()),
+        restore.spec.storage_location.as_deref(),
         locations,
     )
 }
@@ -1317,7 +1316,7 @@ pub fn decide_cancel(observation: &RestoreObservation, now: &Time) -> Vec<Action
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::{at, available};
+    use crate::test_support::{at, available, available_default};
     use haulage_api::condition::find_condition;
     use haulage_api::restore::RestoreSource;
     use haulage_repo::BlobId;
@@ -1508,22 +1507,20 @@ mod tests {
 
     #[test]
     fn the_location_of_the_selection_is_recorded_and_kept_when_another_becomes_the_default() {
-        let location = |name: &str, is_default: bool| {
-            let mut location = (*available(name)).clone();
-            location.spec.is_default = is_default;
-            Arc::new(location)
-        };
         let mut restore = restore_of("nightly");
         restore.spec.storage_location = None;
         let mut seen = observation(restore.clone());
-        seen.staging.locations = vec![location("old", true)];
+        seen.staging.locations = vec![available_default("old", true)];
         let acts = acts(decide(&seen, &at(0)).expect("decided"));
         let status = acts.status.clone().expect("written");
         assert!(!status.selection.is_empty());
         assert_eq!(status.storage_location.as_deref(), Some("old"));
         // `new` is the default now: the restore still reads from `old`.
         let next = after(&restore, &acts);
-        let locations = vec![location("old", false), location("new", true)];
+        let locations = vec![
+            available_default("old", false),
+            available_default("new", true),
+        ];
         let (_, chosen) = restore_location(&next, &locations);
         assert_eq!(chosen.map(ResourceExt::name_any).as_deref(), Some("old"));
     }

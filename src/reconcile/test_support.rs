@@ -15,6 +15,14 @@ pub(crate) fn at(seconds: i64) -> Time {
     Time(Timestamp::from_second(T0 + seconds).expect("in range"))
 }
 
+/// The BackupStorageLocation `name`, Available, the namespace's default
+/// or not.
+pub(crate) fn available_default(name: &str, is_default: bool) -> Arc<BackupStorageLocation> {
+    let mut location = (*available(name)).clone();
+    location.spec.is_default = is_default;
+    Arc::new(location)
+}
+
 /// The BackupStorageLocation `name`, Available.
 pub(crate) fn available(name: &str) -> Arc<BackupStorageLocation> {
     let mut location = BackupStorageLocation::test(name);
