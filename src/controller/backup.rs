@@ -19,7 +19,6 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Secret;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::runtime::controller::Action as Requeue;
@@ -33,13 +32,12 @@ use crate::controller::error::{ApiCall, Error, is_conflict, kube_error};
 use crate::controller::execute::{
     OwnerCalls, carry_out, emit, execute, namespaced_name, status_patch,
 };
-use crate::controller::location::{key_source, read_credentials, read_password, s3_options};
+use crate::controller::location::{OpenedRepository, open_repository};
 use crate::controller::staging::{
     CLEANUP_TIMEOUT_SECONDS, cancel_within_timeout, namespaced_api, observe_staging,
     stage_pod_secrets, through_cancel_finalizer, until_caches_synced,
 };
 use crate::controller::{Context, FIELD_MANAGER};
-use crate::engine::Repository;
 use crate::engine::forget::forget_snapshots;
 use crate::engine::lock::RepositoryLock;
 use crate::plan::objects::ClusterObjects;
@@ -52,7 +50,6 @@ use crate::reconcile::location::sanitize_message;
 use crate::reconcile::stage_pod::repository_url;
 use crate::repo::lock::LockKind;
 use crate::repo::snapshot::ClaimRecord;
-use crate::store::open_store;
 
 /// Reconcile one VolumeBackup through the cancel finalizer.
 #[instrument(skip_all, fields(backup = %backup.name_any()))]
@@ -255,35 +252,27 @@ async fn forget_snapshots_of(
     cluster: Option<&str>,
     context: &Context,
 ) -> Result<Result<usize, String>, Error> {
-    let secrets: Api<Secret> = Api::namespaced(
-        context.client.clone(),
-        &location.namespace().unwrap_or_default(),
-    );
-    let credentials = match read_credentials(&secrets, &location.spec).await? {
-        Ok((_, credentials)) => credentials,
-        Err(message) => return Ok(Err(message)),
-    };
-    let password = match read_password(&secrets, &location.spec).await? {
-        Ok(password) => password,
-        Err(message) => return Ok(Err(message)),
-    };
-    let mut secret_values = vec![credentials.secret_access_key.clone()];
-    secret_values.extend(credentials.session_token.clone());
-    secret_values.extend(
-        password
-            .as_ref()
-            .map(|password| String::from_utf8_lossy(password.as_bytes()).into_owned()),
-    );
-    let key = key_source(password);
-    let options = s3_options(&location.spec, credentials);
     let url = repository_url(&location.spec);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(FORGET_TIMEOUT_SECONDS);
+    let late = || {
+        format!(
+            "{url} did not answer within {FORGET_TIMEOUT_SECONDS}s: check that the endpoint is reachable"
+        )
+    };
+    let opened =
+        match tokio::time::timeout_at(deadline, open_repository(location, &context.client)).await {
+            Ok(opened) => opened?,
+            Err(_) => Err(late()),
+        };
+    let OpenedRepository {
+        repository,
+        secrets,
+        ..
+    } = match opened {
+        Ok(opened) => opened,
+        Err(problem) => return Ok(Err(problem)),
+    };
     let work = async {
-        let store = open_store(&url, &options)
-            .await
-            .map_err(|error| error.to_string())?;
-        let repository = Repository::open(store, &key)
-            .await
-            .map_err(|error| error.to_string())?;
         let lock = RepositoryLock::acquire(
             &repository,
             LockKind::Shared,
@@ -314,15 +303,10 @@ async fn forget_snapshots_of(
         released.map_err(|error| error.to_string())?;
         Ok(count)
     };
-    let outcome = match tokio::time::timeout(Duration::from_secs(FORGET_TIMEOUT_SECONDS), work)
+    let outcome = tokio::time::timeout_at(deadline, work)
         .await
-    {
-        Ok(outcome) => outcome,
-        Err(_) => Err(format!(
-            "{url} did not answer within {FORGET_TIMEOUT_SECONDS}s: check that the endpoint is reachable"
-        )),
-    };
-    let secrets: Vec<&str> = secret_values.iter().map(String::as_str).collect();
+        .unwrap_or_else(|_| Err(late()));
+    let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
     Ok(outcome.map_err(|problem| sanitize_message(&problem, &secrets)))
 }
 

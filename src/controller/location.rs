@@ -44,7 +44,7 @@ use crate::controller::{Context, FIELD_MANAGER, requeue};
 use crate::engine::{Encryption, EngineError, KeySource, Password, Repository};
 use crate::reconcile::location::{
     LocationObservation, LocationsSummary, ProbeOutcome, ProbeProblem, ProbeStep, Validation,
-    choose_default, decide_probe, decide_status, summarize_locations,
+    choose_default, decide_probe, decide_status, sanitize_message, summarize_locations,
 };
 use crate::reconcile::stage_pod::repository_url;
 use crate::repo::CONFIG_KEY;
@@ -182,6 +182,69 @@ pub async fn password_of(
     let secrets: Api<Secret> =
         Api::namespaced(client.clone(), &location.namespace().unwrap_or_default());
     read_password(&secrets, &location.spec).await
+}
+
+/// A location's repository opened by the controller, with the secret
+/// values (credentials, password) no message about it may carry.
+pub struct OpenedRepository {
+    /// The repository.
+    pub repository: Repository,
+    /// Its URL (`s3://bucket/prefix`), for messages.
+    pub url: String,
+    /// Values to redact from any message.
+    pub secrets: Vec<String>,
+}
+
+/// Open `location`'s repository with its credentials and password, as the
+/// forget of a deleted backup, the snapshot listing of a restore and the
+/// scheduled maintenance do. The inner `Err` says, for a person, what is
+/// missing or why the repository cannot be opened, without credentials.
+/// Bounded by the store's own timeouts and retries; callers bound the
+/// whole of their work.
+pub async fn open_repository(
+    location: &BackupStorageLocation,
+    client: &kube::Client,
+) -> Result<Result<OpenedRepository, String>, Error> {
+    let secrets: Api<Secret> =
+        Api::namespaced(client.clone(), &location.namespace().unwrap_or_default());
+    let credentials = match read_credentials(&secrets, &location.spec).await? {
+        Ok((_, credentials)) => credentials,
+        Err(message) => return Ok(Err(message)),
+    };
+    let password = match read_password(&secrets, &location.spec).await? {
+        Ok(password) => password,
+        Err(message) => return Ok(Err(message)),
+    };
+    let mut values = vec![credentials.secret_access_key.clone()];
+    values.extend(credentials.session_token.clone());
+    values.extend(
+        password
+            .as_ref()
+            .map(|password| String::from_utf8_lossy(password.as_bytes()).into_owned()),
+    );
+    let key = key_source(password);
+    let url = repository_url(&location.spec);
+    let opened = async {
+        let store = open_store(&url, &s3_options(&location.spec, credentials))
+            .await
+            .map_err(|error| crate::error_chain(&error))?;
+        Repository::open(store, &key)
+            .await
+            .map_err(|error| crate::error_chain(&error))
+    }
+    .await;
+    let redacted: Vec<&str> = values.iter().map(String::as_str).collect();
+    Ok(match opened {
+        Ok(repository) => Ok(OpenedRepository {
+            repository,
+            url,
+            secrets: values,
+        }),
+        Err(problem) => Err(sanitize_message(
+            &format!("cannot open the repository at {url}: {problem}"),
+            &redacted,
+        )),
+    })
 }
 
 /// How the controller and the agents open a location's repository: with

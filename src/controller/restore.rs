@@ -21,19 +21,17 @@ use crate::clock;
 use crate::controller::Context;
 use crate::controller::error::{ApiCall, Error};
 use crate::controller::execute::{OwnerCalls, carry_out, execute, namespaced_name};
-use crate::controller::location::{key_source, password_of, s3_options};
+use crate::controller::location::open_repository;
 use crate::controller::staging::{
-    CLEANUP_TIMEOUT_SECONDS, cancel_within_timeout, credentials_file, namespaced_api,
-    observe_staging, stage_pod_secrets, through_cancel_finalizer, until_caches_synced,
+    CLEANUP_TIMEOUT_SECONDS, cancel_within_timeout, namespaced_api, observe_staging,
+    stage_pod_secrets, through_cancel_finalizer, until_caches_synced,
 };
-use crate::engine::Repository;
 use crate::plan::objects::ClusterObjects;
 use crate::reconcile::restore::{
     ListedSnapshot, RestoreObservation, decide, decide_cancel, needs_cluster, needs_credentials,
     needs_snapshots,
 };
 use crate::reconcile::stage_pod::repository_url;
-use crate::store::open_store;
 
 /// Time the listing of a location's snapshots may take.
 const SNAPSHOT_LIST_TIMEOUT_SECONDS: u64 = 120;
@@ -179,45 +177,34 @@ async fn list_snapshots(
     else {
         return Ok(None);
     };
-    let credentials = match credentials_file(location, context).await {
-        Ok((_, credentials)) => credentials,
-        Err(Error::Credentials { message, .. }) => return Ok(Some(Err(message))),
-        Err(error) => return Err(error),
-    };
-    let key = match password_of(location, &context.client).await? {
-        Ok(password) => key_source(password),
-        Err(message) => return Ok(Some(Err(message))),
-    };
     let url = repository_url(&location.spec);
     let listing = async {
-        let store = open_store(&url, &s3_options(&location.spec, credentials))
-            .await
-            .map_err(|error| crate::error_chain(&error))?;
-        let repository = Repository::open(store, &key)
-            .await
-            .map_err(|error| crate::error_chain(&error))?;
-        let (snapshots, unreadable) = repository
+        let repository = match open_repository(location, &context.client).await? {
+            Ok(opened) => opened.repository,
+            Err(problem) => return Ok(Err(problem)),
+        };
+        let listed = repository
             .list_snapshots()
             .await
-            .map_err(|error| crate::error_chain(&error))?;
-        for problem in unreadable {
-            warn!(location = %url, "a snapshot cannot be read and is left out: {}", crate::error_chain(&problem));
-        }
-        Ok::<_, String>(
+            .map_err(|error| crate::error_chain(&error));
+        Ok::<_, Error>(listed.map(|(snapshots, unreadable)| {
+            for problem in unreadable {
+                warn!(location = %url, "a snapshot cannot be read and is left out: {}", crate::error_chain(&problem));
+            }
             snapshots
                 .into_iter()
                 .map(|(id, snapshot)| ListedSnapshot {
                     id: id.to_hex(),
                     snapshot,
                 })
-                .collect(),
-        )
+                .collect()
+        }))
     };
     Ok(Some(
         match tokio::time::timeout(Duration::from_secs(SNAPSHOT_LIST_TIMEOUT_SECONDS), listing)
             .await
         {
-            Ok(result) => result,
+            Ok(result) => result?,
             Err(_) => Err(format!(
                 "listing the snapshots of {url} took more than {SNAPSHOT_LIST_TIMEOUT_SECONDS}s"
             )),
