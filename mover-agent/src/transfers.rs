@@ -28,10 +28,12 @@ use haulage::api::{Progress as ApiProgress, VolumeTransfer, VolumeTransferPhase}
 use haulage::clock::now;
 use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
+use haulage::engine::lock::RepositoryLock;
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{LoadedSnapshot, RestoreOptions, restore_loaded};
 use haulage::engine::throttle::{ByteRate, Throttle};
 use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree_loaded};
+use haulage::repo::lock::LockKind;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -681,24 +683,112 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
     };
     let run = VolumeRun::start(&claimed, waited);
     let volume = assignment.data_root.join(pvc);
-    let moved = match transfer.spec.direction {
-        TransferDirection::Upload => Moved::BackedUp(back_up(&claimed, &volume, &run).await),
-        TransferDirection::Download => Moved::Restored(
-            restore_and_verify(
-                repository,
-                name,
-                transfer.spec.snapshot.as_deref(),
-                transfer.spec.since_snapshot.as_deref(),
-                &volume,
-                &run,
-            )
-            .await,
-        ),
+    let direction = transfer.spec.direction;
+    let moved = match take_shared_lock(&claimed, &run).await {
+        Err(message) => Moved::failed(direction, message),
+        Ok(lock) => {
+            // The engine stops when the lock is lost: a prune elsewhere may
+            // then treat the lock as stale and delete what it reads.
+            let work = lock.cancel_on_loss(&run.volume_cancel);
+            let moved = match direction {
+                TransferDirection::Upload => {
+                    Moved::BackedUp(back_up(&claimed, &volume, &run, &work).await)
+                }
+                TransferDirection::Download => Moved::Restored(
+                    restore_and_verify(
+                        repository,
+                        name,
+                        transfer.spec.snapshot.as_deref(),
+                        transfer.spec.since_snapshot.as_deref(),
+                        &volume,
+                        &run,
+                        &work,
+                    )
+                    .await,
+                ),
+            };
+            let lost = lock.check();
+            if let Err(error) = lock.release().await {
+                warn!(
+                    transfer = name,
+                    "the repository lock stays until it expires: {}",
+                    haulage::error_chain(&error)
+                );
+            }
+            match lost {
+                Ok(()) => moved,
+                Err(error) => Moved::failed(
+                    direction,
+                    format!(
+                        "stopped: {} (it could not be refreshed in time, so a prune may treat it as stale); nothing already stored is lost, run the {} again",
+                        haulage::error_chain(&error),
+                        if direction == TransferDirection::Upload {
+                            "backup"
+                        } else {
+                            "restore (Sync)"
+                        }
+                    ),
+                ),
+            }
+        }
     };
     let Some(ending) = run.end(&claimed).await else {
         return Ok(());
     };
     write_final_status(claimed.api, name, &moved.final_status(name, ending)).await
+}
+
+/// How long a transfer waits for the repository's shared lock while a
+/// prune deletes (its exclusive phase): longer than a lock's expiry, so a
+/// prune that died holding its lock never stops a transfer.
+const SHARED_LOCK_WAIT: Duration =
+    Duration::from_secs(haulage::repo::lock::LOCK_EXPIRY_SECONDS + 5 * 60);
+
+/// Take the repository's shared lock for the claimed transfer, as `haulage
+/// backup` and `haulage restore` do, so that a prune (the location's
+/// scheduled maintenance, or `haulage prune` anywhere) never deletes data
+/// this transfer writes or reads. Waits while a prune deletes; `Err` says
+/// why the transfer cannot start. The wait ends early when the volume is
+/// stopped.
+async fn take_shared_lock(
+    claimed: &Claimed<'_>,
+    run: &VolumeRun,
+) -> Result<RepositoryLock, String> {
+    let &Claimed {
+        name,
+        ref transfer,
+        assignment,
+        repository,
+        ..
+    } = claimed;
+    let verb = match transfer.spec.direction {
+        TransferDirection::Upload => "backup",
+        TransferDirection::Download => "restore",
+    };
+    let purpose = format!(
+        "{verb} of claim {}/{} (VolumeTransfer {name}, agent {})",
+        assignment.namespace, transfer.spec.pvc, assignment.identity
+    );
+    let acquire = RepositoryLock::acquire(repository, LockKind::Shared, &purpose, SHARED_LOCK_WAIT);
+    let lock = tokio::select! {
+        lock = acquire => lock,
+        _ = run.volume_cancel.cancelled() => {
+            return Err(format!("stopped while waiting for the repository's shared lock ({verb} not started)"));
+        }
+    };
+    match lock {
+        Ok(lock) => {
+            for stale in &lock.stale {
+                warn!(transfer = name, lock = %stale.key, state = %stale.state, "ignoring a stale repository lock: {}", stale.description);
+            }
+            Ok(lock)
+        }
+        Err(error) => Err(format!(
+            "the {verb} did not start: {}; it waited {} minutes for the repository's shared lock: a prune holds the repository (`haulage repo unlock --repo URL` lists the holders and removes stale ones), run the {verb} again when it is done",
+            haulage::error_chain(&error),
+            SHARED_LOCK_WAIT.as_secs() / 60
+        )),
+    }
 }
 
 /// What the engine made of a claimed volume, the error as a message.
@@ -710,6 +800,14 @@ enum Moved {
 }
 
 impl Moved {
+    /// A volume that could not be moved the way `direction` says.
+    fn failed(direction: TransferDirection, message: String) -> Self {
+        match direction {
+            TransferDirection::Upload => Moved::BackedUp(Err(message)),
+            TransferDirection::Download => Moved::Restored(Err(message)),
+        }
+    }
+
     /// The final status of the transfer `name` that ended so, logged.
     fn final_status(self, name: &str, ending: Ending) -> haulage::api::VolumeTransferStatus {
         match self {
@@ -743,6 +841,7 @@ async fn back_up(
     claimed: &Claimed<'_>,
     volume: &std::path::Path,
     run: &VolumeRun,
+    cancel: &CancellationToken,
 ) -> Result<BackupFigures, String> {
     let &Claimed {
         name,
@@ -772,14 +871,9 @@ async fn back_up(
             Err(error) => warn!(transfer = name, "parent {parent} not usable: {error}"),
         }
     }
-    let outcome = backup(
-        repository,
-        options,
-        run.progress.clone(),
-        run.volume_cancel.clone(),
-    )
-    .await
-    .map_err(|error| haulage::error_chain(&error))?;
+    let outcome = backup(repository, options, run.progress.clone(), cancel.clone())
+        .await
+        .map_err(|error| haulage::error_chain(&error))?;
     let summary = &outcome.snapshot.summary;
     Ok(BackupFigures {
         snapshot_id: outcome.snapshot_id.to_string(),
@@ -813,6 +907,7 @@ async fn restore_and_verify(
     since: Option<&str>,
     volume: &std::path::Path,
     run: &VolumeRun,
+    cancel: &CancellationToken,
 ) -> Result<(RestoreFigures, RestoreVerdict), String> {
     let snapshot = snapshot
         .filter(|text| !text.is_empty())
@@ -866,7 +961,7 @@ async fn restore_and_verify(
         &loaded,
         options,
         run.progress.clone(),
-        run.volume_cancel.clone(),
+        cancel.clone(),
     )
     .await
     .map_err(|error| haulage::error_chain(&error))?;
@@ -888,15 +983,10 @@ async fn restore_and_verify(
         warn!(transfer = name, path = %problem.path, "{}", problem.message);
     }
     let verify_options = verify_options.after(&outcome);
-    let verification = verify_tree_loaded(
-        repository,
-        &loaded,
-        volume,
-        &verify_options,
-        run.volume_cancel.clone(),
-    )
-    .await
-    .map_err(|error| haulage::error_chain(&error))?;
+    let verification =
+        verify_tree_loaded(repository, &loaded, volume, &verify_options, cancel.clone())
+            .await
+            .map_err(|error| haulage::error_chain(&error))?;
     info!(
         transfer = name,
         root_tree = %verification.root_tree,

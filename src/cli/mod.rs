@@ -197,28 +197,11 @@ where
         args,
     )
     .await?;
-    let result = work(cancel_on_lost_lock(cancel, &lock)).await;
+    let result = work(lock.cancel_on_loss(cancel)).await;
     let lost = lock.check();
     lock.release().await?;
     lost?;
     result
-}
-
-/// A token cancelled by `cancel` or when `lock` is lost.
-fn cancel_on_lost_lock(
-    cancel: &CancellationToken,
-    lock: &crate::engine::lock::RepositoryLock,
-) -> CancellationToken {
-    let work = cancel.child_token();
-    let lost = lock.lost();
-    let stop = work.clone();
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = lost.cancelled() => stop.cancel(),
-            _ = stop.cancelled() => {}
-        }
-    });
-    work
 }
 
 /// How a verb ended, as the process exit status.

@@ -10,8 +10,8 @@ use super::{LockArgs, Outcome, RepoArgs};
 use crate::engine::prune::{PruneOptions, prune};
 use crate::repo::prune::PruneSettings;
 
-/// Default safety margin: longer than any backup that holds no lock (the
-/// cluster's agents, until they take locks) is expected to run.
+/// Default safety margin: longer than any backup that holds no lock (an
+/// older haulage's agents, which took none) is expected to run.
 pub const DEFAULT_SAFETY_MARGIN: &str = "24h";
 
 /// Arguments of `haulage prune`.
@@ -22,8 +22,8 @@ pub struct PruneArgs {
     #[command(flatten)]
     pub lock: LockArgs,
     /// A pack unneeded now is deleted only by a prune at least this much
-    /// later (0s deletes at once: safe only when every writer takes locks,
-    /// as the CLI does; the cluster's agents do not yet).
+    /// later (0s deletes at once: safe when every writer takes locks, as
+    /// the CLI and the cluster's agents of this version do).
     #[arg(long, value_name = "DURATION", default_value = DEFAULT_SAFETY_MARGIN, value_parser = humantime::parse_duration)]
     pub safety_margin: Duration,
     /// Repack packs whose unused share of bytes is above this (percent).

@@ -229,6 +229,21 @@ impl RepositoryLock {
         self.lost.clone()
     }
 
+    /// A child of `parent` that is also cancelled when this lock is lost:
+    /// the token to run the work the lock protects with.
+    pub fn cancel_on_loss(&self, parent: &CancellationToken) -> CancellationToken {
+        let work = parent.child_token();
+        let lost = self.lost.clone();
+        let stop = work.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = lost.cancelled() => stop.cancel(),
+                _ = stop.cancelled() => {}
+            }
+        });
+        work
+    }
+
     /// An error when the lock was lost.
     pub fn check(&self) -> Result<(), EngineError> {
         if self.lost.is_cancelled() {

@@ -257,6 +257,18 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
         "finished before the kill"
     );
     let namespace = victim.metadata.namespace.clone().context("namespace")?;
+    // The agent holds the repository's shared lock while it moves the
+    // volume, so a prune anywhere defers its deletions.
+    let locks = haulage::engine::lock::list_locks(&fixture.repository().await?).await?;
+    let purpose = format!("backup of claim {namespace}/{}", victim.spec.pvc);
+    assert!(
+        locks.iter().any(|lock| lock.is_live()
+            && lock
+                .record
+                .as_ref()
+                .is_some_and(|record| record.purpose.starts_with(&purpose))),
+        "no live lock for {purpose}: {locks:?}"
+    );
     let starts_before = fixture
         .kubelet
         .kill_running(&namespace, &victim.spec.stage_pod);
