@@ -79,6 +79,7 @@ impl BackupStorageLocation {
                 max_concurrent_requests: None,
                 initialize: false,
                 encryption: None,
+                maintenance: None,
             },
             status: None,
         }

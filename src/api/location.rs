@@ -51,6 +51,12 @@ pub const DEFAULT_CREDENTIAL_KEY: &str = "cloud";
         priority = 1
     ),
     printcolumn(
+        name = "Maintenance",
+        type_ = "string",
+        json_path = ".status.maintenance.result",
+        priority = 1
+    ),
+    printcolumn(
         name = "Last Validated",
         type_ = "date",
         json_path = ".status.lastValidationTime"
@@ -134,6 +140,70 @@ pub struct BackupStorageLocationSpec {
     /// repository is plaintext.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub encryption: Option<LocationEncryption>,
+    /// Scheduled maintenance of the repository: the controller prunes it
+    /// (`haulage prune`) every `interval` under the repository's locks, and
+    /// records the last run in `status.maintenance`. Absent: the
+    /// repository is never pruned by the controller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maintenance: Option<LocationMaintenance>,
+}
+
+/// `maintenance.safetyMargin` when the spec leaves it out (`haulage
+/// prune`'s default).
+pub const DEFAULT_MAINTENANCE_SAFETY_MARGIN: &str = "24h";
+/// `maintenance.repackThresholdPercent` when the spec leaves it out.
+pub const DEFAULT_MAINTENANCE_REPACK_THRESHOLD_PERCENT: i32 = 10;
+
+/// When and how the controller prunes a location's repository.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LocationMaintenance {
+    /// Time between the starts of two prunes, such as `24h` or `168h`
+    /// (each location's period is shifted by a fixed amount of up to
+    /// ±10 %). The first prune runs when maintenance is set, and a change
+    /// of the location's spec runs one at once.
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(validation = Rule::new("self.matches('^([0-9]+(h|m|s|ms))+$')").message("must be a duration such as 24h or 168h"))]
+    pub interval: String,
+    /// A pack no snapshot needs is deleted only by a prune at least this
+    /// long after one found it unneeded (`haulage prune --safety-margin`):
+    /// a duration such as `24h`, or `0` to delete in the same run.
+    #[serde(default = "default_maintenance_safety_margin")]
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 24h, or 0"))]
+    pub safety_margin: String,
+    /// Packs whose unused share of bytes is above this percentage are
+    /// rewritten (`haulage prune --repack-threshold`).
+    #[serde(default = "default_maintenance_repack_threshold_percent")]
+    #[schemars(range(min = 0, max = 100))]
+    pub repack_threshold_percent: i32,
+}
+
+fn default_maintenance_safety_margin() -> String {
+    DEFAULT_MAINTENANCE_SAFETY_MARGIN.to_string()
+}
+
+fn default_maintenance_repack_threshold_percent() -> i32 {
+    DEFAULT_MAINTENANCE_REPACK_THRESHOLD_PERCENT
+}
+
+impl LocationMaintenance {
+    /// The interval between prunes; never zero.
+    pub fn interval(&self) -> Result<Duration, DurationError> {
+        let interval = parse_duration(&self.interval)?;
+        if interval.is_zero() {
+            return Err(DurationError {
+                text: self.interval.clone(),
+                problem: "must be longer than zero",
+            });
+        }
+        Ok(interval)
+    }
+
+    /// The safety margin of each prune.
+    pub fn safety_margin(&self) -> Result<Duration, DurationError> {
+        parse_duration(&self.safety_margin)
+    }
 }
 
 /// How a location's repository is encrypted.
@@ -213,6 +283,73 @@ pub struct BackupStorageLocationStatus {
     /// The `metadata.generation` the status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// The last scheduled maintenance (`spec.maintenance`), written by the
+    /// controller replica that ran it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub maintenance: Option<MaintenanceStatus>,
+}
+
+/// How the last scheduled prune of a location's repository went.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MaintenanceStatus {
+    /// Running, or how the last prune ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<MaintenanceResult>,
+    /// When the last prune started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_start_time: Option<Time>,
+    /// When it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_completion_time: Option<Time>,
+    /// The location's `metadata.generation` the last prune ran for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// The controller replica that ran it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
+    pub runner: Option<String>,
+    /// What it did, or why it failed or deferred its deletions; never
+    /// carries credentials.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    pub message: Option<String>,
+    /// Bytes of the repository's packs when it started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub stored_bytes: Option<i64>,
+    /// Bytes of them the snapshots reference.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub used_bytes: Option<i64>,
+    /// Bytes deleted by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub reclaimed_bytes: Option<i64>,
+    /// Packs deleted by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub deleted_packs: Option<i64>,
+    /// Bytes of unneeded packs waiting for their safety margin (deleted by
+    /// a later prune).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub waiting_bytes: Option<i64>,
+}
+
+/// Where a location's scheduled prune stands.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum MaintenanceResult {
+    /// A replica is pruning now.
+    Running,
+    /// The prune finished; everything due was deleted.
+    Succeeded,
+    /// The prune planned and marked, but could not take the exclusive lock
+    /// for its deletions (transfers held the repository): a later prune
+    /// deletes them.
+    Deferred,
+    /// The prune failed (see the message); nothing referenced was deleted.
+    Failed,
 }
 
 /// Whether a location can be used.

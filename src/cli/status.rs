@@ -24,6 +24,7 @@ use serde::Serialize;
 
 use crate::api::condition::{condition_type, find_condition};
 use crate::api::labels::SYSTEM_NAMESPACE;
+use crate::api::location::{MaintenanceResult, MaintenanceStatus};
 use crate::api::{
     BackupStorageLocation, BackupStorageLocationPhase, Progress, StoragePolicy, VolumeBackup,
     VolumeBackupPhase, VolumeRestore, VolumeRestorePhase,
@@ -148,6 +149,12 @@ pub struct LocationReport {
     pub last_probe_latency_milliseconds: Option<i64>,
     /// The status message.
     pub message: Option<String>,
+    /// `spec.maintenance.interval`, when the controller prunes it.
+    pub maintenance_interval: Option<String>,
+    /// The last scheduled prune (`status.maintenance`).
+    pub maintenance: Option<MaintenanceStatus>,
+    /// Seconds since that prune started.
+    pub maintenance_age_seconds: Option<i64>,
 }
 
 /// One backup.
@@ -382,6 +389,17 @@ fn location_report(location: &BackupStorageLocation, now: &Time) -> LocationRepo
         last_validation_age_seconds: age,
         last_probe_latency_milliseconds: status.last_probe_latency_milliseconds,
         message: status.message,
+        maintenance_interval: location
+            .spec
+            .maintenance
+            .as_ref()
+            .map(|maintenance| maintenance.interval.clone()),
+        maintenance_age_seconds: status
+            .maintenance
+            .as_ref()
+            .and_then(|maintenance| maintenance.last_start_time.as_ref())
+            .map(|time| (now.0.as_second() - time.0.as_second()).max(0)),
+        maintenance: status.maintenance,
     }
 }
 
@@ -543,6 +561,17 @@ pub fn build_report(
             choice.winner,
             choice.others.join(", ")
         ));
+    }
+    for location in &location_reports {
+        if let Some(maintenance) = &location.maintenance
+            && maintenance.result == Some(MaintenanceResult::Failed)
+        {
+            problems.push(format!(
+                "the scheduled prune of location {} failed: {}",
+                location.name,
+                maintenance.message.as_deref().unwrap_or("(no message)")
+            ));
+        }
     }
 
     StatusReport {
@@ -740,6 +769,45 @@ pub fn render_table(report: &StatusReport) -> String {
             )
         },
     );
+    let maintained: Vec<&LocationReport> = report
+        .locations
+        .iter()
+        .filter(|location| {
+            location.maintenance_interval.is_some() || location.maintenance.is_some()
+        })
+        .collect();
+    write_section(
+        &mut out,
+        "MAINTENANCE",
+        "(none: no location has spec.maintenance)",
+        &maintained,
+        format!(
+            "{:<20} {:<8} {:<10} {:>10} {:>10} {:>10}  MESSAGE",
+            "LOCATION", "EVERY", "RESULT", "STARTED", "RECLAIMED", "WAITING"
+        ),
+        |location| {
+            let maintenance = location.maintenance.clone().unwrap_or_default();
+            let bytes = |value: Option<i64>| {
+                value.map_or_else(
+                    || "-".to_string(),
+                    |bytes| ByteSize::b(u64::try_from(bytes).unwrap_or(0)).to_string(),
+                )
+            };
+            format!(
+                "{:<20} {:<8} {:<10} {:>10} {:>10} {:>10}  {}",
+                location.name,
+                location.maintenance_interval.as_deref().unwrap_or("off"),
+                optional(maintenance.result.map(|result| format!("{result:?}"))),
+                location.maintenance_age_seconds.map_or_else(
+                    || "never".to_string(),
+                    |seconds| format!("{} ago", age(seconds))
+                ),
+                bytes(maintenance.reclaimed_bytes),
+                bytes(maintenance.waiting_bytes),
+                maintenance.message.as_deref().unwrap_or("")
+            )
+        },
+    );
     backup_lines(&mut out, "RUNNING BACKUPS", &report.running_backups);
     backup_lines(&mut out, "QUEUED BACKUPS", &report.queued_backups);
     restore_lines(&mut out, "RUNNING RESTORES", &report.running_restores);
@@ -922,6 +990,7 @@ mod tests {
                 at(30),
             )],
             observed_generation: None,
+            maintenance: None,
         });
         location
     }
@@ -1052,6 +1121,91 @@ mod tests {
         assert_eq!(json["locations"][1]["phase"], "Available");
         assert_eq!(json["replicas"][1]["owns"][0], "nightly");
         assert_eq!(json["formatVersion"], STATUS_FORMAT_VERSION);
+    }
+
+    #[test]
+    fn scheduled_maintenance_shows_its_last_prune_and_a_failed_one_is_a_problem() {
+        let mut pruned = location(
+            "pruned",
+            BackupStorageLocationPhase::Available,
+            "ProbeSucceeded",
+        );
+        pruned.spec.maintenance = Some(crate::api::location::LocationMaintenance {
+            interval: "24h".into(),
+            safety_margin: "24h".into(),
+            repack_threshold_percent: 10,
+        });
+        let mut failing = pruned.clone();
+        failing.metadata.name = Some("failing".into());
+        let status = |location: &mut BackupStorageLocation, maintenance: MaintenanceStatus| {
+            location.status.as_mut().expect("status").maintenance = Some(maintenance);
+        };
+        status(
+            &mut pruned,
+            MaintenanceStatus {
+                result: Some(MaintenanceResult::Succeeded),
+                last_start_time: Some(at(-3_600)),
+                reclaimed_bytes: Some(3 << 30),
+                waiting_bytes: Some(0),
+                message: Some("deleted 12 packs".into()),
+                ..MaintenanceStatus::default()
+            },
+        );
+        status(
+            &mut failing,
+            MaintenanceStatus {
+                result: Some(MaintenanceResult::Failed),
+                last_start_time: Some(at(-60)),
+                message: Some("prune failed: access denied".into()),
+                ..MaintenanceStatus::default()
+            },
+        );
+        let plain = location(
+            "plain",
+            BackupStorageLocationPhase::Available,
+            "ProbeSucceeded",
+        );
+        let report = build_report(
+            SYSTEM_NAMESPACE,
+            &[pod("haulage-a", true, 0)],
+            &[pruned, failing, plain],
+            &[],
+            &[],
+            &[],
+            &at(0),
+        );
+        let text = render_table(&report);
+        let section = text
+            .split("\nMAINTENANCE\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n\n").next())
+            .expect("a MAINTENANCE section");
+        assert!(section.contains("pruned"), "{section}");
+        assert!(section.contains("Succeeded"), "{section}");
+        assert!(section.contains("1h ago"), "{section}");
+        assert!(
+            section.contains("3.0 GiB") || section.contains("3.2 GB"),
+            "{section}"
+        );
+        assert!(
+            !section.contains("plain"),
+            "a location without maintenance: {section}"
+        );
+        assert_eq!(
+            report
+                .problems
+                .iter()
+                .filter(|problem| problem
+                    .contains("location failing failed: prune failed: access denied"))
+                .count(),
+            1,
+            "{:?}",
+            report.problems
+        );
+        let json = serde_json::to_value(&report).expect("serialisable");
+        assert_eq!(json["locations"][2]["name"], "pruned");
+        assert_eq!(json["locations"][2]["maintenance"]["result"], "Succeeded");
+        assert_eq!(json["locations"][2]["maintenanceInterval"], "24h");
     }
 
     #[test]

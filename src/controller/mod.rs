@@ -12,6 +12,7 @@
 //! - [`admission`]: the admission loop, on the replica holding the
 //!   admission Lease ([`lease`]): the caps' input from the caches, the
 //!   writes of [`crate::reconcile::admission`]'s decisions.
+//! - [`maintenance`]: the locations' scheduled prunes, on the same replica.
 //! - [`execute`]: carries out the actions decisions return (stage pods and
 //!   their objects, deletions, transfer status writes, Events).
 //! - [`replicas`]: each replica's liveness Lease and heartbeat.
@@ -32,6 +33,7 @@ pub mod execute;
 pub mod health;
 pub mod lease;
 pub mod location;
+pub mod maintenance;
 pub mod metrics;
 pub mod recent;
 pub mod replicas;
@@ -949,7 +951,8 @@ impl CacheStart<'_> {
 /// whose lease is released at `release_leases`) runs the admission loop,
 /// woken by changes of transfers, locations and policies (each
 /// subscription drained at once, so a slow pass never holds the shared
-/// caches back). Returns the lease loop and the admission loop.
+/// caches back), and the locations' scheduled maintenance (into `tasks`).
+/// Returns the lease loop and the admission loop.
 fn spawn_admission(
     tasks: &mut JoinSet<()>,
     context: &Arc<Context>,
@@ -973,6 +976,11 @@ fn spawn_admission(
             futures::future::ready(())
         }));
     }
+    tasks.spawn(maintenance::run(
+        context.clone(),
+        leadership.clone(),
+        shutdown.clone(),
+    ));
     let admission = tokio_util::task::AbortOnDropHandle::new(tokio::spawn(
         admission::Admitter::new(context.clone(), leadership).run(wake, shutdown.clone()),
     ));

@@ -20,7 +20,6 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use super::lock::{RepositoryLock, list_locks, unix_now};
@@ -28,6 +27,7 @@ use super::{EngineError, Repository, run_blocking};
 use crate::repo::index::BlobIndex;
 use crate::repo::lock::LockKind;
 use crate::repo::pack::PackEntry;
+pub use crate::repo::prune::PruneReport;
 use crate::repo::prune::{Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, plan_prune};
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
@@ -48,46 +48,6 @@ pub struct PruneOptions {
     pub dry_run: bool,
     /// How long to wait for the exclusive lock (backups to finish).
     pub lock_wait: Duration,
-}
-
-/// What prune found and did.
-#[derive(Debug, Clone, Default, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PruneReport {
-    /// Only planned.
-    pub dry_run: bool,
-    /// Snapshots whose data was kept.
-    pub snapshots: usize,
-    /// Packs in the store before.
-    pub packs: usize,
-    /// Their bytes.
-    pub total_bytes: u64,
-    /// Bytes of the blobs the snapshots reference.
-    pub used_bytes: u64,
-    /// Packs rewritten (or, dry run, to rewrite).
-    pub repacked_packs: usize,
-    /// Bytes written into new packs by the repack.
-    pub repacked_bytes_written: u64,
-    /// Packs marked for deletion in this run.
-    pub marked_packs: usize,
-    /// Their bytes (freed once the safety margin has passed).
-    pub marked_bytes: u64,
-    /// Marked packs deleted (or, dry run, to delete now).
-    pub deleted_packs: usize,
-    /// Bytes freed.
-    pub deleted_bytes: u64,
-    /// Index files replaced.
-    pub index_files_replaced: usize,
-    /// Marked packs still within the margin.
-    pub waiting_packs: usize,
-    /// Their bytes.
-    pub waiting_bytes: u64,
-    /// Marked packs that snapshots came to need again.
-    pub unmarked_packs: usize,
-    /// Why the deletion phase did not run, if it did not.
-    pub deletion_deferred: Option<String>,
-    /// Packs whose blobs could not be read (kept, never deleted).
-    pub damaged_packs: Vec<String>,
 }
 
 /// Everything in the store prune decides on.

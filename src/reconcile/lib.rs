@@ -12,7 +12,9 @@
 //!   ReadOnlyMany claims, cancel); [`claims`]: a claim's record and its
 //!   destination on another cluster.
 //! - [`location`]: the BackupStorageLocation decisions (when to probe, the
-//!   status from a probe's outcome, the default among several).
+//!   status from a probe's outcome, the default among several);
+//!   [`maintenance`]: when its repository is pruned and the status each
+//!   prune leaves.
 //! - [`admission`]: which transfers start under the caps, their bandwidth
 //!   grants and queue positions, and the writes that carry them out.
 //! - [`supervision`]: the verdict on one stage pod (healthy, recreate after
@@ -35,6 +37,7 @@ pub mod backup;
 pub mod backup_status;
 pub mod claims;
 pub mod location;
+pub mod maintenance;
 pub mod ownership;
 pub mod replicas;
 pub mod restore;

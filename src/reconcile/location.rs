@@ -548,7 +548,11 @@ pub fn decide_status(
 ) -> LocationDecision {
     let location = observation.location;
     let generation = location.metadata.generation;
-    let old = location.status.clone().unwrap_or_default();
+    let mut old = location.status.clone().unwrap_or_default();
+    // `status.maintenance` belongs to the maintenance runner (its own field
+    // manager): this decision neither compares nor writes it, so a status
+    // applied from an older cache never undoes a prune's record.
+    old.maintenance = None;
     let mut event = None;
     let status = match validation {
         Validation::None => old.clone(),
@@ -921,6 +925,36 @@ mod tests {
         let unchanged = decide_status(&observed(&location), Validation::None, at(10));
         assert_eq!(unchanged.status, None);
         assert_eq!(unchanged.event, None);
+    }
+
+    #[test]
+    fn the_status_written_after_a_probe_leaves_the_maintenance_record_to_its_runner() {
+        let mut location = BackupStorageLocation::test("minio");
+        let succeeded = ProbeOutcome::Succeeded {
+            latency_milliseconds: 3,
+            initialized: false,
+        };
+        let probed = Validation::Probed {
+            outcome: &succeeded,
+            secrets: &[],
+        };
+        location.status = decide_status(&observed(&location), probed, at(0)).status;
+        // A prune's record, newer than this copy of the location knows of
+        // or not: the probe's write neither carries nor compares it.
+        location.status.as_mut().expect("status").maintenance =
+            Some(haulage_api::location::MaintenanceStatus {
+                result: Some(haulage_api::location::MaintenanceResult::Running),
+                ..Default::default()
+            });
+        let next = decide_status(&observed(&location), probed, at(120))
+            .status
+            .expect("a probe rewrites the validation time");
+        assert_eq!(next.maintenance, None);
+        assert_eq!(
+            decide_status(&observed(&location), Validation::None, at(130)).status,
+            None,
+            "the prune's record alone is no reason to write"
+        );
     }
 
     #[test]

@@ -91,6 +91,46 @@ pub struct PruneSettings {
     pub safety_margin_seconds: i64,
 }
 
+/// What prune found and did.
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PruneReport {
+    /// Only planned.
+    pub dry_run: bool,
+    /// Snapshots whose data was kept.
+    pub snapshots: usize,
+    /// Packs in the store before.
+    pub packs: usize,
+    /// Their bytes.
+    pub total_bytes: u64,
+    /// Bytes of the blobs the snapshots reference.
+    pub used_bytes: u64,
+    /// Packs rewritten (or, dry run, to rewrite).
+    pub repacked_packs: usize,
+    /// Bytes written into new packs by the repack.
+    pub repacked_bytes_written: u64,
+    /// Packs marked for deletion in this run.
+    pub marked_packs: usize,
+    /// Their bytes (freed once the safety margin has passed).
+    pub marked_bytes: u64,
+    /// Marked packs deleted (or, dry run, to delete now).
+    pub deleted_packs: usize,
+    /// Bytes freed.
+    pub deleted_bytes: u64,
+    /// Index files replaced.
+    pub index_files_replaced: usize,
+    /// Marked packs still within the margin.
+    pub waiting_packs: usize,
+    /// Their bytes.
+    pub waiting_bytes: u64,
+    /// Marked packs that snapshots came to need again.
+    pub unmarked_packs: usize,
+    /// Why the deletion phase did not run, if it did not.
+    pub deletion_deferred: Option<String>,
+    /// Packs whose blobs could not be read (kept, never deleted).
+    pub damaged_packs: Vec<String>,
+}
+
 /// A pack to rewrite: copy these blobs (its keepers) out of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Repack {

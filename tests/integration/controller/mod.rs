@@ -17,6 +17,8 @@
 //!   backup's snapshots (a failed forget keeps the finalizer), `ttl`.
 //! - [`encrypted_locations`]: a BSL with `spec.encryption` (the
 //!   repository sealed with its Secret's password, a wrong one named).
+//! - [`maintenance`]: a BSL's scheduled prune (deletions deferred while
+//!   the repository is in use, the status it leaves).
 //! - [`restore`]: a VolumeRestore of a backup into new claims (verified,
 //!   identical), resuming after a killed restore agent.
 //! - [`storage_policies`]: admission under a StoragePolicy, the bandwidth
@@ -35,6 +37,7 @@ mod backup;
 mod deletion_policy;
 mod encrypted_locations;
 mod health_and_metrics;
+mod maintenance;
 mod replicas;
 mod restore;
 mod storage_locations;
