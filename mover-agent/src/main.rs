@@ -38,13 +38,10 @@ use tokio_util::sync::CancellationToken;
 const EXIT_TRANSIENT: u8 = 75;
 /// Default seconds between progress reports.
 const DEFAULT_PROGRESS_INTERVAL_SECONDS: u64 = 2;
-/// Default number of volumes a stage pod backs up at once: one. Each
-/// volume runs its own engine, whose buffers peak at 110–128 MiB on large
-/// claims (docs/benchmarks.md, "Agent memory with large claims"); two at
-/// once took 200–247 MiB, more than the stage pod's 128Mi request. The
-/// engine already uses the pod's CPU for one volume; raise this together
-/// with the StoragePolicy's stage-pod memory.
-const DEFAULT_PARALLEL_VOLUMES: usize = 1;
+/// Default number of volumes a stage pod moves at once
+/// ([`haulage::api::transfer::STAGE_POD_PARALLEL_VOLUMES`], which the
+/// controller's admission counts on).
+const DEFAULT_PARALLEL_VOLUMES: usize = haulage::api::transfer::STAGE_POD_PARALLEL_VOLUMES as usize;
 
 /// Which way the data moves.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -125,7 +122,8 @@ struct TransfersArguments {
     /// Where the claims are mounted, each at `<root>/<pvc>`.
     #[arg(long, env = "HAULAGE_DATA_ROOT", default_value = "/data")]
     data_root: PathBuf,
-    /// Volumes backed up at once.
+    /// Volumes moved at once (the controller's admission grants a stage
+    /// pod no more than the default).
     #[arg(long, default_value_t = DEFAULT_PARALLEL_VOLUMES)]
     parallel_volumes: usize,
     /// Least seconds between two progress writes of a transfer.

@@ -11,6 +11,16 @@ use serde::{Deserialize, Serialize};
 use crate::condition::Condition;
 use crate::progress::Progress;
 
+/// Volumes a stage pod's agent moves at once (its `--parallel-volumes`
+/// default, which the controller does not change): one. Each volume runs
+/// its own engine, whose buffers peak at 110–128 MiB on large claims
+/// (docs/benchmarks.md, "Agent memory with large claims"); two at once
+/// took 200–247 MiB, more than the stage pod's 128Mi request. Admission
+/// grants a stage pod no more running transfers than this, so a cap slot
+/// (and its share of the bandwidth) never goes to a transfer its agent
+/// cannot begin yet.
+pub const STAGE_POD_PARALLEL_VOLUMES: u32 = 1;
+
 /// One claim's data on its way to or from a storage location.
 #[allow(
     clippy::duplicated_attributes,

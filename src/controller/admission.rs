@@ -178,6 +178,7 @@ pub fn observe(
             location: Some(format!("{}/{}", location.namespace, location.name)),
             policies: policies_of(&key.namespace, &transfer.spec.pvc, caches),
             claim: format!("{}/{}", key.namespace, transfer.spec.pvc),
+            stage_pod: format!("{}/{}", key.namespace, transfer.spec.stage_pod),
             owner: format!(
                 "{} {}/{}",
                 match transfer.spec.direction {
@@ -583,6 +584,7 @@ mod tests {
                 location: Some("ops/minio".to_string()),
                 policies: vec!["by-provisioner".to_string(), "by-name".to_string()],
                 claim: "shop/data".to_string(),
+                stage_pod: "shop/stage-a".to_string(),
                 owner: "VolumeBackup ops/nightly".to_string(),
             }],
             "the transfer without a stage pod and the final one are left out"

@@ -36,6 +36,7 @@ use std::sync::Arc;
 use haulage_api::condition::{
     Condition, ConditionStatus, condition_type, find_condition, reason, set_condition,
 };
+use haulage_api::transfer::STAGE_POD_PARALLEL_VOLUMES;
 use haulage_api::{
     StoragePolicy, StoragePolicyStatus, VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus,
 };
@@ -87,6 +88,9 @@ pub struct TransferFacts {
     pub policies: Vec<String>,
     /// Its claim, `namespace/name`: one transfer at a time moves a claim.
     pub claim: String,
+    /// Its stage pod, `namespace/name`: its agent moves
+    /// [`STAGE_POD_PARALLEL_VOLUMES`] volumes at a time.
+    pub stage_pod: String,
     /// What it belongs to, for people (`VolumeBackup haulage-system/nightly`).
     pub owner: String,
 }
@@ -136,6 +140,10 @@ pub enum Cap {
     /// A claim, `namespace/name`: one transfer at a time reads or writes
     /// it (two backups selecting it at once take turns).
     Claim(String),
+    /// A stage pod, `namespace/name`: its agent begins no more volumes
+    /// at once than [`STAGE_POD_PARALLEL_VOLUMES`], so a slot granted
+    /// beyond that would be held idle.
+    StagePod(String),
 }
 
 impl Cap {
@@ -159,6 +167,10 @@ impl Cap {
                 "the controller's --max-volumes-per-node",
             ),
             Cap::Claim(name) => (format!("claim {name}"), "nothing: one at a time"),
+            Cap::StagePod(name) => (
+                format!("stage pod {name}"),
+                "nothing: its agent moves its volumes in turn",
+            ),
         }
     }
 }
@@ -210,6 +222,14 @@ impl fmt::Display for Hold {
     /// them finishes (or raise its spec.maxConcurrentVolumes)`.
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Hold::Volumes {
+                cap: Cap::StagePod(pod),
+                limit,
+                ..
+            } => write!(
+                formatter,
+                "stage pod {pod}: its agent moves {limit} volume at a time and is moving one now; starts when that one ends"
+            ),
             Hold::Volumes {
                 cap,
                 running,
@@ -309,6 +329,7 @@ fn caps_of(transfer: &TransferFacts, limits: &Limits) -> Vec<Cap> {
     if let Some(node) = &transfer.node {
         caps.push(Cap::Node(node.clone()));
     }
+    caps.push(Cap::StagePod(transfer.stage_pod.clone()));
     caps.push(Cap::Claim(transfer.claim.clone()));
     caps
 }
@@ -320,6 +341,7 @@ fn volume_limit(cap: &Cap, limits: &Limits) -> Option<u32> {
         Cap::Location(name) => limits.locations.get(name).and_then(|l| l.max_volumes),
         Cap::Node(_) => limits.max_volumes_per_node,
         Cap::Claim(_) => Some(1),
+        Cap::StagePod(_) => Some(STAGE_POD_PARALLEL_VOLUMES),
     }
 }
 
@@ -333,7 +355,7 @@ fn bandwidth_limit(cap: &Cap, limits: &Limits) -> Option<u64> {
             .locations
             .get(name)
             .and_then(|l| l.upload_bytes_per_second),
-        Cap::Cluster | Cap::Node(_) | Cap::Claim(_) => None,
+        Cap::Cluster | Cap::Node(_) | Cap::Claim(_) | Cap::StagePod(_) => None,
     }
 }
 
@@ -773,6 +795,7 @@ mod tests {
             location: None,
             policies: Vec::new(),
             claim: format!("shop/{name}"),
+            stage_pod: format!("shop/stage-{name}"),
             owner: "VolumeBackup haulage-system/nightly".to_string(),
         }
     }
@@ -1023,6 +1046,7 @@ mod tests {
                 proptest::option::of(0usize..3),
                 0usize..2,
                 proptest::collection::btree_set(0usize..3, 0..3),
+                0usize..4,
             ),
             0..24,
         )
@@ -1031,7 +1055,7 @@ mod tests {
                 .into_iter()
                 .enumerate()
                 .map(
-                    |(index, (created, node, location, policies))| TransferFacts {
+                    |(index, (created, node, location, policies, pod))| TransferFacts {
                         key: TransferKey {
                             namespace: ["shop", "web"][index % 2].to_string(),
                             name: format!("t{index:02}"),
@@ -1045,6 +1069,7 @@ mod tests {
                             .map(|p| POLICIES[p].to_string())
                             .collect(),
                         claim: format!("{}/claim-{index}", ["shop", "web"][index % 2]),
+                        stage_pod: format!("{}/stage-{pod}", ["shop", "web"][index % 2]),
                         owner: format!("VolumeBackup haulage-system/b{index}"),
                     },
                 )
@@ -1325,6 +1350,76 @@ mod tests {
         written.status = Some((**status).clone());
         let again = plan_writes(&admission, &[Arc::new(written)], &[], at(60));
         assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn a_slot_goes_to_a_transfer_its_stage_pod_can_begin_not_to_the_second_of_a_busy_pod() {
+        // A policy of 2 volumes over claims of two stage pods: the first
+        // two transfers in line are the same pod's, whose agent moves one
+        // volume at a time. The second slot (and half the bandwidth) goes
+        // to the other pod's claim, not to one that would wait idle.
+        let limits = Limits {
+            policies: BTreeMap::from([(
+                "ceph-rbd".to_string(),
+                PolicyLimits {
+                    max_volumes: Some(2),
+                    max_bytes_per_second: Some(100 << 20),
+                },
+            )]),
+            ..Limits::default()
+        };
+        let in_pod = |name: &str, created: i64, pod: &str| {
+            let mut facts = on_ceph(name, created, TransferState::Waiting);
+            facts.stage_pod = format!("shop/{pod}");
+            facts
+        };
+        let transfers = [
+            in_pod("a1", 1, "stage-a"),
+            in_pod("a2", 2, "stage-a"),
+            in_pod("a3", 3, "stage-a"),
+            in_pod("b1", 4, "stage-b"),
+        ];
+        let admission = admit(&limits, &transfers);
+        let admitted: Vec<&str> = transfers
+            .iter()
+            .filter(|t| matches!(admission.decisions[&t.key], Decision::Admit { .. }))
+            .map(|t| t.key.name.as_str())
+            .collect();
+        assert_eq!(admitted, ["a1", "b1"]);
+        assert_eq!(
+            admission.decisions[&key("b1")],
+            Decision::Admit {
+                grant: Some(50 << 20)
+            }
+        );
+        let Decision::Queue { position, hold } = &admission.decisions[&key("a2")] else {
+            panic!("a2 waits for its pod: {admission:?}");
+        };
+        assert_eq!(*position, 1);
+        assert_eq!(hold.cap(), Cap::StagePod("shop/stage-a".to_string()));
+        let message = hold.to_string();
+        assert!(
+            message.contains("stage pod shop/stage-a") && message.contains("1 volume at a time"),
+            "{message}"
+        );
+        // Once a1 runs and b1 runs, the policy is full: a2 then waits for
+        // the policy as well, and is named by the first full cap.
+        let running = [
+            TransferFacts {
+                state: TransferState::Running,
+                ..transfers[0].clone()
+            },
+            transfers[1].clone(),
+            TransferFacts {
+                state: TransferState::Running,
+                ..transfers[3].clone()
+            },
+        ];
+        let admission = admit(&limits, &running);
+        let Decision::Queue { hold, .. } = &admission.decisions[&key("a2")] else {
+            panic!("a2 still waits: {admission:?}");
+        };
+        assert_eq!(hold.cap(), Cap::Policy("ceph-rbd".to_string()));
     }
 
     #[test]
