@@ -8,9 +8,10 @@
 #
 # Usage: benches/lifecycle-compare.sh [SIZE] [SNAPSHOTS] [KEEP] [RUNS] [WORKDIR]
 #        (defaults 1GiB 20 5 3 /tmp/haulage-lifecycle)
-# haulage prunes with --safety-margin 0s (deletes in the same run, as restic and rustic
-# do; its default 24h margin only marks on a first run) and its default 10% repack
-# threshold; restic and rustic with their defaults (restic: --max-unused 5%).
+# Each prune deletes in the same run: haulage with --safety-margin 0s (its default 24h
+# margin only marks on a first run), rustic with --instant-delete (its default
+# --keep-delete 23h likewise only marks), restic as it does by default; otherwise each
+# with its defaults (haulage: 10% repack threshold; restic and rustic: --max-unused 5%).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-1GiB}"
@@ -21,7 +22,7 @@ WORK="${5:-/tmp/haulage-lifecycle}"
 export HAULAGE_PASSWORD=bench RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench
 
 cargo build --release --quiet --bin haulage
-HAULAGE="$PWD/target/release/haulage"
+HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
 [ -x /usr/bin/time ] || { echo "needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
 
 rm -rf "$WORK"
@@ -54,7 +55,7 @@ command_of() {
         restic:forget) CMD=(restic forget -q --keep-last "$KEEP" --repo "$3") ;;
         restic:prune) CMD=(restic prune -q --repo "$3") ;;
         rustic:forget) CMD=(rustic forget --keep-last "$KEEP" --repository "$3") ;;
-        rustic:prune) CMD=(rustic prune --repository "$3") ;;
+        rustic:prune) CMD=(rustic prune --instant-delete --repository "$3") ;;
     esac
 }
 

@@ -14,6 +14,7 @@
 
 use std::time::Duration;
 
+use bytesize::ByteSize;
 use haulage_api::location::{
     BackupStorageLocation, BackupStorageLocationPhase, MaintenanceResult, MaintenanceStatus,
 };
@@ -159,21 +160,23 @@ pub fn finished_status(
         }
         Ok(report) => report,
     };
+    let human = |bytes: u64| ByteSize::b(bytes).display().iec().to_string();
     let mut message = format!(
-        "{} snapshots reference {} of {} stored; deleted {} packs ({} bytes)",
+        "{} snapshots reference {} of {} stored; deleted {} packs ({})",
         report.snapshots,
-        report.used_bytes,
-        report.total_bytes,
+        human(report.used_bytes),
+        human(report.total_bytes),
         report.deleted_packs,
-        report.deleted_bytes
+        human(report.deleted_bytes)
     );
     if report.repacked_packs > 0 {
         message.push_str(&format!(", repacked {} packs", report.repacked_packs));
     }
     if report.waiting_packs > 0 {
         message.push_str(&format!(
-            "; {} packs ({} bytes) wait for the safety margin",
-            report.waiting_packs, report.waiting_bytes
+            "; {} packs ({}) wait for the safety margin",
+            report.waiting_packs,
+            human(report.waiting_bytes)
         ));
     }
     if !report.damaged_packs.is_empty() {

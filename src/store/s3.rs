@@ -818,6 +818,7 @@ impl S3Store {
         mut buffer: Vec<u8>,
     ) -> Result<Vec<u8>, StoreError> {
         let full_key = self.full_key("get", key)?;
+        tracing::trace!(key, ?range, "GET");
         let out_of_range = |size: Option<u64>, range: &Range<u64>| {
             let size = size.map_or_else(
                 || "an object".to_string(),

@@ -27,7 +27,7 @@ async fn repo_with_two_files() -> (TestRepo, haulage::repo::ObjectId) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_in_a_pack_is_named_by_verify_and_fails_only_the_affected_file_on_restore() {
     let (repo, snapshot) = repo_with_two_files().await;
-    let pack = the_only_file(&repo.root(), "data");
+    let pack = repo.the_only_pack_of(haulage::repo::BlobKind::Data).await;
     // The first blob in the pack is victim.bin's first chunk (walk order).
     flip_byte(&pack, 100);
 
@@ -100,8 +100,10 @@ async fn a_flipped_byte_in_a_snapshot_is_reported_by_verify_and_refused_by_resto
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verify_exits_with_code_4_and_names_the_pack_blob_and_file() {
     let (repo, _) = repo_with_two_files().await;
-    let packs = files_under(&repo.root().join("data"));
-    flip_byte(&packs[0].0, 5000);
+    flip_byte(
+        &repo.the_only_pack_of(haulage::repo::BlobKind::Data).await,
+        5000,
+    );
     let output = super::support::haulage()
         .args(["verify", "--repo", &repo.url()])
         .output()

@@ -102,7 +102,7 @@ async fn repo_with_one_backup() -> (TestRepo, ObjectId) {
 async fn a_flipped_byte_in_any_sealed_object_is_refused_naming_the_object() {
     // A blob of the pack: verify names the blob and the pack.
     let (repo, snapshot) = repo_with_one_backup().await;
-    let pack = the_only_file(&repo.root(), "data");
+    let pack = repo.the_only_pack_of(haulage::repo::BlobKind::Data).await;
     flip_byte(&pack, 20);
     assert_a_problem(&repo.verify(snapshot).await, |problem| {
         problem
@@ -114,7 +114,7 @@ async fn a_flipped_byte_in_any_sealed_object_is_refused_naming_the_object() {
     // The pack's trailer: a reader that has no index for the pack (here:
     // the index removed) refuses the trailer, naming the pack.
     let (repo, _) = repo_with_one_backup().await;
-    let pack = the_only_file(&repo.root(), "data");
+    let pack = repo.the_only_pack_of(haulage::repo::BlobKind::Data).await;
     let length = std::fs::metadata(&pack).unwrap().len() as usize;
     flip_byte(&pack, length - 20);
     std::fs::remove_file(the_only_file(&repo.root(), "index")).unwrap();
@@ -205,7 +205,7 @@ async fn a_swapped_or_truncated_object_is_refused_naming_the_object() {
     std::fs::write(source.join("a"), super::support::random_bytes(1, 100_000)).unwrap();
     std::fs::write(source.join("b"), super::support::random_bytes(2, 100_000)).unwrap();
     let snapshot = repo.backup(&source).await.snapshot_id;
-    let pack = the_only_file(&repo.root(), "data");
+    let pack = repo.the_only_pack_of(haulage::repo::BlobKind::Data).await;
     let mut bytes = std::fs::read(&pack).unwrap();
     let entries = repo.repository.codec().decode_pack(&bytes, "pack").unwrap();
     let (first, second) = (entries[0], entries[1]);
@@ -234,7 +234,7 @@ async fn a_swapped_or_truncated_object_is_refused_naming_the_object() {
 
     // A truncated pack and a truncated snapshot.
     let (repo, snapshot) = repo_with_one_backup().await;
-    let pack = the_only_file(&repo.root(), "data");
+    let pack = repo.the_only_pack_of(haulage::repo::BlobKind::Data).await;
     let bytes = std::fs::read(&pack).unwrap();
     std::fs::write(&pack, &bytes[..bytes.len() / 2]).unwrap();
     assert_a_problem(&repo.verify(snapshot).await, |problem| {

@@ -146,6 +146,26 @@ impl TestRepo {
     pub fn pack_count(&self) -> usize {
         files_under(&self.root().join("data")).len()
     }
+
+    /// The one pack holding blobs of `kind` (a small backup writes one
+    /// pack of data blobs and one of tree blobs), by its trailer.
+    pub async fn the_only_pack_of(&self, kind: haulage::repo::BlobKind) -> PathBuf {
+        let mut found = Vec::new();
+        for (path, size) in files_under(&self.root().join("data")) {
+            let name = path.file_name().expect("pack name").to_string_lossy();
+            let id: ObjectId = name.parse().expect("pack id");
+            let entries = self
+                .repository
+                .read_pack_trailer(&id, size)
+                .await
+                .expect("pack trailer");
+            if entries.iter().all(|entry| entry.kind == kind) {
+                found.push(path);
+            }
+        }
+        assert_eq!(found.len(), 1, "packs of {kind:?}: {found:?}");
+        found.remove(0)
+    }
 }
 
 /// Regular files under a directory with their sizes.
@@ -450,6 +470,38 @@ pub fn data_reads_per_pack(
         }
     }
     per_pack
+}
+
+/// Reads that started at a tree blob: the restore's tree loads.
+pub fn tree_reads(
+    reads: &[Read],
+    packs: &BTreeMap<ObjectId, Vec<haulage::repo::pack::PackEntry>>,
+) -> usize {
+    reads
+        .iter()
+        .filter(|read| {
+            let Some(pack) = haulage::repo::id_from_key(&read.key, haulage::repo::DATA_PREFIX)
+            else {
+                return false;
+            };
+            let start = read.range.as_ref().map_or(0, |range| range.start);
+            packs[&pack].iter().any(|entry| {
+                entry.kind == haulage::repo::BlobKind::Tree && u64::from(entry.offset) == start
+            })
+        })
+        .count()
+}
+
+/// How many of `packs` hold data blobs (the others hold trees only).
+pub fn packs_with_data(packs: &BTreeMap<ObjectId, Vec<haulage::repo::pack::PackEntry>>) -> usize {
+    packs
+        .values()
+        .filter(|entries| {
+            entries
+                .iter()
+                .any(|entry| entry.kind == haulage::repo::BlobKind::Data)
+        })
+        .count()
 }
 
 /// Every pack of `repository` with its entries, read from the trailers.
