@@ -1211,6 +1211,11 @@ fn pack_buffer_bytes(repository: &Repository) -> usize {
 /// memory; a tree blob is at most a few MiB, so one may pass the target.
 const TREE_PACK_TARGET_BYTES: usize = 4 * 1024 * 1024;
 
+/// The buffer of a tree pack: its target and the trailer.
+fn tree_pack_buffer_bytes() -> usize {
+    TREE_PACK_TARGET_BYTES + 64 * 1024
+}
+
 /// Collects blobs into packs and uploads them, a bounded number at a time:
 /// data blobs and tree blobs into packs of their own.
 struct Packer {
@@ -1232,7 +1237,7 @@ impl Packer {
     fn new(repository: Repository, progress: Arc<Progress>) -> Self {
         Packer {
             current: repository.pack_writer(pack_buffer_bytes(&repository)),
-            trees: repository.pack_writer(TREE_PACK_TARGET_BYTES + 64 * 1024),
+            trees: repository.pack_writer(tree_pack_buffer_bytes()),
             repository,
             progress,
             uploads: JoinSet::new(),
@@ -1241,6 +1246,30 @@ impl Packer {
             bytes_stored: 0,
             packs_written: 0,
         }
+    }
+
+    /// The pack being filled with blobs of `kind`.
+    fn filling(&mut self, kind: BlobKind) -> &mut PackWriter {
+        match kind {
+            BlobKind::Tree => &mut self.trees,
+            BlobKind::Data => &mut self.current,
+        }
+    }
+
+    /// The size at which a pack of `kind` closes.
+    fn target_bytes(&self, kind: BlobKind) -> usize {
+        match kind {
+            BlobKind::Tree => TREE_PACK_TARGET_BYTES,
+            BlobKind::Data => self.repository.config().pack_target_bytes as usize,
+        }
+    }
+
+    /// An empty pack for blobs of `kind`, its buffer sized for its target.
+    fn new_writer(&self, kind: BlobKind) -> PackWriter {
+        self.repository.pack_writer(match kind {
+            BlobKind::Tree => tree_pack_buffer_bytes(),
+            BlobKind::Data => pack_buffer_bytes(&self.repository),
+        })
     }
 
     async fn add(
@@ -1255,13 +1284,8 @@ impl Packer {
         self.bytes_stored += stored;
         Progress::add(&self.progress.bytes_new, u64::from(raw_length));
         Progress::add(&self.progress.bytes_stored, stored);
-        let (writer, target) = match kind {
-            BlobKind::Tree => (&mut self.trees, TREE_PACK_TARGET_BYTES),
-            BlobKind::Data => (
-                &mut self.current,
-                self.repository.config().pack_target_bytes as usize,
-            ),
-        };
+        let target = self.target_bytes(kind);
+        let writer = self.filling(kind);
         writer.add_parts(
             id,
             kind,
@@ -1277,28 +1301,14 @@ impl Packer {
 
     /// Upload the pack of `kind` being filled, if it holds anything.
     async fn flush(&mut self, kind: BlobKind) -> Result<(), EngineError> {
-        let filling = match kind {
-            BlobKind::Tree => &self.trees,
-            BlobKind::Data => &self.current,
-        };
-        if filling.is_empty() {
+        if self.filling(kind).is_empty() {
             return Ok(());
         }
         while self.uploads.len() >= MAX_PACK_UPLOADS_IN_FLIGHT {
             self.collect_one().await?;
         }
-        let writer = match kind {
-            BlobKind::Tree => std::mem::replace(
-                &mut self.trees,
-                self.repository
-                    .pack_writer(TREE_PACK_TARGET_BYTES + 64 * 1024),
-            ),
-            BlobKind::Data => std::mem::replace(
-                &mut self.current,
-                self.repository
-                    .pack_writer(pack_buffer_bytes(&self.repository)),
-            ),
-        };
+        let fresh = self.new_writer(kind);
+        let writer = std::mem::replace(self.filling(kind), fresh);
         let repository = self.repository.clone();
         self.uploads
             .spawn(async move { repository.upload_pack(writer, "pack").await });
