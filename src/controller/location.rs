@@ -489,7 +489,6 @@ pub async fn reconcile(
     location: Arc<BackupStorageLocation>,
     context: Arc<Context>,
 ) -> Result<Action, Error> {
-    let name = location.name_any();
     let namespace = location.namespace().ok_or(Error::MissingField {
         kind: "BackupStorageLocation",
         field: "metadata.namespace",
@@ -528,20 +527,36 @@ pub async fn reconcile(
         emit(location.as_ref(), event, &context).await;
     }
     if let Some(status) = &decision.status {
-        let api: Api<BackupStorageLocation> = Api::namespaced(context.client.clone(), &namespace);
         let patch = crate::api::status_apply::<BackupStorageLocation>(status);
-        api.patch_status(
-            &name,
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await
-        .map_err(kube_error(
-            ApiCall::WriteLocationStatus,
-            format!("{namespace}/{name}"),
-        ))?;
+        apply_status(&location, &patch, FIELD_MANAGER, &context).await?;
     }
     Ok(requeue(next))
+}
+
+/// Apply `patch` (a status apply of a BackupStorageLocation) to
+/// `location`'s status under `manager`, taking over its fields: the
+/// probe's fields under the controller's manager, `status.maintenance`
+/// under the maintenance runner's.
+pub async fn apply_status(
+    location: &BackupStorageLocation,
+    patch: &serde_json::Value,
+    manager: &str,
+    context: &Context,
+) -> Result<(), Error> {
+    let name = location.name_any();
+    let namespace = location.namespace().unwrap_or_default();
+    let api: Api<BackupStorageLocation> = Api::namespaced(context.client.clone(), &namespace);
+    api.patch_status(
+        &name,
+        &PatchParams::apply(manager).force(),
+        &Patch::Apply(patch),
+    )
+    .await
+    .map_err(kube_error(
+        ApiCall::WriteLocationStatus,
+        format!("{namespace}/{name}"),
+    ))?;
+    Ok(())
 }
 
 /// Read the credentials and probe; also returns the secret values, which

@@ -24,8 +24,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::api::{Patch, PatchParams};
-use kube::{Api, ResourceExt};
+use kube::ResourceExt;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -34,10 +33,10 @@ use crate::api::BackupStorageLocation;
 use crate::api::location::MaintenanceStatus;
 use crate::clock;
 use crate::controller::Context;
-use crate::controller::error::{ApiCall, Error, is_conflict, kube_error};
+use crate::controller::error::{Error, is_conflict};
 use crate::controller::execute::emit;
 use crate::controller::lease::Leadership;
-use crate::controller::location::{OpenedRepository, open_repository};
+use crate::controller::location::{OpenedRepository, apply_status, open_repository};
 use crate::engine::prune::{PruneOptions, prune};
 use crate::reconcile::maintenance::{
     MaintenanceStep, decide_maintenance, finished_event, finished_status, running_status,
@@ -171,24 +170,11 @@ async fn write_maintenance(
     if_unchanged: bool,
     context: &Context,
 ) -> Result<(), Error> {
-    let name = location.name_any();
-    let namespace = location.namespace().unwrap_or_default();
     let mut patch = crate::api::status_apply::<BackupStorageLocation>(&json!({
         "maintenance": status,
     }));
     if if_unchanged {
         patch["metadata"] = json!({"resourceVersion": location.resource_version()});
     }
-    let api: Api<BackupStorageLocation> = Api::namespaced(context.client.clone(), &namespace);
-    api.patch_status(
-        &name,
-        &PatchParams::apply(MAINTENANCE_FIELD_MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await
-    .map_err(kube_error(
-        ApiCall::WriteLocationStatus,
-        format!("{namespace}/{name}"),
-    ))?;
-    Ok(())
+    apply_status(location, &patch, MAINTENANCE_FIELD_MANAGER, context).await
 }
