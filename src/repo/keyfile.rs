@@ -29,6 +29,15 @@ pub fn key_file_key(id: &ObjectId) -> String {
     format!("{KEYS_PREFIX}{}", id.to_hex())
 }
 
+/// Most Argon2 memory a key file may ask: four times what haulage writes
+/// ([`KdfParameters::default`]), within a stage pod's 256Mi limit.
+pub const MAX_KDF_MEMORY_KIB: u32 = 4 * 64 * 1024;
+/// Most Argon2 passes a key file may ask.
+pub const MAX_KDF_ITERATIONS: u32 = 12;
+/// Most Argon2 work (memory times passes) a key file may ask: four times
+/// what haulage writes, about half a second on one core here.
+pub const MAX_KDF_WORK_KIB: u64 = 4 * 64 * 1024 * 3;
+
 /// Argon2id cost parameters, recorded in each key file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -65,21 +74,37 @@ impl KdfParameters {
         }
     }
 
-    /// Refuse parameters no haulage writes and that would make opening a
-    /// key file cost more than a machine has (a hostile key file).
+    /// Refuse parameters that would make opening a key file cost more
+    /// than [`MAX_KDF_MEMORY_KIB`] of memory or [`MAX_KDF_WORK_KIB`] of
+    /// memory passes (a hostile key file in the bucket must not stall or
+    /// OOM-kill every agent that opens the repository), or that Argon2
+    /// refuses.
     pub fn validate(&self) -> Result<(), String> {
         if self.parallelism == 0 || self.parallelism > 64 {
             return Err(format!("parallelism {} is outside 1..64", self.parallelism));
         }
-        if self.memory_kib < 8 * self.parallelism || self.memory_kib > 4 * 1024 * 1024 {
+        if self.memory_kib < 8 * self.parallelism || self.memory_kib > MAX_KDF_MEMORY_KIB {
             return Err(format!(
-                "memory {} KiB is outside {}..4194304 KiB",
+                "memory {} KiB is outside {}..{MAX_KDF_MEMORY_KIB} KiB (haulage writes {} KiB)",
                 self.memory_kib,
-                8 * self.parallelism
+                8 * self.parallelism,
+                KdfParameters::default().memory_kib
             ));
         }
-        if self.iterations == 0 || self.iterations > 100 {
-            return Err(format!("iterations {} is outside 1..100", self.iterations));
+        if self.iterations == 0 || self.iterations > MAX_KDF_ITERATIONS {
+            return Err(format!(
+                "iterations {} is outside 1..{MAX_KDF_ITERATIONS} (haulage writes {})",
+                self.iterations,
+                KdfParameters::default().iterations
+            ));
+        }
+        let work = u64::from(self.memory_kib) * u64::from(self.iterations);
+        if work > MAX_KDF_WORK_KIB {
+            return Err(format!(
+                "memory {} KiB times {} iterations is above {MAX_KDF_WORK_KIB} KiB, four times \
+                 what haulage writes",
+                self.memory_kib, self.iterations
+            ));
         }
         Ok(())
     }
@@ -370,6 +395,34 @@ mod tests {
             changed.open(b"pw", "repo-1").expect_err("refused"),
             KeyFileError::WrongPassword
         );
+    }
+
+    #[test]
+    fn kdf_parameters_up_to_four_times_what_haulage_writes_are_accepted_and_no_more() {
+        let written = KdfParameters::default();
+        assert_eq!(written.validate(), Ok(()));
+        let at = |memory_kib, iterations, parallelism| KdfParameters {
+            memory_kib,
+            iterations,
+            parallelism,
+        };
+        for accepted in [
+            at(4 * written.memory_kib, written.iterations, 4),
+            at(written.memory_kib, 4 * written.iterations, 4),
+            at(64, 1, 1),
+        ] {
+            assert_eq!(accepted.validate(), Ok(()), "{accepted:?}");
+        }
+        for (refused, names) in [
+            (at(4 * 1024 * 1024, 1, 4), "memory 4194304 KiB"),
+            (at(4 * written.memory_kib + 1, 1, 4), "memory 262145 KiB"),
+            (at(written.memory_kib, 13, 4), "iterations 13"),
+            (at(4 * written.memory_kib, 4, 4), "times 4 iterations"),
+            (at(64, 1, 0), "parallelism 0"),
+        ] {
+            let why = refused.validate().expect_err("refused");
+            assert!(why.contains(names), "{refused:?}: {why}");
+        }
     }
 
     #[test]
