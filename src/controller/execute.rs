@@ -20,7 +20,9 @@ use tracing::{info, warn};
 use crate::api::VolumeTransfer;
 use crate::controller::error::{ApiCall, Error, is_conflict, is_not_found, kube_error};
 use crate::controller::{Context, FIELD_MANAGER};
-use crate::reconcile::action::{Action, ClaimChange, Event, EventKind, ObjectName, VolumeChange};
+use crate::reconcile::action::{
+    Action, ClaimChange, Event, EventKind, ObjectName, StagePodRelease, VolumeChange,
+};
 use crate::reconcile::claims::{
     RECLAIM_POLICY_ANNOTATION, RESTORE_COMPLETE, RESTORE_INCOMPLETE, RESTORE_STATE_LABEL,
     RESTORED_FROM_ANNOTATION,
@@ -150,7 +152,7 @@ where
                 }
                 delete(&namespaced::<Pod>(context, &pod), &pod, ApiCall::DeletePod).await?;
             }
-            Action::ReleaseStagePod(pod) => release_stage_pod(&pod, context).await?,
+            Action::ReleaseStagePod(release) => release_stage_pod(&release, context).await?,
             Action::WriteTransferStatus { transfer, status } => {
                 let patch = crate::api::status_apply::<VolumeTransfer>(&status);
                 patch_transfer_status(
@@ -301,22 +303,33 @@ async fn create_stage_pod(objects: &StagePodObjects, context: &Context) -> Resul
 /// transfers stay: they carry the per-volume results). By name: the
 /// controller's RBAC has no `deletecollection`, and Secrets outside its
 /// namespace it may only create and delete.
-async fn release_stage_pod(pod: &ObjectName, context: &Context) -> Result<(), Error> {
-    delete(&namespaced::<Pod>(context, pod), pod, ApiCall::DeletePod).await?;
+async fn release_stage_pod(release: &StagePodRelease, context: &Context) -> Result<(), Error> {
+    let pod = &release.pod;
+    if release.delete_pod {
+        delete(&namespaced::<Pod>(context, pod), pod, ApiCall::DeletePod).await?;
+    }
+    if !release.delete_access {
+        return Ok(());
+    }
     delete(
         &namespaced::<RoleBinding>(context, pod),
         pod,
         ApiCall::DeleteRoleBinding,
     )
     .await?;
-    delete(&namespaced::<Role>(context, pod), pod, ApiCall::DeleteRole).await?;
     let copy = ObjectName::new(&pod.namespace, credentials_copy_name(&pod.name));
     delete(
         &namespaced::<Secret>(context, &copy),
         &copy,
         ApiCall::DeleteCredentialsCopy,
     )
-    .await
+    .await?;
+    // The Role last: while it is there the release is decided again.
+    delete(&namespaced::<Role>(context, pod), pod, ApiCall::DeleteRole).await?;
+    if let Some(role_uid) = &release.role_uid {
+        context.released_roles.record(role_uid);
+    }
+    Ok(())
 }
 
 /// Patch a transfer's status; a transfer that is gone (its backup was

@@ -47,6 +47,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, PersistentVolume, PersistentVolumeClaim, Pod};
+use k8s_openapi::api::rbac::v1::Role;
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::controller::{Action, Config as ControllerConfig};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -100,7 +101,8 @@ const PERMANENT_RETRY_SECONDS: u64 = 120;
 /// How long a backup's last status write is remembered (far longer than
 /// the progress-write interval; a finished backup is forgotten at once).
 const STATUS_WRITE_MEMORY: Duration = Duration::from_secs(24 * 3600);
-/// How long a replaced stage pod's UID is remembered.
+/// How long a replaced stage pod's UID is remembered, and a released
+/// stage pod Role's.
 const REPLACED_POD_MEMORY: Duration = Duration::from_secs(3600);
 /// Events buffered per shared cache subscriber.
 const SUBSCRIBER_BUFFER: usize = 256;
@@ -276,6 +278,9 @@ pub struct Stores {
     pub claims: Store<PersistentVolumeClaim>,
     /// Pods.
     pub pods: Store<Pod>,
+    /// The Roles of stage pods (labelled as managed by haulage), in every
+    /// namespace: what is left of a stage pod's access.
+    pub roles: Store<Role>,
     /// Nodes.
     pub nodes: Store<Node>,
     /// PersistentVolumes.
@@ -355,6 +360,10 @@ pub struct Context {
     /// UIDs of stage pods this replica deleted to replace them (kept an
     /// hour: a lagging cache must not get one judged twice).
     pub replaced_pods: recent::Recent,
+    /// UIDs of stage pods' Roles this replica released (kept an hour: a
+    /// cache that does not show a Role's deletion yet must not get its
+    /// stage pod released twice).
+    pub released_roles: recent::Recent,
     /// Which caches have synced (wait here, never on a store).
     pub readiness: Arc<health::Readiness>,
     /// This cluster's identity, the UID of its `kube-system` namespace (as
@@ -461,6 +470,8 @@ pub(crate) mod cache {
     pub const CLAIMS: &str = "persistentvolumeclaims";
     /// Pods, everywhere.
     pub const PODS: &str = "pods";
+    /// haulage's Roles (those of stage pods), everywhere.
+    pub const ROLES: &str = "roles";
     /// Nodes.
     pub const NODES: &str = "nodes";
     /// PersistentVolumes.
@@ -486,9 +497,10 @@ pub(crate) mod cache {
     /// haulage's VolumeTransfers, everywhere.
     pub const TRANSFERS: &str = "volumetransfers";
     /// Every cache: the controller is not ready until each has listed.
-    pub const ALL: [&str; 14] = [
+    pub const ALL: [&str; 15] = [
         CLAIMS,
         PODS,
+        ROLES,
         NODES,
         VOLUMES,
         CLASSES,
@@ -677,6 +689,7 @@ fn subscriptions<K: Cached, const N: usize>(
 struct ClusterCaches {
     claims: Store<PersistentVolumeClaim>,
     pods: Store<Pod>,
+    roles: Store<Role>,
     namespaces: Store<k8s_openapi::api::core::v1::Namespace>,
     limit_ranges: Store<k8s_openapi::api::core::v1::LimitRange>,
     csi_nodes: Store<k8s_openapi::api::storage::v1::CSINode>,
@@ -845,6 +858,18 @@ impl CacheStart<'_> {
         let volumes = self.cluster(cache::VOLUMES);
         let classes = self.cluster(cache::CLASSES);
 
+        let (roles, roles_writer) = reflector::store();
+        self.spawn(
+            cache::ROLES,
+            Api::<Role>::all(client.clone()),
+            watcher::Config::default().labels(&format!(
+                "{}={}",
+                crate::api::labels::MANAGED_BY_LABEL,
+                crate::api::labels::MANAGED_BY
+            )),
+            roles_writer,
+            None,
+        );
         let (leases, leases_writer) = reflector::store();
         self.spawn(
             cache::LEASES,
@@ -859,6 +884,7 @@ impl CacheStart<'_> {
         Ok(ClusterCaches {
             claims,
             pods,
+            roles,
             namespaces,
             limit_ranges,
             csi_nodes,
@@ -1242,6 +1268,7 @@ pub async fn run_with_listener(
         transfers: haulage.transfers.clone(),
         claims: cluster.claims,
         pods: cluster.pods,
+        roles: cluster.roles,
         nodes: cluster.nodes,
         volumes: cluster.volumes,
         classes: cluster.classes,
@@ -1278,6 +1305,7 @@ pub async fn run_with_listener(
         events: events::Events::new(client.clone(), &config.identity),
         status_writes: recent::Recent::keeping(STATUS_WRITE_MEMORY),
         replaced_pods: recent::Recent::keeping(REPLACED_POD_MEMORY),
+        released_roles: recent::Recent::keeping(REPLACED_POD_MEMORY),
         readiness: readiness.clone(),
         cluster_id: cluster_identity(&client).await,
     });

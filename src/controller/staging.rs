@@ -145,6 +145,12 @@ pub fn observe_staging(
             .transfers
             .state_filter(|transfer| owns_transfer(transfer)),
         pods,
+        roles: stores.roles.state_filter(|role| {
+            labelled_as_owned_by(role, uid)
+                && !role
+                    .uid()
+                    .is_some_and(|role_uid| context.released_roles.contains(&role_uid))
+        }),
         replaced_pods,
         since_last_status_write: context.status_writes.since(uid),
         credentials: None,

@@ -108,6 +108,40 @@ impl std::fmt::Display for ObjectName {
     }
 }
 
+/// What is left to delete of one stage pod ([`Action::ReleaseStagePod`]).
+/// The controller deletes the pod first and the Role last: the Role is
+/// the first of a stage pod's objects to be created, so while it is in
+/// the cache something of the pod's access may be left, and a release cut
+/// short is decided again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagePodRelease {
+    /// The pod; its RoleBinding and Role have its name, its credentials
+    /// copy a name made from it.
+    pub pod: ObjectName,
+    /// Delete the pod: it is in the cache and not being deleted yet, or
+    /// the decision cannot tell (a cancel releases by the plan's names).
+    pub delete_pod: bool,
+    /// Delete its RoleBinding, credentials copy and, last, its Role: the
+    /// Role is in the cache, or the decision cannot tell.
+    pub delete_access: bool,
+    /// The Role's UID, when the cache showed it: once the release is done
+    /// the replica remembers it, so a cache that does not show the Role's
+    /// deletion yet does not get it released twice.
+    pub role_uid: Option<String>,
+}
+
+impl StagePodRelease {
+    /// The release of everything of `pod`, whatever the caches show.
+    pub fn everything(pod: ObjectName) -> Self {
+        StagePodRelease {
+            pod,
+            delete_pod: true,
+            delete_access: true,
+            role_uid: None,
+        }
+    }
+}
+
 /// One step a decision asks for, on objects other than the reconciled one
 /// (whose status is written separately, last).
 #[derive(Debug, Clone)]
@@ -124,8 +158,9 @@ pub enum Action {
         /// Its UID, when it is deleted to be replaced.
         replaced_uid: Option<String>,
     },
-    /// Delete a stage pod with its Role, RoleBinding and credentials copy.
-    ReleaseStagePod(ObjectName),
+    /// Delete what is left of a stage pod: the pod and its access (its
+    /// RoleBinding, credentials copy and Role).
+    ReleaseStagePod(StagePodRelease),
     /// Apply this status to a VolumeTransfer (fail or cancel it); a
     /// transfer that is gone is fine.
     WriteTransferStatus {

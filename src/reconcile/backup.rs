@@ -454,7 +454,7 @@ pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecis
             Ok(write) => (write, None),
             Err(wait) => (None, Some(wait)),
         };
-    let after_status = after_final_status(staging, &old, &status, "completed");
+    let after_status = after_final_status(staging, (&old, &status), &actions, "completed");
     if status.phase.is_some_and(VolumeBackupPhase::is_final) {
         return Ok(BackupDecision::Act(Box::new(BackupActs {
             ownership,
@@ -676,7 +676,7 @@ pub fn forget_failed(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::action::ObjectName;
+    use crate::action::{ObjectName, StagePodRelease};
     use crate::ownership::{Ownership, WaitReason};
     use crate::staging::PROGRESS_WRITE_INTERVAL;
     use crate::test_support::{at, available, available_default};
@@ -688,6 +688,7 @@ mod tests {
     use k8s_openapi::api::core::v1::Node;
     use k8s_openapi::api::core::v1::Pod;
     use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, PodStatus};
+    use k8s_openapi::api::rbac::v1::Role;
     use k8s_openapi::api::storage::v1::StorageClass;
     use std::collections::BTreeSet;
 
@@ -1201,28 +1202,109 @@ mod tests {
         assert_eq!(events(&finished.after_status), ["Completed"]);
         assert!(
             finished
-                .after_status
+                .actions
                 .iter()
-                .any(|action| matches!(action, Action::ReleaseStagePod(_)))
+                .chain(&finished.after_status)
+                .any(|action| matches!(
+                    action,
+                    Action::DeletePod { .. }
+                        | Action::ReleaseStagePod(StagePodRelease {
+                            delete_pod: true,
+                            ..
+                        })
+                ))
         );
     }
 
+    /// The Role of `backup`'s stage pod, as the cache shows it.
+    fn stage_role(backup: &VolumeBackup) -> Arc<Role> {
+        Arc::new(
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": pod_name_of(backup), "namespace": "shop", "uid": "role-uid-1",
+                    "labels": {OWNER_UID_LABEL: "uid-nightly"}},
+            }))
+            .expect("valid role"),
+        )
+    }
+
+    fn releases(actions: &[Action]) -> Vec<&StagePodRelease> {
+        actions
+            .iter()
+            .filter_map(|action| match action {
+                Action::ReleaseStagePod(release) => Some(release),
+                _ => None,
+            })
+            .collect()
+    }
+
     #[test]
-    fn a_finished_backup_releases_what_is_left_of_its_stage_pods_and_nothing_else() {
+    fn a_finished_backup_releases_what_the_caches_show_is_left_of_its_stage_pods_once() {
         let backup = owned_and_planned(&["db"]).with_phase(VolumeBackupPhase::Completed);
         let mut seen = observation(backup.clone());
-        let BackupDecision::Finished { release } = decide(&seen, &at(0)).expect("decided") else {
-            panic!("final");
+        let finished = |seen: &BackupObservation| {
+            let BackupDecision::Finished { release } = decide(seen, &at(0)).expect("decided")
+            else {
+                panic!("final");
+            };
+            release
         };
-        assert!(release.is_empty(), "no pod left: nothing to release");
-        seen.staging.pods = vec![stage_pod(&backup, "Succeeded")];
-        let BackupDecision::Finished { release } = decide(&seen, &at(0)).expect("decided") else {
-            panic!("final");
-        };
-        assert_eq!(release.len(), 1);
         assert!(
-            matches!(&release[0], Action::ReleaseStagePod(pod) if pod.name == pod_name_of(&backup))
+            finished(&seen).is_empty(),
+            "nothing left: nothing to release"
         );
+
+        seen.staging.pods = vec![stage_pod(&backup, "Succeeded")];
+        seen.staging.roles = vec![stage_role(&backup)];
+        let release = finished(&seen);
+        assert_eq!(
+            releases(&release),
+            [&StagePodRelease {
+                pod: ObjectName::new("shop", pod_name_of(&backup)),
+                delete_pod: true,
+                delete_access: true,
+                role_uid: Some("role-uid-1".to_string()),
+            }]
+        );
+
+        // The pod on its way out and its Role released (this replica
+        // leaves a Role it released out of the observation): nothing,
+        // however often the pod's changes wake the backup.
+        let mut leaving = (*stage_pod(&backup, "Succeeded")).clone();
+        leaving.metadata.deletion_timestamp = Some(at(0));
+        seen.staging.pods = vec![Arc::new(leaving)];
+        seen.staging.roles = Vec::new();
+        assert!(finished(&seen).is_empty(), "{:?}", finished(&seen));
+
+        // A release cut short left the Role: its access is released again,
+        // the pod is not deleted twice.
+        seen.staging.roles = vec![stage_role(&backup)];
+        let release = finished(&seen);
+        let release = releases(&release);
+        assert_eq!(release.len(), 1);
+        assert!(!release[0].delete_pod && release[0].delete_access);
+    }
+
+    #[test]
+    fn a_backup_that_finishes_now_deletes_each_stage_pod_once_and_releases_its_access_once() {
+        let backup = owned_and_planned(&["db"]);
+        let mut seen = running(&backup, &[("db", VolumeTransferPhase::Completed)]);
+        seen.staging.roles = vec![stage_role(&backup)];
+        let acts = acts(decide(&seen, &at(0)).expect("decided"));
+        let pod = ObjectName::new("shop", pod_name_of(&backup));
+        let pod_deletes = acts
+            .actions
+            .iter()
+            .chain(&acts.after_status)
+            .filter(|action| match action {
+                Action::DeletePod { pod: deleted, .. } => deleted == &pod,
+                Action::ReleaseStagePod(release) => release.pod == pod && release.delete_pod,
+                _ => false,
+            })
+            .count();
+        assert_eq!(pod_deletes, 1, "{acts:?}");
+        let release = releases(&acts.after_status);
+        assert_eq!(release.len(), 1, "{acts:?}");
+        assert!(release[0].delete_access);
     }
 
     #[test]

@@ -966,20 +966,31 @@ fn roll_up(
     }
 }
 
-/// Stop the stage pods of volumes that are all final (so each claim is
-/// free for its hand-back and no agent lingers).
-fn stop_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
-    observation
-        .staging
+/// Release the stage pods whose volumes are all final (so each claim is
+/// free for its hand-back, no agent lingers and no copy of the location's
+/// credentials stays longer than needed), with what the caches show is
+/// left of each ([`StagingObservation::release_of`]).
+fn release_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
+    let staging = &observation.staging;
+    let names: BTreeSet<ObjectName> = staging
         .pods
         .iter()
-        .filter(|pod| pod.metadata.deletion_timestamp.is_none())
-        .filter_map(|pod| {
-            let namespace = pod.namespace().unwrap_or_default();
-            let of_pod = transfers_of(&observation.staging.transfers, &namespace, &pod.name_any());
-            (!of_pod.is_empty() && of_pod.iter().all(|transfer| transfer.phase().is_final()))
-                .then(|| Action::ReleaseStagePod(ObjectName::new(namespace, pod.name_any())))
+        .map(|pod| ObjectName::new(pod.namespace().unwrap_or_default(), pod.name_any()))
+        .chain(
+            staging
+                .roles
+                .iter()
+                .map(|role| ObjectName::new(role.namespace().unwrap_or_default(), role.name_any())),
+        )
+        .collect();
+    names
+        .iter()
+        .filter(|name| {
+            let of_pod = transfers_of(&staging.transfers, &name.namespace, &name.name);
+            !of_pod.is_empty() && of_pod.iter().all(|transfer| transfer.phase().is_final())
         })
+        .filter_map(|name| staging.release_of(name))
+        .map(Action::ReleaseStagePod)
         .collect()
 }
 
@@ -1246,7 +1257,7 @@ struct Staged {
 }
 
 /// The work of a planned restore at its location: the stage pods to
-/// create, their supervision, the stop of those whose volumes are all
+/// create, their supervision, the release of those whose volumes are all
 /// final, each verified claim labelled complete and handed back; then the
 /// status rolled up from the volumes.
 fn stage(
@@ -1259,8 +1270,15 @@ fn stage(
     let selection = status.selection.clone();
     let mut actions = stage_pods_to_create(observation, owner, plan, &selection, location);
     let (supervision, backoff) = observation.staging.supervise(&conditions.now);
-    actions.extend(supervision);
-    actions.extend(stop_finished_pods(observation));
+    let releases = release_finished_pods(observation);
+    // A pod the supervision stops is released whole instead.
+    actions.extend(supervision.into_iter().filter(|action| {
+        !matches!(action, Action::DeletePod { pod, replaced_uid: None }
+        if releases.iter().any(|release| {
+            matches!(release, Action::ReleaseStagePod(release) if &release.pod == pod)
+        }))
+    }));
+    actions.extend(releases);
     let unfinished = finish_volumes(observation, &selection, owner, &mut actions);
     roll_up(status, observation, &unfinished, conditions);
     Staged { actions, backoff }
@@ -1281,7 +1299,7 @@ fn finish(
     let staging = &observation.staging;
     staging.note_stage_pods(&mut status, conditions.generation, &conditions.now);
     let finished = status.phase.is_some_and(VolumeRestorePhase::is_final);
-    let after_status = after_final_status(staging, old, &status, "restored");
+    let after_status = after_final_status(staging, (old, &status), &actions, "restored");
     let write = match status_to_write(old, status, staging.since_last_status_write) {
         Ok(write) => write,
         Err(wait) => {
@@ -1956,15 +1974,41 @@ mod tests {
                 )
             })
             .collect();
+        // Its stage pod, finished, and its Role.
+        let planned = &seen
+            .restore
+            .status
+            .as_ref()
+            .and_then(|s| s.plan.as_ref())
+            .expect("plan")
+            .stage_pods[0];
+        let (namespace, pod_name) = (planned.stage.namespace.clone(), planned.pod_name.clone());
+        let metadata =
+            serde_json::json!({"name": pod_name, "namespace": namespace, "uid": "uid-1"});
+        let mut pod: k8s_openapi::api::core::v1::Pod =
+            serde_json::from_value(serde_json::json!({"metadata": metadata})).expect("pod");
+        pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: Some("Succeeded".to_string()),
+            ..Default::default()
+        });
+        seen.staging.pods = vec![Arc::new(pod)];
+        seen.staging.roles = vec![Arc::new(
+            serde_json::from_value(serde_json::json!({"metadata": metadata})).expect("role"),
+        )];
         let done = acts(decide(&seen, &at(6)).expect("decided"));
         let status = done.status.expect("written");
         assert_eq!(status.phase, Some(VolumeRestorePhase::Completed));
         assert!(done.finished);
-        assert!(
-            done.after_status
+        // The stage pod is released once: with the volumes, not again at
+        // the end.
+        let released = |actions: &[Action]| {
+            actions
                 .iter()
-                .any(|action| matches!(action, Action::ReleaseStagePod(_)))
-        );
+                .filter(|action| matches!(action, Action::ReleaseStagePod(_)))
+                .count()
+        };
+        assert_eq!(released(&done.actions), 1, "{:?}", done.actions);
+        assert_eq!(released(&done.after_status), 0, "{:?}", done.after_status);
         assert!(
             done.after_status
                 .iter()

@@ -23,10 +23,11 @@ use haulage_plan::objects::node_facts;
 use k8s_openapi::ByteString;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::rbac::v1::Role;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
-use crate::action::{Action, Event, ObjectName};
+use crate::action::{Action, Event, ObjectName, StagePodRelease};
 use crate::ownership::{ControllerSettings, Decision, Ownership, OwnershipFacts, decide_ownership};
 use crate::stage_pod::{
     LocationSettings, Operation, Owner, StagePodInputs, StagePodTemplate, TransferDetails,
@@ -60,6 +61,11 @@ pub struct StagingObservation {
     pub transfers: Vec<Arc<VolumeTransfer>>,
     /// The object's stage pods.
     pub pods: Vec<Arc<Pod>>,
+    /// The Roles of the object's stage pods (each named as its pod), but
+    /// those this replica released already: a Role is the first of a
+    /// stage pod's objects created and the last released, so while one is
+    /// here something of that pod's access may be left.
+    pub roles: Vec<Arc<Role>>,
     /// UIDs of stage pods this replica deleted to replace them: a lagging
     /// cache may still show one as running, and it must not be judged
     /// (and replaced, and counted) twice.
@@ -96,6 +102,7 @@ impl StagingObservation {
             nodes: Vec::new(),
             transfers: Vec::new(),
             pods: Vec::new(),
+            roles: Vec::new(),
             replaced_pods: BTreeSet::new(),
             since_last_status_write: None,
             credentials: None,
@@ -130,11 +137,7 @@ impl StagingObservation {
     ) -> Result<Ownership, Decision<S>> {
         if standing.finished {
             return Err(Decision::Finished {
-                release: if self.pods.is_empty() {
-                    Vec::new()
-                } else {
-                    self.release_all(standing.plan)
-                },
+                release: self.release_left(&[]),
             });
         }
         decide_ownership(
@@ -172,9 +175,11 @@ impl StagingObservation {
             .collect()
     }
 
-    /// The release of every stage pod of the object: those of its plan and
-    /// those in the cache.
-    pub fn release_all(&self, plan: Option<&BackupPlan>) -> Vec<Action> {
+    /// The release of every stage pod of the object, whatever the caches
+    /// show: those of its plan and those in the cache (a cancel, after
+    /// which the finalizer goes, so a pod or Role the caches do not show
+    /// yet must not be left behind).
+    pub fn release_by_plan(&self, plan: Option<&BackupPlan>) -> Vec<Action> {
         let mut pods: BTreeSet<ObjectName> = plan
             .map(|plan| {
                 plan.stage_pods
@@ -184,12 +189,67 @@ impl StagingObservation {
                     .collect()
             })
             .unwrap_or_default();
-        pods.extend(
-            self.pods
-                .iter()
-                .map(|pod| ObjectName::new(pod.namespace().unwrap_or_default(), pod.name_any())),
-        );
-        pods.into_iter().map(Action::ReleaseStagePod).collect()
+        pods.extend(self.pods.iter().map(|pod| object_name(pod.as_ref())));
+        pods.into_iter()
+            .map(|pod| Action::ReleaseStagePod(StagePodRelease::everything(pod)))
+            .collect()
+    }
+
+    /// What the caches show is left of stage pod `pod`: the pod, unless it
+    /// is gone or being deleted, and its access while its Role is there;
+    /// `None` when nothing is.
+    pub fn release_of(&self, pod: &ObjectName) -> Option<StagePodRelease> {
+        let delete_pod = self.pods.iter().any(|cached| {
+            &object_name(cached.as_ref()) == pod && cached.metadata.deletion_timestamp.is_none()
+        });
+        let role = self
+            .roles
+            .iter()
+            .find(|role| &object_name(role.as_ref()) == pod);
+        (delete_pod || role.is_some()).then(|| StagePodRelease {
+            pod: pod.clone(),
+            delete_pod,
+            delete_access: role.is_some(),
+            role_uid: role.and_then(|role| role.uid()),
+        })
+    }
+
+    /// The release of what the caches show is left of the object's stage
+    /// pods ([`StagingObservation::release_of`]), each released once: not
+    /// those `deciding` (this reconcile's other actions) releases already,
+    /// nor the pods it deletes (their access is released).
+    pub fn release_left(&self, deciding: &[Action]) -> Vec<Action> {
+        let mut released = BTreeSet::new();
+        let mut deleted = BTreeSet::new();
+        for action in deciding {
+            match action {
+                Action::ReleaseStagePod(release) => {
+                    released.insert(&release.pod);
+                }
+                Action::DeletePod { pod, .. } => {
+                    deleted.insert(pod);
+                }
+                _ => {}
+            }
+        }
+        let names: BTreeSet<ObjectName> = self
+            .pods
+            .iter()
+            .map(|pod| object_name(pod.as_ref()))
+            .chain(self.roles.iter().map(|role| object_name(role.as_ref())))
+            .collect();
+        names
+            .iter()
+            .filter(|name| !released.contains(name))
+            .filter_map(|name| self.release_of(name))
+            .filter_map(|mut release| {
+                if deleted.contains(&release.pod) {
+                    release.delete_pod = false;
+                }
+                (release.delete_pod || release.delete_access).then_some(release)
+            })
+            .map(Action::ReleaseStagePod)
+            .collect()
     }
 
     /// The supervision of the object's stage pods ([`supervise_stage_pods`]):
@@ -304,7 +364,7 @@ impl StagingObservation {
                 }),
             })
             .collect();
-        actions.extend(self.release_all(plan));
+        actions.extend(self.release_by_plan(plan));
         actions.extend(
             self.transfers
                 .iter()
@@ -312,6 +372,11 @@ impl StagingObservation {
         );
         actions
     }
+}
+
+/// `namespace/name` of a namespaced object.
+fn object_name(object: &impl ResourceExt) -> ObjectName {
+    ObjectName::new(object.namespace().unwrap_or_default(), object.name_any())
 }
 
 /// The status of an object whose volumes are staged: a VolumeBackup's or
@@ -424,12 +489,14 @@ pub fn status_to_write<S: StagedStatus>(
 
 /// What follows the write of `status` once it is final (`old`: the
 /// status this reconcile started from): the finish Event, when it just
-/// became final, and the release of every stage pod. `done` says what
-/// happened to a completed volume (`completed`, `restored`).
+/// became final, and the release of what is left of the stage pods but
+/// what `deciding` (this reconcile's actions) releases or deletes already
+/// ([`StagingObservation::release_left`]). `done` says what happened to a
+/// completed volume (`completed`, `restored`).
 pub fn after_final_status<S: StagedStatus>(
     staging: &StagingObservation,
-    old: &S,
-    status: &S,
+    (old, status): (&S, &S),
+    deciding: &[Action],
     done: &str,
 ) -> Vec<Action> {
     let Some(phase) = status.final_phase() else {
@@ -451,6 +518,6 @@ pub fn after_final_status<S: StagedStatus>(
             Event::warning(format!("{phase:?}"), "Finish", note)
         }));
     }
-    after_status.extend(staging.release_all(status.plan()));
+    after_status.extend(staging.release_left(deciding));
     after_status
 }

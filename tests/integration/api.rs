@@ -544,6 +544,7 @@ async fn the_controller_and_agents_get_what_they_need_and_no_more() -> anyhow::R
         &["create", "pods", "-n", "shop"],
         &["delete", "pods", "-n", "shop"],
         &["watch", "pods", "-A"],
+        &["watch", "roles.rbac.authorization.k8s.io", "-A"],
         &["list", "persistentvolumeclaims", "-A"],
         // A restore creates its destination claims, labels them, and hands
         // a ReadOnlyMany one back by replacing its ReadWriteOnce claim

@@ -28,6 +28,7 @@ use serde_json::json;
 use crate::engine::support::{
     assert_same_tree, haulage, make_fifo, random_bytes, set_xattr, write_sparse_file,
 };
+use crate::support::audit;
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
     create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
@@ -80,6 +81,7 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     let fixture = Fixture::builder()
         .volume_bytes(2 << 20)
         .provisioning()
+        .audited()
         .start()
         .await?;
     let client = &fixture.client;
@@ -202,6 +204,11 @@ async fn a_volume_restore_restores_a_backups_snapshots_into_new_claims_verified_
     assert!(sparse.blocks() * 512 < 1 << 20, "restored dense");
 
     no_leftovers(client).await?;
+    // The backup's and the restore's stage pods were each released once:
+    // no pod, RoleBinding, Role or credentials copy deleted twice.
+    let controller = audit::service_account(SYSTEM_NAMESPACE, "haulage-controller");
+    let repeated = audit::deleted_more_than_once(&fixture.cluster.audit_requests()?, &controller);
+    assert!(repeated.is_empty(), "deleted more than once: {repeated:#?}");
     fixture.stop().await;
     Ok(())
 }

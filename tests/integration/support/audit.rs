@@ -47,6 +47,29 @@ pub fn select(
         .collect()
 }
 
+/// The objects of a stage pod's release (pods, RoleBindings, Roles,
+/// Secrets: the credentials copies) that `user` asked to delete more than
+/// once among `requests`, each with its count: `resource ns/name` →
+/// deletes. A release decided once per stage pod leaves this empty.
+pub fn deleted_more_than_once(requests: &[Request], user: &str) -> BTreeMap<String, usize> {
+    let mut deletes: BTreeMap<String, usize> = BTreeMap::new();
+    for request in requests.iter().filter(|request| {
+        request.user == user
+            && request.verb == "delete"
+            && ["pods", "rolebindings", "roles", "secrets"].contains(&request.resource.as_str())
+    }) {
+        let object = format!(
+            "{} {}/{}",
+            request.resource,
+            request.namespace.as_deref().unwrap_or_default(),
+            request.name.as_deref().unwrap_or_default()
+        );
+        *deletes.entry(object).or_default() += 1;
+    }
+    deletes.retain(|_, count| *count > 1);
+    deletes
+}
+
 /// One request as the API server saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Request {
