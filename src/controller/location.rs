@@ -74,7 +74,7 @@ pub fn problem_of(cause: FailureCause) -> ProbeProblem {
         FailureCause::BucketNotFound => ProbeProblem::BucketNotFound,
         FailureCause::WrongRegion => ProbeProblem::RegionMismatch,
         FailureCause::ClockSkew => ProbeProblem::ClockSkew,
-        FailureCause::ServerError => ProbeProblem::ServerError,
+        FailureCause::ServerError | FailureCause::Throttled => ProbeProblem::ServerError,
         FailureCause::Other => ProbeProblem::Other,
     }
 }

@@ -134,8 +134,11 @@ pub enum FailureCause {
     WrongRegion,
     /// The server refused requests because the clocks disagree.
     ClockSkew,
-    /// The server answered with an internal error or throttled the request.
+    /// The server answered with an internal error.
     ServerError,
+    /// The server throttled the request (503 SlowDown, 429): it asks the
+    /// client to slow down, not to give up.
+    Throttled,
 }
 
 impl StoreError {

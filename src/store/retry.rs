@@ -5,7 +5,13 @@
 //! `Permanent` come back at once, so a wrong bucket or bad credentials fail
 //! fast instead of turning into a retry storm. The budget is bounded twice:
 //! by attempts and by total elapsed time (a backoff that would end past the
-//! deadline is not started). The S3 backend switches the SDK's own retries
+//! deadline is not started). A throttled attempt ([`FailureCause::Throttled`]:
+//! 503 SlowDown, 429) does not count against the attempts, up to
+//! [`THROTTLED_ATTEMPTS_FACTOR`] times them: the server asks the client to
+//! slow down, which the growing backoff does, and a store that throttles a
+//! share of its requests (as S3 does under load) must not fail a transfer
+//! by the luck of a few throttled retries in a row; the elapsed time still
+//! bounds it. The S3 backend switches the SDK's own retries
 //! off, so this wrapper is the only place requests are repeated and the one
 //! place the budget is set: the classification is ours (a `Transient`
 //! error from any backend), and attempts do not multiply across two layers.
@@ -23,10 +29,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
-use super::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport};
+use super::{DynStore, FailureCause, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport};
 
 /// Default number of attempts, the first one included.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 6;
+/// How many times the attempts a throttled operation may make, in all.
+pub const THROTTLED_ATTEMPTS_FACTOR: u32 = 4;
 /// Default backoff before the second attempt; it doubles each time.
 pub const DEFAULT_INITIAL_BACKOFF_MILLISECONDS: u64 = 200;
 /// Default ceiling of one backoff.
@@ -93,6 +101,7 @@ impl RetryStore {
     {
         let started = Instant::now();
         let mut attempts = 0u32;
+        let mut throttled = 0u32;
         loop {
             attempts += 1;
             let error = match attempt().await {
@@ -100,8 +109,14 @@ impl RetryStore {
                 Err(error) if error.is_transient() => error,
                 Err(error) => return Err(error),
             };
+            if error.cause() == FailureCause::Throttled {
+                throttled += 1;
+            }
             let delay = self.policy.backoff(attempts - 1);
-            let out_of_attempts = attempts >= self.policy.max_attempts;
+            let max_attempts = self.policy.max_attempts;
+            let out_of_attempts = max_attempts <= 1
+                || attempts - throttled >= max_attempts
+                || attempts >= max_attempts.saturating_mul(THROTTLED_ATTEMPTS_FACTOR);
             let out_of_time = started.elapsed() + delay > self.policy.max_elapsed;
             if out_of_attempts || out_of_time {
                 return Err(give_up(error, attempts, started.elapsed()));
@@ -212,6 +227,7 @@ mod tests {
         calls: AtomicU32,
         failures: u32,
         transient: bool,
+        cause: FailureCause,
     }
 
     impl FlakyStore {
@@ -220,6 +236,16 @@ mod tests {
                 calls: AtomicU32::new(0),
                 failures,
                 transient,
+                cause: FailureCause::Other,
+            })
+        }
+
+        fn throttling(failures: u32) -> Arc<Self> {
+            Arc::new(FlakyStore {
+                calls: AtomicU32::new(0),
+                failures,
+                transient: true,
+                cause: FailureCause::Throttled,
             })
         }
 
@@ -240,7 +266,7 @@ mod tests {
                     operation,
                     key,
                     message,
-                    cause: crate::store::FailureCause::Other,
+                    cause: self.cause,
                 }
             } else {
                 StoreError::Permanent {
@@ -286,6 +312,30 @@ mod tests {
             max_backoff: Duration::from_secs(2),
             max_elapsed: Duration::from_secs(max_elapsed_seconds),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn throttled_attempts_do_not_count_against_the_attempts_up_to_four_times_them() {
+        // 8 throttled answers in a row (a 20 % share does that now and
+        // then over many requests): the ninth attempt succeeds with 6
+        // attempts allowed; as many other transient failures fail it.
+        let inner = FlakyStore::throttling(8);
+        let store = RetryStore::new(inner.clone(), policy(6, 60));
+        store.get("k", None).await.expect("throttled, then served");
+        assert_eq!(inner.calls(), 9);
+        let inner = FlakyStore::new(8, true);
+        let store = RetryStore::new(inner.clone(), policy(6, 60));
+        store.get("k", None).await.expect_err("out of attempts");
+        assert_eq!(inner.calls(), 6);
+        // Bounded: at most four times the attempts, and the elapsed time.
+        let inner = FlakyStore::throttling(100);
+        let store = RetryStore::new(inner.clone(), policy(6, 3600));
+        let error = store.get("k", None).await.expect_err("bounded");
+        assert_eq!(inner.calls(), 24, "{error}");
+        let inner = FlakyStore::throttling(100);
+        let store = RetryStore::new(inner.clone(), policy(1, 60));
+        store.get("k", None).await.expect_err("1 attempt: no retry");
+        assert_eq!(inner.calls(), 1);
     }
 
     #[tokio::test(start_paused = true)]

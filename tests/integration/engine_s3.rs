@@ -1,7 +1,8 @@
 //! The engine over `s3://` against a real MinIO server, through the
 //! `haulage` binary with the standard `AWS_*` variables, as a user runs it:
 //! a byte-identical round trip, a server stopped mid-backup, connections cut
-//! mid-upload, a cancelled backup, and a restore that reads each pack once.
+//! mid-upload, 503 SlowDown for a fifth of the requests and a silent
+//! server, a cancelled backup, and a restore that reads each pack once.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -394,6 +395,52 @@ async fn connections_cut_mid_upload_never_make_a_corrupt_object_visible() {
     assert_packs_whole_and_each_blob_stored_once(&server).await;
     verify_and_restore(&server, &summary, &source, dir.path());
     assert_no_multipart_upload_pending(&server, "the backups").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_store_that_throttles_a_fifth_of_its_requests_slows_backup_and_restore_but_fails_neither()
+{
+    let server = server_with_bucket().await;
+    let proxy = proxy_in_front_of(&server).await;
+    let (dir, source) = initialised_repo_and_source(&server, 4, 12 << 20);
+    // One request in five answered 503 SlowDown for the whole backup and
+    // restore, as S3 answers a client above its request rate.
+    proxy.slow_down(0.2);
+    let summary = backup_json(&proxy.endpoint(), &source);
+    let backup_requests = proxy.requests();
+    let backup_slow_downs = proxy.slow_downs();
+    // The restore also waits out a server that answers nothing for 3 s and
+    // then answers slowly.
+    proxy.go_silent_for(Duration::from_secs(3));
+    proxy.delay_requests(Duration::from_millis(20));
+    let target = dir.path().join("restored-throttled");
+    let restored = haulage_at(&proxy.endpoint())
+        .args([
+            "restore",
+            snapshot_id(&summary),
+            "--no-progress",
+            "--repo",
+            &repo_url(),
+        ])
+        .arg(&target)
+        .output()
+        .expect("run haulage restore");
+    assert_success(&restored, "restore through the throttling proxy");
+    assert_same_tree(&source, &target);
+    println!(
+        "backup: {backup_slow_downs} of {backup_requests} requests answered 503 SlowDown; \
+         restore: {} of {}",
+        proxy.slow_downs() - backup_slow_downs,
+        proxy.requests() - backup_requests
+    );
+    // Every fifth request, the retries included.
+    assert!(backup_slow_downs > 0);
+    assert_eq!(backup_slow_downs, backup_requests / 5);
+    assert_eq!(proxy.slow_downs(), proxy.requests() / 5);
+    assert!(proxy.slow_downs() > backup_slow_downs);
+    assert_packs_whole_and_each_blob_stored_once(&server).await;
+    verify_and_restore(&server, &summary, &source, dir.path());
+    assert_no_multipart_upload_pending(&server, "the throttled backup").await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
