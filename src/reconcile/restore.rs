@@ -972,18 +972,8 @@ fn roll_up(
 /// left of each ([`StagingObservation::release_of`]).
 fn release_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
     let staging = &observation.staging;
-    let names: BTreeSet<ObjectName> = staging
-        .pods
-        .iter()
-        .map(|pod| ObjectName::new(pod.namespace().unwrap_or_default(), pod.name_any()))
-        .chain(
-            staging
-                .roles
-                .iter()
-                .map(|role| ObjectName::new(role.namespace().unwrap_or_default(), role.name_any())),
-        )
-        .collect();
-    names
+    staging
+        .stage_pod_names()
         .iter()
         .filter(|name| {
             let of_pod = transfers_of(&staging.transfers, &name.namespace, &name.name);

@@ -214,6 +214,16 @@ impl StagingObservation {
         })
     }
 
+    /// The names of the object's stage pods the caches show something of:
+    /// the pod or its Role.
+    pub fn stage_pod_names(&self) -> BTreeSet<ObjectName> {
+        self.pods
+            .iter()
+            .map(|pod| object_name(pod.as_ref()))
+            .chain(self.roles.iter().map(|role| object_name(role.as_ref())))
+            .collect()
+    }
+
     /// The release of what the caches show is left of the object's stage
     /// pods ([`StagingObservation::release_of`]), each released once: not
     /// those `deciding` (this reconcile's other actions) releases already,
@@ -232,13 +242,7 @@ impl StagingObservation {
                 _ => {}
             }
         }
-        let names: BTreeSet<ObjectName> = self
-            .pods
-            .iter()
-            .map(|pod| object_name(pod.as_ref()))
-            .chain(self.roles.iter().map(|role| object_name(role.as_ref())))
-            .collect();
-        names
+        self.stage_pod_names()
             .iter()
             .filter(|name| !released.contains(name))
             .filter_map(|name| self.release_of(name))

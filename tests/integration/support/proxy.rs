@@ -65,6 +65,20 @@ struct Control {
 }
 
 impl Control {
+    /// No fault, nothing counted.
+    fn new() -> Self {
+        Control {
+            fault: Mutex::new(Fault::None),
+            requests: Mutex::new(RequestFaults::default()),
+            uploaded: AtomicU64::new(0),
+            connections: Mutex::new(CancellationToken::new()),
+            resumed: Notify::new(),
+            cuts: AtomicU64::new(0),
+            request_count: AtomicU64::new(0),
+            slow_downs: AtomicU64::new(0),
+        }
+    }
+
     fn fault(&self) -> Fault {
         *self
             .fault
@@ -123,16 +137,7 @@ impl FaultProxy {
     pub async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let address = listener.local_addr()?;
-        let control = Arc::new(Control {
-            fault: Mutex::new(Fault::None),
-            requests: Mutex::new(RequestFaults::default()),
-            uploaded: AtomicU64::new(0),
-            connections: Mutex::new(CancellationToken::new()),
-            resumed: Notify::new(),
-            cuts: AtomicU64::new(0),
-            request_count: AtomicU64::new(0),
-            slow_downs: AtomicU64::new(0),
-        });
+        let control = Arc::new(Control::new());
         let shutdown = CancellationToken::new();
         let accept_control = control.clone();
         let accept_shutdown = shutdown.clone();
@@ -473,19 +478,8 @@ mod tests {
 
     #[test]
     fn a_share_of_requests_is_spread_evenly() {
-        let control = Control {
-            fault: Mutex::new(Fault::None),
-            requests: Mutex::new(RequestFaults {
-                slow_down_share: 0.2,
-                ..RequestFaults::default()
-            }),
-            uploaded: AtomicU64::new(0),
-            connections: Mutex::new(CancellationToken::new()),
-            resumed: Notify::new(),
-            cuts: AtomicU64::new(0),
-            request_count: AtomicU64::new(0),
-            slow_downs: AtomicU64::new(0),
-        };
+        let control = Control::new();
+        control.change_request_faults(|faults| faults.slow_down_share = 0.2);
         let slowed: Vec<u64> = (1..=20).filter(|n| control.slows_down(*n)).collect();
         assert_eq!(slowed, [5, 10, 15, 20]);
     }
