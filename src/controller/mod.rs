@@ -799,6 +799,26 @@ impl CacheStart<'_> {
         );
     }
 
+    /// Start the cache of the objects of `kind` in every namespace that are
+    /// labelled as managed by haulage.
+    fn spawn_managed<K>(&mut self, kind: &'static str, writer: reflector::store::Writer<K>)
+    where
+        K: Cached + kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    {
+        let api = Api::<K>::all(self.client.clone());
+        self.spawn(
+            kind,
+            api,
+            watcher::Config::default().labels(&format!(
+                "{}={}",
+                crate::api::labels::MANAGED_BY_LABEL,
+                crate::api::labels::MANAGED_BY
+            )),
+            writer,
+            None,
+        );
+    }
+
     /// [`CacheStart::spawn`] of every `K` in the cluster, into `writer`,
     /// with the watcher's default configuration.
     fn spawn_all<K: Cached>(&mut self, kind: &'static str, writer: reflector::store::Writer<K>)
@@ -859,17 +879,7 @@ impl CacheStart<'_> {
         let classes = self.cluster(cache::CLASSES);
 
         let (roles, roles_writer) = reflector::store();
-        self.spawn(
-            cache::ROLES,
-            Api::<Role>::all(client.clone()),
-            watcher::Config::default().labels(&format!(
-                "{}={}",
-                crate::api::labels::MANAGED_BY_LABEL,
-                crate::api::labels::MANAGED_BY
-            )),
-            roles_writer,
-            None,
-        );
+        self.spawn_managed(cache::ROLES, roles_writer);
         let (leases, leases_writer) = reflector::store();
         self.spawn(
             cache::LEASES,
@@ -904,7 +914,6 @@ impl CacheStart<'_> {
     /// VolumeBackups, VolumeRestores and BackupStorageLocations of the
     /// controller's namespace, and haulage's VolumeTransfers everywhere.
     fn haulage_caches(&mut self) -> Result<HaulageCaches, RunError> {
-        let client = self.client;
         let (backups, backups_writer) = reflector::store_shared::<VolumeBackup>(SUBSCRIBER_BUFFER);
         let (locations, locations_writer) =
             reflector::store_shared::<BackupStorageLocation>(SUBSCRIBER_BUFFER);
@@ -958,17 +967,7 @@ impl CacheStart<'_> {
         self.spawn_namespaced(cache::BACKUPS, backups_writer, None);
         self.spawn_namespaced(cache::RESTORES, restores_writer, None);
         self.spawn_namespaced(cache::LOCATIONS, locations_writer, Some(location_deletions));
-        self.spawn(
-            cache::TRANSFERS,
-            Api::<VolumeTransfer>::all(client.clone()),
-            watcher::Config::default().labels(&format!(
-                "{}={}",
-                crate::api::labels::MANAGED_BY_LABEL,
-                crate::api::labels::MANAGED_BY
-            )),
-            transfers_writer,
-            None,
-        );
+        self.spawn_managed(cache::TRANSFERS, transfers_writer);
         Ok(caches)
     }
 }

@@ -969,19 +969,19 @@ fn roll_up(
 /// Release the stage pods whose volumes are all final (so each claim is
 /// free for its hand-back, no agent lingers and no copy of the location's
 /// credentials stays longer than needed), with what the caches show is
-/// left of each ([`StagingObservation::release_of`]).
-fn release_finished_pods(observation: &RestoreObservation) -> Vec<Action> {
+/// left of each, but what `deciding` (this reconcile's supervision)
+/// releases or deletes already ([`StagingObservation::release_among`]).
+fn release_finished_pods(observation: &RestoreObservation, deciding: &[Action]) -> Vec<Action> {
     let staging = &observation.staging;
-    staging
+    let finished: BTreeSet<ObjectName> = staging
         .stage_pod_names()
-        .iter()
+        .into_iter()
         .filter(|name| {
             let of_pod = transfers_of(&staging.transfers, &name.namespace, &name.name);
             !of_pod.is_empty() && of_pod.iter().all(|transfer| transfer.phase().is_final())
         })
-        .filter_map(|name| staging.release_of(name))
-        .map(Action::ReleaseStagePod)
-        .collect()
+        .collect();
+    staging.release_among(&finished, deciding)
 }
 
 /// The storage location of a restore and its state: the one recorded with
@@ -1260,14 +1260,8 @@ fn stage(
     let selection = status.selection.clone();
     let mut actions = stage_pods_to_create(observation, owner, plan, &selection, location);
     let (supervision, backoff) = observation.staging.supervise(&conditions.now);
-    let releases = release_finished_pods(observation);
-    // A pod the supervision stops is released whole instead.
-    actions.extend(supervision.into_iter().filter(|action| {
-        !matches!(action, Action::DeletePod { pod, replaced_uid: None }
-        if releases.iter().any(|release| {
-            matches!(release, Action::ReleaseStagePod(release) if &release.pod == pod)
-        }))
-    }));
+    let releases = release_finished_pods(observation, &supervision);
+    actions.extend(supervision);
     actions.extend(releases);
     let unfinished = finish_volumes(observation, &selection, owner, &mut actions);
     roll_up(status, observation, &unfinished, conditions);

@@ -225,10 +225,16 @@ impl StagingObservation {
     }
 
     /// The release of what the caches show is left of the object's stage
-    /// pods ([`StagingObservation::release_of`]), each released once: not
-    /// those `deciding` (this reconcile's other actions) releases already,
-    /// nor the pods it deletes (their access is released).
+    /// pods ([`StagingObservation::release_among`] of them all).
     pub fn release_left(&self, deciding: &[Action]) -> Vec<Action> {
+        self.release_among(&self.stage_pod_names(), deciding)
+    }
+
+    /// The release of what the caches show is left of the stage pods
+    /// `names` ([`StagingObservation::release_of`]), each released once:
+    /// not those `deciding` (this reconcile's other actions) releases
+    /// already, nor the pods it deletes (their access is released).
+    pub fn release_among(&self, names: &BTreeSet<ObjectName>, deciding: &[Action]) -> Vec<Action> {
         let mut released = BTreeSet::new();
         let mut deleted = BTreeSet::new();
         for action in deciding {
@@ -242,7 +248,7 @@ impl StagingObservation {
                 _ => {}
             }
         }
-        self.stage_pod_names()
+        names
             .iter()
             .filter(|name| !released.contains(name))
             .filter_map(|name| self.release_of(name))
