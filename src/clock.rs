@@ -15,6 +15,11 @@ pub fn now_micro() -> MicroTime {
     MicroTime(Timestamp::now())
 }
 
+/// A wall-clock time, as the API's `Time` (the epoch when out of range).
+pub fn time_of(at: std::time::SystemTime) -> Time {
+    Time(Timestamp::try_from(at).unwrap_or(Timestamp::UNIX_EPOCH))
+}
+
 /// Now, as a timestamp.
 pub fn timestamp() -> Timestamp {
     Timestamp::now()

@@ -102,6 +102,13 @@ struct TransfersArguments {
     /// Requests to the store at once (the BSL's cap).
     #[arg(long)]
     max_concurrent_requests: Option<usize>,
+    /// Fail a volume once the storage location has not answered for this
+    /// many seconds (the backup's or restore's
+    /// `failAfterUnavailableSeconds`); until then, and without it, an
+    /// outage longer than the retry budget pauses the volumes, which
+    /// resume by themselves when the location answers.
+    #[arg(long)]
+    fail_after_unavailable_seconds: Option<u64>,
     /// This pod's name (downward API).
     #[arg(long, env = "POD_NAME")]
     pod_name: String,
@@ -246,7 +253,14 @@ async fn serve_metrics(
 async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode> {
     let cancel = cancel_on_sigterm()?;
     let upload_wait = haulage::store::limits::WaitTime::default();
-    let agent_metrics = Arc::new(metrics::AgentMetrics::new(upload_wait.clone()));
+    let storage = transfers::StorageWatch {
+        outage: haulage::store::outage::Outage::default(),
+        give_up_after_seconds: arguments.fail_after_unavailable_seconds,
+    };
+    let agent_metrics = Arc::new(metrics::AgentMetrics::new(
+        upload_wait.clone(),
+        storage.outage.clone(),
+    ));
     // Stops with the process, not with SIGTERM: a last scrape during the
     // shutdown still sees the final counters.
     serve_metrics(
@@ -257,6 +271,12 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
     .await;
     let mut options = StoreOptions {
         upload_wait: Some(upload_wait),
+        outages: Some(haulage::store::outage::OutageWait::new(
+            storage.outage.clone(),
+            arguments
+                .fail_after_unavailable_seconds
+                .map(Duration::from_secs),
+        )),
         ..StoreOptions::default()
     };
     options.s3.endpoint = arguments.endpoint.clone();
@@ -287,6 +307,7 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         data_root: arguments.data_root,
         parallelism: arguments.parallel_volumes,
         progress_interval: Duration::from_secs(arguments.progress_interval.max(1)),
+        storage,
     };
     match transfers::run(assignment, repository, client, agent_metrics, cancel).await {
         Ok(()) => Ok(ExitCode::SUCCESS),

@@ -13,6 +13,7 @@ use haulage::api::transfer::TransferDirection;
 use haulage::engine::progress::Progress;
 use haulage::metrics::{NoLabels, Response, Series, encode_counters, encode_gauges};
 use haulage::store::limits::WaitTime;
+use haulage::store::outage::Outage;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::Registry;
@@ -60,6 +61,21 @@ pub const THROTTLE_WAIT: Series = Series {
     name: "haulage_agent_throttle_wait_seconds",
     help: "Seconds spent waiting on a rate limiter, summed over concurrent waiters; limiter upload is the storage location's upload cap, read and write the bandwidth granted to the backups and the restores",
 };
+/// `haulage_agent_storage_unavailable`.
+pub const STORAGE_UNAVAILABLE: Series = Series {
+    name: "haulage_agent_storage_unavailable",
+    help: "1 while the storage location does not answer and the agent's volumes wait for it, else 0",
+};
+/// `haulage_agent_storage_outages_total`.
+pub const STORAGE_OUTAGES: Series = Series {
+    name: "haulage_agent_storage_outages",
+    help: "Outages of the storage location longer than the retry budget, waited out by this agent process",
+};
+/// `haulage_agent_storage_unavailable_seconds_total`.
+pub const STORAGE_UNAVAILABLE_SECONDS: Series = Series {
+    name: "haulage_agent_storage_unavailable_seconds",
+    help: "Seconds this agent process's volumes waited for the storage location to answer again",
+};
 /// `haulage_agent_transfers`.
 pub const TRANSFERS: Series = Series {
     name: "haulage_agent_transfers",
@@ -104,6 +120,7 @@ struct AgentCollector {
     upload_wait: WaitTime,
     read_wait: WaitTime,
     write_wait: WaitTime,
+    outage: Outage,
 }
 
 impl Collector for AgentCollector {
@@ -176,6 +193,21 @@ impl Collector for AgentCollector {
                 ),
             ],
         )?;
+        encode_gauges(
+            &mut encoder,
+            STORAGE_UNAVAILABLE,
+            [(NoLabels, u64::from(self.outage.current().is_some()))],
+        )?;
+        encode_counters(
+            &mut encoder,
+            STORAGE_OUTAGES,
+            [(NoLabels, self.outage.outages())],
+        )?;
+        encode_counters(
+            &mut encoder,
+            STORAGE_UNAVAILABLE_SECONDS,
+            [(NoLabels, self.outage.unavailable().as_secs_f64())],
+        )?;
         Ok(())
     }
 }
@@ -191,8 +223,9 @@ pub struct AgentMetrics {
 
 impl AgentMetrics {
     /// Metrics exporting the upload cap's waiting recorded into
-    /// `upload_wait`.
-    pub fn new(upload_wait: WaitTime) -> Self {
+    /// `upload_wait` and the storage location's outages recorded into
+    /// `outage`.
+    pub fn new(upload_wait: WaitTime, outage: Outage) -> Self {
         let transfers = Transfers::default();
         let read_wait = WaitTime::default();
         let write_wait = WaitTime::default();
@@ -202,6 +235,7 @@ impl AgentMetrics {
             upload_wait,
             read_wait: read_wait.clone(),
             write_wait: write_wait.clone(),
+            outage,
         }));
         AgentMetrics {
             registry,
@@ -274,7 +308,7 @@ mod tests {
     #[test]
     fn a_scrape_reads_the_live_engine_counters_and_the_waits() {
         let upload_wait = WaitTime::default();
-        let metrics = AgentMetrics::new(upload_wait.clone());
+        let metrics = AgentMetrics::new(upload_wait.clone(), Outage::default());
         let progress = Arc::new(Progress::default());
         metrics.track("shop", "db", TransferDirection::Upload, progress.clone());
         let restoring = Arc::new(Progress::default());
@@ -298,6 +332,8 @@ mod tests {
             "# TYPE haulage_agent_bytes_uploaded_total counter",
             "haulage_agent_transfers 2",
             "haulage_agent_bytes_written_total{namespace=\"shop-b\",pvc=\"db\"} 777",
+            "haulage_agent_storage_unavailable 0",
+            "haulage_agent_storage_outages_total 0",
         ] {
             assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");
         }

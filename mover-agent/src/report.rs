@@ -14,6 +14,7 @@ use haulage::api::{Progress, VolumeTransferPhase, VolumeTransferStatus};
 use haulage::engine::progress::ProgressSnapshot;
 use haulage::engine::restore::RestoreOutcome;
 use haulage::engine::verify_tree::TreeVerification;
+use haulage::store::outage::{EndedOutage, OutageReport};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 fn signed(value: u64) -> i64 {
@@ -102,6 +103,58 @@ pub fn progress_status(progress: Progress, agent: AgentClaim) -> VolumeTransferS
         agent: Some(agent),
         ..VolumeTransferStatus::default()
     }
+}
+
+/// What the agent knows of its storage location's outages when it
+/// reports ([`haulage::store::outage::Outage`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StorageSeen {
+    /// The outage going on now.
+    pub current: Option<OutageReport>,
+    /// The latest outage that ended.
+    pub last_ended: Option<EndedOutage>,
+    /// The transfer's `failAfterUnavailableSeconds`.
+    pub give_up_after_seconds: Option<u64>,
+}
+
+/// The `StorageAvailable` condition of a transfer's reports: `False` while
+/// the location does not answer (the volume paused, since when, the latest
+/// error, when it gives up), `True` once it answers again after an outage
+/// (how long it lasted), none when there was no outage.
+pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<Condition> {
+    if let Some(current) = &seen.current {
+        let limit = match seen.give_up_after_seconds {
+            Some(seconds) => {
+                format!("the volume fails if it lasts {seconds}s (failAfterUnavailableSeconds)")
+            }
+            None => "it waits as long as it takes (no failAfterUnavailableSeconds)".to_string(),
+        };
+        let message = format!(
+            "the storage location has not answered for {}s: {}; the volume is paused, what it stored is kept, and it resumes by itself when the location answers; {limit}",
+            current.lasted.as_secs(),
+            current.error
+        );
+        return Some(Condition::new(
+            condition_type::STORAGE_AVAILABLE,
+            ConditionStatus::False,
+            reason::STORAGE_LOCATION_UNAVAILABLE,
+            &message,
+            generation,
+            haulage::clock::time_of(current.since),
+        ));
+    }
+    let ended = seen.last_ended.as_ref()?;
+    Some(Condition::new(
+        condition_type::STORAGE_AVAILABLE,
+        ConditionStatus::True,
+        reason::STORAGE_LOCATION_AVAILABLE,
+        &format!(
+            "the storage location answers again after an outage of {}s; the volume resumed where it was",
+            ended.lasted.as_secs()
+        ),
+        generation,
+        haulage::clock::time_of(ended.since + ended.lasted),
+    ))
 }
 
 /// What a finished backup of a volume produced.
@@ -480,6 +533,47 @@ mod tests {
             generation: Some(1),
             time: at(5),
         }
+    }
+
+    #[test]
+    fn an_outage_is_a_storage_condition_false_while_it_lasts_and_true_once_it_ended() {
+        use std::time::{Duration, UNIX_EPOCH};
+        assert_eq!(storage_condition(&StorageSeen::default(), Some(1)), None);
+        let since = UNIX_EPOCH + Duration::from_secs(1_800_000_000);
+        let mut seen = StorageSeen {
+            current: Some(OutageReport {
+                since,
+                lasted: Duration::from_secs(75),
+                error: "connection refused".to_string(),
+            }),
+            last_ended: None,
+            give_up_after_seconds: Some(600),
+        };
+        let paused = storage_condition(&seen, Some(1)).expect("during the outage");
+        assert_eq!(paused.type_, condition_type::STORAGE_AVAILABLE);
+        assert_eq!(paused.status, ConditionStatus::False);
+        assert_eq!(paused.reason, reason::STORAGE_LOCATION_UNAVAILABLE);
+        assert_eq!(paused.last_transition_time, at(0), "since the outage began");
+        for part in ["75s", "connection refused", "paused", "600s"] {
+            assert!(paused.message.contains(part), "{part}: {}", paused.message);
+        }
+        seen.give_up_after_seconds = None;
+        let paused = storage_condition(&seen, Some(1)).expect("during the outage");
+        assert!(
+            paused.message.contains("as long as it takes"),
+            "{}",
+            paused.message
+        );
+        seen.current = None;
+        seen.last_ended = Some(EndedOutage {
+            since,
+            lasted: Duration::from_secs(90),
+        });
+        let back = storage_condition(&seen, Some(1)).expect("after the outage");
+        assert_eq!(back.status, ConditionStatus::True);
+        assert_eq!(back.reason, reason::STORAGE_LOCATION_AVAILABLE);
+        assert_eq!(back.last_transition_time, at(90), "since it ended");
+        assert!(back.message.contains("90s"), "{}", back.message);
     }
 
     #[test]

@@ -34,6 +34,7 @@ use haulage::engine::restore::{LoadedSnapshot, RestoreOptions, restore_loaded};
 use haulage::engine::throttle::{ByteRate, Throttle};
 use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree_loaded};
 use haulage::repo::lock::LockKind;
+use haulage::store::outage::Outage;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -44,9 +45,9 @@ use tracing::{info, warn};
 
 use crate::metrics::AgentMetrics;
 use crate::report::{
-    BackupFigures, Ending, RestoreFigures, RestoreVerdict, agent_claim, claim_status,
+    BackupFigures, Ending, RestoreFigures, RestoreVerdict, StorageSeen, agent_claim, claim_status,
     completed_status, failed_status, next_progress, progress_status, restore_verdict,
-    restored_status,
+    restored_status, storage_condition,
 };
 
 /// Hostname recorded in every snapshot the agent writes: stable across
@@ -73,6 +74,29 @@ pub struct Assignment {
     pub parallelism: usize,
     /// Least time between two progress writes of one transfer.
     pub progress_interval: Duration,
+    /// The storage location's outages, as the agent's store waits them out.
+    pub storage: StorageWatch,
+}
+
+/// What the agent's reports say of its storage location's outages: the
+/// state its store records them into ([`Outage`]), and how long it waits.
+#[derive(Debug, Clone, Default)]
+pub struct StorageWatch {
+    /// Shared with the store that waits outages out.
+    pub outage: Outage,
+    /// `failAfterUnavailableSeconds`, as the controller passed it.
+    pub give_up_after_seconds: Option<u64>,
+}
+
+impl StorageWatch {
+    /// What the reports say now.
+    pub fn seen(&self) -> StorageSeen {
+        StorageSeen {
+            current: self.outage.current(),
+            last_ended: self.outage.last_ended(),
+            give_up_after_seconds: self.give_up_after_seconds,
+        }
+    }
 }
 
 /// Something the agent could not do with a transfer.
@@ -551,6 +575,7 @@ impl VolumeRun {
             assignment.identity.clone(),
             claimed_at.clone(),
             assignment.progress_interval,
+            (assignment.storage.clone(), transfer.metadata.generation),
             volume_cancel.clone(),
         );
         let granted = granted_rate(transfer);
@@ -735,7 +760,22 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
     let Some(ending) = run.end(&claimed).await else {
         return Ok(());
     };
-    write_final_status(claimed.api, name, &moved.final_status(name, ending)).await
+    let generation = ending.generation;
+    let mut status = moved.final_status(name, ending);
+    let seen = assignment.storage.seen();
+    if seen.current.is_some() && assignment.storage.outage.gave_up() {
+        // Failed because the location stayed away past the limit.
+        for condition in &mut status.conditions {
+            if condition.type_ == haulage::api::condition::condition_type::FAILED {
+                condition.reason =
+                    haulage::api::condition::reason::STORAGE_UNAVAILABLE_TIMEOUT.to_string();
+            }
+        }
+    }
+    status
+        .conditions
+        .extend(storage_condition(&seen, generation));
+    write_final_status(claimed.api, name, &status).await
 }
 
 /// How long a transfer waits for the repository's shared lock while a
@@ -1022,7 +1062,9 @@ fn used_bytes(path: &std::path::Path) -> Option<u64> {
 }
 
 /// Report progress every `interval` until `stop`: the engine's counters,
-/// never below what was reported before, with the heartbeat.
+/// never below what was reported before, with the heartbeat, and the
+/// `StorageAvailable` condition once the storage location had an outage
+/// (for the transfer's generation).
 #[allow(
     clippy::too_many_arguments,
     reason = "the parts of one reporter, named"
@@ -1035,6 +1077,7 @@ fn spawn_reporter(
     identity: String,
     claimed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     interval: Duration,
+    (storage, generation): (StorageWatch, Option<i64>),
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
@@ -1048,10 +1091,13 @@ fn spawn_reporter(
             let elapsed = last_time.elapsed().as_secs_f64();
             last_time = Instant::now();
             let report = next_progress(&progress.snapshot(), last.as_ref(), elapsed);
-            let status = progress_status(
+            let mut status = progress_status(
                 report.clone(),
                 agent_claim(&identity, claimed_at.as_ref(), &now()),
             );
+            status
+                .conditions
+                .extend(storage_condition(&storage.seen(), generation));
             last = Some(report);
             let patch = haulage::api::status_apply::<VolumeTransfer>(&status);
             match api.patch_status(&name, &apply, &Patch::Apply(&patch)).await {

@@ -312,7 +312,9 @@ async fn delete_lock(repository: &Repository, key: &str) -> Result<(), EngineErr
 }
 
 /// Rewrite the lock every refresh interval (every 30 s after a failure);
-/// give up, cancelling `lost`, when its expiry is less than a minute away.
+/// give up, cancelling `lost`, when its expiry is less than a minute away
+/// (a write still waiting then, in a store waiting out an outage, is
+/// given up too).
 async fn refresh_loop(
     repository: Repository,
     key: String,
@@ -323,7 +325,20 @@ async fn refresh_loop(
     loop {
         tokio::time::sleep(pause).await;
         let refreshed = record.lock().expect("lock record").refreshed(unix_now());
-        match write_lock(&repository, &key, &refreshed).await {
+        // A store that waits out an outage would hold the write past the
+        // expiry: the write may take until a minute before it, no longer.
+        let expires = record.lock().expect("lock record").expires_seconds;
+        let time_left = Duration::from_secs((expires - 60 - unix_now()).max(0) as u64);
+        let written = match tokio::time::timeout(
+            time_left,
+            write_lock(&repository, &key, &refreshed),
+        )
+        .await
+        {
+            Ok(written) => written,
+            Err(_) => Err(EngineError::LockLost { key: key.clone() }),
+        };
+        match written {
             Ok(()) => {
                 *record.lock().expect("lock record") = refreshed;
                 pause = Duration::from_secs(LOCK_REFRESH_SECONDS);

@@ -345,6 +345,7 @@ fn stage_pods_to_create(
             Some(user_id) => BackupIdentity::NonRoot { user_id },
             None => BackupIdentity::Root,
         },
+        fail_after_unavailable_seconds: observation.backup.spec.fail_after_unavailable_seconds,
         ..staging.stage_pod_template(Operation::Backup, owner, location)
     };
     let credentials = credentials_copy(

@@ -51,7 +51,9 @@ use crate::claims::{
 };
 use crate::location::resolve_kept_location;
 use crate::ownership::{Decision, OwnerActs, Ownership};
-use crate::stage_pod::{Operation, Owner, TransferDetails, credentials_copy, status_plan};
+use crate::stage_pod::{
+    Operation, Owner, StagePodTemplate, TransferDetails, credentials_copy, status_plan,
+};
 use crate::staging::{StagingObservation, StatusStanding, after_final_status, status_to_write};
 use crate::supervision::transfers_of;
 
@@ -540,7 +542,10 @@ fn stage_pods_to_create(
     if missing.is_empty() {
         return Vec::new();
     }
-    let template = staging.stage_pod_template(Operation::Restore, owner, location);
+    let template = StagePodTemplate {
+        fail_after_unavailable_seconds: observation.restore.spec.fail_after_unavailable_seconds,
+        ..staging.stage_pod_template(Operation::Restore, owner, location)
+    };
     let credentials = credentials_copy(
         &location.spec,
         location_credentials,

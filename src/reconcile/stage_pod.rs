@@ -246,6 +246,10 @@ pub struct StagePodTemplate {
     pub pinning: Pinning,
     /// The storage location.
     pub location: LocationSettings,
+    /// The owner's `failAfterUnavailableSeconds`: the agent fails a volume
+    /// once the location has not answered this long, and waits as long as
+    /// it takes without it.
+    pub fail_after_unavailable_seconds: Option<i64>,
 }
 
 impl StagePodTemplate {
@@ -264,6 +268,7 @@ impl StagePodTemplate {
             backup_identity: BackupIdentity::Root,
             pinning: Pinning::RequiredNodeAffinity,
             location,
+            fail_after_unavailable_seconds: None,
         }
     }
 }
@@ -451,6 +456,21 @@ pub fn agent_arguments(location: &BackupStorageLocationSpec) -> Vec<String> {
         ]);
     }
     arguments
+}
+
+impl StagePodTemplate {
+    /// The agent's arguments in this template's stage pods: the location's
+    /// ([`agent_arguments`]) and how long the agent waits for it.
+    pub fn agent_arguments(&self) -> Vec<String> {
+        let mut arguments = agent_arguments(&self.location.spec);
+        if let Some(seconds) = self.fail_after_unavailable_seconds {
+            arguments.extend([
+                "--fail-after-unavailable-seconds".to_string(),
+                seconds.max(0).to_string(),
+            ]);
+        }
+        arguments
+    }
 }
 
 /// The labels every stage pod of this template carries; select with them
@@ -939,7 +959,7 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
             containers: vec![Container {
                 name: AGENT_CONTAINER.to_string(),
                 image: Some(template.image.clone()),
-                args: Some(agent_arguments(&template.location.spec)),
+                args: Some(template.agent_arguments()),
                 env: Some(environment),
                 ports: Some(vec![ContainerPort {
                     name: Some(AGENT_METRICS_PORT_NAME.to_string()),
@@ -1416,6 +1436,23 @@ mod tests {
             None,
         );
         assert_eq!(container(&pod).args.as_deref(), Some(&arguments[..]));
+    }
+
+    #[test]
+    fn the_agent_is_told_how_long_to_wait_for_an_unavailable_location() {
+        let waiting = StagePodTemplate {
+            fail_after_unavailable_seconds: Some(900),
+            ..template(Operation::Restore, "move")
+        };
+        let pod = pod_of(&waiting, &stage("node-a"), None);
+        let arguments = container(&pod).args.clone().expect("arguments");
+        assert!(
+            arguments.ends_with(&[
+                "--fail-after-unavailable-seconds".to_string(),
+                "900".to_string()
+            ]),
+            "{arguments:?}"
+        );
     }
 
     #[test]

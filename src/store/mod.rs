@@ -14,12 +14,14 @@
 //! requests in flight) and [`limits::UploadRateLimitStore`] (an upload
 //! bytes-per-second cap), the last two [`layer::Layered`] stores that act
 //! before each request and pass it on. [`open_store`] assembles them from a URL and
-//! [`StoreOptions`]; [`probe::check_location`] proves a location works;
+//! [`StoreOptions`]; [`outage`] waits out a location that stops answering;
+//! [`probe::check_location`] proves a location works;
 //! [`ranges::get_ranges`] reads many ranges of one object in few requests.
 
 pub mod layer;
 pub mod limits;
 pub mod local;
+pub mod outage;
 pub mod probe;
 pub mod ranges;
 pub mod retry;
@@ -384,6 +386,9 @@ pub struct StoreOptions {
     /// Retry budget for transient errors ([`retry::RetryStore`]); `None` is
     /// [`retry::RetryPolicy::default`].
     pub retry: Option<retry::RetryPolicy>,
+    /// Wait out outages longer than the retry budget instead of failing
+    /// ([`outage`]); `None` fails once the budget is spent.
+    pub outages: Option<outage::OutageWait>,
 }
 
 /// Open the store a repository URL names, wrapped as `options` say:
@@ -432,7 +437,9 @@ pub fn wrap_store(backend: DynStore, options: &StoreOptions) -> Result<DynStore,
         store = Arc::new(limited);
     }
     let policy = options.retry.clone().unwrap_or_default();
-    if policy.max_attempts > 1 {
+    if let Some(wait) = &options.outages {
+        store = Arc::new(retry::RetryStore::new(store, policy).waiting_out_outages(wait.clone()));
+    } else if policy.max_attempts > 1 {
         store = Arc::new(retry::RetryStore::new(store, policy));
     }
     Ok(store)

@@ -16,6 +16,13 @@
 //! place the budget is set: the classification is ours (a `Transient`
 //! error from any backend), and attempts do not multiply across two layers.
 //!
+//! Given an [`OutageWait`] ([`RetryStore::waiting_out_outages`]), a spent
+//! budget on transient errors is not a failure but an outage: the operation
+//! waits until the location answers again (or the outage outlasts its
+//! limit), and while it lasts no operation sends requests of its own
+//! ([`super::outage`]). The agents in stage pods wait so; the CLI fails
+//! after the budget, as a person at a terminal expects.
+//!
 //! A retried `put` starts the object over; for S3 that means a fresh
 //! multipart upload (the failed one is aborted by the backend). A retried
 //! [`PutMode::Create`] whose first attempt did land but whose response was
@@ -29,6 +36,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::time::Instant;
 
+use super::outage::{OutageWait, PROBE_KEY};
 use super::{DynStore, FailureCause, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport};
 
 /// Default number of attempts, the first one included.
@@ -86,15 +94,54 @@ impl RetryPolicy {
 pub struct RetryStore {
     inner: DynStore,
     policy: RetryPolicy,
+    outages: Option<OutageWait>,
 }
 
 impl RetryStore {
     /// Wrap `inner`, retrying as `policy` allows.
     pub fn new(inner: DynStore, policy: RetryPolicy) -> Self {
-        RetryStore { inner, policy }
+        RetryStore {
+            inner,
+            policy,
+            outages: None,
+        }
     }
 
+    /// The same store, waiting out outages as `wait` says instead of
+    /// failing when the budget is spent.
+    pub fn waiting_out_outages(mut self, wait: OutageWait) -> Self {
+        self.outages = Some(wait);
+        self
+    }
+
+    /// Run `attempt` within the budget; with outages waited out, a spent
+    /// budget on transient errors waits for the location and starts over.
     async fn run<T, F, Fut>(&self, operation: &'static str, mut attempt: F) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let Some(wait) = &self.outages else {
+            return self.within_budget(operation, &mut attempt).await;
+        };
+        loop {
+            if wait.outage.is_on() {
+                wait.outage
+                    .wait_out(wait, || self.inner.head(PROBE_KEY))
+                    .await?;
+            }
+            match self.within_budget(operation, &mut attempt).await {
+                Err(error) if error.is_transient() => wait.outage.note(&error),
+                result => return result,
+            }
+        }
+    }
+
+    async fn within_budget<T, F, Fut>(
+        &self,
+        operation: &'static str,
+        attempt: &mut F,
+    ) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
@@ -401,5 +448,151 @@ mod tests {
         let late: Duration = (0..200).map(|_| policy.backoff(8)).sum();
         let early: Duration = (0..200).map(|_| policy.backoff(0)).sum();
         assert!(late > early * 4, "late {late:?} early {early:?}");
+    }
+
+    /// A store that is down (every call refused, as by a stopped server)
+    /// until switched back up; it counts its calls and the probes among
+    /// them (`head` of the probe key).
+    #[derive(Debug, Default)]
+    struct SwitchedStore {
+        down: std::sync::atomic::AtomicBool,
+        calls: AtomicU32,
+        probes: AtomicU32,
+    }
+
+    impl SwitchedStore {
+        fn step(&self, key: &str) -> Result<(), StoreError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if key == PROBE_KEY {
+                self.probes.fetch_add(1, Ordering::SeqCst);
+            }
+            if self.down.load(Ordering::SeqCst) {
+                return Err(StoreError::Transient {
+                    location: "test://".to_string(),
+                    operation: "get",
+                    key: key.to_string(),
+                    message: "connection refused".to_string(),
+                    cause: FailureCause::Unreachable,
+                });
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl ObjectStore for SwitchedStore {
+        async fn put(&self, key: &str, _: Bytes, _: PutMode) -> Result<(), StoreError> {
+            self.step(key)
+        }
+        async fn get(&self, key: &str, _: Option<Range<u64>>) -> Result<Bytes, StoreError> {
+            self.step(key).map(|()| Bytes::from_static(b"ok"))
+        }
+        async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+            self.step(key).map(|()| ObjectMeta {
+                key: key.to_string(),
+                size: 2,
+            })
+        }
+        async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+            self.step(prefix).map(|()| Vec::new())
+        }
+        async fn delete(&self, key: &str) -> Result<(), StoreError> {
+            self.step(key)
+        }
+        fn location(&self) -> String {
+            "test://".to_string()
+        }
+    }
+
+    fn waiting_out(
+        inner: Arc<SwitchedStore>,
+        give_up_after: Option<Duration>,
+    ) -> (Arc<RetryStore>, crate::store::outage::Outage) {
+        let outage = crate::store::outage::Outage::default();
+        let mut wait = OutageWait::new(outage.clone(), give_up_after);
+        wait.probe_every = Duration::from_secs(5);
+        let store = RetryStore::new(inner, policy(3, 60)).waiting_out_outages(wait);
+        (Arc::new(store), outage)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_longer_than_the_budget_is_waited_out_with_one_probe_at_a_time() {
+        let inner = Arc::new(SwitchedStore::default());
+        inner.down.store(true, Ordering::SeqCst);
+        let (store, outage) = waiting_out(inner.clone(), None);
+        let mut operations = tokio::task::JoinSet::new();
+        for index in 0..8 {
+            let store = store.clone();
+            operations.spawn(async move { store.get(&format!("data/{index}"), None).await });
+        }
+        // Each operation spends its budget (3 attempts), then waits.
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        let budgets = inner.calls.load(Ordering::SeqCst);
+        let probes_before = inner.probes.load(Ordering::SeqCst);
+        assert!(outage.current().is_some(), "an outage is recorded");
+        tokio::time::sleep(Duration::from_secs(300)).await;
+        let during = inner.calls.load(Ordering::SeqCst) - budgets;
+        let probes = inner.probes.load(Ordering::SeqCst) - probes_before;
+        // One probe every 2.5 to 5 s, whatever the number of operations:
+        // 60 to 120 requests in 300 s, not eight times that.
+        assert!(
+            (60..=121).contains(&during),
+            "{during} requests in 300 s of outage"
+        );
+        assert_eq!(during, probes, "only probes are sent during the outage");
+        assert!(operations.try_join_next().is_none(), "all still wait");
+        inner.down.store(false, Ordering::SeqCst);
+        let back = Instant::now();
+        while let Some(joined) = operations.join_next().await {
+            assert_eq!(
+                joined.expect("task").expect("done once the store answers"),
+                "ok"
+            );
+        }
+        assert!(
+            back.elapsed() <= Duration::from_secs(5),
+            "{:?}",
+            back.elapsed()
+        );
+        assert!(outage.current().is_none());
+        assert_eq!(outage.outages(), 1);
+        let ended = outage.last_ended().expect("the outage ended");
+        assert!(
+            ended.lasted >= Duration::from_secs(300),
+            "{:?}",
+            ended.lasted
+        );
+        assert!(!outage.gave_up());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_longer_than_its_limit_fails_the_waiting_operations_saying_so() {
+        let inner = Arc::new(SwitchedStore::default());
+        inner.down.store(true, Ordering::SeqCst);
+        let (store, outage) = waiting_out(inner.clone(), Some(Duration::from_secs(60)));
+        let started = Instant::now();
+        let error = store.put("data/x", Bytes::new(), PutMode::Overwrite).await;
+        let error = error.expect_err("gives up after the limit");
+        assert!(error.is_transient());
+        let waited = started.elapsed();
+        assert!(
+            waited >= Duration::from_secs(60) && waited <= Duration::from_secs(70),
+            "{waited:?}"
+        );
+        let message = error.to_string();
+        assert!(
+            message.contains("longer than failAfterUnavailableSeconds (60)")
+                && message.contains("connection refused"),
+            "{message}"
+        );
+        assert!(outage.gave_up());
+        // Without waiting out outages, the budget alone decides.
+        let plain = RetryStore::new(inner.clone(), policy(3, 60));
+        let started = Instant::now();
+        plain
+            .get("data/x", None)
+            .await
+            .expect_err("fails after the budget");
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 }

@@ -1,0 +1,315 @@
+//! Outages of a storage location, waited out instead of failed.
+//!
+//! A [`super::retry::RetryStore`] given an [`OutageWait`] does not fail an
+//! operation whose retry budget is spent on transient errors (connection
+//! refused, timeouts, 5xx, throttling): it records an outage in the shared
+//! [`Outage`] and waits. While the outage lasts, no operation of the store
+//! sends a request of its own: one of the waiting operations at a time
+//! probes the location with a single `HEAD` of [`PROBE_KEY`] every
+//! [`OutageWait::probe_every`] (jittered), so an agent sends about one
+//! request per probe interval however many uploads and reads it had in
+//! flight, not a retry storm. Any answer that is not transient (the object,
+//! or `NotFound`: the server answered) ends the outage, and every waiting
+//! operation starts again with its full retry budget. With
+//! [`OutageWait::give_up_after`], an outage that lasts longer fails each
+//! waiting operation with an error saying so; without it, operations wait
+//! as long as it takes.
+//!
+//! The state is shared by everything that uses the store (one agent's
+//! volumes), so the agent can report the outage (its progress reports'
+//! `StorageAvailable` condition, its metrics) and all waiting operations
+//! give up at the same time.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use super::{FailureCause, StoreError};
+
+/// The key the probe reads: a repository's config, which exists in every
+/// repository (a `NotFound` answer ends the outage as well).
+pub const PROBE_KEY: &str = "config";
+/// Default time between two probes of a location in an outage.
+pub const DEFAULT_PROBE_SECONDS: u64 = 5;
+
+/// How a store waits out outages: the shared state, and the limits.
+#[derive(Debug, Clone)]
+pub struct OutageWait {
+    /// Where the outage is recorded (shared with whoever reports it).
+    pub outage: Outage,
+    /// Fail the waiting operations once an outage lasts this long; wait as
+    /// long as it takes when `None`.
+    pub give_up_after: Option<Duration>,
+    /// Upper bound of the time between two probes; each waits a random
+    /// time between half of it and all of it.
+    pub probe_every: Duration,
+}
+
+impl OutageWait {
+    /// Wait out outages into `outage`, giving up after `give_up_after`,
+    /// probing every [`DEFAULT_PROBE_SECONDS`].
+    pub fn new(outage: Outage, give_up_after: Option<Duration>) -> Self {
+        OutageWait {
+            outage,
+            give_up_after,
+            probe_every: Duration::from_secs(DEFAULT_PROBE_SECONDS),
+        }
+    }
+}
+
+/// The outage going on now.
+#[derive(Debug, Clone)]
+struct Current {
+    /// When it began (wall clock, for reports).
+    since: SystemTime,
+    /// When it began (for the limit).
+    started: Instant,
+    /// The latest transient error, as a message.
+    error: String,
+    /// The cause of the latest error.
+    cause: FailureCause,
+    /// Where the store points.
+    location: String,
+}
+
+/// What the outage state tells a reporter.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutageReport {
+    /// When the outage began.
+    pub since: SystemTime,
+    /// How long it has lasted.
+    pub lasted: Duration,
+    /// The latest error, as a message.
+    pub error: String,
+}
+
+/// An outage that ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndedOutage {
+    /// When it began.
+    pub since: SystemTime,
+    /// How long it lasted.
+    pub lasted: Duration,
+}
+
+/// Totals kept across outages.
+#[derive(Debug, Default)]
+struct Totals {
+    outages: u64,
+    ended: Duration,
+    last_ended: Option<EndedOutage>,
+    gave_up: bool,
+}
+
+/// The outage state of one store, shared by its users: whether the
+/// location is unavailable now, since when and why, and what it was so
+/// far. Cheap to clone (all clones share the state).
+#[derive(Debug, Clone)]
+pub struct Outage {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    current: watch::Sender<Option<Current>>,
+    /// Held by the one waiting operation that probes.
+    probe: tokio::sync::Mutex<()>,
+    totals: Mutex<Totals>,
+}
+
+impl Default for Outage {
+    fn default() -> Self {
+        Outage {
+            inner: Arc::new(Inner {
+                current: watch::Sender::new(None),
+                probe: tokio::sync::Mutex::new(()),
+                totals: Mutex::new(Totals::default()),
+            }),
+        }
+    }
+}
+
+impl Outage {
+    /// The outage going on now, if any.
+    pub fn current(&self) -> Option<OutageReport> {
+        self.inner
+            .current
+            .borrow()
+            .as_ref()
+            .map(|current| OutageReport {
+                since: current.since,
+                lasted: current.started.elapsed(),
+                error: current.error.clone(),
+            })
+    }
+
+    /// Outages begun so far.
+    pub fn outages(&self) -> u64 {
+        self.totals().outages
+    }
+
+    /// Time spent in outages so far, the current one included.
+    pub fn unavailable(&self) -> Duration {
+        let ended = self.totals().ended;
+        ended
+            + self
+                .current()
+                .map(|current| current.lasted)
+                .unwrap_or_default()
+    }
+
+    /// The latest outage that ended, if any.
+    pub fn last_ended(&self) -> Option<EndedOutage> {
+        self.totals().last_ended.clone()
+    }
+
+    /// Whether an operation gave up because an outage lasted longer than
+    /// its limit.
+    pub fn gave_up(&self) -> bool {
+        self.totals().gave_up
+    }
+
+    fn totals(&self) -> std::sync::MutexGuard<'_, Totals> {
+        self.inner
+            .totals
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Whether an outage is going on.
+    pub fn is_on(&self) -> bool {
+        self.inner.current.borrow().is_some()
+    }
+
+    /// Record `error` (a transient error after a spent retry budget): an
+    /// outage begins unless one is going on, which then holds the latest
+    /// error.
+    pub(crate) fn note(&self, error: &StoreError) {
+        let (location, cause) = match error {
+            StoreError::Transient {
+                location, cause, ..
+            } => (location.clone(), *cause),
+            other => (String::new(), other.cause()),
+        };
+        let message = error.to_string();
+        let mut began = false;
+        self.inner.current.send_modify(|current| match current {
+            Some(current) => {
+                current.error = message.clone();
+                current.cause = cause;
+            }
+            None => {
+                began = true;
+                *current = Some(Current {
+                    since: SystemTime::now(),
+                    started: Instant::now(),
+                    error: message.clone(),
+                    cause,
+                    location,
+                });
+            }
+        });
+        if began {
+            self.totals().outages += 1;
+            tracing::warn!(
+                error = %message,
+                "the storage location does not answer: waiting for it, probing; work resumes by itself when it answers"
+            );
+        }
+    }
+
+    /// End the outage going on (a probe was answered).
+    fn end(&self) {
+        let mut ended = None;
+        self.inner.current.send_modify(|current| {
+            if let Some(current) = current.take() {
+                ended = Some(EndedOutage {
+                    since: current.since,
+                    lasted: current.started.elapsed(),
+                });
+            }
+        });
+        if let Some(ended) = ended {
+            tracing::info!(
+                seconds = ended.lasted.as_secs_f64(),
+                "the storage location answers again: work resumes"
+            );
+            let mut totals = self.totals();
+            totals.ended += ended.lasted;
+            totals.last_ended = Some(ended);
+        }
+    }
+
+    /// Wait until no outage is going on; one waiting caller at a time
+    /// probes with `probe` (after a jittered pause). `Err` when the
+    /// outage lasted longer than `wait.give_up_after`: the error says so,
+    /// with the latest error.
+    pub(crate) async fn wait_out<F, Fut, T>(
+        &self,
+        wait: &OutageWait,
+        mut probe: F,
+    ) -> Result<(), StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let mut changes = self.inner.current.subscribe();
+        loop {
+            let Some(current) = changes.borrow_and_update().clone() else {
+                return Ok(());
+            };
+            let left = match wait.give_up_after {
+                Some(limit) => {
+                    let lasted = current.started.elapsed();
+                    if lasted >= limit {
+                        return Err(self.give_up(&current, limit));
+                    }
+                    Some(limit - lasted)
+                }
+                None => None,
+            };
+            let deadline = async {
+                match left {
+                    Some(left) => tokio::time::sleep(left).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                // Ended or changed by another operation's probe.
+                _ = changes.changed() => {}
+                () = deadline => {}
+                _guard = self.inner.probe.lock() => {
+                    if !self.is_on() {
+                        continue;
+                    }
+                    let pause = wait.probe_every.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+                    let pause = left.map_or(pause, |left| pause.min(left));
+                    tokio::time::sleep(pause).await;
+                    match probe().await {
+                        Err(error) if error.is_transient() => self.note(&error),
+                        // Any other answer: the location answers.
+                        _ => self.end(),
+                    }
+                }
+            }
+        }
+    }
+
+    fn give_up(&self, current: &Current, limit: Duration) -> StoreError {
+        self.totals().gave_up = true;
+        StoreError::Transient {
+            location: current.location.clone(),
+            operation: "reach",
+            key: "the storage location".to_string(),
+            message: format!(
+                "it has not answered for {}s, longer than failAfterUnavailableSeconds ({}); latest error: {}",
+                current.started.elapsed().as_secs(),
+                limit.as_secs(),
+                current.error
+            ),
+            cause: current.cause,
+        }
+    }
+}
