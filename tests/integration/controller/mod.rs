@@ -19,6 +19,9 @@
 //!   repository sealed with its Secret's password, a wrong one named).
 //! - [`maintenance`]: a BSL's scheduled prune (deletions deferred while
 //!   the repository is in use, the status it leaves).
+//! - [`outages`]: a storage outage longer than the retry budget mid-backup
+//!   (paused, said so, resumed by itself; past `failAfterUnavailableSeconds`
+//!   failed).
 //! - [`restore`]: a VolumeRestore of a backup into new claims (verified,
 //!   identical), resuming after a killed restore agent.
 //! - [`storage_policies`]: admission under a StoragePolicy, the bandwidth
@@ -38,6 +41,7 @@ mod deletion_policy;
 mod encrypted_locations;
 mod health_and_metrics;
 mod maintenance;
+mod outages;
 mod replicas;
 mod restore;
 mod storage_locations;

@@ -31,6 +31,7 @@ use crate::support::kube::KubeCluster;
 use crate::support::kubelet::Kubelet;
 use crate::support::minio::{ACCESS_KEY, MinioServer, REGION, SECRET_KEY};
 use crate::support::provisioner::Provisioner;
+use crate::support::proxy::FaultProxy;
 
 pub const BUCKET: &str = "haulage-e2e";
 /// The StorageClass of every fixture claim, and its provisioner.
@@ -326,6 +327,9 @@ pub struct Fixture {
     pub cluster: KubeCluster,
     /// The S3 server the BSL `minio` points at.
     pub minio: MinioServer,
+    /// The fault proxy the BSL points at, with
+    /// [`FixtureBuilder::through_fault_proxy`].
+    pub proxy: Option<FaultProxy>,
     /// The admin client (`system:masters`) the test acts with.
     pub client: kube::Client,
     /// The kubelet stand-in running the stage pods' agents on the nodes.
@@ -369,6 +373,7 @@ pub struct FixtureBuilder {
     tls: bool,
     audited: bool,
     provisioning: bool,
+    fault_proxy: bool,
 }
 
 impl FixtureBuilder {
@@ -449,6 +454,15 @@ impl FixtureBuilder {
         self
     }
 
+    /// The BSL's endpoint is a [`FaultProxy`] in front of MinIO
+    /// ([`Fixture::proxy`]), so the controller's probes and the agents'
+    /// requests go through it and a test can take the location away.
+    /// Default: the BSL points at MinIO.
+    pub fn through_fault_proxy(mut self) -> Self {
+        self.fault_proxy = true;
+        self
+    }
+
     /// The API server writes an audit log of every request
     /// ([`KubeCluster::start_audited`]), read with
     /// [`KubeCluster::audit_requests`]. Default: no audit log.
@@ -474,6 +488,7 @@ impl FixtureBuilder {
             tls,
             audited,
             provisioning,
+            fault_proxy,
         } = self;
         let cluster = if audited {
             KubeCluster::start_audited().await?
@@ -558,17 +573,18 @@ impl FixtureBuilder {
         let provisioner = provisioning
             .then(|| Provisioner::start(client.clone(), &volumes, STORAGE_CLASS, PROVISIONER));
 
-        // The BSL, pointing at MinIO, with its credentials Secret.
+        // The BSL, pointing at MinIO (or the proxy), with its credentials Secret.
+        let proxy = match fault_proxy {
+            true => Some(FaultProxy::start(([127, 0, 0, 1], minio.port()).into()).await?),
+            false => None,
+        };
         create_credentials_secret(&client, &secret_key).await?;
-        create_minio_location(
-            &client,
-            &minio,
-            BUCKET,
-            PREFIX,
-            json!({"caBundle": ca_bundle, "validationFrequency": "10s",
-                "uploadBytesPerSecond": upload_bytes_per_second}),
-        )
-        .await?;
+        let mut settings = json!({"caBundle": ca_bundle, "validationFrequency": "10s",
+            "uploadBytesPerSecond": upload_bytes_per_second});
+        if let Some(proxy) = &proxy {
+            settings["endpoint"] = json!(proxy.endpoint());
+        }
+        create_minio_location(&client, &minio, BUCKET, PREFIX, settings).await?;
         if !extra_objects.is_empty() {
             let list = json!({"apiVersion": "v1", "kind": "List", "items": extra_objects});
             cluster
@@ -602,6 +618,7 @@ impl FixtureBuilder {
         Ok(Fixture {
             cluster,
             minio,
+            proxy,
             client,
             kubelet,
             provisioner,
@@ -684,6 +701,7 @@ impl Fixture {
             tls: false,
             audited: false,
             provisioning: false,
+            fault_proxy: false,
         }
     }
 

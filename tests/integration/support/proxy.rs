@@ -9,7 +9,9 @@
 //! `Content-Length`), so it can fault whole requests as an S3 server under
 //! load does: answer a share of them `503 SlowDown` (S3's throttling
 //! answer, after reading the request's body), hold each for a latency, or
-//! answer none for a while. A connection whose request has no
+//! answer none for a while. It can also go down as a stopped server does:
+//! every open connection closed, every new one closed as soon as it is
+//! accepted (counted), until it comes back. A connection whose request has no
 //! `Content-Length` (a chunked body) is forwarded as bytes from then on.
 //! The proxy's tasks end when the handle drops.
 
@@ -62,6 +64,10 @@ struct Control {
     /// Requests seen (heads read), and those answered `503 SlowDown`.
     request_count: AtomicU64,
     slow_downs: AtomicU64,
+    /// Down: connections are closed as soon as they are accepted.
+    down: std::sync::atomic::AtomicBool,
+    /// Connections closed so.
+    refused: AtomicU64,
 }
 
 impl Control {
@@ -76,6 +82,8 @@ impl Control {
             cuts: AtomicU64::new(0),
             request_count: AtomicU64::new(0),
             slow_downs: AtomicU64::new(0),
+            down: std::sync::atomic::AtomicBool::new(false),
+            refused: AtomicU64::new(0),
         }
     }
 
@@ -148,6 +156,11 @@ impl FaultProxy {
                     accepted = listener.accept() => accepted,
                 };
                 let Ok((client, _)) = accepted else { continue };
+                if accept_control.down.load(Ordering::SeqCst) {
+                    accept_control.refused.fetch_add(1, Ordering::SeqCst);
+                    drop(client);
+                    continue;
+                }
                 let control = accept_control.clone();
                 let stop = accept_shutdown.clone();
                 tokio::spawn(async move {
@@ -236,6 +249,23 @@ impl FaultProxy {
         let until = Instant::now() + period;
         self.control
             .change_request_faults(|faults| faults.silent_until = Some(until));
+    }
+
+    /// Go down as a stopped server does: close every open connection, and
+    /// each new one as soon as it is accepted, until [`FaultProxy::come_back`].
+    pub fn go_down(&self) {
+        self.control.down.store(true, Ordering::SeqCst);
+        self.drop_all_connections();
+    }
+
+    /// Forward connections again after [`FaultProxy::go_down`].
+    pub fn come_back(&self) {
+        self.control.down.store(false, Ordering::SeqCst);
+    }
+
+    /// Connections closed unanswered while down, so far.
+    pub fn refused(&self) -> u64 {
+        self.control.refused.load(Ordering::SeqCst)
     }
 
     /// Requests seen so far (their heads read).

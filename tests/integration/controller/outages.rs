@@ -1,0 +1,252 @@
+//! Storage outages longer than the retry budget, through the fault proxy
+//! the BSL points at: a backup whose location goes down for a minute
+//! pauses (its transfer says so in a `StorageAvailable=False` condition,
+//! the BSL turns Unavailable through its probe, the agent's metrics show
+//! it), sends about one request per probe interval while it waits, and
+//! resumes by itself when the location is back, its snapshot restoring
+//! byte-identical; a backup whose location stays away longer than its
+//! `failAfterUnavailableSeconds` fails with `StorageUnavailableTimeout`,
+//! saying so.
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use haulage::api::backup::VolumeBackupPhase;
+use haulage::api::condition::{ConditionStatus, condition_type, find_condition, reason};
+use haulage::api::labels::SYSTEM_NAMESPACE;
+use haulage::api::location::BackupStorageLocationPhase;
+use haulage::api::{BackupStorageLocation, VolumeBackup, VolumeTransfer, VolumeTransferPhase};
+use kube::api::Api;
+use serde_json::json;
+
+use crate::engine::support::assert_snapshot_restores_as;
+use crate::support::fixture::{
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup_of_claim, create_backup_with_spec,
+    eventually, final_phase, transfer_of,
+};
+use crate::support::scrape::scrape;
+
+/// How long the location is down mid-backup: 60 s, or
+/// `HAULAGE_OUTAGE_SECONDS` (the 5-minute run of docs/benchmarks.md).
+fn outage() -> Duration {
+    let seconds = std::env::var("HAULAGE_OUTAGE_SECONDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(60);
+    Duration::from_secs(seconds)
+}
+
+/// The `StorageAvailable` condition of a transfer, if any.
+fn storage_condition(transfer: &VolumeTransfer) -> Option<haulage::api::condition::Condition> {
+    let status = transfer.status.as_ref()?;
+    find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE).cloned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_past_its_limit_fails()
+-> anyhow::Result<()> {
+    // 12 MiB of random data per claim in 1 MiB packs, uploaded at 1 MiB/s:
+    // the outage lands mid-transfer.
+    let fixture = Fixture::builder()
+        .long_running_transfers()
+        .through_fault_proxy()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let s3 = fixture.minio.admin_client();
+    let packs_stored = || async {
+        let listed = s3
+            .list_objects_v2()
+            .bucket(BUCKET)
+            .prefix(format!("{PREFIX}/{}", haulage::repo::DATA_PREFIX))
+            .send()
+            .await?;
+        anyhow::Ok(listed.contents().len())
+    };
+    create_backup_of_claim(client, "through-an-outage", "archive").await?;
+    eventually(Duration::from_secs(120), || async {
+        Ok((packs_stored().await? >= 2).then_some(()))
+    })
+    .await
+    .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;
+    let before = transfer_of(&transfers, "archive").await?;
+    let phase = before.status.as_ref().and_then(|status| status.phase);
+    assert_eq!(
+        phase,
+        Some(VolumeTransferPhase::InProgress),
+        "finished before the outage"
+    );
+    let namespace = before.metadata.namespace.clone().context("namespace")?;
+    let metrics_address = fixture
+        .kubelet
+        .agent_metrics_address(&namespace, &before.spec.stage_pod)
+        .context("the agent's metrics address")?;
+
+    proxy.go_down();
+    let down_at = Instant::now();
+    let refused_before = proxy.refused();
+    // The transfer pauses and says so; the location turns Unavailable.
+    let paused = eventually(Duration::from_secs(60), || async {
+        let transfer = transfer_of(&transfers, "archive").await?;
+        Ok(storage_condition(&transfer)
+            .is_some_and(|condition| condition.status == ConditionStatus::False)
+            .then_some(transfer))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the transfer never said it waits for the storage:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let condition = storage_condition(&paused).context("condition")?;
+    assert_eq!(condition.reason, reason::STORAGE_LOCATION_UNAVAILABLE);
+    assert!(
+        condition.message.contains("paused") && condition.message.contains("as long as it takes"),
+        "{}",
+        condition.message
+    );
+    let paused_status = paused.status.clone().context("status")?;
+    assert_eq!(paused_status.phase, Some(VolumeTransferPhase::InProgress));
+    let paused_progress = paused_status.progress.clone().unwrap_or_default();
+    eventually(Duration::from_secs(60), || async {
+        let location = locations.get("minio").await?;
+        Ok((location.status.and_then(|status| status.phase)
+            == Some(BackupStorageLocationPhase::Unavailable))
+        .then_some(()))
+    })
+    .await
+    .context("the BSL never turned Unavailable")?;
+    let scraped = scrape(metrics_address).await?;
+    assert_eq!(
+        scraped.value("haulage_agent_storage_unavailable", &[])?,
+        1.0
+    );
+    assert_eq!(
+        scraped.value("haulage_agent_storage_outages_total", &[])?,
+        1.0
+    );
+
+    // Down for a minute in all: the transfer waits, its progress kept.
+    let outage = outage();
+    while down_at.elapsed() < outage {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let transfer = transfer_of(&transfers, "archive").await?;
+        let status = transfer.status.context("status")?;
+        assert_eq!(
+            status.phase,
+            Some(VolumeTransferPhase::InProgress),
+            "the outage ended the transfer: {status:#?}\n{}",
+            fixture.kubelet.all_agent_logs()
+        );
+        let progress = status.progress.unwrap_or_default();
+        assert!(
+            progress.bytes_done >= paused_progress.bytes_done,
+            "progress went backwards"
+        );
+    }
+    let refused = proxy.refused() - refused_before;
+    let minutes = down_at.elapsed().as_secs_f64() / 60.0;
+    let per_minute = refused as f64 / minutes;
+    println!(
+        "outage: {refused} connections in {:.0} s while the location was down ({per_minute:.1} per minute: the agent's probes and the controller's BSL validation)",
+        down_at.elapsed().as_secs_f64()
+    );
+    // Without waiting out (every upload and read retrying on its own,
+    // six attempts in a few seconds, over and over), hundreds a minute.
+    assert!(per_minute < 60.0, "{per_minute:.1} requests per minute");
+
+    proxy.come_back();
+    let back_at = Instant::now();
+    eventually(Duration::from_secs(120), || async {
+        let transfer = transfer_of(&transfers, "archive").await?;
+        let moved = transfer
+            .status
+            .as_ref()
+            .and_then(|status| status.progress.as_ref())
+            .is_some_and(|progress| progress.bytes_done > paused_progress.bytes_done);
+        let final_phase = transfer
+            .status
+            .as_ref()
+            .and_then(|status| status.phase)
+            .is_some_and(|phase| phase != VolumeTransferPhase::InProgress);
+        Ok((moved || final_phase).then_some(()))
+    })
+    .await
+    .context("the transfer never moved again")?;
+    println!(
+        "outage: the transfer moved again {:.1} s after the location came back",
+        back_at.elapsed().as_secs_f64()
+    );
+    let status = fixture
+        .completed_backup("through-an-outage", BACKUP_DEADLINE)
+        .await?;
+    assert!(status.completion_time.is_some());
+    let finished = transfer_of(&transfers, "archive").await?;
+    let condition = storage_condition(&finished).context("the outage is kept in the status")?;
+    assert_eq!(condition.status, ConditionStatus::True);
+    assert_eq!(condition.reason, reason::STORAGE_LOCATION_AVAILABLE);
+    assert!(
+        condition.message.contains("outage of"),
+        "{}",
+        condition.message
+    );
+    let final_status = finished.status.context("status")?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &final_status.snapshot_id.context("snapshot id")?,
+        &fixture.volumes.join(&namespace).join("archive"),
+        &fixture.work.path().join("restored-archive"),
+    )
+    .await?;
+
+    // A backup whose location stays away past its limit fails, saying so.
+    create_backup_with_spec(
+        client,
+        "past-its-limit",
+        json!({"namespaces": ["shop", "web"], "selector": {"matchLabels": {"claim": "logs"}},
+            "failAfterUnavailableSeconds": 20}),
+    )
+    .await?;
+    eventually(Duration::from_secs(120), || async {
+        let transfer = transfer_of(&transfers, "logs").await?;
+        Ok(transfer
+            .status
+            .and_then(|status| status.progress)
+            .is_some_and(|progress| progress.bytes_done > 0)
+            .then_some(()))
+    })
+    .await
+    .context("the second backup never started moving")?;
+    proxy.go_down();
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let failed = final_phase(
+        &backups,
+        &fixture.kubelet,
+        "past-its-limit",
+        BACKUP_DEADLINE,
+    )
+    .await?;
+    proxy.come_back();
+    let phase = failed.status.as_ref().and_then(|status| status.phase);
+    assert_eq!(
+        phase,
+        Some(VolumeBackupPhase::Failed),
+        "{:#?}",
+        failed.status
+    );
+    let transfer = transfer_of(&transfers, "logs").await?;
+    let status = transfer.status.context("status")?;
+    let failure = find_condition(&status.conditions, condition_type::FAILED).context("Failed")?;
+    assert_eq!(failure.reason, reason::STORAGE_UNAVAILABLE_TIMEOUT);
+    let message = status.message.unwrap_or_default();
+    assert!(
+        message.contains("longer than failAfterUnavailableSeconds (20)"),
+        "{message}"
+    );
+    fixture.stop().await;
+    Ok(())
+}
