@@ -6,7 +6,9 @@
 //! resumes by itself when the location is back, its snapshot restoring
 //! byte-identical; a backup whose location stays away longer than its
 //! `failAfterUnavailableSeconds` fails with `StorageUnavailableTimeout`,
-//! saying so.
+//! saying so. And a backup across two restarts of kube-apiserver
+//! completes with its progress never going back, its agent never
+//! restarted.
 
 use std::time::{Duration, Instant};
 
@@ -22,7 +24,7 @@ use serde_json::json;
 use crate::engine::support::assert_snapshot_restores_as;
 use crate::support::fixture::{
     BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup_of_claim, create_backup_with_spec,
-    eventually, final_phase, transfer_of,
+    eventually, final_phase, transfer_of, watch_transfers,
 };
 use crate::support::scrape::scrape;
 
@@ -247,6 +249,98 @@ async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_pas
         message.contains("longer than failAfterUnavailableSeconds (20)"),
         "{message}"
     );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backup_across_two_apiserver_restarts_completes_its_progress_never_going_back()
+-> anyhow::Result<()> {
+    // 24 MiB of random data in 1 MiB packs at 1 MiB/s: about 24 s of
+    // transfer, long enough for two restarts.
+    let mut fixture = Fixture::builder()
+        .long_running_transfers()
+        .volume_bytes(24 << 20)
+        .start()
+        .await?;
+    let client = fixture.client.clone();
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
+    let recorder = {
+        let seen = seen.clone();
+        watch_transfers(&client, move |transfer| {
+            if transfer.spec.pvc != "archive" {
+                return;
+            }
+            if let Some(progress) = transfer.status.as_ref().and_then(|s| s.progress.as_ref()) {
+                seen.lock().expect("lock").push(progress.bytes_done);
+            }
+        })
+    };
+    create_backup_of_claim(&client, "across-restarts", "archive").await?;
+    eventually(Duration::from_secs(120), || async {
+        let transfer = transfer_of(&transfers, "archive").await?;
+        Ok(transfer
+            .status
+            .and_then(|status| status.progress)
+            .is_some_and(|progress| progress.bytes_done >= 4 << 20)
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the backup never moved:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let starts = fixture.kubelet.starts();
+    for restart in 1..=2 {
+        let started = Instant::now();
+        fixture.cluster.restart_apiserver().await?;
+        println!(
+            "apiserver restart {restart}: ready again after {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    let during = transfer_of(&transfers, "archive").await?;
+    assert_eq!(
+        during.status.as_ref().and_then(|status| status.phase),
+        Some(VolumeTransferPhase::InProgress),
+        "the backup ended before the second restart was over: make it longer"
+    );
+    let status = fixture
+        .completed_backup("across-restarts", BACKUP_DEADLINE)
+        .await?;
+    assert!(status.completion_time.is_some());
+    recorder.abort();
+    let seen = seen.lock().expect("lock").clone();
+    assert!(
+        seen.windows(2).all(|pair| pair[0] <= pair[1]),
+        "progress went backwards: {seen:?}"
+    );
+    assert!(seen.len() >= 5, "too few progress reports seen: {seen:?}");
+    assert_eq!(
+        fixture.kubelet.starts(),
+        starts,
+        "an agent was restarted:\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+    let finished = transfer_of(&transfers, "archive").await?;
+    let final_status = finished.status.context("status")?;
+    println!(
+        "apiserver restarts: {} progress reports seen, attempts {:?}",
+        seen.len(),
+        final_status.attempts
+    );
+    let namespace = finished.metadata.namespace.clone().context("namespace")?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &final_status.snapshot_id.context("snapshot id")?,
+        &fixture.volumes.join(&namespace).join("archive"),
+        &fixture.work.path().join("restored-archive"),
+    )
+    .await?;
     fixture.stop().await;
     Ok(())
 }

@@ -1107,7 +1107,7 @@ pub async fn transfer_of(
 
 /// Watch every VolumeTransfer of the cluster, calling `on_change` with
 /// each one as it is created or changed, in the API server's order, until
-/// the returned task is aborted.
+/// the returned task is aborted (across apiserver restarts).
 pub fn watch_transfers(
     client: &kube::Client,
     mut on_change: impl FnMut(&VolumeTransfer) + Send + 'static,
@@ -1122,8 +1122,12 @@ pub fn watch_transfers(
     .applied_objects();
     tokio::spawn(async move {
         let mut events = std::pin::pin!(events);
-        while let Some(Ok(transfer)) = events.next().await {
-            on_change(&transfer);
+        // An error (the apiserver restarting) is retried with backoff by
+        // the watcher; the watch goes on.
+        while let Some(event) = events.next().await {
+            if let Ok(transfer) = event {
+                on_change(&transfer);
+            }
         }
     })
 }

@@ -143,9 +143,14 @@ pub struct KubeCluster {
     ca_pem: String,
     /// Where the audit log goes, when the cluster was started audited.
     audit_log: Option<PathBuf>,
+    /// How the running apiserver was started, to start it again
+    /// ([`KubeCluster::restart_apiserver`]): its port, etcd's, the PKI and
+    /// the token file.
+    apiserver_start: Option<(u16, u16, Pki, PathBuf)>,
 }
 
 /// Files of the throwaway PKI.
+#[derive(Clone)]
 struct Pki {
     ca_pem: String,
     server_cert: PathBuf,
@@ -326,6 +331,7 @@ impl KubeCluster {
             kubeconfig,
             ca_pem: pki.ca_pem.clone(),
             audit_log: None,
+            apiserver_start: None,
             dir,
         };
         if audit {
@@ -368,6 +374,7 @@ impl KubeCluster {
                 kubeconfig_yaml(&cluster.server, &pki.ca_pem, &admin_token, &user_token),
             )?;
         }
+        cluster.apiserver_start = Some((api_port, etcd_port, pki.clone(), tokens.clone()));
         eprintln!(
             "kube-apiserver ready at {} after {:.1}s",
             cluster.server,
@@ -424,7 +431,11 @@ impl KubeCluster {
         tokens: &Path,
     ) -> anyhow::Result<()> {
         let log_path = self.dir.path().join("kube-apiserver.log");
-        let log = File::create(&log_path)?;
+        // Appended to: a restarted apiserver keeps the earlier log.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
         let child = Command::new(&self.binaries.kube_apiserver)
             .arg(format!("--etcd-servers=http://127.0.0.1:{etcd_port}"))
             .arg("--bind-address=127.0.0.1")
@@ -608,6 +619,20 @@ impl KubeCluster {
             let _ = apiserver.kill();
             let _ = apiserver.wait();
         }
+    }
+
+    /// Kill the kube-apiserver and start it again on the same port, with
+    /// the same etcd, PKI and tokens, as a restart of the control plane
+    /// does; returns once it is ready. Clients see refused connections
+    /// meanwhile, and their watches end.
+    pub async fn restart_apiserver(&mut self) -> anyhow::Result<()> {
+        let (api_port, etcd_port, pki, tokens) = self
+            .apiserver_start
+            .clone()
+            .context("the apiserver was never started")?;
+        self.stop_apiserver();
+        self.start_apiserver(api_port, etcd_port, &pki, &tokens)
+            .await
     }
 
     /// Every request the apiserver has answered so far, from its audit log

@@ -295,6 +295,11 @@ impl Kubelet {
         starts_before
     }
 
+    /// How many agent processes the stand-in has started so far.
+    pub fn starts(&self) -> usize {
+        self.starts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     /// Assert an agent started after `starts_before` (from
     /// [`Self::kill_running`]): the killed one was restarted.
     pub fn assert_restarted_since(&self, starts_before: usize) {
