@@ -253,10 +253,12 @@ async fn serve_metrics(
 async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode> {
     let cancel = cancel_on_sigterm()?;
     let upload_wait = haulage::store::limits::WaitTime::default();
-    let storage = transfers::StorageWatch {
-        outage: haulage::store::outage::Outage::default(),
-        give_up_after_seconds: arguments.fail_after_unavailable_seconds,
-    };
+    let storage = haulage::store::outage::OutageWait::new(
+        haulage::store::outage::Outage::default(),
+        arguments
+            .fail_after_unavailable_seconds
+            .map(Duration::from_secs),
+    );
     let agent_metrics = Arc::new(metrics::AgentMetrics::new(
         upload_wait.clone(),
         storage.outage.clone(),
@@ -271,12 +273,7 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
     .await;
     let mut options = StoreOptions {
         upload_wait: Some(upload_wait),
-        outages: Some(haulage::store::outage::OutageWait::new(
-            storage.outage.clone(),
-            arguments
-                .fail_after_unavailable_seconds
-                .map(Duration::from_secs),
-        )),
+        outages: Some(storage.clone()),
         ..StoreOptions::default()
     };
     options.s3.endpoint = arguments.endpoint.clone();

@@ -115,6 +115,8 @@ pub struct StorageSeen {
     pub last_ended: Option<EndedOutage>,
     /// The transfer's `failAfterUnavailableSeconds`.
     pub give_up_after_seconds: Option<u64>,
+    /// Whether an operation gave up on an outage longer than that.
+    pub gave_up: bool,
 }
 
 /// The `StorageAvailable` condition of a transfer's reports: `False` while
@@ -548,6 +550,7 @@ mod tests {
             }),
             last_ended: None,
             give_up_after_seconds: Some(600),
+            gave_up: false,
         };
         let paused = storage_condition(&seen, Some(1)).expect("during the outage");
         assert_eq!(paused.type_, condition_type::STORAGE_AVAILABLE);

@@ -34,7 +34,7 @@ use haulage::engine::restore::{LoadedSnapshot, RestoreOptions, restore_loaded};
 use haulage::engine::throttle::{ByteRate, Throttle};
 use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree_loaded};
 use haulage::repo::lock::LockKind;
-use haulage::store::outage::Outage;
+use haulage::store::outage::OutageWait;
 use kube::api::{Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -74,28 +74,19 @@ pub struct Assignment {
     pub parallelism: usize,
     /// Least time between two progress writes of one transfer.
     pub progress_interval: Duration,
-    /// The storage location's outages, as the agent's store waits them out.
-    pub storage: StorageWatch,
+    /// How the agent's store waits out the storage location's outages
+    /// (the state it records them into, and the limit), for the reports.
+    pub storage: OutageWait,
 }
 
-/// What the agent's reports say of its storage location's outages: the
-/// state its store records them into ([`Outage`]), and how long it waits.
-#[derive(Debug, Clone, Default)]
-pub struct StorageWatch {
-    /// Shared with the store that waits outages out.
-    pub outage: Outage,
-    /// `failAfterUnavailableSeconds`, as the controller passed it.
-    pub give_up_after_seconds: Option<u64>,
-}
-
-impl StorageWatch {
-    /// What the reports say now.
-    pub fn seen(&self) -> StorageSeen {
-        StorageSeen {
-            current: self.outage.current(),
-            last_ended: self.outage.last_ended(),
-            give_up_after_seconds: self.give_up_after_seconds,
-        }
+/// What the reports say now of the storage location's outages that the
+/// store waiting as `wait` says records.
+fn storage_seen(wait: &OutageWait) -> StorageSeen {
+    StorageSeen {
+        current: wait.outage.current(),
+        last_ended: wait.outage.last_ended(),
+        give_up_after_seconds: wait.give_up_after.map(|limit| limit.as_secs()),
+        gave_up: wait.outage.gave_up(),
     }
 }
 
@@ -762,8 +753,8 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
     };
     let generation = ending.generation;
     let mut status = moved.final_status(name, ending);
-    let seen = assignment.storage.seen();
-    if seen.current.is_some() && assignment.storage.outage.gave_up() {
+    let seen = storage_seen(&assignment.storage);
+    if seen.current.is_some() && seen.gave_up {
         // Failed because the location stayed away past the limit.
         for condition in &mut status.conditions {
             if condition.type_ == haulage::api::condition::condition_type::FAILED {
@@ -1077,7 +1068,7 @@ fn spawn_reporter(
     identity: String,
     claimed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     interval: Duration,
-    (storage, generation): (StorageWatch, Option<i64>),
+    (storage, generation): (OutageWait, Option<i64>),
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
@@ -1097,7 +1088,7 @@ fn spawn_reporter(
             );
             status
                 .conditions
-                .extend(storage_condition(&storage.seen(), generation));
+                .extend(storage_condition(&storage_seen(&storage), generation));
             last = Some(report);
             let patch = haulage::api::status_apply::<VolumeTransfer>(&status);
             match api.patch_status(&name, &apply, &Patch::Apply(&patch)).await {
