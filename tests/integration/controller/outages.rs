@@ -6,7 +6,8 @@
 //! resumes by itself when the location is back, its snapshot restoring
 //! byte-identical; a backup whose location stays away longer than its
 //! `failAfterUnavailableSeconds` fails with `StorageUnavailableTimeout`,
-//! saying so. And a backup across two restarts of kube-apiserver
+//! saying so. A restore whose location goes down mid-way waits the same
+//! way and finishes verified. And a backup across two restarts of kube-apiserver
 //! completes with its progress never going back, its agent never
 //! restarted.
 
@@ -21,10 +22,11 @@ use haulage::api::{BackupStorageLocation, VolumeBackup, VolumeTransfer, VolumeTr
 use kube::api::Api;
 use serde_json::json;
 
-use crate::engine::support::assert_snapshot_restores_as;
+use crate::engine::support::{assert_same_tree, assert_snapshot_restores_as};
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup_of_claim, create_backup_with_spec,
-    eventually, final_phase, transfer_of, watch_transfers,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create_backup_of_claim,
+    create_backup_with_spec, create_restore_of_backup, create_storage_policy, eventually,
+    final_phase, transfer_of, watch_transfers,
 };
 use crate::support::scrape::scrape;
 
@@ -341,6 +343,87 @@ async fn a_backup_across_two_apiserver_restarts_completes_its_progress_never_goi
         &fixture.work.path().join("restored-archive"),
     )
     .await?;
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_storage_outage_mid_restore_pauses_it_and_it_finishes_verified_once_the_location_is_back()
+-> anyhow::Result<()> {
+    // 12 MiB of random data in 1 MiB packs, written at 1 MiB/s (a
+    // StoragePolicy on the destination class): the outage lands mid-way.
+    let fixture = Fixture::builder()
+        .volume_bytes(12 << 20)
+        .random_data_in_small_packs()
+        .provisioning()
+        .through_fault_proxy()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
+    create_backup_of_claim(client, "archive-only", "archive").await?;
+    fixture
+        .completed_backup("archive-only", BACKUP_DEADLINE)
+        .await?;
+    create_storage_policy(
+        client,
+        "slow-writes",
+        json!({"provisioners": [PROVISIONER], "maxBytesPerSecond": 1 << 20}),
+    )
+    .await?;
+    create_restore_of_backup(client, "through-an-outage", "archive-only").await?;
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "shop-b");
+    eventually(Duration::from_secs(120), || async {
+        let transfer = transfer_of(&transfers, "archive").await?;
+        Ok(transfer
+            .status
+            .and_then(|status| status.progress)
+            .is_some_and(|progress| progress.bytes_done >= 3 << 20)
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the restore never got going:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    proxy.go_down();
+    let down_at = Instant::now();
+    let paused = eventually(Duration::from_secs(60), || async {
+        let transfer = transfer_of(&transfers, "archive").await?;
+        Ok(storage_condition(&transfer)
+            .is_some_and(|condition| condition.status == ConditionStatus::False)
+            .then_some(transfer))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the restore never said it waits for the storage:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert_eq!(
+        paused.status.as_ref().and_then(|status| status.phase),
+        Some(VolumeTransferPhase::InProgress)
+    );
+    let down_for = Duration::from_secs(30);
+    if let Some(left) = down_for.checked_sub(down_at.elapsed()) {
+        tokio::time::sleep(left).await;
+    }
+    proxy.come_back();
+    fixture
+        .completed_restore("through-an-outage", BACKUP_DEADLINE)
+        .await?;
+    let finished = transfer_of(&transfers, "archive").await?;
+    let condition = storage_condition(&finished).context("the outage is kept in the status")?;
+    assert_eq!(condition.status, ConditionStatus::True);
+    let status = finished.status.context("status")?;
+    assert!(status.verified_tree.is_some(), "{status:#?}");
+    assert_same_tree(
+        &fixture.volumes.join("shop/archive"),
+        &fixture.volumes.join("shop-b/archive"),
+    );
     fixture.stop().await;
     Ok(())
 }
