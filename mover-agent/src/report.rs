@@ -258,8 +258,16 @@ pub fn completed_status(ending: Ending, figures: &BackupFigures) -> VolumeTransf
     }
 }
 
-/// The final status of a volume that failed, with what went wrong.
-pub fn failed_status(ending: Ending, message: &str) -> VolumeTransferStatus {
+/// The final status of a volume that failed, with what went wrong: the
+/// reason `StorageUnavailableTimeout` when it failed because the storage
+/// location stayed away past `failAfterUnavailableSeconds` (the outage
+/// still going on, an operation given up on it), else `AllVolumesFailed`.
+pub fn failed_status(ending: Ending, message: &str, storage: &StorageSeen) -> VolumeTransferStatus {
+    let why = if storage.current.is_some() && storage.gave_up {
+        reason::STORAGE_UNAVAILABLE_TIMEOUT
+    } else {
+        reason::ALL_VOLUMES_FAILED
+    };
     VolumeTransferStatus {
         phase: Some(VolumeTransferPhase::Failed),
         progress: Some(ending.progress.clone()),
@@ -267,7 +275,7 @@ pub fn failed_status(ending: Ending, message: &str) -> VolumeTransferStatus {
         conditions: vec![ending.condition(
             condition_type::FAILED,
             ConditionStatus::True,
-            reason::ALL_VOLUMES_FAILED,
+            why,
             message,
         )],
         ..ending.final_status()
@@ -616,11 +624,30 @@ mod tests {
 
     #[test]
     fn a_failed_volume_says_why_in_its_message_and_condition() {
-        let status = failed_status(ending(Progress::default()), "store unreachable");
+        let status = failed_status(
+            ending(Progress::default()),
+            "store unreachable",
+            &StorageSeen::default(),
+        );
         assert_eq!(status.phase, Some(VolumeTransferPhase::Failed));
         assert_eq!(status.message.as_deref(), Some("store unreachable"));
         assert_eq!(status.conditions[0].message, "store unreachable");
+        assert_eq!(status.conditions[0].reason, reason::ALL_VOLUMES_FAILED);
         assert_eq!(status.snapshot_id, None);
+        let given_up = StorageSeen {
+            current: Some(OutageReport {
+                since: std::time::UNIX_EPOCH,
+                lasted: std::time::Duration::from_secs(20),
+                error: "connection refused".to_string(),
+            }),
+            gave_up: true,
+            ..StorageSeen::default()
+        };
+        let status = failed_status(ending(Progress::default()), "gave up", &given_up);
+        assert_eq!(
+            status.conditions[0].reason,
+            reason::STORAGE_UNAVAILABLE_TIMEOUT
+        );
     }
 
     fn restore_figures() -> RestoreFigures {

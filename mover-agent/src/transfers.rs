@@ -752,17 +752,8 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
         return Ok(());
     };
     let generation = ending.generation;
-    let mut status = moved.final_status(name, ending);
     let seen = storage_seen(&assignment.storage);
-    if seen.current.is_some() && seen.gave_up {
-        // Failed because the location stayed away past the limit.
-        for condition in &mut status.conditions {
-            if condition.type_ == haulage::api::condition::condition_type::FAILED {
-                condition.reason =
-                    haulage::api::condition::reason::STORAGE_UNAVAILABLE_TIMEOUT.to_string();
-            }
-        }
-    }
+    let mut status = moved.final_status(name, ending, &seen);
     status
         .conditions
         .extend(storage_condition(&seen, generation));
@@ -839,8 +830,14 @@ impl Moved {
         }
     }
 
-    /// The final status of the transfer `name` that ended so, logged.
-    fn final_status(self, name: &str, ending: Ending) -> haulage::api::VolumeTransferStatus {
+    /// The final status of the transfer `name` that ended so, logged;
+    /// `storage` says whether a failure was the storage location's.
+    fn final_status(
+        self,
+        name: &str,
+        ending: Ending,
+        storage: &StorageSeen,
+    ) -> haulage::api::VolumeTransferStatus {
         match self {
             Moved::BackedUp(Ok(figures)) => {
                 info!(
@@ -855,12 +852,12 @@ impl Moved {
             }
             Moved::BackedUp(Err(message)) => {
                 warn!(transfer = name, "backup failed: {message}");
-                failed_status(ending, &message)
+                failed_status(ending, &message, storage)
             }
             Moved::Restored(Ok((figures, verdict))) => restored_status(ending, &figures, &verdict),
             Moved::Restored(Err(message)) => {
                 warn!(transfer = name, "restore failed: {message}");
-                failed_status(ending, &message)
+                failed_status(ending, &message, storage)
             }
         }
     }

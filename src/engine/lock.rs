@@ -324,10 +324,12 @@ async fn refresh_loop(
     let mut pause = Duration::from_secs(LOCK_REFRESH_SECONDS);
     loop {
         tokio::time::sleep(pause).await;
-        let refreshed = record.lock().expect("lock record").refreshed(unix_now());
+        let (refreshed, expires) = {
+            let record = record.lock().expect("lock record");
+            (record.refreshed(unix_now()), record.expires_seconds)
+        };
         // A store that waits out an outage would hold the write past the
         // expiry: the write may take until a minute before it, no longer.
-        let expires = record.lock().expect("lock record").expires_seconds;
         let time_left = Duration::from_secs((expires - 60 - unix_now()).max(0) as u64);
         let written = match tokio::time::timeout(
             time_left,
@@ -344,7 +346,6 @@ async fn refresh_loop(
                 pause = Duration::from_secs(LOCK_REFRESH_SECONDS);
             }
             Err(error) => {
-                let expires = record.lock().expect("lock record").expires_seconds;
                 tracing::warn!(lock = %key, %error, "cannot refresh the lock");
                 if unix_now() + 60 >= expires {
                     lost.cancel();

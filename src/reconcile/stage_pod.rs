@@ -271,6 +271,19 @@ impl StagePodTemplate {
             fail_after_unavailable_seconds: None,
         }
     }
+
+    /// The agent's arguments in this template's stage pods: the location's
+    /// ([`agent_arguments`]) and how long the agent waits for it.
+    pub fn agent_arguments(&self) -> Vec<String> {
+        let mut arguments = agent_arguments(&self.location.spec);
+        if let Some(seconds) = self.fail_after_unavailable_seconds {
+            arguments.extend([
+                "--fail-after-unavailable-seconds".to_string(),
+                seconds.max(0).to_string(),
+            ]);
+        }
+        arguments
+    }
 }
 
 impl ResourceOverride {
@@ -456,21 +469,6 @@ pub fn agent_arguments(location: &BackupStorageLocationSpec) -> Vec<String> {
         ]);
     }
     arguments
-}
-
-impl StagePodTemplate {
-    /// The agent's arguments in this template's stage pods: the location's
-    /// ([`agent_arguments`]) and how long the agent waits for it.
-    pub fn agent_arguments(&self) -> Vec<String> {
-        let mut arguments = agent_arguments(&self.location.spec);
-        if let Some(seconds) = self.fail_after_unavailable_seconds {
-            arguments.extend([
-                "--fail-after-unavailable-seconds".to_string(),
-                seconds.max(0).to_string(),
-            ]);
-        }
-        arguments
-    }
 }
 
 /// The labels every stage pod of this template carries; select with them

@@ -14,7 +14,7 @@ use kube::api::{Api, DeleteParams, ListParams};
 
 use crate::engine::support::assert_snapshot_restores_as;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, create_backup, create_backup_of_claim, eventually,
+    BACKUP_DEADLINE, BUCKET, Fixture, create_backup, create_backup_of_claim, eventually,
     no_leftovers, nothing_left_of_deleted,
 };
 
@@ -227,19 +227,9 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     // One claim only, so every pack in the bucket is this transfer's.
     create_backup_of_claim(client, "resumed", "archive").await?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
-    let s3 = fixture.minio.admin_client();
-    let packs_stored = || async {
-        let listed = s3
-            .list_objects_v2()
-            .bucket(BUCKET)
-            .prefix(format!("{PREFIX}/{}", haulage::repo::DATA_PREFIX))
-            .send()
-            .await?;
-        anyhow::Ok(listed.contents().len())
-    };
     // A pack object exists only once fully uploaded: kill after two.
     eventually(Duration::from_secs(120), || async {
-        Ok((packs_stored().await? >= 2).then_some(()))
+        Ok((fixture.packs_stored().await? >= 2).then_some(()))
     })
     .await
     .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;

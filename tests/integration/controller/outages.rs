@@ -24,9 +24,9 @@ use serde_json::json;
 
 use crate::engine::support::{assert_same_tree, assert_snapshot_restores_as};
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create_backup_of_claim,
-    create_backup_with_spec, create_restore_of_backup, create_storage_policy, eventually,
-    final_phase, transfer_of, watch_transfers,
+    BACKUP_DEADLINE, Fixture, PROVISIONER, create_backup_of_claim, create_backup_with_spec,
+    create_restore_of_backup, create_storage_policy, eventually, final_phase, transfer_of,
+    watch_transfers,
 };
 use crate::support::scrape::scrape;
 
@@ -46,6 +46,57 @@ fn storage_condition(transfer: &VolumeTransfer) -> Option<haulage::api::conditio
     find_condition(&status.conditions, condition_type::STORAGE_AVAILABLE).cloned()
 }
 
+/// Wait up to two minutes for the transfer of claim `pvc` among
+/// `transfers` to have done at least `bytes`; a timeout says the `what`
+/// never got going, with every agent's log.
+async fn moved_at_least(
+    fixture: &Fixture,
+    transfers: &Api<VolumeTransfer>,
+    pvc: &str,
+    bytes: i64,
+    what: &str,
+) -> anyhow::Result<()> {
+    eventually(Duration::from_secs(120), || async {
+        let transfer = transfer_of(transfers, pvc).await?;
+        Ok(transfer
+            .status
+            .and_then(|status| status.progress)
+            .is_some_and(|progress| progress.bytes_done >= bytes)
+            .then_some(()))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the {what} never got going:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })
+}
+
+/// Wait up to a minute for the transfer of claim `pvc` among `transfers`
+/// to say it waits for the storage (`StorageAvailable=False`), and return
+/// it as it said so; a timeout names the `what`, with every agent's log.
+async fn paused_for_storage(
+    fixture: &Fixture,
+    transfers: &Api<VolumeTransfer>,
+    pvc: &str,
+    what: &str,
+) -> anyhow::Result<VolumeTransfer> {
+    eventually(Duration::from_secs(60), || async {
+        let transfer = transfer_of(transfers, pvc).await?;
+        Ok(storage_condition(&transfer)
+            .is_some_and(|condition| condition.status == ConditionStatus::False)
+            .then_some(transfer))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the {what} never said it waits for the storage:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_past_its_limit_fails()
 -> anyhow::Result<()> {
@@ -60,19 +111,9 @@ async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_pas
     let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
     let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let s3 = fixture.minio.admin_client();
-    let packs_stored = || async {
-        let listed = s3
-            .list_objects_v2()
-            .bucket(BUCKET)
-            .prefix(format!("{PREFIX}/{}", haulage::repo::DATA_PREFIX))
-            .send()
-            .await?;
-        anyhow::Ok(listed.contents().len())
-    };
     create_backup_of_claim(client, "through-an-outage", "archive").await?;
     eventually(Duration::from_secs(120), || async {
-        Ok((packs_stored().await? >= 2).then_some(()))
+        Ok((fixture.packs_stored().await? >= 2).then_some(()))
     })
     .await
     .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;
@@ -93,19 +134,7 @@ async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_pas
     let down_at = Instant::now();
     let refused_before = proxy.refused();
     // The transfer pauses and says so; the location turns Unavailable.
-    let paused = eventually(Duration::from_secs(60), || async {
-        let transfer = transfer_of(&transfers, "archive").await?;
-        Ok(storage_condition(&transfer)
-            .is_some_and(|condition| condition.status == ConditionStatus::False)
-            .then_some(transfer))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "the transfer never said it waits for the storage:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let paused = paused_for_storage(&fixture, &transfers, "archive", "transfer").await?;
     let condition = storage_condition(&paused).context("condition")?;
     assert_eq!(condition.reason, reason::STORAGE_LOCATION_UNAVAILABLE);
     assert!(
@@ -215,16 +244,7 @@ async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_pas
             "failAfterUnavailableSeconds": 20}),
     )
     .await?;
-    eventually(Duration::from_secs(120), || async {
-        let transfer = transfer_of(&transfers, "logs").await?;
-        Ok(transfer
-            .status
-            .and_then(|status| status.progress)
-            .is_some_and(|progress| progress.bytes_done > 0)
-            .then_some(()))
-    })
-    .await
-    .context("the second backup never started moving")?;
+    moved_at_least(&fixture, &transfers, "logs", 1, "second backup").await?;
     proxy.go_down();
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let failed = final_phase(
@@ -280,21 +300,7 @@ async fn a_backup_across_two_apiserver_restarts_completes_its_progress_never_goi
         })
     };
     create_backup_of_claim(&client, "across-restarts", "archive").await?;
-    eventually(Duration::from_secs(120), || async {
-        let transfer = transfer_of(&transfers, "archive").await?;
-        Ok(transfer
-            .status
-            .and_then(|status| status.progress)
-            .is_some_and(|progress| progress.bytes_done >= 4 << 20)
-            .then_some(()))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "the backup never moved:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    moved_at_least(&fixture, &transfers, "archive", 4 << 20, "backup").await?;
     let starts = fixture.kubelet.starts();
     for restart in 1..=2 {
         let started = Instant::now();
@@ -373,36 +379,10 @@ async fn a_storage_outage_mid_restore_pauses_it_and_it_finishes_verified_once_th
     .await?;
     create_restore_of_backup(client, "through-an-outage", "archive-only").await?;
     let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "shop-b");
-    eventually(Duration::from_secs(120), || async {
-        let transfer = transfer_of(&transfers, "archive").await?;
-        Ok(transfer
-            .status
-            .and_then(|status| status.progress)
-            .is_some_and(|progress| progress.bytes_done >= 3 << 20)
-            .then_some(()))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "the restore never got going:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    moved_at_least(&fixture, &transfers, "archive", 3 << 20, "restore").await?;
     proxy.go_down();
     let down_at = Instant::now();
-    let paused = eventually(Duration::from_secs(60), || async {
-        let transfer = transfer_of(&transfers, "archive").await?;
-        Ok(storage_condition(&transfer)
-            .is_some_and(|condition| condition.status == ConditionStatus::False)
-            .then_some(transfer))
-    })
-    .await
-    .with_context(|| {
-        format!(
-            "the restore never said it waits for the storage:\n{}",
-            fixture.kubelet.all_agent_logs()
-        )
-    })?;
+    let paused = paused_for_storage(&fixture, &transfers, "archive", "restore").await?;
     assert_eq!(
         paused.status.as_ref().and_then(|status| status.phase),
         Some(VolumeTransferPhase::InProgress)

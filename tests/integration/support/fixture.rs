@@ -689,6 +689,20 @@ impl Fixture {
         .await?)
     }
 
+    /// Pack objects in the fixture's repository, listed from MinIO behind
+    /// the controller's back (a pack exists only once fully uploaded).
+    pub async fn packs_stored(&self) -> anyhow::Result<usize> {
+        let listed = self
+            .minio
+            .admin_client()
+            .list_objects_v2()
+            .bucket(BUCKET)
+            .prefix(format!("{PREFIX}/{}", haulage::repo::DATA_PREFIX))
+            .send()
+            .await?;
+        Ok(listed.contents().len())
+    }
+
     /// The options of a fixture, each at its default; `.start()` starts it.
     pub fn builder() -> FixtureBuilder {
         FixtureBuilder {
