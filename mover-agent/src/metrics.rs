@@ -76,6 +76,11 @@ pub const STORAGE_UNAVAILABLE_SECONDS: Series = Series {
     name: "haulage_agent_storage_unavailable_seconds",
     help: "Seconds this agent process's volumes waited for the storage location to answer again",
 };
+/// `haulage_agent_storage_retries_total{cause}`.
+pub const STORAGE_RETRIES: Series = Series {
+    name: "haulage_agent_storage_retries",
+    help: "Requests to the storage location that failed and were retried within the retry budget, by cause: throttled (503 SlowDown, 429) or other (cut connections, timeouts, 5xx)",
+};
 /// `haulage_agent_transfers`.
 pub const TRANSFERS: Series = Series {
     name: "haulage_agent_transfers",
@@ -208,6 +213,15 @@ impl Collector for AgentCollector {
             STORAGE_UNAVAILABLE_SECONDS,
             [(NoLabels, self.outage.unavailable().as_secs_f64())],
         )?;
+        let retries = self.outage.retries();
+        encode_counters(
+            &mut encoder,
+            STORAGE_RETRIES,
+            [
+                ([("cause", "throttled")], retries.throttled),
+                ([("cause", "other")], retries.other),
+            ],
+        )?;
         Ok(())
     }
 }
@@ -334,6 +348,7 @@ mod tests {
             "haulage_agent_bytes_written_total{namespace=\"shop-b\",pvc=\"db\"} 777",
             "haulage_agent_storage_unavailable 0",
             "haulage_agent_storage_outages_total 0",
+            "haulage_agent_storage_retries_total{cause=\"throttled\"} 0",
         ] {
             assert!(body.lines().any(|l| l == line), "{line} missing:\n{body}");
         }

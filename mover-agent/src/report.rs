@@ -14,7 +14,7 @@ use haulage::api::{Progress, VolumeTransferPhase, VolumeTransferStatus};
 use haulage::engine::progress::ProgressSnapshot;
 use haulage::engine::restore::RestoreOutcome;
 use haulage::engine::verify_tree::TreeVerification;
-use haulage::store::outage::{EndedOutage, OutageReport};
+use haulage::store::outage::{EndedOutage, OutageReport, Retries};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 fn signed(value: u64) -> i64 {
@@ -66,13 +66,31 @@ pub fn next_progress(
 }
 
 /// The agent's claim of a transfer, renewed with each report: who works on
-/// it, since when (kept across restarts of the same claim), and now.
-pub fn agent_claim(identity: &str, claimed_at: Option<&Time>, now: &Time) -> AgentClaim {
+/// it, since when (the `earlier` claim's time, kept across restarts), when
+/// it last moved the volume forward (now when `moved`: this report's
+/// `bytesDone` is above every earlier one; else the `earlier` claim's),
+/// and now.
+pub fn agent_claim(
+    identity: &str,
+    earlier: Option<&AgentClaim>,
+    moved: bool,
+    now: &Time,
+) -> AgentClaim {
     AgentClaim {
         identity: identity.to_string(),
-        claimed_at: claimed_at.cloned().unwrap_or_else(|| now.clone()),
+        claimed_at: earlier.map_or_else(|| now.clone(), |claim| claim.claimed_at.clone()),
         heartbeat_time: now.clone(),
+        progress_time: if moved {
+            Some(now.clone())
+        } else {
+            earlier.and_then(|claim| claim.progress_time.clone())
+        },
     }
+}
+
+/// Whether `report` moved the volume past the report before it.
+pub fn moved_forward(report: &Progress, before: Option<&Progress>) -> bool {
+    report.bytes_done > before.map_or(0, |before| before.bytes_done)
 }
 
 /// The status part of the claim (a merge patch conditional on the
@@ -85,11 +103,7 @@ pub fn claim_status(
 ) -> VolumeTransferStatus {
     VolumeTransferStatus {
         phase: Some(VolumeTransferPhase::InProgress),
-        agent: Some(agent_claim(
-            identity,
-            old.agent.as_ref().map(|agent| &agent.claimed_at),
-            now,
-        )),
+        agent: Some(agent_claim(identity, old.agent.as_ref(), false, now)),
         start_time: Some(old.start_time.clone().unwrap_or_else(|| now.clone())),
         ..VolumeTransferStatus::default()
     }
@@ -117,12 +131,16 @@ pub struct StorageSeen {
     pub give_up_after_seconds: Option<u64>,
     /// Whether an operation gave up on an outage longer than that.
     pub gave_up: bool,
+    /// The failed requests retried within the budget, short of an outage.
+    pub retries: Retries,
 }
 
 /// The `StorageAvailable` condition of a transfer's reports: `False` while
 /// the location does not answer (the volume paused, since when, the latest
 /// error, when it gives up), `True` once it answers again after an outage
-/// (how long it lasted), none when there was no outage.
+/// (how long it lasted), `True` with reason `StorageRequestsRetried` when
+/// it answers but throttled or failed requests that were retried (how
+/// many: the volume moves slower), none when all went well.
 pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<Condition> {
     if let Some(current) = &seen.current {
         let limit = match seen.give_up_after_seconds {
@@ -145,17 +163,37 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
             haulage::clock::time_of(current.since),
         ));
     }
-    let ended = seen.last_ended.as_ref()?;
+    let retried = seen.retries;
+    let retried_text = (retried.total() > 0).then(|| {
+        format!(
+            "the storage location throttled {} of this agent's requests (503 SlowDown, 429) and {} more failed transiently (cut connections, timeouts, 5xx); each was retried after a backoff, so the volume moves slower and nothing failed",
+            retried.throttled, retried.other
+        )
+    });
+    if let Some(ended) = &seen.last_ended {
+        let mut message = format!(
+            "the storage location answers again after an outage of {}s; the volume resumed where it was",
+            ended.lasted.as_secs()
+        );
+        if let Some(retried_text) = retried_text {
+            message = format!("{message}; {retried_text}");
+        }
+        return Some(Condition::new(
+            condition_type::STORAGE_AVAILABLE,
+            ConditionStatus::True,
+            reason::STORAGE_LOCATION_AVAILABLE,
+            &message,
+            generation,
+            haulage::clock::time_of(ended.since + ended.lasted),
+        ));
+    }
     Some(Condition::new(
         condition_type::STORAGE_AVAILABLE,
         ConditionStatus::True,
-        reason::STORAGE_LOCATION_AVAILABLE,
-        &format!(
-            "the storage location answers again after an outage of {}s; the volume resumed where it was",
-            ended.lasted.as_secs()
-        ),
+        reason::STORAGE_REQUESTS_RETRIED,
+        &retried_text?,
         generation,
-        haulage::clock::time_of(ended.since + ended.lasted),
+        haulage::clock::time_of(retried.since?),
     ))
 }
 
@@ -539,7 +577,7 @@ mod tests {
     fn ending(progress: Progress) -> Ending {
         Ending {
             progress,
-            agent: agent_claim("stage-a", None, &at(5)),
+            agent: agent_claim("stage-a", None, false, &at(5)),
             generation: Some(1),
             time: at(5),
         }
@@ -559,6 +597,7 @@ mod tests {
             last_ended: None,
             give_up_after_seconds: Some(600),
             gave_up: false,
+            retries: Retries::default(),
         };
         let paused = storage_condition(&seen, Some(1)).expect("during the outage");
         assert_eq!(paused.type_, condition_type::STORAGE_AVAILABLE);
@@ -588,6 +627,42 @@ mod tests {
     }
 
     #[test]
+    fn requests_retried_short_of_an_outage_are_a_storage_condition_true_saying_how_many() {
+        use std::time::{Duration, UNIX_EPOCH};
+        let mut seen = StorageSeen {
+            retries: Retries {
+                throttled: 120,
+                other: 3,
+                since: Some(UNIX_EPOCH + Duration::from_secs(1_800_000_007)),
+            },
+            ..StorageSeen::default()
+        };
+        let retried = storage_condition(&seen, Some(1)).expect("requests were retried");
+        assert_eq!(retried.status, ConditionStatus::True);
+        assert_eq!(retried.reason, reason::STORAGE_REQUESTS_RETRIED);
+        assert_eq!(retried.last_transition_time, at(7), "since the first");
+        for part in ["throttled 120", "503 SlowDown", "3 more failed", "slower"] {
+            assert!(
+                retried.message.contains(part),
+                "{part}: {}",
+                retried.message
+            );
+        }
+        // After an outage, the outage first and the retries beside it.
+        seen.last_ended = Some(EndedOutage {
+            since: UNIX_EPOCH + Duration::from_secs(1_800_000_000),
+            lasted: Duration::from_secs(60),
+        });
+        let back = storage_condition(&seen, Some(1)).expect("after the outage");
+        assert_eq!(back.reason, reason::STORAGE_LOCATION_AVAILABLE);
+        assert!(
+            back.message.contains("outage of 60s") && back.message.contains("throttled 120"),
+            "{}",
+            back.message
+        );
+    }
+
+    #[test]
     fn a_claim_keeps_the_first_claims_start_and_claim_times() {
         let first = claim_status(&VolumeTransferStatus::default(), "stage-a", &at(0));
         assert_eq!(first.phase, Some(VolumeTransferPhase::InProgress));
@@ -596,6 +671,38 @@ mod tests {
         assert_eq!(again.start_time, Some(at(0)));
         let agent = again.agent.expect("claimed");
         assert_eq!((agent.claimed_at, agent.heartbeat_time), (at(0), at(90)));
+    }
+
+    #[test]
+    fn the_claim_remembers_when_the_volume_last_moved_forward_across_restarts() {
+        let before = next_progress(&counters(800, 1000), None, 1.0);
+        assert!(moved_forward(&before, None));
+        let first = agent_claim("stage-a", None, true, &at(10));
+        assert_eq!(first.progress_time, Some(at(10)));
+        // A restarted agent reads again what it had read: its counters
+        // restart from zero, the report stays at 800, the volume did not
+        // move, and the claim keeps when it last did.
+        let reread = next_progress(&counters(300, 1000), Some(&before), 2.0);
+        assert!(!moved_forward(&reread, Some(&before)));
+        let claimed_again = claim_status(
+            &VolumeTransferStatus {
+                agent: Some(first),
+                ..VolumeTransferStatus::default()
+            },
+            "stage-a",
+            &at(20),
+        )
+        .agent
+        .expect("claimed");
+        let renewed = agent_claim("stage-a", Some(&claimed_again), false, &at(22));
+        assert_eq!(
+            (renewed.claimed_at.clone(), renewed.progress_time.clone()),
+            (at(10), Some(at(10)))
+        );
+        let past = next_progress(&counters(900, 1000), Some(&reread), 2.0);
+        assert!(moved_forward(&past, Some(&reread)));
+        let moved = agent_claim("stage-a", Some(&renewed), true, &at(24));
+        assert_eq!(moved.progress_time, Some(at(24)));
     }
 
     #[test]

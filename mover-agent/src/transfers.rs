@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use haulage::api::labels::AGENT_FIELD_MANAGER;
-use haulage::api::transfer::TransferDirection;
+use haulage::api::transfer::{AgentClaim, TransferDirection};
 use haulage::api::{Progress as ApiProgress, VolumeTransfer, VolumeTransferPhase};
 use haulage::clock::now;
 use haulage::engine::Repository;
@@ -36,7 +36,7 @@ use haulage::engine::verify_tree::{TreeVerifyOptions, verify_tree_loaded};
 use haulage::repo::lock::LockKind;
 use haulage::store::outage::OutageWait;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Api, ResourceExt};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
@@ -46,8 +46,8 @@ use tracing::{info, warn};
 use crate::metrics::AgentMetrics;
 use crate::report::{
     BackupFigures, Ending, RestoreFigures, RestoreVerdict, StorageSeen, agent_claim, claim_status,
-    completed_status, failed_status, next_progress, progress_status, restore_verdict,
-    restored_status, storage_condition,
+    completed_status, failed_status, moved_forward, next_progress, progress_status,
+    restore_verdict, restored_status, storage_condition,
 };
 
 /// Hostname recorded in every snapshot the agent writes: stable across
@@ -87,6 +87,7 @@ fn storage_seen(wait: &OutageWait) -> StorageSeen {
         last_ended: wait.outage.last_ended(),
         give_up_after_seconds: wait.give_up_after.map(|limit| limit.as_secs()),
         gave_up: wait.outage.gave_up(),
+        retries: wait.outage.retries(),
     }
 }
 
@@ -249,11 +250,10 @@ fn follow(
 ) -> (watch::Receiver<Watched>, tokio::task::JoinHandle<()>) {
     let (sender, receiver) = watch::channel(Watched::Unknown);
     let task = tokio::spawn(async move {
-        let events = watcher(
+        let events = haulage::controller::backing_off(watcher(
             api,
             watcher::Config::default().fields(&format!("metadata.name={name}")),
-        )
-        .default_backoff();
+        ));
         let mut events = std::pin::pin!(events);
         loop {
             let next = tokio::select! {
@@ -513,9 +513,11 @@ struct VolumeRun {
     progress: Arc<Progress>,
     volume_cancel: CancellationToken,
     throttle: Throttle,
-    claimed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    /// The claim as the transfer showed it when the run began.
+    earlier_claim: Option<AgentClaim>,
     reported: Option<ApiProgress>,
-    reporter: tokio::task::JoinHandle<()>,
+    /// Ends with the last report it wrote (or tried to).
+    reporter: tokio::task::JoinHandle<Option<LastReport>>,
     supervisor: tokio::task::JoinHandle<()>,
 }
 
@@ -549,11 +551,10 @@ impl VolumeRun {
             progress.clone(),
         );
         let volume_cancel = cancel.child_token();
-        let claimed_at = transfer
+        let earlier_claim = transfer
             .status
             .as_ref()
-            .and_then(|status| status.agent.as_ref())
-            .map(|agent| agent.claimed_at.clone());
+            .and_then(|status| status.agent.clone());
         let reported: Option<ApiProgress> = transfer
             .status
             .as_ref()
@@ -563,8 +564,7 @@ impl VolumeRun {
             name.to_string(),
             progress.clone(),
             reported.clone(),
-            assignment.identity.clone(),
-            claimed_at.clone(),
+            (assignment.identity.clone(), earlier_claim.clone()),
             assignment.progress_interval,
             (assignment.storage.clone(), transfer.metadata.generation),
             volume_cancel.clone(),
@@ -589,7 +589,7 @@ impl VolumeRun {
             progress,
             volume_cancel,
             throttle,
-            claimed_at,
+            earlier_claim,
             reported,
             reporter,
             supervisor,
@@ -620,52 +620,83 @@ impl VolumeRun {
     /// ended, for its final status.
     async fn end(self, claimed: &Claimed<'_>) -> Option<Ending> {
         let finished = self.finish(claimed.name, claimed.cancel);
-        let progress = next_progress(&self.progress.snapshot(), self.reported.as_ref(), 0.0);
-        let _ = self.reporter.await;
+        let last = self.reporter.await.ok().flatten();
         let _ = self.supervisor.await;
         finished.ok()?;
+        let (reported, claim) = match last {
+            Some(LastReport { progress, claim }) => (Some(progress), Some(claim)),
+            None => (self.reported, self.earlier_claim),
+        };
+        let progress = next_progress(&self.progress.snapshot(), reported.as_ref(), 0.0);
+        let moved = moved_forward(&progress, reported.as_ref());
         let time = now();
         Some(Ending {
             progress,
-            agent: agent_claim(
-                &claimed.assignment.identity,
-                self.claimed_at.as_ref(),
-                &time,
-            ),
+            agent: agent_claim(&claimed.assignment.identity, claim.as_ref(), moved, &time),
             generation: claimed.transfer.metadata.generation,
             time,
         })
     }
 }
 
-/// Write the final status of a transfer. Server-side apply drops fields
-/// this manager applied before and leaves out now, so `status` carries
-/// the claim again.
+/// How long the agent keeps trying to write a transfer's final status
+/// while the API server does not answer (restarting, overloaded, away):
+/// the outcome is kept in memory meanwhile, so an API server outage at
+/// the end of a volume costs no second pass over it.
+const FINAL_STATUS_PATIENCE: Duration = Duration::from_secs(10 * 60);
+/// Longest pause between two tries of the final status.
+const FINAL_STATUS_MAX_BACKOFF: Duration = Duration::from_secs(15);
+
+/// Write the final status of a transfer, trying again with backoff (1 s,
+/// doubling to 15 s) for [`FINAL_STATUS_PATIENCE`] while the API server's
+/// failures are transient, until `cancel` (SIGTERM). Server-side apply
+/// drops fields this manager applied before and leaves out now, so
+/// `status` carries the claim again.
 async fn write_final_status(
     api: &Api<VolumeTransfer>,
     name: &str,
     status: &haulage::api::VolumeTransferStatus,
+    cancel: &CancellationToken,
 ) -> Result<(), AgentError> {
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
     let patch = haulage::api::status_apply::<VolumeTransfer>(status);
-    match api.patch_status(name, &apply, &Patch::Apply(&patch)).await {
-        Ok(_) => Ok(()),
-        // Ended by the controller meanwhile (final phases are final): what
-        // was moved stays (stored packs are reused by the next backup; a
-        // restore's written files by the next Sync restore).
-        Err(kube::Error::Api(status)) if status.code == 422 || status.code == 404 => {
-            warn!(
-                transfer = name,
-                "not recording the outcome: the controller already ended this transfer ({})",
-                status.message
-            );
-            Ok(())
-        }
-        Err(source) => Err(AgentError::Api {
+    let started = Instant::now();
+    let mut backoff = Duration::from_secs(1);
+    loop {
+        let source = match api.patch_status(name, &apply, &Patch::Apply(&patch)).await {
+            Ok(_) => return Ok(()),
+            // Ended by the controller meanwhile (final phases are final):
+            // what was moved stays (stored packs are reused by the next
+            // backup; a restore's written files by the next Sync restore).
+            Err(kube::Error::Api(status)) if status.code == 422 || status.code == 404 => {
+                warn!(
+                    transfer = name,
+                    "not recording the outcome: the controller already ended this transfer ({})",
+                    status.message
+                );
+                return Ok(());
+            }
+            Err(source) => source,
+        };
+        let error = AgentError::Api {
             action: "write the final status of",
             transfer: name.to_string(),
             source,
-        }),
+        };
+        if !error.is_transient() || started.elapsed() + backoff > FINAL_STATUS_PATIENCE {
+            return Err(error);
+        }
+        warn!(
+            transfer = name,
+            retry_in_seconds = backoff.as_secs(),
+            "{}; the outcome is kept and written once the API server answers",
+            haulage::error_chain(&error)
+        );
+        tokio::select! {
+            _ = cancel.cancelled() => return Err(error),
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(FINAL_STATUS_MAX_BACKOFF);
     }
 }
 
@@ -757,7 +788,7 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
     status
         .conditions
         .extend(storage_condition(&seen, generation));
-    write_final_status(claimed.api, name, &status).await
+    write_final_status(claimed.api, name, &status, claimed.cancel).await
 }
 
 /// How long a transfer waits for the repository's shared lock while a
@@ -1049,10 +1080,18 @@ fn used_bytes(path: &std::path::Path) -> Option<u64> {
     )
 }
 
+/// The last report of a run's reporter.
+struct LastReport {
+    progress: ApiProgress,
+    claim: AgentClaim,
+}
+
 /// Report progress every `interval` until `stop`: the engine's counters,
-/// never below what was reported before, with the heartbeat, and the
-/// `StorageAvailable` condition once the storage location had an outage
-/// (for the transfer's generation).
+/// never below what was reported before, with the claim of agent
+/// `identity` renewed from the earlier one (the heartbeat, and when the
+/// volume last moved forward), and the `StorageAvailable` condition once
+/// the storage location had an outage (for the transfer's generation).
+/// Returns the last report.
 #[allow(
     clippy::too_many_arguments,
     reason = "the parts of one reporter, named"
@@ -1062,27 +1101,34 @@ fn spawn_reporter(
     name: String,
     progress: Arc<Progress>,
     mut last: Option<ApiProgress>,
-    identity: String,
-    claimed_at: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+    (identity, mut claim): (String, Option<AgentClaim>),
     interval: Duration,
     (storage, generation): (OutageWait, Option<i64>),
     stop: CancellationToken,
-) -> tokio::task::JoinHandle<()> {
+) -> tokio::task::JoinHandle<Option<LastReport>> {
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
     tokio::spawn(async move {
         let mut last_time = Instant::now();
         loop {
             tokio::select! {
-                _ = stop.cancelled() => return,
+                _ = stop.cancelled() => {
+                    return last
+                        .zip(claim)
+                        .map(|(progress, claim)| LastReport { progress, claim });
+                }
                 _ = tokio::time::sleep(interval) => {}
             }
             let elapsed = last_time.elapsed().as_secs_f64();
             last_time = Instant::now();
             let report = next_progress(&progress.snapshot(), last.as_ref(), elapsed);
-            let mut status = progress_status(
-                report.clone(),
-                agent_claim(&identity, claimed_at.as_ref(), &now()),
+            let renewed = agent_claim(
+                &identity,
+                claim.as_ref(),
+                moved_forward(&report, last.as_ref()),
+                &now(),
             );
+            claim = Some(renewed.clone());
+            let mut status = progress_status(report.clone(), renewed);
             status
                 .conditions
                 .extend(storage_condition(&storage_seen(&storage), generation));
@@ -1122,6 +1168,7 @@ mod tests {
                     identity: identity.to_string(),
                     claimed_at: now(),
                     heartbeat_time: now(),
+                    progress_time: None,
                 }),
                 ..Default::default()
             });

@@ -234,6 +234,9 @@ pub mod reason {
     pub const STORAGE_LOCATION_UNAVAILABLE: &str = "StorageLocationUnavailable";
     /// The BackupStorageLocation is Available.
     pub const STORAGE_LOCATION_AVAILABLE: &str = "StorageLocationAvailable";
+    /// The location answers, but throttled (503 SlowDown, 429) or failed
+    /// some of the agent's requests, which were retried.
+    pub const STORAGE_REQUESTS_RETRIED: &str = "StorageRequestsRetried";
     /// The location stayed Unavailable past `failAfterUnavailableSeconds`.
     pub const STORAGE_UNAVAILABLE_TIMEOUT: &str = "StorageUnavailableTimeout";
     /// A controller replica claimed the object.
@@ -357,6 +360,7 @@ pub mod reason {
         STORAGE_LOCATION_NOT_FOUND,
         STORAGE_LOCATION_UNAVAILABLE,
         STORAGE_LOCATION_AVAILABLE,
+        STORAGE_REQUESTS_RETRIED,
         STORAGE_UNAVAILABLE_TIMEOUT,
         CLAIMED_BY_REPLICA,
         ADOPTED_FROM_REPLICA,

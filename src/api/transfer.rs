@@ -272,6 +272,12 @@ pub struct AgentClaim {
     /// When it last reported; a claim whose heartbeat is old belongs to a
     /// dead agent and may be taken over.
     pub heartbeat_time: Time,
+    /// When it last moved the volume past every earlier report
+    /// (`progress.bytesDone` rose), across restarts. The controller tells
+    /// an agent whose crashes only slow it down (each run moves the volume
+    /// further) from one that crashes in a loop by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress_time: Option<Time>,
 }
 
 /// The life of a VolumeTransfer:

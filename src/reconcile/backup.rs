@@ -1145,6 +1145,7 @@ mod tests {
             identity: pod_name_of(&backup),
             claimed_at: at(0),
             heartbeat_time: at(0),
+            progress_time: None,
         });
         seen.staging.transfers = vec![Arc::new(transfer)];
         let quiet = acts(decide(&seen, &at(100)).expect("decided"));

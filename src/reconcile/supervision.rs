@@ -9,7 +9,12 @@
 //!   after [`MAX_CONTAINER_RESTARTS`] restarts (about 5 minutes of kubelet
 //!   backoff) the controller stops it, even if it is up again, and
 //!   fails its volumes with the last exit code, reason and log line, since
-//!   the next restart would most likely crash the same way;
+//!   the next restart would most likely crash the same way — unless the
+//!   crashes only slow it down: an agent that moved its volume forward
+//!   within [`CRASH_LOOP_WINDOW_SECONDS`] before its latest crash (its
+//!   transfers' `agent.progressTime`), or has been running that long since,
+//!   is left to the kubelet (an agent OOM-killed now and then over a
+//!   day-long volume, each run resuming further, is not a crash loop);
 //! - a pod the kubelet gave up on (phase `Failed`: evicted, node shut down,
 //!   preempted) is deleted and created again by the controller, after
 //!   [`RECREATE_BACKOFF_SECONDS`] × 2^attempts, at most
@@ -24,7 +29,7 @@ use std::time::Duration;
 
 use haulage_api::condition::{Condition, ConditionStatus, bounded_message, condition_type, reason};
 use haulage_api::{VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus};
-use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, ContainerStatus, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::ResourceExt;
 
@@ -32,6 +37,10 @@ use crate::action::{Action, Event, ObjectName};
 
 /// Container restarts after which a crash-looping agent's volumes fail.
 pub const MAX_CONTAINER_RESTARTS: i32 = 5;
+/// Seconds of running, or of moving the volume forward before a crash,
+/// after which an agent's restarts are not a crash loop (the kubelet too
+/// resets its restart backoff after a container ran 10 minutes).
+pub const CRASH_LOOP_WINDOW_SECONDS: i64 = 600;
 /// Stage pods made for the same volumes, the first one included.
 pub const MAX_POD_ATTEMPTS: i32 = 3;
 /// Seconds before the first re-creation of a failed pod; doubled each time.
@@ -67,8 +76,10 @@ pub enum Verdict {
 }
 
 /// Judge `pod`, `attempts` pods having been made for its volumes before
-/// this one (0 for the first), at `now` (seconds since the epoch).
-pub fn verdict(pod: &Pod, attempts: i32, now: i64) -> Verdict {
+/// this one (0 for the first), its agent having last moved one of them
+/// forward at `last_moved`, at `now` (all times in seconds since the
+/// epoch).
+pub fn verdict(pod: &Pod, attempts: i32, last_moved: Option<i64>, now: i64) -> Verdict {
     let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
     let Some(status) = pod.status.as_ref() else {
         return Verdict::Healthy;
@@ -111,7 +122,9 @@ pub fn verdict(pod: &Pod, attempts: i32, now: i64) -> Verdict {
     }
 
     if let Some(container) = container {
-        if container.restart_count >= MAX_CONTAINER_RESTARTS {
+        if container.restart_count >= MAX_CONTAINER_RESTARTS
+            && crash_looping(container, last_moved, now)
+        {
             let last = container
                 .last_state
                 .as_ref()
@@ -180,6 +193,32 @@ pub fn verdict(pod: &Pod, attempts: i32, now: i64) -> Verdict {
         };
     }
     Verdict::Healthy
+}
+
+/// Whether an agent container restarted [`MAX_CONTAINER_RESTARTS`] times
+/// crashes in a loop: not when it has been running for
+/// [`CRASH_LOOP_WINDOW_SECONDS`] since its latest start, nor when it moved
+/// its volume forward (`last_moved`) within that window before its latest
+/// crash.
+fn crash_looping(container: &ContainerStatus, last_moved: Option<i64>, now: i64) -> bool {
+    let seconds = |time: &Time| time.0.as_second();
+    let running_since = container
+        .state
+        .as_ref()
+        .and_then(|state| state.running.as_ref())
+        .and_then(|running| running.started_at.as_ref())
+        .map(seconds);
+    if running_since.is_some_and(|since| now - since >= CRASH_LOOP_WINDOW_SECONDS) {
+        return false;
+    }
+    let latest_crash = [&container.last_state, &container.state]
+        .into_iter()
+        .flatten()
+        .filter_map(|state| state.terminated.as_ref()?.finished_at.as_ref())
+        .map(seconds)
+        .max()
+        .unwrap_or(now);
+    last_moved.is_none_or(|moved| moved < latest_crash - CRASH_LOOP_WINDOW_SECONDS)
 }
 
 /// Default seconds without a heartbeat after which a running agent counts
@@ -383,7 +422,14 @@ pub fn supervise_stage_pods(
                 Some(agent.heartbeat_time.0.as_second())
             })
             .collect();
-        let verdict = match verdict(pod, attempts, time) {
+        let last_moved = open
+            .iter()
+            .filter_map(|transfer| {
+                let agent = transfer.status.as_ref()?.agent.as_ref()?;
+                Some(agent.progress_time.as_ref()?.0.as_second())
+            })
+            .max();
+        let verdict = match verdict(pod, attempts, last_moved, time) {
             Verdict::Healthy => lost_agent(pod, &heartbeats, attempts, time, agent_lost_seconds)
                 .unwrap_or(Verdict::Healthy),
             other => other,
@@ -610,9 +656,9 @@ mod tests {
             serde_json::json!({"phase": "Running", "containerStatuses": [
             container(serde_json::json!({"running": {"startedAt": at(1)}}), serde_json::json!({}), 2)]}),
         );
-        assert_eq!(verdict(&running, 0, T0 + 1000), Verdict::Healthy);
+        assert_eq!(verdict(&running, 0, None, T0 + 1000), Verdict::Healthy);
         let done = pod(serde_json::json!({"phase": "Succeeded"}));
-        assert_eq!(verdict(&done, 0, T0 + 1000), Verdict::Healthy);
+        assert_eq!(verdict(&done, 0, None, T0 + 1000), Verdict::Healthy);
     }
 
     #[test]
@@ -625,7 +671,7 @@ mod tests {
             5)]}),
         );
         assert_eq!(
-            verdict(&looping, 0, T0 + 60),
+            verdict(&looping, 0, None, T0 + 60),
             Verdict::Fail {
                 message: "the agent in stage pod stage-a crashed 5 times; last: exit code 137 (OOMKilled): error: out of memory".to_string()
             }
@@ -635,7 +681,54 @@ mod tests {
             serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
             serde_json::json!({"terminated": {"exitCode": 1}}), 4)]}),
         );
-        assert_eq!(verdict(&fewer, 0, T0 + 60), Verdict::Healthy);
+        assert_eq!(verdict(&fewer, 0, None, T0 + 60), Verdict::Healthy);
+    }
+
+    #[test]
+    fn an_agent_whose_crashes_only_slow_it_down_is_not_a_crash_loop() {
+        // Killed 30 times (the OOM killer, a node under pressure), its
+        // latest crash at 1000 s.
+        let crashed = |state: serde_json::Value| {
+            pod(
+                serde_json::json!({"phase": "Running", "containerStatuses": [container(
+                state,
+                serde_json::json!({"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                    "finishedAt": at(1000)}}),
+                30)]}),
+            )
+        };
+        let waiting = crashed(serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}));
+        assert_eq!(
+            verdict(&waiting, 0, Some(T0 + 990), T0 + 1010),
+            Verdict::Healthy,
+            "it moved its volume forward 10 s before the crash"
+        );
+        assert_eq!(
+            verdict(
+                &waiting,
+                0,
+                Some(T0 + 1000 - CRASH_LOOP_WINDOW_SECONDS),
+                T0 + 1010
+            ),
+            Verdict::Healthy,
+            "just within the window"
+        );
+        for last_moved in [None, Some(T0 + 999 - CRASH_LOOP_WINDOW_SECONDS)] {
+            let Verdict::Fail { message } = verdict(&waiting, 0, last_moved, T0 + 1010) else {
+                panic!("no progress for longer than the window before its crash: a loop");
+            };
+            assert!(message.contains("crashed 30 times"), "{message}");
+        }
+        // Up again: a crash loop until it has run for the window.
+        let running = crashed(serde_json::json!({"running": {"startedAt": at(1010)}}));
+        assert!(matches!(
+            verdict(&running, 0, None, T0 + 1100),
+            Verdict::Fail { .. }
+        ));
+        assert_eq!(
+            verdict(&running, 0, None, T0 + 1010 + CRASH_LOOP_WINDOW_SECONDS),
+            Verdict::Healthy
+        );
     }
 
     #[test]
@@ -646,7 +739,7 @@ mod tests {
                 serde_json::json!({"terminated": {"exitCode": 137, "reason": "Error", "finishedAt": at(100)}}),
                 serde_json::json!({}), 0)]}));
         assert_eq!(
-            verdict(&failed, 0, T0 + 100),
+            verdict(&failed, 0, None, T0 + 100),
             Verdict::Recreate {
                 attempt: 2,
                 after_seconds: 10,
@@ -654,7 +747,7 @@ mod tests {
             }
         );
         assert!(matches!(
-            verdict(&failed, 1, T0 + 100),
+            verdict(&failed, 1, None, T0 + 100),
             Verdict::Recreate {
                 attempt: 3,
                 after_seconds: 20,
@@ -662,13 +755,13 @@ mod tests {
             }
         ));
         assert!(matches!(
-            verdict(&failed, 1, T0 + 500),
+            verdict(&failed, 1, None, T0 + 500),
             Verdict::Recreate {
                 after_seconds: 0,
                 ..
             }
         ));
-        let Verdict::Fail { message } = verdict(&failed, 2, T0 + 500) else {
+        let Verdict::Fail { message } = verdict(&failed, 2, None, T0 + 500) else {
             panic!("the third failure is final");
         };
         assert!(
@@ -678,7 +771,7 @@ mod tests {
         let evicted = pod(serde_json::json!({"phase": "Failed", "reason": "Evicted",
             "message": "The node was low on resource: memory."}));
         assert!(matches!(
-            verdict(&evicted, 0, T0),
+            verdict(&evicted, 0, None, T0),
             Verdict::Recreate { message, .. } if message.ends_with("The node was low on resource: memory.")
         ));
     }
@@ -690,8 +783,9 @@ mod tests {
             serde_json::json!({"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}),
             serde_json::json!({}), 0)]}),
         );
-        assert_eq!(verdict(&pulling, 0, T0 + 60), Verdict::Healthy);
-        let Verdict::Fail { message } = verdict(&pulling, 0, T0 + PENDING_TIMEOUT_SECONDS + 1)
+        assert_eq!(verdict(&pulling, 0, None, T0 + 60), Verdict::Healthy);
+        let Verdict::Fail { message } =
+            verdict(&pulling, 0, None, T0 + PENDING_TIMEOUT_SECONDS + 1)
         else {
             panic!("pulling for too long fails");
         };
@@ -703,12 +797,15 @@ mod tests {
             serde_json::json!({"phase": "Pending", "containerStatuses": [container(
             serde_json::json!({"waiting": {"reason": "InvalidImageName"}}), serde_json::json!({}), 0)]}),
         );
-        assert!(matches!(verdict(&invalid, 0, T0 + 1), Verdict::Fail { .. }));
+        assert!(matches!(
+            verdict(&invalid, 0, None, T0 + 1),
+            Verdict::Fail { .. }
+        ));
         let unschedulable = pod(serde_json::json!({"phase": "Pending", "conditions": [{
             "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
             "message": "0/3 nodes are available: 1 node(s) had untolerated taint"}]}));
-        assert_eq!(verdict(&unschedulable, 0, T0 + 10), Verdict::Healthy);
-        let Verdict::Fail { message } = verdict(&unschedulable, 0, T0 + 301) else {
+        assert_eq!(verdict(&unschedulable, 0, None, T0 + 10), Verdict::Healthy);
+        let Verdict::Fail { message } = verdict(&unschedulable, 0, None, T0 + 301) else {
             panic!("unschedulable for too long fails");
         };
         assert!(

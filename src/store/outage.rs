@@ -18,7 +18,10 @@
 //! The state is shared by everything that uses the store (one agent's
 //! volumes), so the agent can report the outage (its progress reports'
 //! `StorageAvailable` condition, its metrics) and all waiting operations
-//! give up at the same time.
+//! give up at the same time. It also counts the failed attempts the retry
+//! budget absorbed short of an outage ([`Outage::retries`]): a location
+//! that throttles a share of the requests (503 SlowDown) slows the volumes
+//! without stopping them, and the reports say so.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -94,6 +97,25 @@ pub struct EndedOutage {
     pub lasted: Duration,
 }
 
+/// Failed attempts that were retried within the budget, by what they
+/// were.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Retries {
+    /// Throttled by the server (503 SlowDown, 429).
+    pub throttled: u64,
+    /// Any other transient failure (a cut connection, a timeout, a 500).
+    pub other: u64,
+    /// When the first of them failed.
+    pub since: Option<SystemTime>,
+}
+
+impl Retries {
+    /// Retried attempts in all.
+    pub fn total(&self) -> u64 {
+        self.throttled + self.other
+    }
+}
+
 /// Totals kept across outages.
 #[derive(Debug, Default)]
 struct Totals {
@@ -101,6 +123,7 @@ struct Totals {
     ended: Duration,
     last_ended: Option<EndedOutage>,
     gave_up: bool,
+    retries: Retries,
 }
 
 /// The outage state of one store, shared by its users: whether the
@@ -169,6 +192,22 @@ impl Outage {
     /// its limit.
     pub fn gave_up(&self) -> bool {
         self.totals().gave_up
+    }
+
+    /// The failed attempts retried within the budget so far.
+    pub fn retries(&self) -> Retries {
+        self.totals().retries
+    }
+
+    /// Record a failed attempt of `cause` that is retried.
+    pub(crate) fn note_retry(&self, cause: FailureCause) {
+        let retries = &mut self.totals().retries;
+        retries.since.get_or_insert_with(SystemTime::now);
+        if cause == FailureCause::Throttled {
+            retries.throttled += 1;
+        } else {
+            retries.other += 1;
+        }
     }
 
     fn totals(&self) -> std::sync::MutexGuard<'_, Totals> {

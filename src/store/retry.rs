@@ -168,6 +168,9 @@ impl RetryStore {
             if out_of_attempts || out_of_time {
                 return Err(give_up(error, attempts, started.elapsed()));
             }
+            if let Some(wait) = &self.outages {
+                wait.outage.note_retry(error.cause());
+            }
             tracing::debug!(
                 operation,
                 attempt = attempts,
@@ -383,6 +386,28 @@ mod tests {
         let store = RetryStore::new(inner.clone(), policy(1, 60));
         store.get("k", None).await.expect_err("1 attempt: no retry");
         assert_eq!(inner.calls(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retried_attempts_are_counted_by_cause_short_of_an_outage() {
+        let outage = crate::store::outage::Outage::default();
+        let wait = OutageWait::new(outage.clone(), None);
+        let store = RetryStore::new(FlakyStore::throttling(3), policy(6, 60))
+            .waiting_out_outages(wait.clone());
+        store.get("k", None).await.expect("throttled, then served");
+        let store =
+            RetryStore::new(FlakyStore::new(2, true), policy(6, 60)).waiting_out_outages(wait);
+        store.get("k", None).await.expect("failed, then served");
+        assert_eq!(
+            outage.retries(),
+            crate::store::outage::Retries {
+                throttled: 3,
+                other: 2,
+                since: outage.retries().since,
+            }
+        );
+        assert!(outage.retries().since.is_some());
+        assert_eq!(outage.outages(), 0, "the budget absorbed them");
     }
 
     #[tokio::test(start_paused = true)]

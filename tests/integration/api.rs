@@ -826,6 +826,7 @@ async fn write_transfer_status_as_controller_and_agent(
             identity: "haulage-stage-node-a/5c0ffee".to_string(),
             claimed_at: now.clone(),
             heartbeat_time: now.clone(),
+            progress_time: None,
         }),
         progress: Some(
             Progress {

@@ -228,11 +228,7 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     create_backup_of_claim(client, "resumed", "archive").await?;
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
     // A pack object exists only once fully uploaded: kill after two.
-    eventually(Duration::from_secs(120), || async {
-        Ok((fixture.packs_stored().await? >= 2).then_some(()))
-    })
-    .await
-    .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;
+    fixture.packs_stored_at_least(2).await?;
     let victim = transfers
         .list(&ListParams::default())
         .await?

@@ -12,6 +12,8 @@
 //! `cargo test --test integration controller::`, one concern with e.g.
 //! `cargo test --test integration controller::supervision::`.
 //!
+//! - [`agent_kills`]: an agent killed again and again at random points
+//!   of one backup, counted (each round resumes, no blob stored twice).
 //! - [`backup`]: the happy path, resuming after a killed agent, cancel.
 //! - [`deletion_policy`]: `deletionPolicy: Delete` forgets a deleted
 //!   backup's snapshots (a failed forget keeps the finalizer), `ttl`.
@@ -36,6 +38,7 @@
 //! The measurements behind docs/benchmarks.md are not here: they are in
 //! `crate::measurements`, ignored by `cargo test`.
 
+mod agent_kills;
 mod backup;
 mod deletion_policy;
 mod encrypted_locations;

@@ -7,9 +7,12 @@
 //! byte-identical; a backup whose location stays away longer than its
 //! `failAfterUnavailableSeconds` fails with `StorageUnavailableTimeout`,
 //! saying so. A restore whose location goes down mid-way waits the same
-//! way and finishes verified. And a backup across two restarts of kube-apiserver
-//! completes with its progress never going back, its agent never
-//! restarted.
+//! way and finishes verified. A location throttling a fifth of the
+//! requests (503 SlowDown) slows a backup that completes identical, the
+//! retried requests counted in the agent's metrics and the transfer's
+//! `StorageAvailable` condition. And a backup across two restarts of
+//! kube-apiserver, or across a 2-minute outage of it, completes with its
+//! progress never going back, its agent never restarted.
 
 use std::time::{Duration, Instant};
 
@@ -97,6 +100,43 @@ async fn paused_for_storage(
     })
 }
 
+/// The `bytesDone` of each progress report of claim `pvc`'s transfer, as
+/// a watch sees them, across apiserver restarts and outages.
+struct ProgressReports {
+    seen: std::sync::Arc<std::sync::Mutex<Vec<i64>>>,
+    watch: tokio::task::JoinHandle<()>,
+}
+
+impl ProgressReports {
+    fn watch(client: &kube::Client, pvc: &'static str) -> Self {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let watch = {
+            let seen = seen.clone();
+            watch_transfers(client, move |transfer| {
+                if transfer.spec.pvc != pvc {
+                    return;
+                }
+                if let Some(progress) = transfer.status.as_ref().and_then(|s| s.progress.as_ref()) {
+                    seen.lock().expect("lock").push(progress.bytes_done);
+                }
+            })
+        };
+        ProgressReports { seen, watch }
+    }
+
+    /// Stop watching and return the reports seen, asserting none was lower
+    /// than the one before.
+    fn never_backwards(self) -> Vec<i64> {
+        self.watch.abort();
+        let seen = self.seen.lock().expect("lock").clone();
+        assert!(
+            seen.windows(2).all(|pair| pair[0] <= pair[1]),
+            "progress went backwards: {seen:?}"
+        );
+        seen
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_past_its_limit_fails()
 -> anyhow::Result<()> {
@@ -112,11 +152,7 @@ async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_pas
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
     let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     create_backup_of_claim(client, "through-an-outage", "archive").await?;
-    eventually(Duration::from_secs(120), || async {
-        Ok((fixture.packs_stored().await? >= 2).then_some(()))
-    })
-    .await
-    .with_context(|| format!("no packs appeared:\n{}", fixture.kubelet.all_agent_logs()))?;
+    fixture.packs_stored_at_least(2).await?;
     let before = transfer_of(&transfers, "archive").await?;
     let phase = before.status.as_ref().and_then(|status| status.phase);
     assert_eq!(
@@ -287,18 +323,7 @@ async fn a_backup_across_two_apiserver_restarts_completes_its_progress_never_goi
         .await?;
     let client = fixture.client.clone();
     let transfers: Api<VolumeTransfer> = Api::all(client.clone());
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<i64>::new()));
-    let recorder = {
-        let seen = seen.clone();
-        watch_transfers(&client, move |transfer| {
-            if transfer.spec.pvc != "archive" {
-                return;
-            }
-            if let Some(progress) = transfer.status.as_ref().and_then(|s| s.progress.as_ref()) {
-                seen.lock().expect("lock").push(progress.bytes_done);
-            }
-        })
-    };
+    let reports = ProgressReports::watch(&client, "archive");
     create_backup_of_claim(&client, "across-restarts", "archive").await?;
     moved_at_least(&fixture, &transfers, "archive", 4 << 20, "backup").await?;
     let starts = fixture.kubelet.starts();
@@ -321,12 +346,7 @@ async fn a_backup_across_two_apiserver_restarts_completes_its_progress_never_goi
         .completed_backup("across-restarts", BACKUP_DEADLINE)
         .await?;
     assert!(status.completion_time.is_some());
-    recorder.abort();
-    let seen = seen.lock().expect("lock").clone();
-    assert!(
-        seen.windows(2).all(|pair| pair[0] <= pair[1]),
-        "progress went backwards: {seen:?}"
-    );
+    let seen = reports.never_backwards();
     assert!(seen.len() >= 5, "too few progress reports seen: {seen:?}");
     assert_eq!(
         fixture.kubelet.starts(),
@@ -344,6 +364,72 @@ async fn a_backup_across_two_apiserver_restarts_completes_its_progress_never_goi
     let namespace = finished.metadata.namespace.clone().context("namespace")?;
     assert_snapshot_restores_as(
         &fixture.repository().await?,
+        &final_status.snapshot_id.context("snapshot id")?,
+        &fixture.volumes.join(&namespace).join("archive"),
+        &fixture.work.path().join("restored-archive"),
+    )
+    .await?;
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_backup_across_a_two_minute_apiserver_outage_completes_its_outcome_written_once_the_server_is_back()
+-> anyhow::Result<()> {
+    // 24 MiB of random data in 1 MiB packs at 1 MiB/s: the agent moves
+    // the rest of the volume while the API server is away, keeps its
+    // outcome and writes it once the server answers.
+    let down = std::env::var("HAULAGE_APISERVER_OUTAGE_SECONDS")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .map_or(Duration::from_secs(120), Duration::from_secs);
+    let mut fixture = Fixture::builder()
+        .long_running_transfers()
+        .volume_bytes(24 << 20)
+        .start()
+        .await?;
+    let client = fixture.client.clone();
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let reports = ProgressReports::watch(&client, "archive");
+    create_backup_of_claim(&client, "across-an-outage", "archive").await?;
+    moved_at_least(&fixture, &transfers, "archive", 4 << 20, "backup").await?;
+    let starts = fixture.kubelet.starts();
+    let started = Instant::now();
+    fixture.cluster.restart_apiserver_after(down).await?;
+    println!(
+        "apiserver outage: away {} s, ready again after {:.1} s",
+        down.as_secs(),
+        started.elapsed().as_secs_f64()
+    );
+    let back_at = Instant::now();
+    let status = fixture
+        .completed_backup("across-an-outage", BACKUP_DEADLINE)
+        .await?;
+    let completed_after = back_at.elapsed().as_secs_f64();
+    assert!(status.completion_time.is_some());
+    let seen = reports.never_backwards();
+    let logs = fixture.kubelet.all_agent_logs();
+    assert_eq!(
+        fixture.kubelet.starts(),
+        starts,
+        "an agent was restarted: the outage cost a second pass over the volume\n{logs}"
+    );
+    assert!(
+        logs.contains("written once the API server answers"),
+        "the volume was not done before the server came back: make it longer\n{logs}"
+    );
+    let repository = fixture.repository().await?;
+    let snapshots = repository.snapshot_ids().await?;
+    assert_eq!(snapshots.len(), 1, "one snapshot, not one per pass");
+    let finished = transfer_of(&transfers, "archive").await?;
+    let final_status = finished.status.context("status")?;
+    println!(
+        "apiserver outage: {} progress reports seen, never lower than the one before; the backup Completed {completed_after:.1} s after the server was back, its agent never restarted",
+        seen.len()
+    );
+    let namespace = finished.metadata.namespace.clone().context("namespace")?;
+    assert_snapshot_restores_as(
+        &repository,
         &final_status.snapshot_id.context("snapshot id")?,
         &fixture.volumes.join(&namespace).join("archive"),
         &fixture.work.path().join("restored-archive"),
@@ -404,6 +490,78 @@ async fn a_storage_outage_mid_restore_pauses_it_and_it_finishes_verified_once_th
         &fixture.volumes.join("shop/archive"),
         &fixture.volumes.join("shop-b/archive"),
     );
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_location_throttling_a_fifth_of_the_requests_slows_a_backup_that_completes_identical_saying_so()
+-> anyhow::Result<()> {
+    // 12 MiB of random data in 1 MiB packs at 1 MiB/s, every fifth
+    // request to the location (the controller's probes included) answered
+    // 503 SlowDown from before the backup to its end.
+    let fixture = Fixture::builder()
+        .long_running_transfers()
+        .through_fault_proxy()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    proxy.slow_down(0.2);
+    let requests_before = proxy.requests();
+    let began = Instant::now();
+    create_backup_of_claim(client, "throttled", "archive").await?;
+    fixture.packs_stored_at_least(2).await?;
+    let running = transfer_of(&transfers, "archive").await?;
+    let namespace = running.metadata.namespace.clone().context("namespace")?;
+    let metrics_address = fixture
+        .kubelet
+        .agent_metrics_address(&namespace, &running.spec.stage_pod)
+        .context("the agent's metrics address")?;
+    let scraped = scrape(metrics_address).await?;
+    let throttled_scraped = scraped.value(
+        "haulage_agent_storage_retries_total",
+        &[("cause", "throttled")],
+    )?;
+    assert!(
+        throttled_scraped >= 1.0,
+        "no throttled request counted while the agent moves the volume"
+    );
+    assert_eq!(
+        scraped.value("haulage_agent_storage_outages_total", &[])?,
+        0.0,
+        "a fifth of the requests throttled is not an outage"
+    );
+
+    let status = fixture
+        .completed_backup("throttled", BACKUP_DEADLINE)
+        .await?;
+    let seconds = began.elapsed().as_secs_f64();
+    let (requests, slow_downs) = (proxy.requests() - requests_before, proxy.slow_downs());
+    proxy.slow_down(0.0);
+    let finished = transfer_of(&transfers, "archive").await?;
+    let condition = storage_condition(&finished).context("the throttling is in the status")?;
+    assert_eq!(condition.status, ConditionStatus::True);
+    assert_eq!(condition.reason, reason::STORAGE_REQUESTS_RETRIED);
+    assert!(
+        condition.message.contains("503 SlowDown"),
+        "{}",
+        condition.message
+    );
+    println!(
+        "throttled: {slow_downs} of {requests} requests answered 503 SlowDown; the backup completed in {seconds:.0} s; the agent scraped at {throttled_scraped} throttled retries; its final status: {}",
+        condition.message
+    );
+    assert!(status.completion_time.is_some());
+    let final_status = finished.status.context("status")?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &final_status.snapshot_id.context("snapshot id")?,
+        &fixture.volumes.join(&namespace).join("archive"),
+        &fixture.work.path().join("restored-archive"),
+    )
+    .await?;
     fixture.stop().await;
     Ok(())
 }

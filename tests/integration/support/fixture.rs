@@ -703,6 +703,40 @@ impl Fixture {
         Ok(listed.contents().len())
     }
 
+    /// Wait up to two minutes for `packs` packs to be stored
+    /// ([`Self::packs_stored`]): a transfer under way, well before its
+    /// snapshot; a timeout gives every agent's log.
+    pub async fn packs_stored_at_least(&self, packs: usize) -> anyhow::Result<()> {
+        eventually(Duration::from_secs(120), || async {
+            Ok((self.packs_stored().await? >= packs).then_some(()))
+        })
+        .await
+        .with_context(|| {
+            format!(
+                "no {packs} packs appeared:\n{}",
+                self.kubelet.all_agent_logs()
+            )
+        })
+    }
+
+    /// How many times each blob is stored in the fixture's repository's
+    /// packs, read from every pack's trailer behind the controller's back;
+    /// a blob stored more than once is data sent twice.
+    pub async fn stored_blobs(
+        &self,
+    ) -> anyhow::Result<std::collections::BTreeMap<haulage::repo::BlobId, usize>> {
+        let repository = self.repository().await?;
+        let mut copies = std::collections::BTreeMap::new();
+        for pack in repository.store().list(haulage::repo::DATA_PREFIX).await? {
+            let id = haulage::repo::id_from_key(&pack.key, haulage::repo::DATA_PREFIX)
+                .with_context(|| format!("{} is not a pack", pack.key))?;
+            for entry in repository.read_pack_trailer(&id, pack.size).await? {
+                *copies.entry(entry.id).or_insert(0) += 1;
+            }
+        }
+        Ok(copies)
+    }
+
     /// The options of a fixture, each at its default; `.start()` starts it.
     pub fn builder() -> FixtureBuilder {
         FixtureBuilder {

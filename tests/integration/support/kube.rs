@@ -626,11 +626,18 @@ impl KubeCluster {
     /// does; returns once it is ready. Clients see refused connections
     /// meanwhile, and their watches end.
     pub async fn restart_apiserver(&mut self) -> anyhow::Result<()> {
+        self.restart_apiserver_after(Duration::ZERO).await
+    }
+
+    /// [`Self::restart_apiserver`], the apiserver staying away for `down`
+    /// before it starts again: an outage of the control plane.
+    pub async fn restart_apiserver_after(&mut self, down: Duration) -> anyhow::Result<()> {
         let (api_port, etcd_port, pki, tokens) = self
             .apiserver_start
             .clone()
             .context("the apiserver was never started")?;
         self.stop_apiserver();
+        tokio::time::sleep(down).await;
         self.start_apiserver(api_port, etcd_port, &pki, &tokens)
             .await
     }

@@ -1,0 +1,178 @@
+//! An agent SIGKILLed again and again during one backup, counted: every
+//! kill lands at a random point (while the agent starts and claims the
+//! transfer again, or at a random share of the volume while it moves
+//! data), the stand-in restarts it as a kubelet would, and each round the
+//! restarted agent resumes. At the end the backup is `Completed` (the
+//! controller does not take crashes that only slow the agent down for a
+//! crash loop), no blob is stored twice in the repository's packs, and the
+//! snapshot restores byte-identical.
+//!
+//! In CI: 6 kills over a 96 MiB sample tree uploaded at 4 MiB/s (the
+//! BSL's cap, so that each kill lands mid-way). The full count of
+//! docs/benchmarks.md: `HAULAGE_KILL_ROUNDS=30 HAULAGE_KILL_VOLUME_MIB=1024
+//! cargo test --test integration controller::agent_kills -- --nocapture`;
+//! `HAULAGE_KILL_SEED` repeats a run's kill points (each run prints its
+//! seed).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use haulage::api::{VolumeTransfer, VolumeTransferPhase};
+use kube::api::Api;
+use serde_json::json;
+
+use crate::engine::support::assert_snapshot_restores_as;
+use crate::support::fixture::{Fixture, Layout, create_backup_in, eventually, transfer_of};
+
+/// A whole number from the environment variable `name`, or `default`.
+fn from_env(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The bytes done and the phase of the claim's transfer.
+async fn moved(transfers: &Api<VolumeTransfer>) -> anyhow::Result<(i64, i64, VolumeTransferPhase)> {
+    let transfer = transfer_of(transfers, "data").await?;
+    let progress = transfer
+        .status
+        .as_ref()
+        .and_then(|status| status.progress.clone())
+        .unwrap_or_default();
+    Ok((progress.bytes_done, progress.total_bytes, transfer.phase()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_killed_at_random_points_resumes_every_time_and_stores_no_blob_twice()
+-> anyhow::Result<()> {
+    let rounds = from_env("HAULAGE_KILL_ROUNDS", 6);
+    let volume_bytes = from_env("HAULAGE_KILL_VOLUME_MIB", 96) << 20;
+    // The BSL's upload cap makes the backup last long enough for every
+    // kill to land mid-way (unthrottled, 96 MiB take 2 s).
+    let upload_bytes_per_second = from_env("HAULAGE_KILL_UPLOAD_MIB_PER_SECOND", 4) << 20;
+    let seed = from_env(
+        "HAULAGE_KILL_SEED",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)?
+            .as_secs(),
+    );
+    println!(
+        "agent kills: {rounds} rounds over {} MiB uploaded at {} MiB/s, seed {seed}",
+        volume_bytes >> 20,
+        upload_bytes_per_second >> 20
+    );
+    let mut random = fastrand::Rng::with_seed(seed);
+    let layout = Layout {
+        namespaces: vec!["solo".to_string()],
+        claims: vec![("solo".to_string(), "data".to_string(), "ReadWriteOnce", 77)],
+        nodes: vec!["node-0".to_string()],
+        app_pods: Vec::new(),
+    };
+    let fixture = Fixture::builder()
+        .layout(layout)
+        .volume_bytes(volume_bytes)
+        .upload_bytes_per_second(upload_bytes_per_second)
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "solo");
+    let began = Instant::now();
+    create_backup_in(
+        client,
+        "killed-again-and-again",
+        &["solo"],
+        json!({"matchLabels": {"claim": "data"}}),
+    )
+    .await?;
+    let total = eventually(Duration::from_secs(120), || async {
+        let (done, total, _) = moved(&transfers).await?;
+        Ok((done > 0).then_some(total))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "the backup never got going:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let stage_pod = transfer_of(&transfers, "data").await?.spec.stage_pod;
+
+    let (mut while_starting, mut while_moving) = (0, 0);
+    let mut killed_at = Vec::new();
+    for round in 0..rounds {
+        // Every third kill lands while the restarted agent starts, claims
+        // the transfer again and reads its volume up to where it had been;
+        // the others at a random share of the volume, later each round
+        // (at most 90 %, so the kill lands before the snapshot is written).
+        if round % 3 == 2 {
+            tokio::time::sleep(Duration::from_millis(random.u64(0..1500))).await;
+            while_starting += 1;
+        } else {
+            let share = 0.9 * (round as f64 + random.f64()) / rounds as f64;
+            let target = (total as f64 * share) as i64;
+            // A final phase ends the wait too, and fails below.
+            eventually(Duration::from_secs(300), || async {
+                let (done, _, phase) = moved(&transfers).await?;
+                Ok((done >= target || phase.is_final()).then_some(()))
+            })
+            .await
+            .with_context(|| {
+                format!(
+                    "round {round}: the restarted agent never got past {target} bytes:\n{}",
+                    fixture.kubelet.all_agent_logs()
+                )
+            })?;
+            while_moving += 1;
+        }
+        let (done, _, phase) = moved(&transfers).await?;
+        assert!(
+            !phase.is_final(),
+            "round {round}: the transfer ended as {phase:?} before its kill:\n{}",
+            fixture.kubelet.all_agent_logs()
+        );
+        let starts_before = fixture.kubelet.kill_running("solo", &stage_pod);
+        killed_at.push(done);
+        // The stand-in starts it again, as a kubelet would.
+        eventually(Duration::from_secs(60), || async {
+            Ok((fixture.kubelet.starts() > starts_before).then_some(()))
+        })
+        .await
+        .with_context(|| format!("round {round}: the killed agent was not restarted"))?;
+    }
+
+    let status = fixture
+        .completed_backup("killed-again-and-again", Duration::from_secs(900))
+        .await?;
+    let seconds = began.elapsed().as_secs_f64();
+    let transfer = transfer_of(&transfers, "data").await?;
+    let final_status = transfer.status.context("transfer status")?;
+    assert_eq!(final_status.phase, Some(VolumeTransferPhase::Completed));
+    let copies = fixture.stored_blobs().await?;
+    let twice: Vec<_> = copies.iter().filter(|(_, count)| **count > 1).collect();
+    let packs = fixture
+        .repository()
+        .await?
+        .store()
+        .list(haulage::repo::DATA_PREFIX)
+        .await?
+        .len();
+    println!(
+        "agent kills: {} kills ({while_starting} while starting, {while_moving} while moving, at {killed_at:?} of {total} bytes done), every round resumed; completed in {seconds:.0} s ({:.1} s a round); {packs} packs, {} blobs, {} stored more than once",
+        while_starting + while_moving,
+        seconds / (rounds + 1) as f64,
+        copies.len(),
+        twice.len(),
+    );
+    assert!(twice.is_empty(), "blobs stored more than once: {twice:?}");
+    let snapshot = status.results[0].snapshot_id.clone().context("snapshot")?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &snapshot,
+        &fixture.volumes.join("solo").join("data"),
+        &fixture.work.path().join("restored"),
+    )
+    .await?;
+    fixture.stop().await;
+    Ok(())
+}
