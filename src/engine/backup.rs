@@ -316,8 +316,16 @@ pub async fn backup(
     };
 
     // Packs are stored; now the index (including adopted packs), then the
-    // snapshot.
-    let mut pending_index = match assembler.packer.finish().await {
+    // snapshot. The last uploads (often the longest wait: everything is
+    // read, the packs queue behind the upload cap) stop at a cancel too:
+    // a canceled backup aborts them and writes no snapshot (before,
+    // `controller::cancels` saw every backup deleted with a pack in flight
+    // finish its volume and write its snapshot after all).
+    let finished = tokio::select! {
+        finished = assembler.packer.finish() => finished,
+        () = cancel.cancelled() => Err(EngineError::Cancelled),
+    };
+    let mut pending_index = match finished {
         Ok(pending) => pending,
         Err(error) => {
             assembler.packer.abandon().await;
@@ -327,6 +335,9 @@ pub async fn backup(
     pending_index.extend(loaded.unindexed_packs);
     if !pending_index.is_empty() {
         repository.write_index(pending_index).await?;
+    }
+    if cancel.is_cancelled() {
+        return Err(EngineError::Cancelled);
     }
     let stats = &assembler.stats;
     let snapshot = Snapshot {

@@ -15,6 +15,8 @@
 //! - [`agent_kills`]: an agent killed again and again at random points
 //!   of one backup, counted (each round resumes, no blob stored twice).
 //! - [`backup`]: the happy path, resuming after a killed agent, cancel.
+//! - [`cancels`]: backups deleted in every phase of their transfers,
+//!   counted (queued, admitted, a multipart pack in flight).
 //! - [`deletion_policy`]: `deletionPolicy: Delete` forgets a deleted
 //!   backup's snapshots (a failed forget keeps the finalizer), `ttl`.
 //! - [`encrypted_locations`]: a BSL with `spec.encryption` (the
@@ -40,6 +42,7 @@
 
 mod agent_kills;
 mod backup;
+mod cancels;
 mod deletion_policy;
 mod encrypted_locations;
 mod health_and_metrics;

@@ -366,7 +366,8 @@ pub struct Fixture {
 pub struct FixtureBuilder {
     layout: Layout,
     volume_bytes: u64,
-    random_data_in_small_packs: bool,
+    /// The pack size of a repository of random data, if so.
+    random_data_pack_bytes: Option<u32>,
     upload_bytes_per_second: Option<u64>,
     secret_key: String,
     objects: Vec<serde_json::Value>,
@@ -398,8 +399,15 @@ impl FixtureBuilder {
     /// tree, and the repository is initialised with 1 MiB packs, so a
     /// transfer stores several packs and can be interrupted between two.
     /// Default: a sample tree, the repository's default pack size.
-    pub fn random_data_in_small_packs(mut self) -> Self {
-        self.random_data_in_small_packs = true;
+    pub fn random_data_in_small_packs(self) -> Self {
+        self.random_data_in_packs_of(1 << 20)
+    }
+
+    /// [`random_data_in_small_packs`](Self::random_data_in_small_packs),
+    /// with packs of `bytes` (above the S3 store's 64 MiB multipart
+    /// threshold, each pack is a multipart upload).
+    pub fn random_data_in_packs_of(mut self, bytes: u32) -> Self {
+        self.random_data_pack_bytes = Some(bytes);
         self
     }
 
@@ -481,7 +489,7 @@ impl FixtureBuilder {
         let FixtureBuilder {
             layout,
             volume_bytes,
-            random_data_in_small_packs: small_packs,
+            random_data_pack_bytes,
             upload_bytes_per_second,
             secret_key,
             objects: extra_objects,
@@ -513,9 +521,9 @@ impl FixtureBuilder {
         let mut store_options = minio.store_options();
         store_options.s3.ca_bundle = minio.ca_bundle().map(Path::to_path_buf);
         let store = open_store(&repository_url, &store_options).await?;
-        if small_packs {
+        if let Some(pack_bytes) = random_data_pack_bytes {
             let mut config = haulage::repo::config::RepoConfig::generate(&mut rand::rng());
-            config.pack_target_bytes = 1 << 20;
+            config.pack_target_bytes = pack_bytes;
             store
                 .put(
                     haulage::repo::CONFIG_KEY,
@@ -548,7 +556,7 @@ impl FixtureBuilder {
         for (namespace, name, mode, seed) in &layout.claims {
             bound_claim(&client, namespace, name, mode).await?;
             let directory = volumes.join(namespace).join(name);
-            if small_packs {
+            if random_data_pack_bytes.is_some() {
                 std::fs::create_dir_all(&directory)?;
                 for part in 0..4 {
                     let bytes = random_bytes(seed * 10 + part, (volume_bytes / 4) as usize);
@@ -742,7 +750,7 @@ impl Fixture {
         FixtureBuilder {
             layout: Layout::five_claims(),
             volume_bytes: 1 << 20,
-            random_data_in_small_packs: false,
+            random_data_pack_bytes: None,
             upload_bytes_per_second: None,
             secret_key: SECRET_KEY.to_string(),
             objects: Vec::new(),

@@ -98,6 +98,9 @@ pub struct Kubelet {
     stop: CancellationToken,
     /// Agents started so far (restarts included).
     pub starts: Arc<std::sync::atomic::AtomicUsize>,
+    /// Agents sent SIGTERM that have not exited yet (their processes no
+    /// longer in `processes`).
+    terminating: Arc<std::sync::atomic::AtomicUsize>,
     /// The highest `VmHWM` sampled per pod (namespace, name), in bytes,
     /// over all its agent's starts.
     peak_memory: Arc<Mutex<BTreeMap<(String, String), u64>>>,
@@ -203,6 +206,7 @@ impl Kubelet {
             processes: Arc::new(Mutex::new(HashMap::new())),
             stop: CancellationToken::new(),
             starts: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            terminating: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
             peak_memory: Arc::new(Mutex::new(BTreeMap::new())),
         };
         kubelet.spawn_loop();
@@ -269,6 +273,7 @@ impl Kubelet {
             processes: self.processes.clone(),
             stop: self.stop.clone(),
             starts: self.starts.clone(),
+            terminating: self.terminating.clone(),
             peak_memory: self.peak_memory.clone(),
         }
     }
@@ -536,6 +541,8 @@ impl Kubelet {
             .get_mut(key)
             .and_then(|running| running.child.take());
         if let Some(mut child) = child {
+            self.terminating
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if let Some(pid) = child.id() {
                 let _ = Command::new("kill")
                     .args(["-TERM", &pid.to_string()])
@@ -548,6 +555,8 @@ impl Kubelet {
             {
                 let _ = child.kill().await;
             }
+            self.terminating
+                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
     }
 
@@ -688,14 +697,17 @@ impl Kubelet {
         Ok(child)
     }
 
-    /// Agent processes running now.
+    /// Agent processes running now, those stopping after SIGTERM
+    /// included (until they exit, as a kubelet keeps a terminating pod).
     pub fn running_agents(&self) -> usize {
-        self.processes
+        let running = self
+            .processes
             .lock()
             .expect("lock")
             .values()
             .filter(|running| running.child.is_some())
-            .count()
+            .count();
+        running + self.terminating.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The `/metrics` address of the agent of a pod, from its log (the
