@@ -141,14 +141,16 @@ where
                 }
                 Err(error) => return Err(error),
             },
-            Action::DeletePod { pod, replaced_uid } => {
-                match &replaced_uid {
-                    Some(uid) => context.replaced_pods.record(uid),
-                    None => info!(
+            Action::DeletePod { pod, uid, replaced } => {
+                if let Some(uid) = &uid {
+                    context.replaced_pods.record(uid);
+                }
+                if !replaced {
+                    info!(
                         pod = %pod.name,
                         namespace = %pod.namespace,
                         "every volume of this stage pod is final; stopping it"
-                    ),
+                    );
                 }
                 delete(&namespaced::<Pod>(context, &pod), &pod, ApiCall::DeletePod).await?;
             }

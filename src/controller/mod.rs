@@ -357,8 +357,9 @@ pub struct Context {
     /// When this replica last wrote each running backup's status, by UID
     /// (the progress-write throttle).
     pub status_writes: recent::Recent,
-    /// UIDs of stage pods this replica deleted to replace them (kept an
-    /// hour: a lagging cache must not get one judged twice).
+    /// UIDs of stage pods this replica deleted, to replace them or to stop
+    /// them once their volumes were final (kept an hour: a lagging cache
+    /// must not get one judged or deleted twice).
     pub replaced_pods: recent::Recent,
     /// UIDs of stage pods' Roles this replica released (kept an hour: a
     /// cache that does not show a Role's deletion yet must not get its

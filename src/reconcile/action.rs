@@ -149,14 +149,17 @@ pub enum Action {
     /// Create a stage pod and everything it needs, in the order
     /// [`StagePodObjects`] documents.
     CreateStagePod(Box<StagePodObjects>),
-    /// Delete a stage pod (its volumes are final, or it is replaced: a
-    /// replaced pod's UID is remembered so a lagging cache does not get it
-    /// judged twice).
+    /// Delete a stage pod (its volumes are final, or it is replaced). Its
+    /// UID is remembered, so a cache that does not show the deletion yet
+    /// gets it neither judged nor deleted twice.
     DeletePod {
         /// The pod.
         pod: ObjectName,
-        /// Its UID, when it is deleted to be replaced.
-        replaced_uid: Option<String>,
+        /// Its UID, when known.
+        uid: Option<String>,
+        /// Whether it is deleted to be created again (else its volumes are
+        /// final and it is stopped).
+        replaced: bool,
     },
     /// Delete what is left of a stage pod: the pod and its access (its
     /// RoleBinding, credentials copy and Role).

@@ -1057,7 +1057,7 @@ mod tests {
         assert!(done.actions.iter().any(|action| matches!(
             action,
             Action::DeletePod {
-                replaced_uid: None,
+                replaced: false,
                 ..
             }
         )));
@@ -1090,7 +1090,7 @@ mod tests {
         );
         assert!(acts.actions.iter().any(|action| matches!(
             action,
-            Action::DeletePod { replaced_uid: Some(uid), .. } if uid == "pod-uid-1"
+            Action::DeletePod { uid: Some(uid), replaced: true, .. } if uid == "pod-uid-1"
         )));
     }
 

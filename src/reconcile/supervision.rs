@@ -391,22 +391,24 @@ pub fn supervise_stage_pods(
             .as_ref()
             .and_then(|status| status.phase.as_deref())
             == Some("Succeeded");
+        // A pod on its way out was judged already (by this replica, even if
+        // the cache does not show its deletion yet: the audit log of
+        // `controller::restore` once saw a finished pod deleted twice, 73 ms
+        // apart); its replacement is judged once it exists.
+        let pod_uid = pod.uid().unwrap_or_default();
+        let on_its_way_out = pod.metadata.deletion_timestamp.is_some()
+            || (!pod_uid.is_empty() && replaced_pods.contains(&pod_uid));
         if open.is_empty() {
-            if !of_pod.is_empty() && !finished && pod.metadata.deletion_timestamp.is_none() {
+            if !of_pod.is_empty() && !finished && !on_its_way_out {
                 actions.push(Action::DeletePod {
                     pod: ObjectName::new(&namespace, &pod_name),
-                    replaced_uid: None,
+                    uid: (!pod_uid.is_empty()).then(|| pod_uid.clone()),
+                    replaced: false,
                 });
             }
             continue;
         }
-        // A pod on its way out was judged already (by this replica, even if
-        // the cache does not show its deletion yet); its replacement is
-        // judged once it exists.
-        let pod_uid = pod.uid().unwrap_or_default();
-        if pod.metadata.deletion_timestamp.is_some()
-            || (!pod_uid.is_empty() && replaced_pods.contains(&pod_uid))
-        {
+        if on_its_way_out {
             continue;
         }
         let attempts = of_pod
@@ -475,7 +477,8 @@ pub fn supervise_stage_pods(
                 }
                 actions.push(Action::DeletePod {
                     pod: ObjectName::new(&namespace, &pod_name),
-                    replaced_uid: Some(pod_uid),
+                    uid: Some(pod_uid),
+                    replaced: true,
                 });
             }
         }
