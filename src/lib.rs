@@ -33,6 +33,8 @@
 //!   the reconcilers over shared caches, the admission loop, replica
 //!   leases, health endpoints and metrics.
 //! - [`clock`]: the one place the time is read.
+//! - [`watch`]: the one backoff of a failing Kubernetes watch (the
+//!   controller's caches, the agent's watch of its transfer).
 //! - [`metrics`]: the HTTP listener and Prometheus text exposition the
 //!   controller and the mover agent share.
 //! - [`sample`]: a reproducible sample tree for the demo and benchmarks.
@@ -59,6 +61,7 @@ pub use haulage_repo as repo;
 pub mod sample;
 pub mod store;
 pub mod throttle;
+pub mod watch;
 
 /// An error and its sources, `: `-joined, each cause's Display text once
 /// (a cause already quoted in the text so far is not repeated): "failed to

@@ -250,7 +250,7 @@ fn follow(
 ) -> (watch::Receiver<Watched>, tokio::task::JoinHandle<()>) {
     let (sender, receiver) = watch::channel(Watched::Unknown);
     let task = tokio::spawn(async move {
-        let events = haulage::controller::backing_off(watcher(
+        let events = haulage::watch::backing_off(watcher(
             api,
             watcher::Config::default().fields(&format!("metadata.name={name}")),
         ));
@@ -644,11 +644,15 @@ impl VolumeRun {
 /// the outcome is kept in memory meanwhile, so an API server outage at
 /// the end of a volume costs no second pass over it.
 const FINAL_STATUS_PATIENCE: Duration = Duration::from_secs(10 * 60);
-/// Longest pause between two tries of the final status.
-const FINAL_STATUS_MAX_BACKOFF: Duration = Duration::from_secs(15);
+/// Longest pause between two tries of the final status. Short: no
+/// heartbeat is written meanwhile, and once the API server is back the
+/// controller judges an agent silent for `--agent-lost-seconds` lost, so
+/// after an outage that long the outcome must land within seconds of the
+/// server's return (it is one request per agent every 5 s at most).
+const FINAL_STATUS_MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Write the final status of a transfer, trying again with backoff (1 s,
-/// doubling to 15 s) for [`FINAL_STATUS_PATIENCE`] while the API server's
+/// doubling to 5 s) for [`FINAL_STATUS_PATIENCE`] while the API server's
 /// failures are transient, until `cancel` (SIGTERM). Server-side apply
 /// drops fields this manager applied before and leaves out now, so
 /// `status` carries the claim again.

@@ -142,9 +142,6 @@ where
                 Err(error) => return Err(error),
             },
             Action::DeletePod { pod, uid, replaced } => {
-                if let Some(uid) = &uid {
-                    context.replaced_pods.record(uid);
-                }
                 if !replaced {
                     info!(
                         pod = %pod.name,
@@ -153,6 +150,11 @@ where
                     );
                 }
                 delete(&namespaced::<Pod>(context, &pod), &pod, ApiCall::DeletePod).await?;
+                // Remembered once deleted: a delete that failed is decided
+                // again.
+                if let Some(uid) = &uid {
+                    context.deleted_pods.record(uid);
+                }
             }
             Action::ReleaseStagePod(release) => release_stage_pod(&release, context).await?,
             Action::WriteTransferStatus { transfer, status } => {
@@ -309,6 +311,9 @@ async fn release_stage_pod(release: &StagePodRelease, context: &Context) -> Resu
     let pod = &release.pod;
     if release.delete_pod {
         delete(&namespaced::<Pod>(context, pod), pod, ApiCall::DeletePod).await?;
+        if let Some(pod_uid) = &release.pod_uid {
+            context.deleted_pods.record(pod_uid);
+        }
     }
     if !release.delete_access {
         return Ok(());

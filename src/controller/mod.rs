@@ -101,9 +101,9 @@ const PERMANENT_RETRY_SECONDS: u64 = 120;
 /// How long a backup's last status write is remembered (far longer than
 /// the progress-write interval; a finished backup is forgotten at once).
 const STATUS_WRITE_MEMORY: Duration = Duration::from_secs(24 * 3600);
-/// How long a replaced stage pod's UID is remembered, and a released
-/// stage pod Role's.
-const REPLACED_POD_MEMORY: Duration = Duration::from_secs(3600);
+/// How long the UID of a stage pod this replica deleted is remembered,
+/// and a released stage pod Role's.
+const DELETED_POD_MEMORY: Duration = Duration::from_secs(3600);
 /// Events buffered per shared cache subscriber.
 const SUBSCRIBER_BUFFER: usize = 256;
 /// Seconds between the storage-locations summary lines (one warning per
@@ -360,7 +360,7 @@ pub struct Context {
     /// UIDs of stage pods this replica deleted, to replace them or to stop
     /// them once their volumes were final (kept an hour: a lagging cache
     /// must not get one judged or deleted twice).
-    pub replaced_pods: recent::Recent,
+    pub deleted_pods: recent::Recent,
     /// UIDs of stage pods' Roles this replica released (kept an hour: a
     /// cache that does not show a Role's deletion yet must not get its
     /// stage pod released twice).
@@ -517,63 +517,9 @@ pub(crate) mod cache {
     ];
 }
 
-/// First wait of a failing watch; it doubles with each failure.
-const WATCH_BACKOFF_FIRST: Duration = Duration::from_millis(800);
-/// Longest wait of a failing watch.
-const WATCH_BACKOFF_MAX: Duration = Duration::from_secs(30);
-
-/// A watcher's `events`, backing off while they fail: 800 ms doubling to
-/// 30 s (each wait jittered between half and all of it), back to 800 ms as
-/// soon as the watch yields anything, and only the first wait after a 410
-/// (the server answered: the cure is the new list the watcher makes next).
-/// kube-runtime's default backoff waits its full delay after a 410 too and
-/// keeps it for two minutes after the last error, so after an API server
-/// outage each cache came back only after two 30 s waits, one to reconnect
-/// and one after the 410 the restarted server answers the old watch with
-/// (60 s in `controller::outages`, its status writes refused as stale
-/// meanwhile). The controller's caches and the agents' watches use it.
-pub fn backing_off<S, T>(events: S) -> impl futures::Stream<Item = Result<T, watcher::Error>>
-where
-    S: futures::Stream<Item = Result<T, watcher::Error>>,
-{
-    let mut delay = WATCH_BACKOFF_FIRST;
-    events.then(move |event| {
-        let wait = match &event {
-            Ok(_) => {
-                delay = WATCH_BACKOFF_FIRST;
-                Duration::ZERO
-            }
-            Err(error) if watch_error_code(error) == Some(410) => WATCH_BACKOFF_FIRST,
-            Err(_) => {
-                let wait = delay;
-                delay = (delay * 2).min(WATCH_BACKOFF_MAX);
-                wait
-            }
-        };
-        let wait = wait.mul_f64(rand::random_range(0.5..=1.0));
-        async move {
-            if !wait.is_zero() {
-                tokio::time::sleep(wait).await;
-            }
-            event
-        }
-    })
-}
-
-/// The API server's status code in a watch error, when it answered.
-fn watch_error_code(error: &watcher::Error) -> Option<u16> {
-    match error {
-        watcher::Error::InitialListFailed(kube::Error::Api(status))
-        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
-        | watcher::Error::WatchFailed(kube::Error::Api(status)) => Some(status.code),
-        watcher::Error::WatchError(status) => Some(status.code),
-        _ => None,
-    }
-}
-
 /// Log a failed watch of `kind` with what to do about it.
 fn log_watch_error(kind: &'static str, error: &watcher::Error) {
-    match watch_error_code(error) {
+    match crate::watch::error_code(error) {
         // The API server no longer keeps the resourceVersion a watch or
         // a paged list went on from: routine, the watcher lists again.
         Some(410) => info!(kind, "watch of {kind} expired; listing again"),
@@ -818,7 +764,8 @@ impl CacheStart<'_> {
     ) {
         let readiness = self.readiness.clone();
         let mut synced = false;
-        let changes = backing_off(watcher(api, config)).modify(without_managed_fields);
+        let changes =
+            crate::watch::backing_off(watcher(api, config)).modify(without_managed_fields);
         self.tasks.spawn(
             // The reflector applies each change to the cache before passing it on.
             reflector::reflector(writer, changes).for_each(move |change| {
@@ -1345,8 +1292,8 @@ pub async fn run_with_listener(
         heartbeat,
         events: events::Events::new(client.clone(), &config.identity),
         status_writes: recent::Recent::keeping(STATUS_WRITE_MEMORY),
-        replaced_pods: recent::Recent::keeping(REPLACED_POD_MEMORY),
-        released_roles: recent::Recent::keeping(REPLACED_POD_MEMORY),
+        deleted_pods: recent::Recent::keeping(DELETED_POD_MEMORY),
+        released_roles: recent::Recent::keeping(DELETED_POD_MEMORY),
         readiness: readiness.clone(),
         cluster_id: cluster_identity(&client).await,
     });
@@ -1452,38 +1399,6 @@ async fn summarize_locations_periodically(
 mod tests {
     use super::*;
     use clap::Parser;
-
-    #[tokio::test(start_paused = true)]
-    async fn a_failing_watch_backs_off_doubling_and_lists_again_soon_after_a_410() {
-        let gone: kube::core::Status = serde_json::from_value(serde_json::json!({
-            "status": "Failure", "code": 410, "reason": "Expired",
-            "message": "too old resource version"}))
-        .expect("a status");
-        let failed = || Err(watcher::Error::NoResourceVersion);
-        let mut events: Vec<Result<(), watcher::Error>> = vec![failed(), failed(), failed()];
-        events.push(Err(watcher::Error::WatchError(Box::new(gone))));
-        events.extend([Ok(()), failed()]);
-        events.extend((0..8).map(|_| failed()));
-        let events = backing_off(futures::stream::iter(events));
-        let mut events = std::pin::pin!(events);
-        let mut waits = Vec::new();
-        let mut last = tokio::time::Instant::now();
-        while events.next().await.is_some() {
-            waits.push(last.elapsed());
-            last = tokio::time::Instant::now();
-        }
-        let within = |wait: Duration, ceiling_ms: u64| {
-            wait >= Duration::from_millis(ceiling_ms / 2)
-                && wait <= Duration::from_millis(ceiling_ms)
-        };
-        assert!(within(waits[0], 800), "{waits:?}");
-        assert!(within(waits[1], 1600), "doubled: {waits:?}");
-        assert!(within(waits[2], 3200), "doubled: {waits:?}");
-        assert!(within(waits[3], 800), "a 410 lists again soon: {waits:?}");
-        assert_eq!(waits[4], Duration::ZERO, "events pass at once");
-        assert!(within(waits[5], 800), "reset by the event: {waits:?}");
-        assert!(within(waits[13], 30_000), "at most 30 s: {waits:?}");
-    }
 
     #[derive(Debug, Parser)]
     struct Wrapper {

@@ -123,10 +123,10 @@ pub fn observe_staging(
     let pods = stores
         .pods
         .state_filter(|pod| labelled_as_owned_by(pod, uid));
-    let replaced_pods = pods
+    let deleted_pods = pods
         .iter()
         .filter_map(|pod| pod.uid())
-        .filter(|pod_uid| context.replaced_pods.contains(pod_uid))
+        .filter(|pod_uid| context.deleted_pods.contains(pod_uid))
         .collect();
     StagingObservation {
         settings: ControllerSettings {
@@ -151,7 +151,7 @@ pub fn observe_staging(
                     .uid()
                     .is_some_and(|role_uid| context.released_roles.contains(&role_uid))
         }),
-        replaced_pods,
+        deleted_pods,
         since_last_status_write: context.status_writes.since(uid),
         credentials: None,
         password: None,

@@ -121,6 +121,10 @@ pub struct StagePodRelease {
     /// Delete the pod: it is in the cache and not being deleted yet, or
     /// the decision cannot tell (a cancel releases by the plan's names).
     pub delete_pod: bool,
+    /// The pod's UID, when the cache showed it: once it is deleted the
+    /// replica remembers it, so a cache that does not show the deletion
+    /// yet does not get it deleted twice.
+    pub pod_uid: Option<String>,
     /// Delete its RoleBinding, credentials copy and, last, its Role: the
     /// Role is in the cache, or the decision cannot tell.
     pub delete_access: bool,
@@ -136,6 +140,7 @@ impl StagePodRelease {
         StagePodRelease {
             pod,
             delete_pod: true,
+            pod_uid: None,
             delete_access: true,
             role_uid: None,
         }

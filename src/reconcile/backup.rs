@@ -1057,10 +1057,34 @@ mod tests {
         assert!(done.actions.iter().any(|action| matches!(
             action,
             Action::DeletePod {
+                uid: Some(uid),
                 replaced: false,
                 ..
-            }
+            } if uid == "pod-uid-1"
         )));
+
+        // Deleted, the cache lagging: neither stopped nor released again.
+        seen.staging.deleted_pods = BTreeSet::from(["pod-uid-1".to_string()]);
+        let again = acts(decide(&seen, &at(7)).expect("decided"));
+        let deletes_the_pod = |action: &Action| {
+            matches!(
+                action,
+                Action::DeletePod { .. }
+                    | Action::ReleaseStagePod(StagePodRelease {
+                        delete_pod: true,
+                        ..
+                    })
+            )
+        };
+        assert!(
+            !again
+                .actions
+                .iter()
+                .chain(&again.after_status)
+                .any(deletes_the_pod),
+            "{:?}",
+            again.actions
+        );
     }
 
     #[test]
@@ -1102,7 +1126,7 @@ mod tests {
         seen.staging.transfers = vec![transfer_of(&backup, "db", VolumeTransferPhase::InProgress)];
         let first = acts(decide(&seen, &at(3600)).expect("decided"));
         assert_eq!(events(&first.actions), ["StagePodRecreated"]);
-        seen.staging.replaced_pods = BTreeSet::from(["pod-uid-1".to_string()]);
+        seen.staging.deleted_pods = BTreeSet::from(["pod-uid-1".to_string()]);
         let acts = acts(decide(&seen, &at(3601)).expect("decided"));
         assert!(acts.actions.is_empty(), "{:?}", acts.actions);
     }
@@ -1263,10 +1287,26 @@ mod tests {
             [&StagePodRelease {
                 pod: ObjectName::new("shop", pod_name_of(&backup)),
                 delete_pod: true,
+                pod_uid: Some("pod-uid-1".to_string()),
                 delete_access: true,
                 role_uid: Some("role-uid-1".to_string()),
             }]
         );
+
+        // The pod deleted by this replica already, the cache not showing
+        // it yet: its access only, the pod not deleted twice.
+        seen.staging.deleted_pods = BTreeSet::from(["pod-uid-1".to_string()]);
+        assert_eq!(
+            releases(&finished(&seen)),
+            [&StagePodRelease {
+                pod: ObjectName::new("shop", pod_name_of(&backup)),
+                delete_pod: false,
+                pod_uid: None,
+                delete_access: true,
+                role_uid: Some("role-uid-1".to_string()),
+            }]
+        );
+        seen.staging.deleted_pods = BTreeSet::new();
 
         // The pod on its way out and its Role released (this replica
         // leaves a Role it released out of the observation): nothing,

@@ -66,10 +66,11 @@ pub struct StagingObservation {
     /// stage pod's objects created and the last released, so while one is
     /// here something of that pod's access may be left.
     pub roles: Vec<Arc<Role>>,
-    /// UIDs of stage pods this replica deleted to replace them: a lagging
+    /// UIDs of stage pods this replica deleted (to replace them, to stop
+    /// them once their volumes were final, or releasing them): a lagging
     /// cache may still show one as running, and it must not be judged
-    /// (and replaced, and counted) twice.
-    pub replaced_pods: BTreeSet<String>,
+    /// (and replaced, and counted) or deleted twice.
+    pub deleted_pods: BTreeSet<String>,
     /// How long ago this replica last wrote the object's status, if it did.
     pub since_last_status_write: Option<Duration>,
     /// The location's credentials file (the bytes under its key), read
@@ -103,7 +104,7 @@ impl StagingObservation {
             transfers: Vec::new(),
             pods: Vec::new(),
             roles: Vec::new(),
-            replaced_pods: BTreeSet::new(),
+            deleted_pods: BTreeSet::new(),
             since_last_status_write: None,
             credentials: None,
             password: None,
@@ -196,19 +197,25 @@ impl StagingObservation {
     }
 
     /// What the caches show is left of stage pod `pod`: the pod, unless it
-    /// is gone or being deleted, and its access while its Role is there;
-    /// `None` when nothing is.
+    /// is gone, being deleted or deleted by this replica already (the
+    /// cache lagging), and its access while its Role is there; `None` when
+    /// nothing is.
     pub fn release_of(&self, pod: &ObjectName) -> Option<StagePodRelease> {
-        let delete_pod = self.pods.iter().any(|cached| {
-            &object_name(cached.as_ref()) == pod && cached.metadata.deletion_timestamp.is_none()
+        let live_pod = self.pods.iter().find(|cached| {
+            &object_name(cached.as_ref()) == pod
+                && cached.metadata.deletion_timestamp.is_none()
+                && !cached
+                    .uid()
+                    .is_some_and(|uid| self.deleted_pods.contains(&uid))
         });
         let role = self
             .roles
             .iter()
             .find(|role| &object_name(role.as_ref()) == pod);
-        (delete_pod || role.is_some()).then(|| StagePodRelease {
+        (live_pod.is_some() || role.is_some()).then(|| StagePodRelease {
             pod: pod.clone(),
-            delete_pod,
+            delete_pod: live_pod.is_some(),
+            pod_uid: live_pod.and_then(|pod| pod.uid()),
             delete_access: role.is_some(),
             role_uid: role.and_then(|role| role.uid()),
         })
@@ -268,7 +275,7 @@ impl StagingObservation {
         supervise_stage_pods(
             &self.pods,
             &self.transfers,
-            &self.replaced_pods,
+            &self.deleted_pods,
             self.settings.agent_lost_seconds,
             now,
         )

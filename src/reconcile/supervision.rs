@@ -197,8 +197,11 @@ pub fn verdict(pod: &Pod, attempts: i32, last_moved: Option<i64>, now: i64) -> V
 
 /// Whether an agent container restarted [`MAX_CONTAINER_RESTARTS`] times
 /// crashes in a loop: not when it has been running for
-/// [`CRASH_LOOP_WINDOW_SECONDS`] since its latest start, nor when it moved
-/// its volume forward (`last_moved`) within that window before its latest
+/// [`CRASH_LOOP_WINDOW_SECONDS`] since its latest start, nor when its
+/// latest run before a crash lasted that long (a resumed volume re-reads
+/// what it stored before it moves past its earlier high-water mark, which
+/// on a large volume takes longer than the window), nor when it moved its
+/// volume forward (`last_moved`) within that window before its latest
 /// crash.
 fn crash_looping(container: &ContainerStatus, last_moved: Option<i64>, now: i64) -> bool {
     let seconds = |time: &Time| time.0.as_second();
@@ -209,6 +212,17 @@ fn crash_looping(container: &ContainerStatus, last_moved: Option<i64>, now: i64)
         .and_then(|running| running.started_at.as_ref())
         .map(seconds);
     if running_since.is_some_and(|since| now - since >= CRASH_LOOP_WINDOW_SECONDS) {
+        return false;
+    }
+    let latest_run_seconds = [&container.last_state, &container.state]
+        .into_iter()
+        .flatten()
+        .filter_map(|state| {
+            let ended = state.terminated.as_ref()?;
+            Some(seconds(ended.finished_at.as_ref()?) - seconds(ended.started_at.as_ref()?))
+        })
+        .max();
+    if latest_run_seconds.is_some_and(|run| run >= CRASH_LOOP_WINDOW_SECONDS) {
         return false;
     }
     let latest_crash = [&container.last_state, &container.state]
@@ -251,6 +265,25 @@ pub fn lost_agent(
     // end-to-end test saw a recreated pod judged lost again the moment it
     // ran, its old process having taken 20 s to stop).
     if pod.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    // An agent container not running (waiting to be restarted after a
+    // crash, the kubelet's backoff up to 5 minutes) is not silent but
+    // stopped: the crash-loop rule of [`verdict`] judges it.
+    let agent_stopped = pod
+        .status
+        .as_ref()
+        .and_then(|status| status.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|container| container.name == crate::stage_pod::AGENT_CONTAINER)
+        .any(|container| {
+            container
+                .state
+                .as_ref()
+                .is_some_and(|state| state.running.is_none())
+        });
+    if agent_stopped {
         return None;
     }
     let agent_started = pod
@@ -370,7 +403,7 @@ pub fn failed_transfer_status(
 pub fn supervise_stage_pods(
     pods: &[Arc<Pod>],
     transfers: &[Arc<VolumeTransfer>],
-    replaced_pods: &BTreeSet<String>,
+    deleted_pods: &BTreeSet<String>,
     agent_lost_seconds: u32,
     now: &Time,
 ) -> (Vec<Action>, Option<Duration>) {
@@ -397,7 +430,7 @@ pub fn supervise_stage_pods(
         // apart); its replacement is judged once it exists.
         let pod_uid = pod.uid().unwrap_or_default();
         let on_its_way_out = pod.metadata.deletion_timestamp.is_some()
-            || (!pod_uid.is_empty() && replaced_pods.contains(&pod_uid));
+            || (!pod_uid.is_empty() && deleted_pods.contains(&pod_uid));
         if open.is_empty() {
             if !of_pod.is_empty() && !finished && !on_its_way_out {
                 actions.push(Action::DeletePod {
@@ -731,6 +764,56 @@ mod tests {
         assert_eq!(
             verdict(&running, 0, None, T0 + 1010 + CRASH_LOOP_WINDOW_SECONDS),
             Verdict::Healthy
+        );
+        // Its latest run lasted the window before it crashed (re-reading a
+        // large volume below its earlier high-water mark, so `last_moved`
+        // is old): not a loop. One second shorter, and it is.
+        let long_run = |started: i64| {
+            pod(
+                serde_json::json!({"phase": "Running", "containerStatuses": [container(
+                serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+                serde_json::json!({"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                    "startedAt": at(started), "finishedAt": at(1000)}}),
+                30)]}),
+            )
+        };
+        assert_eq!(
+            verdict(
+                &long_run(1000 - CRASH_LOOP_WINDOW_SECONDS),
+                0,
+                None,
+                T0 + 1010
+            ),
+            Verdict::Healthy
+        );
+        assert!(matches!(
+            verdict(
+                &long_run(1001 - CRASH_LOOP_WINDOW_SECONDS),
+                0,
+                None,
+                T0 + 1010
+            ),
+            Verdict::Fail { .. }
+        ));
+    }
+
+    #[test]
+    fn an_agent_waiting_to_be_restarted_after_a_crash_is_not_lost() {
+        // The kubelet's restart backoff reaches 5 minutes, as long as
+        // `--agent-lost-seconds` by default: the agent is stopped, not
+        // silent, and the crash-loop rule judges it.
+        let waiting = pod(serde_json::json!({"phase": "Running", "startTime": at(0),
+            "containerStatuses": [container(
+                serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+                serde_json::json!({"terminated": {"exitCode": 137, "finishedAt": at(700)}}), 7)]}));
+        assert_eq!(lost_agent(&waiting, &[T0 + 690], 0, T0 + 1100, 300), None);
+        let running_again = pod(serde_json::json!({"phase": "Running", "startTime": at(0),
+            "containerStatuses": [container(
+                serde_json::json!({"running": {"startedAt": at(1000)}}),
+                serde_json::json!({"terminated": {"exitCode": 137, "finishedAt": at(700)}}), 7)]}));
+        assert!(
+            lost_agent(&running_again, &[T0 + 690], 0, T0 + 1301, 300).is_some(),
+            "silent for longer than the interval once it runs again"
         );
     }
 

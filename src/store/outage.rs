@@ -199,15 +199,14 @@ impl Outage {
         self.totals().retries
     }
 
-    /// Record a failed attempt of `cause` that is retried.
-    pub(crate) fn note_retry(&self, cause: FailureCause) {
+    /// Record the failed attempts an operation retried before it
+    /// succeeded within its budget: `throttled` throttled ones, `other`
+    /// other transient failures.
+    pub(crate) fn note_retries(&self, throttled: u64, other: u64) {
         let retries = &mut self.totals().retries;
         retries.since.get_or_insert_with(SystemTime::now);
-        if cause == FailureCause::Throttled {
-            retries.throttled += 1;
-        } else {
-            retries.other += 1;
-        }
+        retries.throttled += throttled;
+        retries.other += other;
     }
 
     fn totals(&self) -> std::sync::MutexGuard<'_, Totals> {

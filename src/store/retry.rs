@@ -149,10 +149,22 @@ impl RetryStore {
         let started = Instant::now();
         let mut attempts = 0u32;
         let mut throttled = 0u32;
+        // The attempts retried, counted once the operation succeeds within
+        // its budget: those of an operation that gives up are part of the
+        // outage that begins (or of the failure), not of the throttling a
+        // volume moved through.
+        let mut retried = (0u64, 0u64);
         loop {
             attempts += 1;
             let error = match attempt().await {
-                Ok(value) => return Ok(value),
+                Ok(value) => {
+                    if let Some(wait) = &self.outages
+                        && retried != (0, 0)
+                    {
+                        wait.outage.note_retries(retried.0, retried.1);
+                    }
+                    return Ok(value);
+                }
                 Err(error) if error.is_transient() => error,
                 Err(error) => return Err(error),
             };
@@ -168,8 +180,10 @@ impl RetryStore {
             if out_of_attempts || out_of_time {
                 return Err(give_up(error, attempts, started.elapsed()));
             }
-            if let Some(wait) = &self.outages {
-                wait.outage.note_retry(error.cause());
+            if error.cause() == FailureCause::Throttled {
+                retried.0 += 1;
+            } else {
+                retried.1 += 1;
             }
             tracing::debug!(
                 operation,
@@ -408,6 +422,17 @@ mod tests {
         );
         assert!(outage.retries().since.is_some());
         assert_eq!(outage.outages(), 0, "the budget absorbed them");
+
+        // The attempts of an operation that gave up are the outage's, not
+        // retries a volume moved through: 6 failed attempts, an outage,
+        // then served at once.
+        let outage = crate::store::outage::Outage::default();
+        let wait = OutageWait::new(outage.clone(), None);
+        let store =
+            RetryStore::new(FlakyStore::new(6, true), policy(6, 60)).waiting_out_outages(wait);
+        store.get("k", None).await.expect("served after the outage");
+        assert_eq!(outage.outages(), 1);
+        assert_eq!(outage.retries().total(), 0, "{:?}", outage.retries());
     }
 
     #[tokio::test(start_paused = true)]

@@ -23,15 +23,9 @@ use serde_json::json;
 
 use crate::engine::support::assert_snapshot_restores_as;
 use crate::support::fixture::{Fixture, Layout, create_backup_in, eventually, transfer_of};
+use crate::support::number_from_env;
 
 /// A whole number from the environment variable `name`, or `default`.
-fn from_env(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or(default)
-}
-
 /// The bytes done and the phase of the claim's transfer.
 async fn moved(transfers: &Api<VolumeTransfer>) -> anyhow::Result<(i64, i64, VolumeTransferPhase)> {
     let transfer = transfer_of(transfers, "data").await?;
@@ -46,12 +40,12 @@ async fn moved(transfers: &Api<VolumeTransfer>) -> anyhow::Result<(i64, i64, Vol
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_killed_at_random_points_resumes_every_time_and_stores_no_blob_twice()
 -> anyhow::Result<()> {
-    let rounds = from_env("HAULAGE_KILL_ROUNDS", 6);
-    let volume_bytes = from_env("HAULAGE_KILL_VOLUME_MIB", 96) << 20;
+    let rounds = number_from_env("HAULAGE_KILL_ROUNDS", 6);
+    let volume_bytes = number_from_env("HAULAGE_KILL_VOLUME_MIB", 96) << 20;
     // The BSL's upload cap makes the backup last long enough for every
     // kill to land mid-way (unthrottled, 96 MiB take 2 s).
-    let upload_bytes_per_second = from_env("HAULAGE_KILL_UPLOAD_MIB_PER_SECOND", 4) << 20;
-    let seed = from_env(
+    let upload_bytes_per_second = number_from_env("HAULAGE_KILL_UPLOAD_MIB_PER_SECOND", 4) << 20;
+    let seed = number_from_env(
         "HAULAGE_KILL_SEED",
         std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)?

@@ -92,10 +92,7 @@ async fn forget_stored_data(fixture: &Fixture) -> anyhow::Result<(usize, usize)>
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_backup_deleted_in_every_phase_of_its_transfers_leaves_nothing_behind_counted()
 -> anyhow::Result<()> {
-    let rounds: usize = std::env::var("HAULAGE_CANCEL_ROUNDS")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or(2);
+    let rounds = crate::support::number_from_env("HAULAGE_CANCEL_ROUNDS", 2) as usize;
     let claims = ["one", "two"];
     let layout = Layout {
         namespaces: vec!["solo".to_string()],

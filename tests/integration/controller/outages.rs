@@ -36,11 +36,10 @@ use crate::support::scrape::scrape;
 /// How long the location is down mid-backup: 60 s, or
 /// `HAULAGE_OUTAGE_SECONDS` (the 5-minute run of docs/benchmarks.md).
 fn outage() -> Duration {
-    let seconds = std::env::var("HAULAGE_OUTAGE_SECONDS")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or(60);
-    Duration::from_secs(seconds)
+    Duration::from_secs(crate::support::number_from_env(
+        "HAULAGE_OUTAGE_SECONDS",
+        60,
+    ))
 }
 
 /// The `StorageAvailable` condition of a transfer, if any.
@@ -379,10 +378,10 @@ async fn a_backup_across_a_two_minute_apiserver_outage_completes_its_outcome_wri
     // 24 MiB of random data in 1 MiB packs at 1 MiB/s: the agent moves
     // the rest of the volume while the API server is away, keeps its
     // outcome and writes it once the server answers.
-    let down = std::env::var("HAULAGE_APISERVER_OUTAGE_SECONDS")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .map_or(Duration::from_secs(120), Duration::from_secs);
+    let down = Duration::from_secs(crate::support::number_from_env(
+        "HAULAGE_APISERVER_OUTAGE_SECONDS",
+        120,
+    ));
     let mut fixture = Fixture::builder()
         .long_running_transfers()
         .volume_bytes(24 << 20)

@@ -534,15 +534,28 @@ impl Kubelet {
 
     /// SIGTERM, then SIGKILL after a grace period.
     async fn terminate(&self, key: &(String, String)) {
-        let child = self
-            .processes
-            .lock()
-            .expect("lock")
-            .get_mut(key)
-            .and_then(|running| running.child.take());
-        if let Some(mut child) = child {
-            self.terminating
-                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // Counted as terminating in the same lock that takes the process
+        // out of the running ones (`running_agents`, reading both in that
+        // lock, never misses it), until it exited, also when this future
+        // is dropped.
+        struct Terminating<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Terminating<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let taken = {
+            let mut processes = self.processes.lock().expect("lock");
+            processes
+                .get_mut(key)
+                .and_then(|running| running.child.take())
+                .map(|child| {
+                    self.terminating
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    (child, Terminating(&self.terminating))
+                })
+        };
+        if let Some((mut child, _terminating)) = taken {
             if let Some(pid) = child.id() {
                 let _ = Command::new("kill")
                     .args(["-TERM", &pid.to_string()])
@@ -555,8 +568,6 @@ impl Kubelet {
             {
                 let _ = child.kill().await;
             }
-            self.terminating
-                .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         }
     }
 
@@ -700,10 +711,8 @@ impl Kubelet {
     /// Agent processes running now, those stopping after SIGTERM
     /// included (until they exit, as a kubelet keeps a terminating pod).
     pub fn running_agents(&self) -> usize {
-        let running = self
-            .processes
-            .lock()
-            .expect("lock")
+        let processes = self.processes.lock().expect("lock");
+        let running = processes
             .values()
             .filter(|running| running.child.is_some())
             .count();

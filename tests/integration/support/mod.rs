@@ -10,7 +10,8 @@
 //! tests that need one ([`node`]);
 //! two clusters sharing one MinIO for `haulage migrate` ([`migration`]);
 //! the output of a command that must succeed ([`stdout_of_success`],
-//! [`expect_success`]).
+//! [`expect_success`]); the counts a repeated test reads from its
+//! environment ([`number_from_env`]).
 
 pub mod audit;
 pub mod fixture;
@@ -24,6 +25,20 @@ pub mod node;
 pub mod provisioner;
 pub mod proxy;
 pub mod scrape;
+
+/// The whole number in the environment variable `name` (a repeated test's
+/// count, e.g. `HAULAGE_KILL_ROUNDS=30`), or `default` when it is not
+/// set; a value that is not a number fails the test naming it, rather
+/// than running the small count while the user asked for the full one.
+pub fn number_from_env(name: &str, default: u64) -> u64 {
+    match std::env::var(name) {
+        Ok(value) => value
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={value:?} is not a whole number")),
+        Err(_) => default,
+    }
+}
 
 /// The stdout of a command that succeeded, or an error naming `what` with
 /// the command's exit status, stdout and stderr.
