@@ -191,6 +191,32 @@ fn shared_volume_used_from_three_nodes_gets_one_stage_pod_on_the_least_loaded() 
 }
 
 #[test]
+fn the_volumes_other_backups_stage_pods_hold_count_as_their_nodes_load() {
+    // Another backup moves web/logs through its stage pod on `a`: a
+    // backup of namespace shop alone goes to `b`, where nothing moves (the
+    // tie-break alone, by name, would pick `a`, and many one-claim backups
+    // created at once would all queue under `a`'s per-node cap).
+    let facts = |holder: PodFacts| {
+        facts_with(
+            vec![NodeFacts::new("a"), NodeFacts::new("b")],
+            vec![ebs_claim("web", "logs", GIB), ebs_claim("shop", "db", GIB)],
+            vec![holder.mounting("logs")],
+        )
+    };
+    let shop = Selection {
+        namespaces: ["shop".to_string()].into(),
+        ..Selection::everything()
+    };
+    let stage_pod = PodFacts::running("web", "haulage-backup-other-a", "a").as_stage_pod();
+    let plan = plan_stage_pods(&facts(stage_pod), &shop).expect("consistent");
+    assert_placed_on(&plan, "shop", "db", "b");
+    // An application pod holding it is not moving data: no load.
+    let application = PodFacts::running("web", "logs-0", "a");
+    let plan = plan_stage_pods(&facts(application), &shop).expect("consistent");
+    assert_placed_on(&plan, "shop", "db", "a");
+}
+
+#[test]
 fn shared_volume_prefers_a_ready_node_it_is_attached_to() {
     let facts = facts_with(
         vec![
@@ -313,7 +339,14 @@ fn unmounted_volumes_balance_by_bytes_then_count() {
         .map(|pod| (pod.node.clone(), pod.bytes))
         .collect();
     assert_eq!(loads.values().copied().max(), Some(8 * GIB));
-    assert_placed_on(&plan, "shop", "large", "a");
+    let large = node_of(&plan, "shop", "large").expect("placed");
+    for other in ["medium", "small-1", "small-2"] {
+        assert_ne!(
+            node_of(&plan, "shop", other),
+            Some(large.clone()),
+            "{other}"
+        );
+    }
 }
 
 #[test]
@@ -331,11 +364,56 @@ fn equally_loaded_nodes_are_taken_zone_by_zone() {
         shop_claims(&[("x", GIB), ("y", GIB), ("z", GIB)]),
         Vec::new(),
     );
+    // One node of each zone (which of its nodes, the claims' names
+    // decide: plans of other claims start elsewhere).
     let used: BTreeSet<String> = placements(&plan(&facts)).into_values().collect();
-    assert_eq!(
-        used,
-        BTreeSet::from(["a1".into(), "b1".into(), "c1".into()])
+    let zones: BTreeSet<char> = used.iter().filter_map(|node| node.chars().next()).collect();
+    assert_eq!(used.len(), 3, "{used:?}");
+    assert_eq!(zones, BTreeSet::from(['a', 'b', 'c']), "{used:?}");
+}
+
+#[test]
+fn plans_of_different_claims_break_ties_on_different_nodes() {
+    // One-claim backups planned at once, none seeing another's stage pod:
+    // each claim's own tie-break spreads them over the nodes (before, all
+    // 40 of a test went to the first node by name and queued under its
+    // per-node cap). The same claim gets the same node every time.
+    let nodes: Vec<NodeFacts> = (0..5)
+        .map(|n| NodeFacts::new(format!("node-{n}")))
+        .collect();
+    let claims: Vec<(ClaimFacts, VolumeFacts)> = (0..40)
+        .map(|n| ebs_claim("team", &format!("data-{n:03}"), GIB))
+        .collect();
+    let facts = facts_with(nodes, claims, Vec::new());
+    let node_of_alone = |claim: &str| {
+        let selection = Selection {
+            labels: LabelSelector::parse(&format!("claim={claim}")).expect("selector"),
+            ..Selection::everything()
+        };
+        let mut facts = facts.clone();
+        for each in &mut facts.claims {
+            let name = each.name.clone();
+            *each = each.clone().with_label("claim", &name);
+        }
+        node_of(
+            &plan_stage_pods(&facts, &selection).expect("plan"),
+            "team",
+            claim,
+        )
+        .expect("placed")
+    };
+    let mut per_node: BTreeMap<String, usize> = BTreeMap::new();
+    for n in 0..40 {
+        *per_node
+            .entry(node_of_alone(&format!("data-{n:03}")))
+            .or_default() += 1;
+    }
+    assert_eq!(per_node.len(), 5, "every node used: {per_node:?}");
+    assert!(
+        per_node.values().all(|&count| count <= 16),
+        "no node takes most: {per_node:?}"
     );
+    assert_eq!(node_of_alone("data-007"), node_of_alone("data-007"));
 }
 
 #[test]
@@ -412,7 +490,11 @@ fn measured_usage_outweighs_the_request() {
     let plan = plan(&facts);
     let total: u64 = plan.stage_pods.iter().map(|pod| pod.bytes).sum();
     assert_eq!(total, 11 * GIB);
-    assert_placed_on(&plan, "shop", "full", "a");
+    assert_ne!(
+        node_of(&plan, "shop", "full"),
+        node_of(&plan, "shop", "mostly-empty"),
+        "10 GiB and 1 GiB measured: one on each node"
+    );
 }
 
 #[test]
@@ -909,6 +991,7 @@ fn build_cluster(
                 .iter()
                 .map(|claim| format!("c{claim}"))
                 .collect(),
+            stage_pod: false,
         });
     }
     for &(node, claim) in attachments {

@@ -301,9 +301,10 @@ pub struct Stores {
 
 impl Stores {
     /// The cluster's objects a plan is made from: every node, CSI node,
-    /// volume and class, and the pods and claims of the namespaces
-    /// `in_scope` accepts (one malformed object elsewhere must not stop a
-    /// plan).
+    /// volume and class, the pods and claims of the namespaces `in_scope`
+    /// accepts (one malformed object elsewhere must not stop a plan), and
+    /// haulage's stage pods in every namespace (the planner counts what
+    /// they move as load on their nodes).
     pub fn cluster_objects_in(
         &self,
         in_scope: impl Fn(Option<String>) -> bool,
@@ -311,7 +312,10 @@ impl Stores {
         crate::plan::objects::ClusterObjects {
             nodes: copies(&self.nodes, |_| true),
             csi_nodes: copies(&self.csi_nodes, |_| true),
-            pods: copies(&self.pods, |pod| in_scope(pod.namespace())),
+            pods: copies(&self.pods, |pod| {
+                in_scope(pod.namespace())
+                    || crate::plan::facts::is_stage_pod(pod.metadata.labels.as_ref())
+            }),
             claims: copies(&self.claims, |claim| in_scope(claim.namespace())),
             volumes: copies(&self.volumes, |_| true),
             storage_classes: copies(&self.classes, |_| true),

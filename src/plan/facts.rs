@@ -224,6 +224,30 @@ pub struct PodFacts {
     /// Names of the claims (in the pod's namespace) it mounts, generic
     /// ephemeral volumes included.
     pub claims: Vec<String>,
+    /// A haulage stage pod (labelled with [`STAGE_POD_LABELS`]): another
+    /// backup or restore moves the volumes it mounts now. While it holds
+    /// them they count as load on its node, so that many backups created
+    /// at once spread over the nodes instead of all choosing the same one
+    /// and queueing under its per-node cap; they do not tie a claim to
+    /// that node (the claim is free again once that transfer ends, which
+    /// admission waits for).
+    pub stage_pod: bool,
+}
+
+/// The labels (name, value) every haulage stage pod carries, by which
+/// the planner tells stage pods from the workload's pods.
+pub const STAGE_POD_LABELS: [(&str, &str); 2] = [
+    ("app.kubernetes.io/name", "haulage-agent"),
+    ("app.kubernetes.io/component", "stage-pod"),
+];
+
+/// Whether a pod with `labels` is a haulage stage pod ([`STAGE_POD_LABELS`]).
+pub fn is_stage_pod(labels: Option<&BTreeMap<String, String>>) -> bool {
+    STAGE_POD_LABELS.iter().all(|(label, value)| {
+        labels
+            .and_then(|labels| labels.get(*label))
+            .is_some_and(|found| found == value)
+    })
 }
 
 impl PodFacts {
@@ -239,7 +263,14 @@ impl PodFacts {
             node: Some(node.into()),
             phase: PodPhase::Running,
             claims: Vec::new(),
+            stage_pod: false,
         }
+    }
+
+    /// The same pod as a haulage stage pod.
+    pub fn as_stage_pod(mut self) -> Self {
+        self.stage_pod = true;
+        self
     }
 
     /// The same pod in another phase.

@@ -60,7 +60,10 @@ pub enum PlanError {
 ///   volume's node affinity, has the volume's CSI driver and room under its
 ///   attach limit (counting volumes already attached there).
 /// - Load is bytes (measured usage when known, else the request), then
-///   volume count; volumes are placed largest first.
+///   volume count; volumes are placed largest first. The volumes other
+///   backups' and restores' stage pods hold on a node now count as its
+///   load before the plan adds any (many backups created at once spread
+///   over the nodes).
 /// - The plan is the same for the same facts, in any order.
 ///
 /// Live pods are those bound to a node and not finished (Pending, Running

@@ -510,6 +510,7 @@ pub fn pod_facts(pod: &Pod) -> Result<PodFacts, DumpError> {
             }
         })
         .collect();
+    let stage_pod = crate::facts::is_stage_pod(pod.metadata.labels.as_ref());
     Ok(PodFacts {
         namespace: namespace.to_string(),
         name: name.to_string(),
@@ -518,6 +519,7 @@ pub fn pod_facts(pod: &Pod) -> Result<PodFacts, DumpError> {
             .filter(|node| !node.is_empty()),
         phase,
         claims,
+        stage_pod,
     })
 }
 
@@ -807,6 +809,42 @@ mod tests {
         // `*` and `&` inside quoted values are text, not aliases.
         let quoted = "apiVersion: v1\nkind: List\nitems: []\nnote: \"*not-an-alias &nor-anchor\"\n";
         assert!(parse_dump(quoted).is_ok());
+    }
+
+    #[test]
+    fn a_pod_with_both_stage_pod_labels_is_a_stage_pod() {
+        let facts = parse_dump(
+            "apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: haulage-backup-nightly-a
+    namespace: shop
+    labels: {app.kubernetes.io/name: haulage-agent, app.kubernetes.io/component: stage-pod}
+  spec: {nodeName: a}
+  status: {phase: Running}
+- apiVersion: v1
+  kind: Pod
+  metadata:
+    name: db-0
+    namespace: shop
+    labels: {app.kubernetes.io/component: stage-pod}
+  spec: {nodeName: a}
+  status: {phase: Running}
+",
+        )
+        .expect("dump parses");
+        let stage_pods: Vec<(&str, bool)> = facts
+            .pods
+            .iter()
+            .map(|pod| (pod.name.as_str(), pod.stage_pod))
+            .collect();
+        assert_eq!(
+            stage_pods,
+            [("haulage-backup-nightly-a", true), ("db-0", false)]
+        );
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! already attached there) are pinned first, since they have no choice. The
 //! rest are placed largest first (bytes descending, then namespace and name)
 //! on the candidate node with the least load (bytes, then volume count, then
-//! a rank that interleaves zones): the longest-processing-time rule. On
+//! a rank that interleaves zones, turned by a number drawn from the claims'
+//! names so different plans start on different nodes): the
+//! longest-processing-time rule. On
 //! identical, unconstrained nodes it keeps the busiest node within 4/3 of the
 //! optimum; with constraints it still keeps the promise a property test
 //! checks: the last volume placed on any node would leave any other node it
@@ -39,8 +41,12 @@ pub(crate) struct IndexedCluster<'f> {
     pub(crate) classes: HashMap<&'f str, &'f StorageClassFacts>,
     /// Claims sorted by (namespace, name).
     pub(crate) claims: Vec<&'f ClaimFacts>,
-    /// Pods holding volumes, per claim (namespace, name), sorted by pod name.
+    /// Pods holding volumes, per claim (namespace, name), sorted by pod name;
+    /// haulage's stage pods are not among them.
     users: HashMap<(&'f str, &'f str), Vec<&'f PodFacts>>,
+    /// The claims (node, namespace, claim) other backups' and restores'
+    /// stage pods hold now: load on those nodes.
+    moving: Vec<(&'f str, &'f str, &'f str)>,
     /// Nodes whose `status.volumesAttached` lists a CSI volume, per
     /// (driver, handle).
     attached_by_status: HashMap<(&'f str, &'f str), Vec<usize>>,
@@ -94,6 +100,7 @@ impl<'f> IndexedCluster<'f> {
         }
         let mut pod_names = HashSet::with_capacity(facts.pods.len());
         let mut users: HashMap<(&str, &str), Vec<&PodFacts>> = HashMap::new();
+        let mut moving = Vec::new();
         for pod in &facts.pods {
             if !pod_names.insert((pod.namespace.as_str(), pod.name.as_str())) {
                 return Err(PlanError::DuplicateObject {
@@ -105,6 +112,16 @@ impl<'f> IndexedCluster<'f> {
                 let mut mounted: Vec<&str> = pod.claims.iter().map(String::as_str).collect();
                 mounted.sort_unstable();
                 mounted.dedup();
+                if pod.stage_pod {
+                    if let Some(node) = pod.node.as_deref() {
+                        moving.extend(
+                            mounted
+                                .iter()
+                                .map(|claim| (node, pod.namespace.as_str(), *claim)),
+                        );
+                    }
+                    continue;
+                }
                 for claim in mounted {
                     users
                         .entry((pod.namespace.as_str(), claim))
@@ -134,6 +151,7 @@ impl<'f> IndexedCluster<'f> {
             classes,
             claims,
             users,
+            moving,
             attached_by_status,
         })
     }
@@ -346,12 +364,12 @@ pub(crate) fn place_requests<'f>(
     cluster: &IndexedCluster<'f>,
     mut requests: Vec<Request<'f>>,
 ) -> StagePlan {
-    let mut balancer = Balancer::new(cluster);
     // Name order first (cheap when the caller's order is already it): a
     // request's position then stands for its namespace and name, and
     // namespaces get numbers in the same order, so the rest of placement
     // compares integers, not strings.
     requests.sort_by(|left, right| (left.namespace, left.name).cmp(&(right.namespace, right.name)));
+    let mut balancer = Balancer::new(cluster, tie_break_rotation(&requests));
     let mut namespace_numbers = Vec::with_capacity(requests.len());
     let mut number = 0u32;
     for (position, request) in requests.iter().enumerate() {
@@ -402,8 +420,30 @@ struct StagePodDraft<'f> {
     bytes: u64,
 }
 
+/// How far the tie-break ranks of the nodes turn for these requests (in
+/// name order): a number drawn from the claims' names, so the plans of
+/// different claims break ties on different nodes. Many one-claim backups
+/// planned at once (before any sees another's stage pod) would otherwise
+/// all pick the first node by name and queue under its per-node cap; the
+/// same claims on the same facts still get the same plan.
+fn tie_break_rotation(requests: &[Request<'_>]) -> u64 {
+    let mut hasher = blake3::Hasher::new();
+    for request in requests {
+        hasher.update(request.namespace.as_bytes());
+        hasher.update(b"/");
+        hasher.update(request.name.as_bytes());
+        hasher.update(b"\n");
+    }
+    let digest = hasher.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest.as_bytes()[..8]);
+    u64::from_le_bytes(first)
+}
+
 impl<'c, 'f> Balancer<'c, 'f> {
-    fn new(cluster: &'c IndexedCluster<'f>) -> Self {
+    /// A balancer over `cluster`'s nodes, their tie-break ranks turned by
+    /// `rotation` ([`tie_break_rotation`]).
+    fn new(cluster: &'c IndexedCluster<'f>, rotation: u64) -> Self {
         let node_count = cluster.nodes.len();
         let mut attached_sets: Vec<HashSet<(&'f str, &'f str)>> = vec![HashSet::new(); node_count];
         for (index, node) in cluster.nodes.iter().enumerate() {
@@ -480,11 +520,23 @@ impl<'c, 'f> Balancer<'c, 'f> {
                 counts
             })
             .collect();
+        // The volumes other backups and restores move now, through their
+        // stage pods: load on those nodes before this plan adds its own.
+        let (mut load_bytes, mut load_count) = (vec![0; node_count], vec![0; node_count]);
+        for (node, namespace, claim_name) in &cluster.moving {
+            if let Some(&index) = cluster.node_index.get(node) {
+                let bytes = cluster
+                    .claim(namespace, claim_name)
+                    .map_or(0, |claim| claim.bytes());
+                load_bytes[index] = u64::saturating_add(load_bytes[index], bytes);
+                load_count[index] += 1;
+            }
+        }
         Balancer {
             cluster,
-            load_bytes: vec![0; node_count],
-            load_count: vec![0; node_count],
-            rank: zone_interleaved_ranks(&cluster.nodes),
+            load_bytes,
+            load_count,
+            rank: zone_interleaved_ranks(&cluster.nodes, rotation),
             driver_ids,
             limits,
             attachments,
@@ -763,7 +815,7 @@ impl<'c, 'f> Balancer<'c, 'f> {
 /// Tie-break ranks that interleave zones: the first node (by name) of each
 /// zone, then the second of each, and so on, so equally loaded nodes are
 /// taken zone by zone.
-fn zone_interleaved_ranks(nodes: &[&NodeFacts]) -> Vec<u32> {
+fn zone_interleaved_ranks(nodes: &[&NodeFacts], rotation: u64) -> Vec<u32> {
     let mut zones: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
     for (index, node) in nodes.iter().enumerate() {
         zones
@@ -781,6 +833,12 @@ fn zone_interleaved_ranks(nodes: &[&NodeFacts]) -> Vec<u32> {
                 next_rank += 1;
             }
         }
+    }
+    // Turned: the interleaving stays (a zone's nodes keep their distance
+    // in the order), only where it starts moves.
+    let count = nodes.len().max(1) as u64;
+    for rank in &mut ranks {
+        *rank = ((u64::from(*rank) + rotation % count) % count) as u32;
     }
     ranks
 }

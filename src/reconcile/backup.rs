@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use haulage_api::backup::BackupPlan;
 use haulage_api::condition::{condition_type, find_condition};
-use haulage_api::labels::{MANAGED_BY, MANAGED_BY_LABEL, labelled_as_owned_by};
+use haulage_api::labels::labelled_as_owned_by;
 use haulage_api::{
     BackupStorageLocation, VolumeBackup, VolumeBackupPhase, VolumeBackupStatus, VolumeTransfer,
     VolumeTransferPhase,
@@ -201,19 +201,16 @@ pub fn resolve_location<'a>(
     )
 }
 
-/// The plan from the cluster's objects: without haulage's own pods (a
-/// stage pod of another backup must not pin a claim to its node).
+/// The plan from the cluster's objects (the planner counts other backups'
+/// and restores' stage pods as load on their nodes, and does not let them
+/// pin a claim to their node).
 fn make_plan(
     observation: &BackupObservation,
     owner: &Owner,
     cluster: &ClusterObjects,
 ) -> Result<BackupPlan, BackupError> {
     let selection = selection_of(&observation.backup)?;
-    let mut objects = cluster.clone();
-    objects
-        .pods
-        .retain(|pod| pod.labels().get(MANAGED_BY_LABEL).map(String::as_str) != Some(MANAGED_BY));
-    let facts = facts_from_objects(&objects).map_err(|source| BackupError::Facts { source })?;
+    let facts = facts_from_objects(cluster).map_err(|source| BackupError::Facts { source })?;
     let plan =
         plan_stage_pods(&facts, &selection).map_err(|source| BackupError::Plan { source })?;
     Ok(status_plan(Operation::Backup, owner, plan))

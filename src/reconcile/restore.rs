@@ -483,14 +483,9 @@ fn make_plan(
     owner: &Owner,
     cluster: &ClusterObjects,
 ) -> Result<BackupPlan, RestoreError> {
-    let mut objects = cluster.clone();
-    objects.pods.retain(|pod| {
-        pod.labels()
-            .get(haulage_api::labels::MANAGED_BY_LABEL)
-            .map(String::as_str)
-            != Some(haulage_api::labels::MANAGED_BY)
-    });
-    let facts = facts_from_objects(&objects).map_err(|source| RestoreError::Facts { source })?;
+    // The planner counts other backups' and restores' stage pods as load
+    // on their nodes, and does not let them pin a claim to their node.
+    let facts = facts_from_objects(cluster).map_err(|source| RestoreError::Facts { source })?;
     let claims: Vec<RestoreClaim> = selection
         .iter()
         .filter(|volume| volume.action != ClaimAction::Skip)

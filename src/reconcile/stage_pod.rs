@@ -478,15 +478,11 @@ pub fn stage_pod_labels(template: &StagePodTemplate, stage: &StagePod) -> BTreeM
         Operation::Backup => BACKUP_LABEL,
         Operation::Restore => RESTORE_LABEL,
     };
-    let mut labels = BTreeMap::from([
-        (
-            "app.kubernetes.io/name".to_string(),
-            "haulage-agent".to_string(),
-        ),
-        (
-            "app.kubernetes.io/component".to_string(),
-            "stage-pod".to_string(),
-        ),
+    let mut labels: BTreeMap<String, String> = haulage_plan::facts::STAGE_POD_LABELS
+        .iter()
+        .map(|(label, value)| (label.to_string(), value.to_string()))
+        .collect();
+    labels.extend([
         (
             OPERATION_LABEL.to_string(),
             template.operation.as_str().to_string(),
