@@ -32,6 +32,10 @@
 //!   split.
 //! - [`replicas`]: two replicas, adoption of a crashed one's backup, the
 //!   admission lease.
+//! - [`replica_kills`]: controller processes killed and restarted at
+//!   random over many backups created at once, counted (each completes
+//!   once, no duplicate transfer or stage pod, no claim moved twice at
+//!   once, no backup left without an owner).
 //! - [`supervision`]: evicted, crash-looping and hung stage pods.
 //! - [`storage_locations`]: BSL validation, waiting for storage, defaults,
 //!   `haulage status`, TLS.
@@ -48,6 +52,7 @@ mod encrypted_locations;
 mod health_and_metrics;
 mod maintenance;
 mod outages;
+mod replica_kills;
 mod replicas;
 mod restore;
 mod storage_locations;

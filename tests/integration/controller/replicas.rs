@@ -45,6 +45,7 @@ async fn two_replicas_one_of_them_the_binary_complete_backups_each_written_only_
         "controller-1",
         port,
         &log_path,
+        &[],
     )?;
     if let Err(not_ready) = wait_until_ready(port, Duration::from_secs(60)).await {
         let log = std::fs::read_to_string(&log_path).unwrap_or_default();

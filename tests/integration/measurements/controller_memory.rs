@@ -166,8 +166,14 @@ async fn measure_controller_memory_with_ten_thousand_claims_in_its_caches() -> a
         let port = crate::support::minio::free_port()?;
         let log_path = work.path().join(format!("controller-{target}.log"));
         let started = Instant::now();
-        let mut controller =
-            controller_process(&binary, &kubeconfig, "controller-memory", port, &log_path)?;
+        let mut controller = controller_process(
+            &binary,
+            &kubeconfig,
+            "controller-memory",
+            port,
+            &log_path,
+            &[],
+        )?;
         let pid = controller.id().context("controller pid")?;
         wait_until_ready(port, Duration::from_secs(300))
             .await

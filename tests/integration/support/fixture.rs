@@ -193,13 +193,16 @@ pub async fn client_from(kubeconfig: &Path) -> anyhow::Result<kube::Client> {
 /// `binary` (a `haulage` build) running `haulage controller` as the
 /// Deployment runs it: with `kubeconfig`, as pod `pod_name` of the
 /// controller's namespace, health and metrics on 127.0.0.1:`port`, its log
-/// (at `info`) in `log`; killed when dropped.
+/// (at `info`) in `log`, and the environment variables `env` besides
+/// (its settings, e.g. `HAULAGE_REPLICA_LEASE_SECONDS`); killed when
+/// dropped.
 pub fn controller_process(
     binary: &Path,
     kubeconfig: &Path,
     pod_name: &str,
     port: u16,
     log: &Path,
+    env: &[(&str, &str)],
 ) -> anyhow::Result<tokio::process::Child> {
     Ok(tokio::process::Command::new(binary)
         .args([
@@ -211,6 +214,7 @@ pub fn controller_process(
         .env("POD_NAME", pod_name)
         .env("POD_NAMESPACE", SYSTEM_NAMESPACE)
         .env("HAULAGE_LOG", "info")
+        .envs(env.iter().copied())
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(log)?)
         .kill_on_drop(true)
@@ -248,6 +252,7 @@ where
 
 /// The namespaces, claims, nodes and application pods of a [`Fixture`]
 /// ([`FixtureBuilder::layout`]).
+#[derive(Clone)]
 pub struct Layout {
     pub namespaces: Vec<String>,
     /// (namespace, name, access mode, seed of its data).
