@@ -157,17 +157,20 @@ async fn the_controller_and_agent_metrics_exist_and_move_with_a_volume_backup() 
         .completed_backup("observed", BACKUP_DEADLINE)
         .await?;
 
-    // The controller saw the bytes move and the transfers complete.
+    // The controller saw the bytes move and the transfers and the backup
+    // complete (its gauges read its caches, which may show the backup's
+    // final status a moment after the transfers').
     let after = eventually(Duration::from_secs(30), || async {
         let after = scrape(fixture.health_address).await?;
         let completed = after.sum(
             "haulage_volume_transfers",
             &[("phase", "Completed"), ("direction", "Upload")],
         );
-        Ok((completed == 5.0).then_some(after))
+        let backup_completed = after.sum("haulage_volume_backups", &[("phase", "Completed")]);
+        Ok((completed == 5.0 && backup_completed == 1.0).then_some(after))
     })
     .await
-    .context("the transfers gauge never showed five completed uploads")?;
+    .context("the gauges never showed five completed uploads and one completed backup")?;
     for family in [
         "haulage_transfer_bytes_read_total",
         "haulage_transfer_bytes_uploaded_total",
