@@ -390,6 +390,10 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
         if listed.items.len() == backups_wanted && unfinished == 0 {
             break;
         }
+        // A guarantee broken: no need to wait for the rest.
+        if !watched.lock().unwrap().violations.is_empty() {
+            break;
+        }
         if started.elapsed() > deadline {
             let logs = std::fs::read_dir(&logs)?
                 .filter_map(Result::ok)
@@ -408,6 +412,14 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
         }
     }
     let elapsed = started.elapsed();
+    {
+        let watched = watched.lock().unwrap();
+        assert!(
+            watched.violations.is_empty(),
+            "guarantees broken:\n{}",
+            watched.violations.join("\n")
+        );
+    }
 
     no_leftovers_within(
         client,
