@@ -162,6 +162,14 @@ impl Watched {
     }
 }
 
+/// The watches' record, also when a watch task panicked holding it (the
+/// test then fails on its own assertions, not on a poisoned lock).
+fn lock(watched: &Mutex<Watched>) -> std::sync::MutexGuard<'_, Watched> {
+    watched
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// One replica slot: the process running now (if any) and its identity.
 struct Replica {
     identity: String,
@@ -249,9 +257,7 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
     let watched = Arc::new(Mutex::new(Watched::default()));
     let transfer_watch = {
         let watched = watched.clone();
-        watch_transfers(client, move |transfer| {
-            watched.lock().unwrap().transfer(transfer)
-        })
+        watch_transfers(client, move |transfer| lock(&watched).transfer(transfer))
     };
     let pod_watch = {
         let watched = watched.clone();
@@ -265,7 +271,7 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
             let mut pods = std::pin::pin!(pods);
             while let Some(event) = pods.next().await {
                 if let Ok(pod) = event {
-                    watched.lock().unwrap().stage_pod(&pod);
+                    lock(&watched).stage_pod(&pod);
                 }
             }
         })
@@ -280,7 +286,7 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
             let mut events = std::pin::pin!(events);
             while let Some(event) = events.next().await {
                 if let Ok(backup) = event {
-                    watched.lock().unwrap().backup(&backup);
+                    lock(&watched).backup(&backup);
                 }
             }
         })
@@ -378,7 +384,7 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
                 let without = now.duration_since(since);
                 longest_without_owner = longest_without_owner.max(without);
                 if without > Duration::from_secs(ORPHAN_SECONDS) {
-                    watched.lock().unwrap().violations.push(format!(
+                    lock(&watched).violations.push(format!(
                         "backup {name} without a live owner for {:.0} s (owner {:?}, live {live:?})",
                         without.as_secs_f64(),
                         status.owner.as_ref().map(|owner| &owner.replica)
@@ -391,7 +397,7 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
             break;
         }
         // A guarantee broken: no need to wait for the rest.
-        if !watched.lock().unwrap().violations.is_empty() {
+        if !lock(&watched).violations.is_empty() {
             break;
         }
         if started.elapsed() > deadline {
@@ -412,14 +418,13 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
         }
     }
     let elapsed = started.elapsed();
-    {
-        let watched = watched.lock().unwrap();
-        assert!(
-            watched.violations.is_empty(),
-            "guarantees broken:\n{}",
-            watched.violations.join("\n")
-        );
-    }
+    let violations = lock(&watched).violations.clone();
+    assert!(
+        violations.is_empty(),
+        "guarantees broken after {:.0} s:\n{}",
+        elapsed.as_secs_f64(),
+        violations.join("\n")
+    );
 
     no_leftovers_within(
         client,
@@ -459,7 +464,7 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
         .await?
         .items
         .len();
-    let watched = std::mem::take(&mut *watched.lock().unwrap());
+    let watched = std::mem::take(&mut *lock(&watched));
     let stage_pods: usize = watched.stage_pods.values().map(BTreeSet::len).sum();
     let nodes: BTreeSet<&str> = watched
         .stage_pods
