@@ -335,6 +335,10 @@ pub struct Fixture {
     /// The fault proxy the BSL points at, with
     /// [`FixtureBuilder::through_fault_proxy`].
     pub proxy: Option<FaultProxy>,
+    /// The fault proxy between the controller and agents and the API
+    /// server (a TCP proxy: TLS passes through), with
+    /// [`FixtureBuilder::api_server_through_fault_proxy`].
+    pub api_proxy: Option<FaultProxy>,
     /// The admin client (`system:masters`) the test acts with.
     pub client: kube::Client,
     /// The kubelet stand-in running the stage pods' agents on the nodes.
@@ -380,6 +384,7 @@ pub struct FixtureBuilder {
     audited: bool,
     provisioning: bool,
     fault_proxy: bool,
+    api_fault_proxy: bool,
 }
 
 impl FixtureBuilder {
@@ -476,6 +481,16 @@ impl FixtureBuilder {
         self
     }
 
+    /// The controller and the agents reach the API server through a
+    /// [`FaultProxy`] ([`Fixture::api_proxy`], started with
+    /// [`FaultProxy::start_opaque`]), so a test can cut them off it and
+    /// count their connection attempts meanwhile; the test's own clients
+    /// and the stand-ins go direct. Default: everything goes direct.
+    pub fn api_server_through_fault_proxy(mut self) -> Self {
+        self.api_fault_proxy = true;
+        self
+    }
+
     /// The API server writes an audit log of every request
     /// ([`KubeCluster::start_audited`]), read with
     /// [`KubeCluster::audit_requests`]. Default: no audit log.
@@ -502,11 +517,20 @@ impl FixtureBuilder {
             audited,
             provisioning,
             fault_proxy,
+            api_fault_proxy,
         } = self;
-        let cluster = if audited {
+        let mut cluster = if audited {
             KubeCluster::start_audited().await?
         } else {
             KubeCluster::start().await?
+        };
+        let api_proxy = match api_fault_proxy {
+            true => {
+                let proxy = FaultProxy::start_opaque(cluster.apiserver_address()?).await?;
+                cluster.route_processes_through(proxy.address())?;
+                Some(proxy)
+            }
+            false => None,
         };
         let minio = if tls {
             MinioServer::start_tls().await?
@@ -574,7 +598,7 @@ impl FixtureBuilder {
         let nodes: Vec<&str> = layout.nodes.iter().map(String::as_str).collect();
         let kubelet = Kubelet::start(
             client.clone(),
-            cluster.kubeconfig(),
+            cluster.processes_kubeconfig(),
             &nodes,
             &volumes,
             &work.path().join("kubelet"),
@@ -632,6 +656,7 @@ impl FixtureBuilder {
             cluster,
             minio,
             proxy,
+            api_proxy,
             client,
             kubelet,
             provisioner,
@@ -763,6 +788,7 @@ impl Fixture {
             audited: false,
             provisioning: false,
             fault_proxy: false,
+            api_fault_proxy: false,
         }
     }
 

@@ -147,6 +147,10 @@ pub struct KubeCluster {
     /// ([`KubeCluster::restart_apiserver`]): its port, etcd's, the PKI and
     /// the token file.
     apiserver_start: Option<(u16, u16, Pki, PathBuf)>,
+    /// The server address and admin kubeconfig given to the product's
+    /// processes (controllers, agents) when they go through a proxy
+    /// ([`KubeCluster::route_processes_through`]).
+    routed: Option<(String, PathBuf)>,
 }
 
 /// Files of the throwaway PKI.
@@ -332,6 +336,7 @@ impl KubeCluster {
             ca_pem: pki.ca_pem.clone(),
             audit_log: None,
             apiserver_start: None,
+            routed: None,
             dir,
         };
         if audit {
@@ -652,18 +657,56 @@ impl KubeCluster {
         audit::read(log)
     }
 
+    /// Where the apiserver listens.
+    pub fn apiserver_address(&self) -> anyhow::Result<std::net::SocketAddr> {
+        let (api_port, ..) = self
+            .apiserver_start
+            .as_ref()
+            .context("the apiserver was never started")?;
+        Ok(([127, 0, 0, 1], *api_port).into())
+    }
+
+    /// Give the product's processes (the controllers and agents whose
+    /// kubeconfigs this cluster writes, [`Self::service_account_kubeconfig`]
+    /// and [`Self::processes_kubeconfig`]) the address `proxy` (a TCP proxy
+    /// to [`Self::apiserver_address`]) instead of the apiserver's; the
+    /// test's own clients keep the direct one, so what the proxy sees is
+    /// the product's traffic alone.
+    pub fn route_processes_through(&mut self, proxy: std::net::SocketAddr) -> anyhow::Result<()> {
+        let routed = format!("https://{proxy}");
+        let text = std::fs::read_to_string(&self.kubeconfig)?.replace(&self.server, &routed);
+        let path = self.dir.path().join("routed.kubeconfig");
+        std::fs::write(&path, text)?;
+        self.routed = Some((routed, path));
+        Ok(())
+    }
+
+    /// The admin kubeconfig with the address the product's processes are
+    /// given (the proxy's when routed, else the apiserver's): for the
+    /// kubelet stand-in, which hands it on to the agents.
+    pub fn processes_kubeconfig(&self) -> &Path {
+        self.routed
+            .as_ref()
+            .map_or(&self.kubeconfig, |(_, path)| path)
+    }
+
     /// Write a kubeconfig at `path` holding a TokenRequest token (one
     /// hour) of the service account `namespace/account`, for a process
-    /// that should run with that account's RBAC.
+    /// that should run with that account's RBAC (through the proxy when
+    /// routed, [`Self::route_processes_through`]).
     pub async fn service_account_kubeconfig(
         &self,
         namespace: &str,
         account: &str,
         path: &Path,
     ) -> anyhow::Result<PathBuf> {
+        let server = self
+            .routed
+            .as_ref()
+            .map_or(&self.server, |(server, _)| server);
         service_account_kubeconfig(
             &self.client().await?,
-            &self.server,
+            server,
             &self.ca_pem,
             namespace,
             account,

@@ -6,7 +6,9 @@
 //! bytes until resumed; those faults are counted on upload bytes, because
 //! what they break is a request body in flight. It also reads the HTTP/1.1
 //! requests it carries (their heads, and their bodies by
-//! `Content-Length`), so it can fault whole requests as an S3 server under
+//! `Content-Length`; not with [`FaultProxy::start_opaque`], for a TLS
+//! upstream such as kube-apiserver), so it can fault whole requests as an
+//! S3 server under
 //! load does: answer a share of them `503 SlowDown` (S3's throttling
 //! answer, after reading the request's body), hold each for a latency, or
 //! answer none for a while. It can also go down as a stopped server does:
@@ -68,12 +70,17 @@ struct Control {
     down: std::sync::atomic::AtomicBool,
     /// Connections closed so.
     refused: AtomicU64,
+    /// Connections accepted, refused ones included.
+    accepted: AtomicU64,
+    /// Forward bytes without reading requests (a TLS upstream).
+    opaque: bool,
 }
 
 impl Control {
     /// No fault, nothing counted.
-    fn new() -> Self {
+    fn new(opaque: bool) -> Self {
         Control {
+            opaque,
             fault: Mutex::new(Fault::None),
             requests: Mutex::new(RequestFaults::default()),
             uploaded: AtomicU64::new(0),
@@ -84,6 +91,7 @@ impl Control {
             slow_downs: AtomicU64::new(0),
             down: std::sync::atomic::AtomicBool::new(false),
             refused: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
         }
     }
 
@@ -143,9 +151,21 @@ pub struct FaultProxy {
 impl FaultProxy {
     /// Listen on a free 127.0.0.1 port and forward to `upstream`.
     pub async fn start(upstream: SocketAddr) -> anyhow::Result<Self> {
+        Self::listen(upstream, false).await
+    }
+
+    /// Like [`FaultProxy::start`], forwarding bytes without reading
+    /// requests: for a TLS upstream (kube-apiserver), whose requests it
+    /// cannot read. The connection faults (going down, dropping every
+    /// connection, cuts by byte count) work; the request faults do not.
+    pub async fn start_opaque(upstream: SocketAddr) -> anyhow::Result<Self> {
+        Self::listen(upstream, true).await
+    }
+
+    async fn listen(upstream: SocketAddr, opaque: bool) -> anyhow::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let address = listener.local_addr()?;
-        let control = Arc::new(Control::new());
+        let control = Arc::new(Control::new(opaque));
         let shutdown = CancellationToken::new();
         let accept_control = control.clone();
         let accept_shutdown = shutdown.clone();
@@ -156,6 +176,7 @@ impl FaultProxy {
                     accepted = listener.accept() => accepted,
                 };
                 let Ok((client, _)) = accepted else { continue };
+                accept_control.accepted.fetch_add(1, Ordering::SeqCst);
                 if accept_control.down.load(Ordering::SeqCst) {
                     accept_control.refused.fetch_add(1, Ordering::SeqCst);
                     drop(client);
@@ -193,6 +214,11 @@ impl FaultProxy {
     /// `http://127.0.0.1:PORT` of the proxy.
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.address)
+    }
+
+    /// The proxy's address.
+    pub fn address(&self) -> SocketAddr {
+        self.address
     }
 
     /// Upload bytes forwarded so far.
@@ -266,6 +292,12 @@ impl FaultProxy {
     /// Connections closed unanswered while down, so far.
     pub fn refused(&self) -> u64 {
         self.control.refused.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted so far (refused ones included): each a
+    /// client's attempt to reach the upstream.
+    pub fn connections(&self) -> u64 {
+        self.control.accepted.load(Ordering::SeqCst)
     }
 
     /// Requests seen so far (their heads read).
@@ -374,7 +406,11 @@ async fn pump_upload(
     control: &Control,
 ) {
     let mut buffer = vec![0u8; 64 * 1024];
-    let mut framing = Framing::Head(Vec::new());
+    let mut framing = if control.opaque {
+        Framing::Opaque
+    } else {
+        Framing::Head(Vec::new())
+    };
     // The answer owed for a request whose body is being dropped.
     let mut answer: Option<Vec<u8>> = None;
     loop {
@@ -508,7 +544,7 @@ mod tests {
 
     #[test]
     fn a_share_of_requests_is_spread_evenly() {
-        let control = Control::new();
+        let control = Control::new(false);
         control.change_request_faults(|faults| faults.slow_down_share = 0.2);
         let slowed: Vec<u64> = (1..=20).filter(|n| control.slows_down(*n)).collect();
         assert_eq!(slowed, [5, 10, 15, 20]);
