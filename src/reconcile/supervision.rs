@@ -235,6 +235,16 @@ fn crash_looping(container: &ContainerStatus, last_moved: Option<i64>, now: i64)
     last_moved.is_none_or(|moved| moved < latest_crash - CRASH_LOOP_WINDOW_SECONDS)
 }
 
+/// The statuses of the pod's agent container (one, or none yet).
+fn agent_containers(pod: &Pod) -> impl Iterator<Item = &ContainerStatus> {
+    pod.status
+        .as_ref()
+        .and_then(|status| status.container_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|container| container.name == crate::stage_pod::AGENT_CONTAINER)
+}
+
 /// Default seconds without a heartbeat after which a running agent counts
 /// as lost (it reports every 2 s, throttled or not).
 pub const DEFAULT_AGENT_LOST_SECONDS: u32 = 300;
@@ -270,29 +280,16 @@ pub fn lost_agent(
     // An agent container not running (waiting to be restarted after a
     // crash, the kubelet's backoff up to 5 minutes) is not silent but
     // stopped: the crash-loop rule of [`verdict`] judges it.
-    let agent_stopped = pod
-        .status
-        .as_ref()
-        .and_then(|status| status.container_statuses.as_ref())
-        .into_iter()
-        .flatten()
-        .filter(|container| container.name == crate::stage_pod::AGENT_CONTAINER)
-        .any(|container| {
-            container
-                .state
-                .as_ref()
-                .is_some_and(|state| state.running.is_none())
-        });
+    let agent_stopped = agent_containers(pod).any(|container| {
+        container
+            .state
+            .as_ref()
+            .is_some_and(|state| state.running.is_none())
+    });
     if agent_stopped {
         return None;
     }
-    let agent_started = pod
-        .status
-        .as_ref()
-        .and_then(|status| status.container_statuses.as_ref())
-        .into_iter()
-        .flatten()
-        .filter(|container| container.name == crate::stage_pod::AGENT_CONTAINER)
+    let agent_started = agent_containers(pod)
         .filter_map(|container| {
             container
                 .state

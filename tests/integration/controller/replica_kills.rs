@@ -33,12 +33,12 @@ use haulage::api::labels::{BACKUP_LABEL, NODE_LABEL, SYSTEM_NAMESPACE};
 use haulage::api::{VolumeBackup, VolumeTransfer};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use serde_json::json;
 
 use crate::support::fixture::{
     Fixture, Layout, STORAGE_CLASS, controller_process, create_backup_in, create_storage_policy,
-    eventually, is_running_phase, no_leftovers_within, watch_transfers,
+    eventually, is_running_phase, no_leftovers_within, watch_objects, watch_transfers,
 };
 use crate::support::number_from_env;
 
@@ -261,34 +261,17 @@ async fn backups_created_at_once_complete_exactly_once_while_replicas_are_killed
     };
     let pod_watch = {
         let watched = watched.clone();
-        let pods = watcher(
+        watch_objects(
             Api::<Pod>::all(client.clone()),
             watcher::Config::default().labels("app.kubernetes.io/name=haulage-agent"),
+            move |pod| lock(&watched).stage_pod(pod),
         )
-        .default_backoff()
-        .applied_objects();
-        tokio::spawn(async move {
-            let mut pods = std::pin::pin!(pods);
-            while let Some(event) = pods.next().await {
-                if let Ok(pod) = event {
-                    lock(&watched).stage_pod(&pod);
-                }
-            }
-        })
     };
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     let backup_watch = {
         let watched = watched.clone();
-        let events = watcher(backups.clone(), watcher::Config::default())
-            .default_backoff()
-            .applied_objects();
-        tokio::spawn(async move {
-            let mut events = std::pin::pin!(events);
-            while let Some(event) = events.next().await {
-                if let Ok(backup) = event {
-                    lock(&watched).backup(&backup);
-                }
-            }
+        watch_objects(backups.clone(), watcher::Config::default(), move |backup| {
+            lock(&watched).backup(backup)
         })
     };
 

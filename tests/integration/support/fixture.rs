@@ -1197,16 +1197,29 @@ pub async fn transfer_of(
 /// the returned task is aborted (across apiserver restarts).
 pub fn watch_transfers(
     client: &kube::Client,
-    mut on_change: impl FnMut(&VolumeTransfer) + Send + 'static,
+    on_change: impl FnMut(&VolumeTransfer) + Send + 'static,
 ) -> tokio::task::JoinHandle<()> {
+    watch_objects(
+        Api::<VolumeTransfer>::all(client.clone()),
+        kube::runtime::watcher::Config::default(),
+        on_change,
+    )
+}
+
+/// Watch the objects of `api` that `config` selects, calling `on_change`
+/// with each one as it is created or changed, in the API server's order,
+/// until the returned task is aborted (across apiserver restarts).
+pub fn watch_objects<K>(
+    api: Api<K>,
+    config: kube::runtime::watcher::Config,
+    mut on_change: impl FnMut(&K) + Send + 'static,
+) -> tokio::task::JoinHandle<()>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
     use futures::StreamExt;
     use kube::runtime::{WatchStreamExt, watcher};
-    let events = watcher(
-        Api::<VolumeTransfer>::all(client.clone()),
-        watcher::Config::default(),
-    )
-    .default_backoff()
-    .applied_objects();
+    let events = watcher(api, config).default_backoff().applied_objects();
     tokio::spawn(async move {
         let mut events = std::pin::pin!(events);
         // An error (the apiserver restarting) is retried with backoff by
