@@ -4,10 +4,12 @@
 //! store slows the reader instead of filling memory:
 //!
 //! ```text
-//! walker (blocking thread)      lstat, read, FastCDC → WalkItem (ordered)
-//!   │ bounded channel + chunk-bytes semaphore
+//! walker (blocking thread)      lstat, open; large files: read, FastCDC
+//!   │ bounded channel + chunk-bytes semaphore          → WalkItem (ordered)
 //! hash/dedup/compress           BLAKE3 + zstd on the blocking pool, up to
-//!   │ (ordered, `buffered`)     PARALLEL_CHUNKS at once, results in walk order
+//!   │ (ordered, `buffered`)     `parallelism` jobs at once, results in walk
+//!   │                           order; a small file (up to half a maximal
+//!   │                           chunk) is one job: read, cut, hash, compress
 //! assembler (async task)        file extents, tree blobs, packer
 //!   │ JoinSet behind MAX_PACK_UPLOADS_IN_FLIGHT
 //! store                         packs, then index files, then the snapshot
@@ -149,6 +151,10 @@ enum WalkItem {
     Hole(u64),
     FileEnd(Option<(String, String)>),
     FileAborted(String, String),
+    /// A whole small file (opened, not yet read), read, chunked, hashed and
+    /// compressed in one job of the parallel stage, so several small files
+    /// are in flight at once instead of the walker reading each in turn.
+    SmallFile(Box<SmallFile>, OwnedSemaphorePermit),
     Unchanged(Entry),
     HardlinkRepeat(Entry),
     Leaf(Entry),
@@ -164,6 +170,24 @@ enum Processed {
         new_blob: Option<NewBlob>,
         _permit: Option<OwnedSemaphorePermit>,
     },
+    /// A small file read whole: its entry (content and size set), its new
+    /// chunks in order, and the warning if it changed while being read.
+    File(Box<ReadFile>, OwnedSemaphorePermit),
+}
+
+/// A small regular file the walker opened and checked, for one job.
+struct SmallFile {
+    entry: Entry,
+    file: File,
+    before: Metadata,
+    relative: PathBuf,
+}
+
+/// A small file after its job.
+struct ReadFile {
+    entry: Entry,
+    chunks: Vec<(BlobId, u32, Option<NewBlob>)>,
+    warning: Option<(String, String)>,
 }
 
 /// State shared by the walker and the hashing stage.
@@ -267,9 +291,13 @@ pub async fn backup(
     };
 
     let level = options.compression_level;
+    let throttle = options.read_throttle.clone();
+    let chunker = Arc::new(repository.chunker());
     let processed = tokio_stream_from(items_rx)
         .map(|item| {
             let shared = shared.clone();
+            let chunker = chunker.clone();
+            let throttle = &throttle;
             async move {
                 match item {
                     WalkItem::Chunk(data, permit) => {
@@ -285,6 +313,10 @@ pub async fn backup(
                         new_blob,
                         _permit: None,
                     },
+                    WalkItem::SmallFile(small, permit) => {
+                        let throttle = throttle.clone();
+                        read_small_file(shared, chunker, throttle, *small, level, permit).await
+                    }
                     other => Processed::Item(other),
                 }
             }
@@ -471,28 +503,50 @@ fn hash_and_compress(
     }
 }
 
-/// zstd-compress, or keep the plaintext when compression does not shrink it.
+/// zstd-compress into a new buffer (with this thread's reused context), or
+/// keep the plaintext when compression does not shrink it.
 fn compress(data: Vec<u8>, level: i32) -> (Compression, Vec<u8>) {
-    match zstd::bulk::compress(&data, level) {
-        Ok(compressed) if compressed.len() < data.len() => (Compression::Zstd, compressed),
-        _ => (Compression::None, data),
-    }
+    let output = Vec::with_capacity(zstd::zstd_safe::compress_bound(data.len()));
+    compress_into(output, data, level, |_| {})
 }
 
 thread_local! {
-    /// One zstd context per worker thread, reused across chunks.
+    /// One zstd context per worker thread, reused across chunks: creating
+    /// one per small chunk was 3 % of a first backup's CPU.
     static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
         const { std::cell::RefCell::new(None) };
 }
 
+/// Chunks at least this large are sampled before compressing.
+const SAMPLED_CHUNK_BYTES: usize = 256 * 1024;
+/// Bytes in each of the three samples of a large chunk.
+const SAMPLE_BYTES: usize = 16 * 1024;
+/// A large chunk whose samples compress to more than this share of their
+/// size is stored as it is.
+const INCOMPRESSIBLE_SHARE: f64 = 0.97;
+
 /// [`compress`] into a pooled buffer with a reused zstd context; the buffer
 /// not kept goes back to the pool.
 fn compress_pooled(buffers: &BufferPool, data: Vec<u8>, level: i32) -> (Compression, Vec<u8>) {
-    let mut output = if data.len() * 2 > buffers.capacity() {
+    let output = if data.len() * 2 > buffers.capacity() {
         buffers.take()
     } else {
         Vec::with_capacity(zstd::zstd_safe::compress_bound(data.len()))
     };
+    compress_into(output, data, level, |unused| buffers.give(unused))
+}
+
+/// Compress `data` into `output` with this thread's zstd context; the
+/// buffer not returned goes to `give_back`. A large chunk is first sampled
+/// at its start, middle and end: random or already compressed data (media,
+/// archives, encrypted files) is stored as it is after compressing 48 KiB
+/// instead of the whole chunk.
+fn compress_into(
+    mut output: Vec<u8>,
+    data: Vec<u8>,
+    level: i32,
+    give_back: impl FnOnce(Vec<u8>),
+) -> (Compression, Vec<u8>) {
     let result = COMPRESSOR.with(|cell| {
         let mut slot = cell.borrow_mut();
         if slot.as_ref().is_none_or(|(current, _)| *current != level) {
@@ -500,21 +554,45 @@ fn compress_pooled(buffers: &BufferPool, data: Vec<u8>, level: i32) -> (Compress
                 .ok()
                 .map(|compressor| (level, compressor));
         }
-        match slot.as_mut() {
-            Some((_, compressor)) => compressor.compress_to_buffer(&data, &mut output),
-            None => Err(std::io::Error::other("cannot create a zstd context")),
+        let Some((_, compressor)) = slot.as_mut() else {
+            return Err(std::io::Error::other("cannot create a zstd context"));
+        };
+        if data.len() >= SAMPLED_CHUNK_BYTES && !samples_compress(compressor, &data, &mut output) {
+            return Ok(usize::MAX);
         }
+        compressor.compress_to_buffer(&data, &mut output)
     });
     match result {
         Ok(length) if length < data.len() => {
-            buffers.give(data);
+            give_back(data);
             (Compression::Zstd, output)
         }
         _ => {
-            buffers.give(output);
+            give_back(output);
             (Compression::None, data)
         }
     }
+}
+
+/// Whether three samples of `data` shrink under compression (`scratch` is
+/// the output buffer, at least [`SAMPLE_BYTES`] plus zstd's bound).
+fn samples_compress(
+    compressor: &mut zstd::bulk::Compressor<'static>,
+    data: &[u8],
+    scratch: &mut Vec<u8>,
+) -> bool {
+    let middle = data.len() / 2 - SAMPLE_BYTES / 2;
+    let starts = [0, middle, data.len() - SAMPLE_BYTES];
+    let mut compressed = 0usize;
+    for start in starts {
+        scratch.clear();
+        match compressor.compress_to_buffer(&data[start..start + SAMPLE_BYTES], scratch) {
+            Ok(length) => compressed += length,
+            Err(_) => return true,
+        }
+    }
+    scratch.clear();
+    (compressed as f64) < INCOMPRESSIBLE_SHARE * (starts.len() * SAMPLE_BYTES) as f64
 }
 
 /// Fill in the progress totals with the lstat-only walk
@@ -794,22 +872,28 @@ impl WalkContext {
             Ok(_) => return self.warn(relative, "changed type while being backed up, skipped"),
             Err(error) => return self.warn(relative, format!("cannot stat, skipped: {error}")),
         };
+        let max = u64::from(self.chunker.parameters().max_bytes);
+        if before.len() <= max / 2 && before.blocks() * 512 >= before.len() {
+            let permits = (before.len() + 1).min(u64::from(CHUNK_BYTES_IN_FLIGHT)) as u32;
+            let permit = self
+                .handle
+                .block_on(self.chunk_budget.clone().acquire_many_owned(permits))
+                .map_err(|_| EngineError::Cancelled)?;
+            let small = SmallFile {
+                entry,
+                file,
+                before,
+                relative: relative.to_path_buf(),
+            };
+            return self.send(WalkItem::SmallFile(Box::new(small), permit));
+        }
         self.send(WalkItem::FileStart(entry))?;
         match self.read_file_content(file, &before) {
             Ok(after) => {
-                let changed = after.len() != before.len()
-                    || after.mtime() != before.mtime()
-                    || after.mtime_nsec() != before.mtime_nsec()
-                    || after.ctime() != before.ctime()
-                    || after.ctime_nsec() != before.ctime_nsec();
                 Progress::add(&progress.files_done, 1);
-                let warning = changed.then(|| {
+                let warning = changed_while_read(&before, &after).then(|| {
                     Progress::add(&progress.warnings, 1);
-                    (
-                        relative_display(relative),
-                        "changed while being read; the copy may mix old and new content"
-                            .to_string(),
-                    )
+                    (relative_display(relative), CHANGED_WHILE_READ.to_string())
                 });
                 self.send(WalkItem::FileEnd(warning))
             }
@@ -989,6 +1073,127 @@ impl WalkContext {
     }
 }
 
+/// The warning of a file whose size or times changed while it was read.
+const CHANGED_WHILE_READ: &str = "changed while being read; the copy may mix old and new content";
+
+fn changed_while_read(before: &Metadata, after: &Metadata) -> bool {
+    after.len() != before.len()
+        || after.mtime() != before.mtime()
+        || after.mtime_nsec() != before.mtime_nsec()
+        || after.ctime() != before.ctime()
+        || after.ctime_nsec() != before.ctime_nsec()
+}
+
+/// Read a small file whole (charging the read throttle first), chunk it,
+/// and hash and compress its chunks on the blocking pool. A file that grew
+/// past the chunker's maximum chunk while being read is stored up to it,
+/// with a warning saying so.
+async fn read_small_file(
+    shared: Arc<Shared>,
+    chunker: Arc<Chunker>,
+    throttle: Throttle,
+    small: SmallFile,
+    level: i32,
+    permit: OwnedSemaphorePermit,
+) -> Processed {
+    let expected = small.before.len() as usize;
+    let request = throttle.max_request_bytes().max(1);
+    let mut charged = 0;
+    while charged < expected.max(1) {
+        let bytes = request.min(expected.max(1) - charged);
+        throttle.acquire(bytes).await;
+        charged += bytes;
+    }
+    let outcome = run_blocking(move || {
+        let SmallFile {
+            mut entry,
+            file,
+            before,
+            relative,
+        } = small;
+        let progress = &shared.progress;
+        let limit = chunker.parameters().max_bytes as usize;
+        let mut data = Vec::with_capacity(expected + 1);
+        let read = (&file).take(limit as u64).read_to_end(&mut data);
+        let after = read.and_then(|_| file.metadata());
+        let after = match after {
+            Ok(after) => after,
+            Err(error) => {
+                Progress::add(&progress.warnings, 1);
+                return Err((
+                    relative_display(&relative),
+                    format!("read failed, skipped: {error}"),
+                ));
+            }
+        };
+        Progress::add(&progress.bytes_transferred, data.len() as u64);
+        Progress::add(&progress.bytes_done, data.len() as u64);
+        Progress::add(&progress.files_done, 1);
+        let warning = if data.len() == limit && after.len() > limit as u64 {
+            Some(format!(
+                "grew past {limit} bytes while being read; stored its first {limit} bytes, \
+                 back it up again to store all of it"
+            ))
+        } else {
+            changed_while_read(&before, &after).then(|| CHANGED_WHILE_READ.to_string())
+        };
+        let warning = warning.map(|message| {
+            Progress::add(&progress.warnings, 1);
+            (relative_display(&relative), message)
+        });
+        // All of the file is here, so every cut is the one the stream would
+        // get.
+        let mut cuts = Vec::new();
+        let mut start = 0;
+        while start < data.len() {
+            let end = start + chunker.cut(&data[start..]);
+            cuts.push(start..end);
+            start = end;
+        }
+        let whole = cuts.len() == 1;
+        let mut chunks = Vec::with_capacity(cuts.len());
+        for range in cuts {
+            let chunk = &data[range.clone()];
+            if chunk.iter().all(|byte| *byte == 0) {
+                match entry.content.last_mut() {
+                    Some(Extent::Hole(previous)) => *previous += chunk.len() as u64,
+                    _ => entry.content.push(Extent::Hole(chunk.len() as u64)),
+                }
+                continue;
+            }
+            let id = shared.repository.keys().blob_id(chunk);
+            let raw_length = chunk.len() as u32;
+            let new_blob = shared.claim(&id).then(|| {
+                NewBlob::encode(
+                    &shared.repository,
+                    None,
+                    BlobKind::Data,
+                    &id,
+                    // A one-chunk file (most small files) gives its buffer.
+                    if whole {
+                        std::mem::take(&mut data)
+                    } else {
+                        data[range].to_vec()
+                    },
+                    level,
+                )
+            });
+            entry.content.push(Extent::Chunk(id, raw_length));
+            chunks.push((id, raw_length, new_blob));
+        }
+        Ok(ReadFile {
+            entry,
+            chunks,
+            warning,
+        })
+    })
+    .await;
+    match outcome {
+        Ok(read) => Processed::File(Box::new(read), permit),
+        Err((path, message)) => Processed::Item(WalkItem::FileAborted(path, message)),
+    }
+}
+
 enum ReadFailure {
     Cancelled,
     Io(io::Error),
@@ -1093,6 +1298,33 @@ impl Assembler {
                 }
                 return Ok(None);
             }
+            Processed::File(read, _permit) => {
+                let ReadFile {
+                    mut entry,
+                    chunks,
+                    warning,
+                } = *read;
+                for (id, raw_length, new_blob) in chunks {
+                    if let Some(blob) = new_blob {
+                        self.packer
+                            .add(id, BlobKind::Data, &blob, raw_length)
+                            .await?;
+                        self.shared.buffers.give(blob.body);
+                    }
+                    // The chunk list was built in the job; `content` holds
+                    // it already (ids and holes in file order).
+                }
+                if let Some((path, message)) = warning {
+                    self.stats.warn(path, message);
+                }
+                entry.size = entry.content.iter().map(Extent::length).sum();
+                if entry.links > 1 {
+                    self.hardlink_content
+                        .insert((entry.device, entry.inode), entry.content.clone());
+                }
+                self.push_file(entry);
+                return Ok(None);
+            }
             Processed::Item(item) => item,
         };
         match item {
@@ -1111,7 +1343,7 @@ impl Assembler {
                 }
             }
             WalkItem::FileStart(entry) => self.current_file = Some(entry),
-            WalkItem::Chunk(..) | WalkItem::SmallChunk { .. } => {
+            WalkItem::Chunk(..) | WalkItem::SmallChunk { .. } | WalkItem::SmallFile(..) => {
                 unreachable!("chunks are processed before assembly")
             }
             WalkItem::Hole(length) => {
@@ -1360,5 +1592,83 @@ impl Packer {
             self.collect_one().await?;
         }
         Ok(std::mem::take(&mut self.unindexed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::RngCore;
+
+    fn compressor() -> zstd::bulk::Compressor<'static> {
+        zstd::bulk::Compressor::new(DEFAULT_COMPRESSION_LEVEL).unwrap()
+    }
+
+    fn scratch() -> Vec<u8> {
+        Vec::with_capacity(zstd::zstd_safe::compress_bound(SAMPLED_CHUNK_BYTES))
+    }
+
+    #[test]
+    fn random_data_is_judged_incompressible_from_its_samples() {
+        let mut data = vec![0u8; 1024 * 1024];
+        rand::rng().fill_bytes(&mut data);
+        assert!(!samples_compress(&mut compressor(), &data, &mut scratch()));
+        let (compression, stored) = compress(data.clone(), DEFAULT_COMPRESSION_LEVEL);
+        assert_eq!(compression, Compression::None);
+        assert_eq!(stored, data);
+    }
+
+    #[test]
+    fn text_is_judged_compressible_and_compressed() {
+        let data: Vec<u8> = (0..1024 * 1024 / 64)
+            .flat_map(|line| {
+                format!("{line:08} INFO request served in 12 ms from cache\n").into_bytes()
+            })
+            .collect();
+        assert!(samples_compress(&mut compressor(), &data, &mut scratch()));
+        let (compression, stored) = compress(data.clone(), DEFAULT_COMPRESSION_LEVEL);
+        assert_eq!(compression, Compression::Zstd);
+        assert!(stored.len() < data.len() / 4);
+    }
+
+    #[test]
+    fn a_chunk_compressible_only_at_its_samples_is_compressed_and_one_random_there_is_stored() {
+        // The samples decide: text at start, middle and end wins even if
+        // the rest is random; random there loses even if the rest is text.
+        let text = |length: usize| -> Vec<u8> {
+            b"0123456789abcdef"
+                .iter()
+                .copied()
+                .cycle()
+                .take(length)
+                .collect()
+        };
+        let length = 1024 * 1024;
+        let mut random = vec![0u8; length];
+        rand::rng().fill_bytes(&mut random);
+        let mut mostly_random = random.clone();
+        let middle = length / 2 - SAMPLE_BYTES / 2;
+        for start in [0, middle, length - SAMPLE_BYTES] {
+            mostly_random[start..start + SAMPLE_BYTES].copy_from_slice(&text(SAMPLE_BYTES));
+        }
+        assert!(samples_compress(
+            &mut compressor(),
+            &mostly_random,
+            &mut scratch()
+        ));
+        let mut mostly_text = text(length);
+        for start in [0, middle, length - SAMPLE_BYTES] {
+            mostly_text[start..start + SAMPLE_BYTES]
+                .copy_from_slice(&random[start..start + SAMPLE_BYTES]);
+        }
+        assert!(!samples_compress(
+            &mut compressor(),
+            &mostly_text,
+            &mut scratch()
+        ));
+        assert_eq!(
+            compress(mostly_text, DEFAULT_COMPRESSION_LEVEL).0,
+            Compression::None
+        );
     }
 }
