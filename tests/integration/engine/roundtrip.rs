@@ -193,6 +193,47 @@ async fn a_second_copy_of_a_file_adds_almost_nothing_and_a_front_insertion_only_
     );
 }
 
+/// Every file is cut where chunking its whole content at once would cut
+/// it, whichever way the backup reads it (a small file whole in one job, a
+/// larger one a prefix at a time), so its chunks dedup against any other
+/// copy of the same bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_are_cut_where_their_whole_content_would_be_cut() {
+    let repo = TestRepo::new().await;
+    let source = tempfile::tempdir().unwrap();
+    let text: Vec<u8> = (0..200_000u32)
+        .flat_map(|line| format!("{line:08} GET /api/v1/items/{} 200\n", line % 977).into_bytes())
+        .collect();
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        ("small-several-chunks.bin", random_bytes(11, 2 << 20)),
+        ("between.bin", random_bytes(12, 3 << 20)),
+        ("large.bin", random_bytes(13, 21 << 20)),
+        ("text.log", text),
+    ];
+    for (name, data) in &files {
+        std::fs::write(source.path().join(name), data).unwrap();
+    }
+    let outcome = repo.backup(source.path()).await;
+    let repository = &repo.repository;
+    let index = repository.load_index().await.unwrap().index;
+    let tree = repository
+        .load_tree(&index, &outcome.snapshot.tree)
+        .await
+        .unwrap();
+    let chunker = repository.chunker();
+    for (name, data) in &files {
+        let entry = tree.find(name.as_bytes()).expect("file in the tree");
+        let lengths: Vec<usize> = entry
+            .content
+            .iter()
+            .map(|extent| extent.length() as usize)
+            .collect();
+        let expected = chunker.chunk_lengths(data);
+        assert!(expected.len() > 1, "{name}: {} chunks", expected.len());
+        assert_eq!(lengths, expected, "{name}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unchanged_tree_makes_no_new_pack_and_reads_nothing() {
     let repo = TestRepo::new().await;
