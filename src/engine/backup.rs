@@ -975,7 +975,7 @@ impl WalkContext {
             }
         };
         let mut pending: Vec<u8> = take(&self.shared);
-        let remaining = limit.unwrap_or(u64::MAX);
+        let mut remaining = limit.unwrap_or(u64::MAX);
         // What the region is expected to hold. A read is charged to the
         // throttle for what it should find, not for the block it asks for
         // (a read block asked of a 4 KiB file would spend a 256 KiB share
@@ -989,86 +989,47 @@ impl WalkContext {
             }
             None => u64::MAX,
         };
-        let mut region = Region {
-            remaining,
-            total: 0,
-            at_end: false,
-            expected,
-            block,
-        };
-        // Read ahead twice the average chunk first: most chunks are cut
-        // there, and what follows the cut (copied into the next buffer) is
-        // then under a megabyte instead of about three with a maximal chunk
-        // read ahead each time.
-        let average = self.chunker.parameters().average_bytes as usize;
-        let probe = (2 * average).min(max);
+        let mut total = 0u64;
+        let mut at_end = false;
         loop {
-            let mut target = probe;
-            let cut = loop {
-                self.fill(file, &mut pending, target, &mut region)?;
-                if pending.is_empty() {
-                    self.shared.buffers.give(pending);
-                    return Ok(region.total);
+            while pending.len() < max && !at_end {
+                let want = block
+                    .min(max - pending.len())
+                    .min(remaining.min(usize::MAX as u64) as usize);
+                if want == 0 {
+                    at_end = true;
+                    break;
                 }
-                if region.at_end || pending.len() >= max {
-                    break self.chunker.cut(&pending);
+                let charged =
+                    want.min(expected.saturating_sub(total).clamp(1, usize::MAX as u64) as usize);
+                self.throttle.acquire_blocking(&self.handle, charged);
+                // read_to_end fills spare capacity without zeroing it first.
+                let read = match (&mut *file).take(want as u64).read_to_end(&mut pending) {
+                    Ok(read) => read,
+                    Err(error) => return Err(ReadFailure::Io(error)),
+                };
+                if read > charged {
+                    self.throttle.acquire_blocking(&self.handle, read - charged);
                 }
-                match self.chunker.cut_in_prefix(&pending) {
-                    Some(cut) => break cut,
-                    None => target = max,
+                if read < want {
+                    at_end = true;
                 }
-            };
+                remaining -= read as u64;
+                total += read as u64;
+                Progress::add(&self.shared.progress.bytes_transferred, read as u64);
+                Progress::add(&self.shared.progress.bytes_done, read as u64);
+            }
+            if pending.is_empty() {
+                self.shared.buffers.give(pending);
+                return Ok(total);
+            }
+            let cut = self.chunker.cut(&pending);
             let mut next = take(&self.shared);
             next.extend_from_slice(&pending[cut..]);
             pending.truncate(cut);
             let chunk = std::mem::replace(&mut pending, next);
             self.send_chunk(chunk)?;
         }
-    }
-
-    /// Read into `pending` until it holds `target` bytes or the region ends.
-    fn fill(
-        &mut self,
-        file: &mut File,
-        pending: &mut Vec<u8>,
-        target: usize,
-        region: &mut Region,
-    ) -> Result<(), ReadFailure> {
-        let Region {
-            remaining,
-            total,
-            at_end,
-            expected,
-            block,
-        } = region;
-        while pending.len() < target && !*at_end {
-            let want = (*block)
-                .min(target - pending.len())
-                .min((*remaining).min(usize::MAX as u64) as usize);
-            if want == 0 {
-                *at_end = true;
-                break;
-            }
-            let charged =
-                want.min(expected.saturating_sub(*total).clamp(1, usize::MAX as u64) as usize);
-            self.throttle.acquire_blocking(&self.handle, charged);
-            // read_to_end fills spare capacity without zeroing it first.
-            let read = match (&mut *file).take(want as u64).read_to_end(pending) {
-                Ok(read) => read,
-                Err(error) => return Err(ReadFailure::Io(error)),
-            };
-            if read > charged {
-                self.throttle.acquire_blocking(&self.handle, read - charged);
-            }
-            if read < want {
-                *at_end = true;
-            }
-            *remaining -= read as u64;
-            *total += read as u64;
-            Progress::add(&self.shared.progress.bytes_transferred, read as u64);
-            Progress::add(&self.shared.progress.bytes_done, read as u64);
-        }
-        Ok(())
     }
 
     fn send_chunk(&self, chunk: Vec<u8>) -> Result<(), ReadFailure> {
@@ -1231,20 +1192,6 @@ async fn read_small_file(
         Ok(read) => Processed::File(Box::new(read), permit),
         Err((path, message)) => Processed::Item(WalkItem::FileAborted(path, message)),
     }
-}
-
-/// Where the read of one data region stands.
-struct Region {
-    /// Bytes left in the region (`u64::MAX`: to the end of the file).
-    remaining: u64,
-    /// Bytes read so far.
-    total: u64,
-    /// The region (or the file) has ended.
-    at_end: bool,
-    /// What the region is expected to hold, for the read throttle.
-    expected: u64,
-    /// Bytes per read(2) call.
-    block: usize,
 }
 
 enum ReadFailure {

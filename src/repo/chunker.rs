@@ -129,21 +129,6 @@ impl Chunker {
         length.clamp(1, data.len())
     }
 
-    /// The first chunk's length if `prefix`, the start of a longer stream,
-    /// already decides it: a boundary FastCDC finds depends only on the
-    /// bytes before it (the mask at each position depends on the position,
-    /// not on what follows). `None` when no boundary was found in the
-    /// prefix: read on to `max_bytes` and [`Chunker::cut`]. Lets a reader cut
-    /// most chunks from a prefix of about twice the average instead of
-    /// always reading a maximal chunk ahead.
-    pub fn cut_in_prefix(&self, prefix: &[u8]) -> Option<usize> {
-        if prefix.len() >= self.parameters.max_bytes as usize {
-            return Some(self.cut(prefix));
-        }
-        let cut = self.cut(prefix);
-        (cut < prefix.len()).then_some(cut)
-    }
-
     /// Split a whole in-memory stream into chunk lengths.
     pub fn chunk_lengths(&self, mut data: &[u8]) -> Vec<usize> {
         let mut lengths = Vec::new();
@@ -185,36 +170,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn a_cut_found_in_a_prefix_is_the_cut_of_the_whole_stream() {
-        let chunker = small_chunker();
-        let data: Vec<u8> = (0..400_000u32)
-            .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
-            .collect();
-        let (mut start, mut found, mut not_found) = (0, 0, 0);
-        while start + 16384 < data.len() {
-            let window = &data[start..start + 16384];
-            let whole = chunker.cut(window);
-            for length in (0..=16384).step_by(97) {
-                match chunker.cut_in_prefix(&window[..length]) {
-                    Some(cut) => {
-                        assert_eq!(cut, whole, "prefix of {length} at {start}");
-                        found += 1;
-                    }
-                    None => {
-                        assert!(length <= whole, "{length} at {start}: {whole}");
-                        not_found += 1;
-                    }
-                }
-            }
-            start += whole;
-        }
-        assert!(
-            found > 1000 && not_found > 1000,
-            "{found} found, {not_found} not"
-        );
     }
 
     #[test]
