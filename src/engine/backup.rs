@@ -474,12 +474,10 @@ impl NewBlob {
     }
 }
 
-fn hash_and_compress(
-    shared: &Shared,
-    data: Vec<u8>,
-    level: i32,
-    permit: OwnedSemaphorePermit,
-) -> Processed {
+/// Hash a data chunk and, when this backup is the first to claim it,
+/// compress and seal it; the buffers not kept go back to the pool (which
+/// keeps only chunk-sized ones).
+fn data_blob(shared: &Shared, data: Vec<u8>, level: i32) -> (BlobId, u32, Option<NewBlob>) {
     let id = shared.repository.keys().blob_id(&data);
     let raw_length = data.len() as u32;
     let new_blob = if shared.claim(&id) {
@@ -495,6 +493,24 @@ fn hash_and_compress(
         shared.buffers.give(data);
         None
     };
+    (id, raw_length, new_blob)
+}
+
+/// Append a hole to a file's extents, merged with a hole before it.
+fn push_hole(content: &mut Vec<Extent>, length: u64) {
+    match content.last_mut() {
+        Some(Extent::Hole(previous)) => *previous += length,
+        _ => content.push(Extent::Hole(length)),
+    }
+}
+
+fn hash_and_compress(
+    shared: &Shared,
+    data: Vec<u8>,
+    level: i32,
+    permit: OwnedSemaphorePermit,
+) -> Processed {
+    let (id, raw_length, new_blob) = data_blob(shared, data, level);
     Processed::Chunk {
         id,
         raw_length,
@@ -1043,18 +1059,7 @@ impl WalkContext {
         }
         // Count the buffer's capacity: that is the memory it holds.
         if chunk.len() < INLINE_CHUNK_BYTES {
-            let id = self.shared.repository.keys().blob_id(&chunk);
-            let raw_length = chunk.len() as u32;
-            let new_blob = self.shared.claim(&id).then(|| {
-                NewBlob::encode(
-                    &self.shared.repository,
-                    None,
-                    BlobKind::Data,
-                    &id,
-                    chunk,
-                    self.compression_level,
-                )
-            });
+            let (id, raw_length, new_blob) = data_blob(&self.shared, chunk, self.compression_level);
             return self
                 .send(WalkItem::SmallChunk {
                     id,
@@ -1155,29 +1160,16 @@ async fn read_small_file(
         for range in cuts {
             let chunk = &data[range.clone()];
             if chunk.iter().all(|byte| *byte == 0) {
-                match entry.content.last_mut() {
-                    Some(Extent::Hole(previous)) => *previous += chunk.len() as u64,
-                    _ => entry.content.push(Extent::Hole(chunk.len() as u64)),
-                }
+                push_hole(&mut entry.content, chunk.len() as u64);
                 continue;
             }
-            let id = shared.repository.keys().blob_id(chunk);
-            let raw_length = chunk.len() as u32;
-            let new_blob = shared.claim(&id).then(|| {
-                NewBlob::encode(
-                    &shared.repository,
-                    None,
-                    BlobKind::Data,
-                    &id,
-                    // A one-chunk file (most small files) gives its buffer.
-                    if whole {
-                        std::mem::take(&mut data)
-                    } else {
-                        data[range].to_vec()
-                    },
-                    level,
-                )
-            });
+            // A one-chunk file (most small files) gives its buffer.
+            let chunk = if whole {
+                std::mem::take(&mut data)
+            } else {
+                chunk.to_vec()
+            };
+            let (id, raw_length, new_blob) = data_blob(&shared, chunk, level);
             entry.content.push(Extent::Chunk(id, raw_length));
             chunks.push((id, raw_length, new_blob));
         }
@@ -1300,10 +1292,12 @@ impl Assembler {
             }
             Processed::File(read, _permit) => {
                 let ReadFile {
-                    mut entry,
+                    entry,
                     chunks,
                     warning,
                 } = *read;
+                // The job filled `entry.content` (chunks and holes in file
+                // order); only the new blobs go to the packs here.
                 for (id, raw_length, new_blob) in chunks {
                     if let Some(blob) = new_blob {
                         self.packer
@@ -1311,18 +1305,8 @@ impl Assembler {
                             .await?;
                         self.shared.buffers.give(blob.body);
                     }
-                    // The chunk list was built in the job; `content` holds
-                    // it already (ids and holes in file order).
                 }
-                if let Some((path, message)) = warning {
-                    self.stats.warn(path, message);
-                }
-                entry.size = entry.content.iter().map(Extent::length).sum();
-                if entry.links > 1 {
-                    self.hardlink_content
-                        .insert((entry.device, entry.inode), entry.content.clone());
-                }
-                self.push_file(entry);
+                self.finish_file(entry, warning);
                 return Ok(None);
             }
             Processed::Item(item) => item,
@@ -1348,26 +1332,15 @@ impl Assembler {
             }
             WalkItem::Hole(length) => {
                 if let Some(file) = &mut self.current_file {
-                    match file.content.last_mut() {
-                        Some(Extent::Hole(previous)) => *previous += length,
-                        _ => file.content.push(Extent::Hole(length)),
-                    }
+                    push_hole(&mut file.content, length);
                 }
             }
             WalkItem::FileEnd(warning) => {
-                let mut file = self
+                let file = self
                     .current_file
                     .take()
                     .expect("file end follows file start");
-                file.size = file.content.iter().map(Extent::length).sum();
-                if let Some((path, message)) = warning {
-                    self.stats.warn(path, message);
-                }
-                if file.links > 1 {
-                    self.hardlink_content
-                        .insert((file.device, file.inode), file.content.clone());
-                }
-                self.push_file(file);
+                self.finish_file(file, warning);
             }
             WalkItem::FileAborted(path, message) => {
                 self.current_file = None;
@@ -1402,6 +1375,20 @@ impl Assembler {
             WalkItem::Warning(path, message) => self.stats.warn(path, message),
         }
         Ok(None)
+    }
+
+    /// A file read to its end: its size from its extents, its warning,
+    /// its content remembered for later hard links to it.
+    fn finish_file(&mut self, mut file: Entry, warning: Option<(String, String)>) {
+        file.size = file.content.iter().map(Extent::length).sum();
+        if let Some((path, message)) = warning {
+            self.stats.warn(path, message);
+        }
+        if file.links > 1 {
+            self.hardlink_content
+                .insert((file.device, file.inode), file.content.clone());
+        }
+        self.push_file(file);
     }
 
     fn push_file(&mut self, file: Entry) {
