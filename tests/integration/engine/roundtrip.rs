@@ -161,6 +161,43 @@ async fn hardlinks_xattrs_fifos_times_and_sparse_files_are_restored() {
     );
 }
 
+/// A backup after one reuses what did not change (file contents and
+/// extended attributes from the parent snapshot, its subtrees read ahead)
+/// and still finds every change: an extended attribute set on a file or a
+/// directory, a directory renamed (its files are matched by path, so read
+/// again, whichever subtree was read ahead), one added, a mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_after_another_reuses_only_what_did_not_change() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    for directory in ["d1", "d2", "d3", "d4"] {
+        for file in ["f1", "f2", "f3"] {
+            let path = source.join(directory).join(file);
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, format!("{directory}/{file}")).unwrap();
+        }
+    }
+    set_xattr(&source.join("d1/f1"), "user.note", b"first").unwrap();
+    set_xattr(&source.join("d3"), "user.note", b"a directory").unwrap();
+    let first = repo.backup(&source).await;
+    assert_eq!(first.snapshot.summary.files_unchanged, 0);
+
+    set_xattr(&source.join("d1/f1"), "user.note", b"second").unwrap();
+    set_xattr(&source.join("d1/f2"), "user.added", b"new").unwrap();
+    set_xattr(&source.join("d3"), "user.note", b"changed").unwrap();
+    std::fs::rename(source.join("d2"), source.join("d21")).unwrap();
+    std::fs::create_dir(source.join("d22")).unwrap();
+    std::fs::write(source.join("d22/f1"), b"new directory").unwrap();
+    std::fs::set_permissions(source.join("d4/f3"), std::fs::Permissions::from_mode(0o600)).unwrap();
+    let second = repo.backup(&source).await;
+    // d1/f3, d3's three files, d4/f1 and d4/f2: untouched since the first.
+    assert_eq!(second.snapshot.summary.files_unchanged, 6);
+    let target = repo.dir.path().join("restored");
+    let restored = repo.restore(&second.snapshot_id, &target).await;
+    assert!(restored.problems.is_empty(), "{:?}", restored.problems);
+    assert_same_tree(&source, &target);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_copy_of_a_file_adds_almost_nothing_and_a_front_insertion_only_a_few_chunks() {
     let repo = TestRepo::new().await;
