@@ -62,6 +62,12 @@ const WALK_BATCH_ITEMS: usize = 256;
 /// File bytes (of small files still to read) after which a batch goes on
 /// before it is full, so the parallel stage is not kept waiting for work.
 const WALK_BATCH_FILE_BYTES: u64 = 1024 * 1024;
+/// Source files the backup holds open at once: each small file stays open
+/// from the walker's open until its job has read it, and the walker runs
+/// ahead of the jobs. Far under the usual limit of 1,024 descriptors per
+/// process; without it, the batches of tiny files queued for their jobs
+/// held thousands open.
+const MAX_OPEN_SOURCE_FILES: usize = 64;
 /// Chunk plaintext bytes allowed between reading and packing. With 4 MiB
 /// maximum chunks this is at least 4 chunks in flight (16 with the 1 MiB
 /// average), enough to keep two cores busy, and bounds the pipeline's chunk
@@ -188,6 +194,9 @@ enum Processed {
 struct SmallFile {
     entry: Entry,
     file: File,
+    /// The file's place under [`MAX_OPEN_SOURCE_FILES`], given back when
+    /// the file is closed.
+    open_file: OwnedSemaphorePermit,
     before: Metadata,
     relative: PathBuf,
 }
@@ -286,6 +295,7 @@ pub async fn backup(
             throttle: options.read_throttle.clone(),
             handle: tokio::runtime::Handle::current(),
             chunk_budget: Arc::new(Semaphore::new(CHUNK_BYTES_IN_FLIGHT as usize)),
+            open_files: Arc::new(Semaphore::new(MAX_OPEN_SOURCE_FILES)),
             cancel: cancel.clone(),
             items: items_tx,
             batch: Vec::with_capacity(WALK_BATCH_ITEMS),
@@ -644,6 +654,8 @@ struct WalkContext {
     throttle: Throttle,
     handle: tokio::runtime::Handle,
     chunk_budget: Arc<Semaphore>,
+    /// Places under [`MAX_OPEN_SOURCE_FILES`].
+    open_files: Arc<Semaphore>,
     cancel: CancellationToken,
     items: mpsc::Sender<Vec<WalkItem>>,
     /// Items not yet handed on, in walk order.
@@ -876,15 +888,31 @@ impl WalkContext {
             .map_err(|_| EngineError::Cancelled)
     }
 
-    /// `permits` of the chunk budget, handing the queued items on first when
-    /// it must wait (they may hold what it waits for).
+    /// `permits` of the chunk budget.
     fn chunk_budget(&mut self, permits: u32) -> Result<OwnedSemaphorePermit, EngineError> {
-        if let Ok(permit) = self.chunk_budget.clone().try_acquire_many_owned(permits) {
+        let budget = self.chunk_budget.clone();
+        self.acquire(budget, permits)
+    }
+
+    /// A place for one more open source file.
+    fn open_file_place(&mut self) -> Result<OwnedSemaphorePermit, EngineError> {
+        let places = self.open_files.clone();
+        self.acquire(places, 1)
+    }
+
+    /// `permits` of `semaphore`, handing the queued items on first when it
+    /// must wait (they may hold what it waits for).
+    fn acquire(
+        &mut self,
+        semaphore: Arc<Semaphore>,
+        permits: u32,
+    ) -> Result<OwnedSemaphorePermit, EngineError> {
+        if let Ok(permit) = semaphore.clone().try_acquire_many_owned(permits) {
             return Ok(permit);
         }
         self.flush()?;
         self.handle
-            .block_on(self.chunk_budget.clone().acquire_many_owned(permits))
+            .block_on(semaphore.acquire_many_owned(permits))
             .map_err(|_| EngineError::Cancelled)
     }
 
@@ -1088,6 +1116,9 @@ impl WalkContext {
             Progress::add(&progress.files_done, 1);
             return self.send(WalkItem::HardlinkRepeat(entry));
         }
+        // Held until the file is closed: here for a file the walker reads,
+        // by its job for a small one.
+        let open_file = self.open_file_place()?;
         // O_NONBLOCK: if a FIFO was swapped in after lstat, open must not hang.
         let file = fs::OpenOptions::new()
             .read(true)
@@ -1111,6 +1142,7 @@ impl WalkContext {
             let small = SmallFile {
                 entry,
                 file,
+                open_file,
                 before,
                 relative: relative.to_path_buf(),
             };
@@ -1325,6 +1357,7 @@ async fn read_small_file(
         let SmallFile {
             mut entry,
             file,
+            open_file: _open_file,
             before,
             relative,
         } = small;

@@ -20,8 +20,13 @@ pub fn scan_regular_files(
     cancel: Option<&CancellationToken>,
     mut on_file: impl FnMut(&Path, u64),
 ) -> io::Result<()> {
-    let mut stack = vec![fs::read_dir(root)?];
-    while let Some(entries) = stack.pop() {
+    // Directories still to list, by path: one is open at a time (a stack
+    // of open listings held a descriptor for every subdirectory of a wide
+    // directory at once, and took the backup's own opens past the
+    // process's limit).
+    let mut listing = Some(fs::read_dir(root)?);
+    let mut directories = Vec::new();
+    while let Some(entries) = listing.take() {
         for entry in entries.flatten() {
             if cancel.is_some_and(CancellationToken::is_cancelled) {
                 return Ok(());
@@ -30,15 +35,15 @@ pub fn scan_regular_files(
                 continue;
             };
             if file_type.is_dir() {
-                if let Ok(below) = fs::read_dir(entry.path()) {
-                    stack.push(below);
-                }
+                directories.push(entry.path());
             } else if file_type.is_file()
                 && let Ok(metadata) = entry.metadata()
             {
                 on_file(&entry.path(), metadata.len());
             }
         }
+        // The next directory that can be listed.
+        listing = std::iter::from_fn(|| directories.pop()).find_map(|path| fs::read_dir(path).ok());
     }
     Ok(())
 }
@@ -93,6 +98,34 @@ pub(crate) fn open_directory_at(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Descriptors this process holds open on `root` or below it.
+    fn descriptors_under(root: &Path) -> usize {
+        fs::read_dir("/proc/self/fd")
+            .expect("/proc/self/fd")
+            .flatten()
+            .filter(|fd| fs::read_link(fd.path()).is_ok_and(|target| target.starts_with(root)))
+            .count()
+    }
+
+    #[test]
+    fn a_wide_directory_is_scanned_one_listing_at_a_time() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        for i in 0..300 {
+            let below = root.join(format!("d{i:03}"));
+            fs::create_dir(&below).expect("dir");
+            fs::write(below.join("file"), b"x").expect("file");
+        }
+        let (mut files, mut most_open) = (0, 0);
+        scan_regular_files(root, None, |_, _| {
+            files += 1;
+            most_open = most_open.max(descriptors_under(root));
+        })
+        .expect("readable");
+        assert_eq!(files, 300);
+        assert!(most_open <= 2, "{most_open} descriptors open at once");
+    }
 
     #[test]
     fn every_regular_file_is_seen_once_and_symlinks_are_not_followed() {

@@ -11,7 +11,8 @@ use haulage::engine::restore::RestoreOptions;
 use proptest::prelude::*;
 
 use super::support::{
-    TestRepo, assert_same_tree, fingerprint, make_fifo, random_bytes, set_xattr, write_sparse_file,
+    TestRepo, assert_same_tree, fingerprint, haulage, make_fifo, random_bytes, set_xattr,
+    write_sparse_file,
 };
 
 /// Names: ASCII, unicode, non-UTF-8 bytes, leading dots.
@@ -196,6 +197,48 @@ async fn a_backup_after_another_reuses_only_what_did_not_change() {
     let restored = repo.restore(&second.snapshot_id, &target).await;
     assert!(restored.problems.is_empty(), "{:?}", restored.problems);
     assert_same_tree(&source, &target);
+}
+
+/// A tree of many tiny files in many directories backs up under a low
+/// limit of open descriptors: the backup holds a bounded number of source
+/// files open, however far its walker runs ahead of the jobs that read
+/// them, and the totals scan beside it one directory at a time.
+#[test]
+fn many_tiny_files_back_up_under_a_low_limit_of_open_files() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let repo = runtime.block_on(TestRepo::new());
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    for i in 0..3_000 {
+        let directory = source.join(format!("d{:03}", i / 15));
+        std::fs::create_dir_all(&directory).unwrap();
+        std::fs::write(directory.join(format!("f{i:04}")), format!("tiny file {i}")).unwrap();
+    }
+    let inner = haulage();
+    let mut command = std::process::Command::new("sh");
+    command
+        .arg("-c")
+        .arg("ulimit -n 128 && exec \"$0\" \"$@\"")
+        .arg(inner.get_program());
+    for (name, value) in inner.get_envs() {
+        match value {
+            Some(value) => command.env(name, value),
+            None => command.env_remove(name),
+        };
+    }
+    let output = command
+        .args(["backup", "--json", "--repo", &repo.url()])
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(summary["warningCount"], 0, "{}", summary["warnings"]);
+    assert_eq!(summary["files"], 3_000);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
