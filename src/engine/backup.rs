@@ -62,6 +62,11 @@ const WALK_BATCH_ITEMS: usize = 256;
 /// File bytes (of small files still to read) after which a batch goes on
 /// before it is full, so the parallel stage is not kept waiting for work.
 const WALK_BATCH_FILE_BYTES: u64 = 1024 * 1024;
+/// Memory the queued items hold (content lists of unchanged files, small
+/// chunks already compressed) after which a batch goes on before it is
+/// full: the channel then holds a few MiB at most, whatever the files (an
+/// unchanged 10 GiB file's content list alone is about 400 KiB).
+const WALK_BATCH_HELD_BYTES: usize = 256 * 1024;
 /// Source files the backup holds open at once: each small file stays open
 /// from the walker's open until its job has read it, and the walker runs
 /// ahead of the jobs. Far under the usual limit of 1,024 descriptors per
@@ -300,6 +305,7 @@ pub async fn backup(
             items: items_tx,
             batch: Vec::with_capacity(WALK_BATCH_ITEMS),
             batch_file_bytes: 0,
+            batch_held_bytes: 0,
             hardlinks_seen: HashSet::new(),
             file_size_hint: 0,
             compression_level: options.compression_level,
@@ -662,12 +668,47 @@ struct WalkContext {
     batch: Vec<WalkItem>,
     /// Bytes of the small files in `batch`.
     batch_file_bytes: u64,
+    /// Memory the items in `batch` hold ([`held_bytes`]).
+    batch_held_bytes: usize,
     /// (device, inode) of multiply-linked files already emitted.
     hardlinks_seen: HashSet<(u64, u64)>,
     /// Size of the file being read, to size its read buffer.
     file_size_hint: u64,
     /// zstd level for chunks compressed on the walker thread.
     compression_level: i32,
+}
+
+/// Whether a batch of `items` walk items, with `file_bytes` bytes of small
+/// files to read and holding `held_bytes` of memory, goes on now.
+fn batch_is_full(items: usize, file_bytes: u64, held_bytes: usize) -> bool {
+    items >= WALK_BATCH_ITEMS
+        || file_bytes >= WALK_BATCH_FILE_BYTES
+        || held_bytes >= WALK_BATCH_HELD_BYTES
+}
+
+/// Memory a queued walk item holds beyond its own size: an entry's content
+/// list and extended attributes, a small chunk's stored bytes. (A large
+/// chunk and a small file hold chunk budget, which bounds them.)
+fn held_bytes(item: &WalkItem) -> usize {
+    let entry_bytes = |entry: &Entry| {
+        entry.content.len() * std::mem::size_of::<Extent>()
+            + entry
+                .xattrs
+                .iter()
+                .map(|xattr| xattr.name.len() + xattr.value.len())
+                .sum::<usize>()
+    };
+    match item {
+        WalkItem::SmallChunk { new_blob, .. } => {
+            new_blob.as_ref().map_or(0, |blob| blob.body.capacity())
+        }
+        WalkItem::Unchanged(entry)
+        | WalkItem::HardlinkRepeat(entry)
+        | WalkItem::Leaf(entry)
+        | WalkItem::DirectoryStart(entry)
+        | WalkItem::FileStart(entry) => entry_bytes(entry),
+        _ => 0,
+    }
 }
 
 /// A parent snapshot's subtree being read and decoded on the runtime.
@@ -860,16 +901,19 @@ impl WalkContext {
         if self.cancel.is_cancelled() {
             return Err(EngineError::Cancelled);
         }
-        let goes_now = match &item {
-            WalkItem::Chunk(..) => true,
-            WalkItem::SmallFile(small, _) => {
-                self.batch_file_bytes += small.before.len();
-                self.batch_file_bytes >= WALK_BATCH_FILE_BYTES
-            }
-            _ => false,
-        };
+        if let WalkItem::SmallFile(small, _) = &item {
+            self.batch_file_bytes += small.before.len();
+        }
+        self.batch_held_bytes += held_bytes(&item);
+        let large_chunk = matches!(item, WalkItem::Chunk(..));
         self.batch.push(item);
-        if goes_now || self.batch.len() >= WALK_BATCH_ITEMS {
+        if large_chunk
+            || batch_is_full(
+                self.batch.len(),
+                self.batch_file_bytes,
+                self.batch_held_bytes,
+            )
+        {
             self.flush()?;
         }
         Ok(())
@@ -883,6 +927,7 @@ impl WalkContext {
         }
         let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(WALK_BATCH_ITEMS));
         self.batch_file_bytes = 0;
+        self.batch_held_bytes = 0;
         self.items
             .blocking_send(batch)
             .map_err(|_| EngineError::Cancelled)
@@ -1838,6 +1883,26 @@ mod tests {
 
     fn scratch() -> Vec<u8> {
         Vec::with_capacity(zstd::zstd_safe::compress_bound(SAMPLED_CHUNK_BYTES))
+    }
+
+    #[test]
+    fn a_batch_goes_on_when_its_items_hold_too_much_memory() {
+        // An unchanged 10 GiB file: about 10,240 chunks in its content list.
+        let mut large = Entry::new(b"large", EntryKind::File);
+        large.content = vec![Extent::Chunk(BlobId([7; 32]), 1 << 20); 10_240];
+        let held = held_bytes(&WalkItem::Unchanged(large));
+        assert!(held >= 10_240 * 36, "{held}");
+        let small = held_bytes(&WalkItem::Unchanged(Entry::new(b"small", EntryKind::File)));
+        // A batch holding it goes on at once; one of small entries waits.
+        assert!(batch_is_full(1, 0, held));
+        assert!(!batch_is_full(2, 0, 2 * small));
+        assert!(batch_is_full(WALK_BATCH_ITEMS, 0, 0));
+        assert!(batch_is_full(3, WALK_BATCH_FILE_BYTES, 0));
+        assert!(!batch_is_full(
+            WALK_BATCH_ITEMS - 1,
+            WALK_BATCH_FILE_BYTES - 1,
+            0
+        ));
     }
 
     #[test]
