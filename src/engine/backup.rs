@@ -40,6 +40,7 @@ use super::buffers::BufferPool;
 use super::progress::Progress;
 use super::repository::Repository;
 use super::throttle::Throttle;
+use super::verify_tree;
 use super::{EngineError, run_blocking};
 use crate::repo::chunker::Chunker;
 use crate::repo::index::BlobIndex;
@@ -782,23 +783,14 @@ fn lstat_entry(directory: Option<&OwnedFd>, name: &OsStr, path: &Path) -> io::Re
     let metadata = fs::symlink_metadata(path)?;
     Ok(entry_from_metadata(
         name.as_bytes(),
-        kind_of(&metadata),
+        kind_of_mode(metadata.mode()),
         &metadata,
     ))
 }
 
 /// [`entry_from_metadata`] from a `statx` result: the same fields.
 fn entry_from_statx(name: &[u8], status: &rustix::fs::Statx) -> Entry {
-    use rustix::fs::FileType;
-    let kind = match FileType::from_raw_mode(u32::from(status.stx_mode)) {
-        FileType::Directory => EntryKind::Directory,
-        FileType::Symlink => EntryKind::Symlink,
-        FileType::Fifo => EntryKind::Fifo,
-        FileType::Socket => EntryKind::Socket,
-        FileType::CharacterDevice => EntryKind::CharDevice,
-        FileType::BlockDevice => EntryKind::BlockDevice,
-        FileType::RegularFile | FileType::Unknown => EntryKind::File,
-    };
+    let kind = kind_of_mode(u32::from(status.stx_mode));
     Entry {
         mode: u32::from(status.stx_mode) & 0o7777,
         uid: status.stx_uid,
@@ -832,24 +824,10 @@ fn same_inode_state(previous: &Entry, entry: &Entry) -> bool {
         && previous.ctime_nanos == entry.ctime_nanos
 }
 
-fn kind_of(metadata: &Metadata) -> EntryKind {
-    use std::os::unix::fs::FileTypeExt;
-    let file_type = metadata.file_type();
-    if file_type.is_dir() {
-        EntryKind::Directory
-    } else if file_type.is_symlink() {
-        EntryKind::Symlink
-    } else if file_type.is_fifo() {
-        EntryKind::Fifo
-    } else if file_type.is_socket() {
-        EntryKind::Socket
-    } else if file_type.is_char_device() {
-        EntryKind::CharDevice
-    } else if file_type.is_block_device() {
-        EntryKind::BlockDevice
-    } else {
-        EntryKind::File
-    }
+/// The kind of an entry from its `st_mode`; a type the format has no name
+/// for is taken as a regular file, as the walk always has.
+fn kind_of_mode(mode: u32) -> EntryKind {
+    verify_tree::entry_kind(rustix::fs::FileType::from_raw_mode(mode)).unwrap_or(EntryKind::File)
 }
 
 /// Extended attributes of a path, without following a symlink.
@@ -1003,9 +981,9 @@ impl WalkContext {
                 *next = Some(loading);
                 self.load_parent_subtree(parent, name)
             }
-            // That directory is gone (dropping its load stops it).
-            Some(_) => self.load_parent_subtree(parent, name),
-            None => self.load_parent_subtree(parent, name),
+            // Nothing loading, or that directory is gone (dropping its
+            // load stops it).
+            _ => self.load_parent_subtree(parent, name),
         };
         if next.is_none() {
             *next = self.start_loading_subtree_after(parent, name);
@@ -1933,7 +1911,8 @@ mod tests {
         for name in ["file", "link", "sub", "symlink", "fifo"] {
             let path = root.join(name);
             let metadata = fs::symlink_metadata(&path).unwrap();
-            let by_path = entry_from_metadata(name.as_bytes(), kind_of(&metadata), &metadata);
+            let by_path =
+                entry_from_metadata(name.as_bytes(), kind_of_mode(metadata.mode()), &metadata);
             let relative = lstat_entry(Some(&directory), OsStr::new(name), &path).unwrap();
             assert_eq!(relative, by_path, "{name}");
             let without_descriptor = lstat_entry(None, OsStr::new(name), &path).unwrap();

@@ -344,21 +344,26 @@ pub struct Observed {
     pub links: u64,
 }
 
+/// The snapshot's kind for a file type from `st_mode`; `None` for a type
+/// the format has no name for.
+pub(crate) fn entry_kind(file_type: FileType) -> Option<EntryKind> {
+    match file_type {
+        FileType::RegularFile => Some(EntryKind::File),
+        FileType::Directory => Some(EntryKind::Directory),
+        FileType::Symlink => Some(EntryKind::Symlink),
+        FileType::Fifo => Some(EntryKind::Fifo),
+        FileType::Socket => Some(EntryKind::Socket),
+        FileType::CharacterDevice => Some(EntryKind::CharDevice),
+        FileType::BlockDevice => Some(EntryKind::BlockDevice),
+        FileType::Unknown => None,
+    }
+}
+
 impl Observed {
     /// From a `stat` result.
     pub fn from_stat(stat: &Stat) -> Self {
-        let kind = match FileType::from_raw_mode(stat.st_mode) {
-            FileType::RegularFile => Some(EntryKind::File),
-            FileType::Directory => Some(EntryKind::Directory),
-            FileType::Symlink => Some(EntryKind::Symlink),
-            FileType::Fifo => Some(EntryKind::Fifo),
-            FileType::Socket => Some(EntryKind::Socket),
-            FileType::CharacterDevice => Some(EntryKind::CharDevice),
-            FileType::BlockDevice => Some(EntryKind::BlockDevice),
-            FileType::Unknown => None,
-        };
         Observed {
-            kind,
+            kind: entry_kind(FileType::from_raw_mode(stat.st_mode)),
             mode: stat.st_mode & 0o7777,
             uid: stat.st_uid,
             gid: stat.st_gid,
