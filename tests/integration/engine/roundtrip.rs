@@ -281,12 +281,23 @@ async fn a_second_copy_of_a_file_adds_almost_nothing_and_a_front_insertion_only_
 async fn files_are_cut_where_their_whole_content_would_be_cut() {
     let repo = TestRepo::new().await;
     let source = tempfile::tempdir().unwrap();
+    let chunker = repo.repository.chunker();
+    // Each repository keys its own cut points: random bytes of this size
+    // whose content this repository cuts at least once (about one seed in
+    // seven is a single chunk of 2 MiB).
+    let several_chunks = |first_seed: u64, length: usize| {
+        (first_seed..)
+            .step_by(100)
+            .map(|seed| random_bytes(seed, length))
+            .find(|data| chunker.chunk_lengths(data).len() > 1)
+            .unwrap()
+    };
     let text: Vec<u8> = (0..200_000u32)
         .flat_map(|line| format!("{line:08} GET /api/v1/items/{} 200\n", line % 977).into_bytes())
         .collect();
     let files: Vec<(&str, Vec<u8>)> = vec![
-        ("small-several-chunks.bin", random_bytes(11, 2 << 20)),
-        ("between.bin", random_bytes(12, 3 << 20)),
+        ("small-several-chunks.bin", several_chunks(11, 2 << 20)),
+        ("between.bin", several_chunks(12, 3 << 20)),
         ("large.bin", random_bytes(13, 21 << 20)),
         ("text.log", text),
     ];
@@ -300,7 +311,6 @@ async fn files_are_cut_where_their_whole_content_would_be_cut() {
         .load_tree(&index, &outcome.snapshot.tree)
         .await
         .unwrap();
-    let chunker = repository.chunker();
     for (name, data) in &files {
         let entry = tree.find(name.as_bytes()).expect("file in the tree");
         let lengths: Vec<usize> = entry
