@@ -1015,10 +1015,11 @@ async fn restore_and_verify(
         "restoring"
     );
     // Loaded once for the restore and its verification: the index is
-    // not read and decoded twice.
+    // not read and decoded twice, nor (within a bound) the trees.
     let loaded = LoadedSnapshot::load(repository, &snapshot)
         .await
-        .map_err(|error| haulage::error_chain(&error))?;
+        .map_err(|error| haulage::error_chain(&error))?
+        .keeping_trees_for_verification();
     let outcome = restore_loaded(
         repository,
         &loaded,

@@ -29,6 +29,7 @@ pub mod repository;
 pub mod restore;
 pub mod scan;
 pub mod since;
+pub mod tree_cache;
 pub mod verify;
 pub mod verify_tree;
 

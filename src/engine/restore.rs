@@ -58,6 +58,7 @@ use super::since::{
     ChangeMark, SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored, since_root,
 };
 use super::throttle::Throttle;
+use super::tree_cache::{TreeCache, VERIFY_TREE_CACHE_BYTES};
 use crate::repo::index::BlobIndex;
 use crate::repo::snapshot::Snapshot;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
@@ -334,6 +335,9 @@ pub struct LoadedSnapshot {
     pub index: Arc<BlobIndex>,
     /// When loading began: a restore's duration counts from here.
     pub load_started: Instant,
+    /// The trees the restore loads, kept for its verification (none
+    /// unless [`LoadedSnapshot::keeping_trees_for_verification`]).
+    pub trees: Arc<TreeCache>,
 }
 
 impl LoadedSnapshot {
@@ -348,7 +352,15 @@ impl LoadedSnapshot {
             snapshot: snapshot?,
             index: Arc::new(loaded?.index),
             load_started,
+            trees: Arc::new(TreeCache::default()),
         })
+    }
+
+    /// The restore of this snapshot will be verified: keep the trees it
+    /// loads ([`VERIFY_TREE_CACHE_BYTES`] of them) for the verification.
+    pub fn keeping_trees_for_verification(mut self) -> Self {
+        self.trees = Arc::new(TreeCache::new(VERIFY_TREE_CACHE_BYTES));
+        self
     }
 }
 
@@ -377,13 +389,19 @@ pub async fn restore_loaded(
     progress.totals_known.store(true, Ordering::Release);
     let root_fd = Arc::new(open_target(&options)?);
     let since_id = options.since.filter(|_| options.sync);
+    let trees = loaded.trees.clone();
     let since = async {
         match since_id {
-            Some(since) => load_since_root(repository, &index, &since, &snapshot.tree).await,
+            Some(since) => {
+                load_since_root(repository, &index, &trees, &since, &snapshot.tree).await
+            }
             None => Ok(None),
         }
     };
-    let (root_tree, since) = tokio::join!(repository.load_tree(&index, &snapshot.tree), since);
+    let (root_tree, since) = tokio::join!(
+        trees.load_one_and_keep(repository, &index, &snapshot.tree),
+        since
+    );
     let root_tree = root_tree?;
 
     let shared = Arc::new(Shared {
@@ -410,6 +428,7 @@ pub async fn restore_loaded(
         first_links: Mutex::new(HashMap::new()),
         open_files: AtomicUsize::new(0),
         handle: tokio::runtime::Handle::current(),
+        trees,
     });
     let (batches, queued_batches) = mpsc::channel(BATCHES_AHEAD);
     let writer = tokio::spawn(write_batches(shared.clone(), index.clone(), queued_batches));
@@ -452,6 +471,7 @@ pub async fn restore_loaded(
 async fn load_since_root(
     repository: &Repository,
     index: &BlobIndex,
+    trees: &TreeCache,
     since: &ObjectId,
     root: &repo::BlobId,
 ) -> Result<Option<SinceDirectory>, String> {
@@ -465,8 +485,8 @@ async fn load_since_root(
     let earlier = repository.load_snapshot(since).await.map_err(not_used)?;
     match since_root(&earlier.tree, root) {
         SinceSubdirectory::Same => Ok(Some(SinceDirectory::Same)),
-        SinceSubdirectory::Load(tree) => repository
-            .load_tree(index, &tree)
+        SinceSubdirectory::Load(tree) => trees
+            .load_one_and_keep(repository, index, &tree)
             .await
             .map(|tree| Some(SinceDirectory::Tree(tree)))
             .map_err(not_used),
@@ -533,6 +553,8 @@ struct Shared {
     /// Restored files open at this moment (see [`MAX_OPEN_FILES`]).
     open_files: AtomicUsize,
     handle: tokio::runtime::Handle,
+    /// Where the trees are loaded through (kept for a verification).
+    trees: Arc<TreeCache>,
 }
 
 impl Shared {
@@ -668,8 +690,12 @@ impl Subtrees {
             self.loaded_until = end;
             self.loaded = walker
                 .shared
-                .repository
-                .load_trees(&walker.index, &self.ids[start..end])
+                .trees
+                .load_and_keep(
+                    &walker.shared.repository,
+                    &walker.index,
+                    &self.ids[start..end],
+                )
                 .await
                 .into();
         }

@@ -53,6 +53,7 @@ use super::restore::RestoreOutcome;
 use super::restore::TREE_PREFETCH_BYTES;
 use super::scan;
 use super::since::{SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored};
+use super::tree_cache::TreeCache;
 use super::{EngineError, run_blocking};
 use crate::repo::config::RepoKeys;
 use crate::repo::index::BlobIndex;
@@ -719,13 +720,15 @@ pub async fn verify_tree_loaded(
         load_window(
             repository,
             &index,
+            &loaded.trees,
             (subtree, since),
             &pending,
             &mut preloaded,
         )
         .await;
         let tree = match subtree {
-            Some(id) => match tree_of(repository, &index, &mut preloaded, &id).await {
+            Some(id) => match tree_of(repository, &index, &loaded.trees, &mut preloaded, &id).await
+            {
                 Ok(tree) => Some(tree),
                 Err(error) => {
                     findings.record(
@@ -741,10 +744,12 @@ pub async fn verify_tree_loaded(
         };
         let since = match since {
             SinceSubdirectory::Same => Some(SinceDirectory::Same),
-            SinceSubdirectory::Load(id) => tree_of(repository, &index, &mut preloaded, &id)
-                .await
-                .ok()
-                .map(SinceDirectory::Tree),
+            SinceSubdirectory::Load(id) => {
+                tree_of(repository, &index, &loaded.trees, &mut preloaded, &id)
+                    .await
+                    .ok()
+                    .map(SinceDirectory::Tree)
+            }
             SinceSubdirectory::Nothing => None,
         };
         let visit = {
@@ -816,13 +821,14 @@ fn file_groups(
 async fn tree_of(
     repository: &Repository,
     index: &BlobIndex,
+    trees: &TreeCache,
     preloaded: &mut HashMap<BlobId, Result<Tree, String>>,
     id: &BlobId,
 ) -> Result<Tree, String> {
     match preloaded.remove(id) {
         Some(tree) => tree,
-        None => repository
-            .load_tree(index, id)
+        None => trees
+            .take_or_load_one(repository, index, id)
             .await
             .map_err(|error| error.to_string()),
     }
@@ -840,6 +846,7 @@ type PendingDirectory = (Components, Entry, Option<BlobId>, SinceSubdirectory);
 async fn load_window(
     repository: &Repository,
     index: &BlobIndex,
+    trees: &TreeCache,
     current: (Option<BlobId>, SinceSubdirectory),
     pending: &[PendingDirectory],
     preloaded: &mut HashMap<BlobId, Result<Tree, String>>,
@@ -873,8 +880,8 @@ async fn load_window(
             .map_or(0, |location| u64::from(location.raw_length));
         ids.push(id);
     }
-    let trees = repository.load_trees(index, &ids).await;
-    for (id, tree) in ids.into_iter().zip(trees) {
+    let loaded = trees.take_or_load(repository, index, &ids).await;
+    for (id, tree) in ids.into_iter().zip(loaded) {
         preloaded.insert(id, tree.map_err(|error| error.to_string()));
     }
 }
