@@ -110,7 +110,7 @@ pub async fn run(args: DemoArgs, cancel: CancellationToken) -> anyhow::Result<Ou
     .await;
     drop(display);
     let outcome = outcome?;
-    super::restore::print_summary(&outcome, &restored, false);
+    super::restore::print_summary(&outcome, None, &restored, false);
     println!(
         "7. comparing {} with {}",
         source.display(),

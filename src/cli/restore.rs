@@ -9,8 +9,9 @@ use tokio_util::sync::CancellationToken;
 use super::progress::{ProgressDisplay, human_bytes};
 use super::{Outcome, RepoArgs};
 use crate::engine::progress::Progress;
-use crate::engine::restore::{RestoreOptions, RestoreOutcome, restore};
+use crate::engine::restore::{LoadedSnapshot, RestoreOptions, RestoreOutcome, restore_loaded};
 use crate::engine::throttle::{ByteRate, Throttle};
+use crate::engine::verify_tree::{TreeVerification, TreeVerifyOptions, verify_tree_loaded};
 
 /// Arguments of `haulage restore`.
 #[derive(Debug, Args)]
@@ -43,6 +44,14 @@ pub struct RestoreArgs {
     /// Do not restore owners even when running as root.
     #[arg(long)]
     pub no_owners: bool,
+    /// After the restore, re-read what it wrote and compare it with the
+    /// snapshot entry by entry (names, types, modes, owners, times, links,
+    /// extended attributes, and every file's content re-hashed chunk by
+    /// chunk): the check the in-cluster agent ends every restore with.
+    /// Differences are listed and exit with status 4. After `--since`,
+    /// files the sync did not read are compared by metadata only.
+    #[arg(long)]
+    pub verify: bool,
     /// Print one JSON summary object on standard output.
     #[arg(long)]
     pub json: bool,
@@ -81,17 +90,61 @@ async fn run_locked(
         "restoring",
         !args.no_progress && !args.json,
     );
-    let result = restore(repository, &snapshot, options, progress, cancel).await;
+    let verify_options = TreeVerifyOptions::for_restore(&options);
+    // Loaded once for the restore and its verification, as the agent does.
+    let restored = async {
+        let mut loaded = LoadedSnapshot::load(repository, &snapshot).await?;
+        if args.verify {
+            loaded = loaded.keeping_trees_for_verification();
+        }
+        let outcome =
+            restore_loaded(repository, &loaded, options, progress, cancel.clone()).await?;
+        Ok::<_, crate::engine::EngineError>((loaded, outcome))
+    }
+    .await;
     drop(display);
-    let outcome = result?;
-    print_summary(&outcome, &args.target, args.json);
-    Ok(Outcome::damaged_if(!outcome.problems.is_empty()))
+    let (loaded, outcome) = restored?;
+    let verification = if args.verify {
+        if !args.json && !args.no_progress {
+            eprintln!("verifying the written tree against the snapshot");
+        }
+        let verify_options = verify_options.after(&outcome);
+        Some(verify_tree_loaded(repository, &loaded, &args.target, &verify_options, cancel).await?)
+    } else {
+        None
+    };
+    print_summary(&outcome, verification.as_ref(), &args.target, args.json);
+    let mismatched = verification
+        .as_ref()
+        .is_some_and(|verification| verification.verified_tree().is_none());
+    Ok(Outcome::damaged_if(
+        !outcome.problems.is_empty() || mismatched,
+    ))
+}
+
+/// What `haulage restore --json` prints: the restore's outcome, and its
+/// verification when one ran.
+#[derive(serde::Serialize)]
+struct Summary<'a> {
+    #[serde(flatten)]
+    outcome: &'a RestoreOutcome,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    verification: Option<&'a TreeVerification>,
 }
 
 /// Print what a restore did.
-pub fn print_summary(outcome: &RestoreOutcome, target: &std::path::Path, as_json: bool) {
+pub fn print_summary(
+    outcome: &RestoreOutcome,
+    verification: Option<&TreeVerification>,
+    target: &std::path::Path,
+    as_json: bool,
+) {
     if as_json {
-        println!("{}", serde_json::to_string(outcome).expect("serializes"));
+        let summary = Summary {
+            outcome,
+            verification,
+        };
+        println!("{}", serde_json::to_string(&summary).expect("serializes"));
         return;
     }
     let rate = outcome.bytes_written as f64 / outcome.duration_seconds.max(1e-6);
@@ -132,5 +185,43 @@ pub fn print_summary(outcome: &RestoreOutcome, target: &std::path::Path, as_json
         for problem in &outcome.problems {
             println!("  {}: {}", problem.path, problem.message);
         }
+    }
+    if let Some(verification) = verification {
+        print_verification(verification);
+    }
+}
+
+/// Print what the verification of a restore found.
+fn print_verification(verification: &TreeVerification) {
+    match verification.verified_tree() {
+        Some(root_tree) => println!(
+            "  verified: root tree {} ({} entries; {} of {} files re-read, {}) in {:.1} s",
+            &root_tree[..16.min(root_tree.len())],
+            verification.entries,
+            verification.files,
+            verification.files + verification.files_not_read,
+            human_bytes(verification.bytes_verified),
+            verification.duration_seconds
+        ),
+        None => {
+            println!(
+                "the target differs from the snapshot in {}{} entries:",
+                verification.mismatches.len(),
+                if verification.stopped_at_limit {
+                    " or more"
+                } else {
+                    ""
+                }
+            );
+            for mismatch in &verification.mismatches {
+                println!("  {mismatch}");
+            }
+        }
+    }
+    if verification.not_restorable > 0 {
+        println!(
+            "  {} entries a restore does not create (sockets, device nodes) are absent, as expected",
+            verification.not_restorable
+        );
     }
 }

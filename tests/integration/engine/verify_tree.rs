@@ -414,3 +414,73 @@ async fn a_socket_the_restore_cannot_create_is_counted_not_a_mismatch() {
     assert_eq!(report.not_restorable, 1);
     assert_eq!(report.not_restorable_paths, vec!["app.sock".to_string()]);
 }
+
+/// `haulage restore --verify` ends the restore as the in-cluster agent
+/// does: the written tree re-read and compared with the snapshot, the
+/// verification in the JSON summary; a `--sync --since` pass re-reads only
+/// what it wrote. Without `--verify` there is no verification.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_restore_verifies_what_it_wrote_when_asked() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(source.join("dir")).unwrap();
+    for index in 0..20u64 {
+        std::fs::write(
+            source.join(format!("dir/file-{index:02}")),
+            random_bytes(index, 4096 + index as usize),
+        )
+        .unwrap();
+    }
+    let first = repo.backup(&source).await.snapshot_id;
+    let restore = |snapshot: &ObjectId, target: &Path, extra: &[&str]| {
+        let output = super::support::haulage()
+            .args(["restore", &snapshot.to_hex(), "--no-progress", "--json"])
+            .arg(target)
+            .args(["--repo", &repo.url()])
+            .args(extra)
+            .output()
+            .unwrap();
+        crate::support::expect_success(&output, "haulage restore");
+        serde_json::from_slice::<serde_json::Value>(&output.stdout).unwrap()
+    };
+    let target = repo.dir.path().join("restored");
+    let summary = restore(&first, &target, &["--verify"]);
+    let tree = repo
+        .repository
+        .load_snapshot(&first)
+        .await
+        .unwrap()
+        .tree
+        .to_hex();
+    let verification = &summary["verification"];
+    assert_eq!(verification["rootTree"], tree.as_str(), "{summary}");
+    assert_eq!(
+        verification["mismatches"],
+        serde_json::json!([]),
+        "{summary}"
+    );
+    assert_eq!(verification["files"], 20, "{summary}");
+    let bytes: u64 = (0..20).map(|index| 4096 + index).sum();
+    assert_eq!(verification["bytesVerified"], bytes, "{summary}");
+
+    std::fs::write(source.join("dir/file-03"), random_bytes(99, 5000)).unwrap();
+    let second = repo.backup(&source).await.snapshot_id;
+    let summary = restore(
+        &second,
+        &target,
+        &["--sync", "--since", &first.to_hex(), "--verify"],
+    );
+    let verification = &summary["verification"];
+    assert_eq!(summary["bytesWritten"], 5000, "{summary}");
+    assert_eq!(
+        verification["mismatches"],
+        serde_json::json!([]),
+        "{summary}"
+    );
+    assert_eq!(verification["files"], 1, "{summary}");
+    assert_eq!(verification["filesNotRead"], 19, "{summary}");
+    assert_eq!(verification["bytesVerified"], 5000, "{summary}");
+
+    let plain = restore(&second, &repo.dir.path().join("again"), &[]);
+    assert!(plain.get("verification").is_none(), "{plain}");
+}
