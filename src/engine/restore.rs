@@ -441,12 +441,15 @@ pub async fn restore_loaded(
         deferred_links: Vec::new(),
         deferred_symlinks: Vec::new(),
         directories: Vec::new(),
+        removals: std::collections::VecDeque::new(),
     };
     let since = since.unwrap_or_else(|reason| {
         tracing::warn!("{reason}");
         None
     });
     let (mut walked, mut walker) = walk_on_a_deep_stack(walker, root_fd, root_tree, since).await;
+    // Before the directories' times are set, and before returning at all.
+    walker.finish_removals().await;
     if walked.is_ok() {
         walked = walker.send_batch().await;
     }
@@ -630,12 +633,18 @@ impl Batch {
 
 /// The subtrees of one directory's entries, loaded a window at a time
 /// ([`Repository::load_trees`]: neighbouring tree blobs in one request)
-/// and handed out in entry order.
+/// and handed out in entry order. The first window starts loading when
+/// the directory is entered ([`Subtrees::start`]), so that its trees are
+/// fetched and decoded on the runtime while the walk lists the directory
+/// and batches its files; at most one window per directory is held, as
+/// when it was loaded on reaching the first subdirectory.
 struct Subtrees {
     ids: Vec<crate::repo::BlobId>,
     /// Position in `ids` of the first tree not loaded yet.
     loaded_until: usize,
     loaded: std::collections::VecDeque<Result<Tree, EngineError>>,
+    /// The window being loaded.
+    loading: Option<tokio::task::JoinHandle<Vec<Result<Tree, EngineError>>>>,
 }
 
 impl Subtrees {
@@ -671,37 +680,95 @@ impl Subtrees {
             ids,
             loaded_until: 0,
             loaded: std::collections::VecDeque::new(),
+            loading: None,
         }
+    }
+
+    /// Start loading the next window of up to [`TREE_PREFETCH_BYTES`] (at
+    /// least one tree), unless one is loading or none is left.
+    fn start(&mut self, walker: &Walker) {
+        if self.loading.is_some() || self.loaded_until == self.ids.len() {
+            return;
+        }
+        let start = self.loaded_until;
+        let mut end = start;
+        let mut bytes = 0u64;
+        while end < self.ids.len() && (end == start || bytes < TREE_PREFETCH_BYTES) {
+            bytes += walker
+                .index
+                .get(&self.ids[end])
+                .map_or(0, |location| u64::from(location.raw_length));
+            end += 1;
+        }
+        self.loaded_until = end;
+        let ids = self.ids[start..end].to_vec();
+        let (shared, index) = (walker.shared.clone(), walker.index.clone());
+        self.loading = Some(tokio::spawn(async move {
+            shared
+                .trees
+                .load_and_keep(&shared.repository, &index, &ids)
+                .await
+        }));
     }
 
     /// The next directory's subtree (directories without one take none).
     async fn next(&mut self, walker: &Walker) -> Result<Tree, EngineError> {
         if self.loaded.is_empty() {
-            let start = self.loaded_until;
-            let mut end = start;
-            let mut bytes = 0u64;
-            while end < self.ids.len() && (end == start || bytes < TREE_PREFETCH_BYTES) {
-                bytes += walker
-                    .index
-                    .get(&self.ids[end])
-                    .map_or(0, |location| u64::from(location.raw_length));
-                end += 1;
-            }
-            self.loaded_until = end;
-            self.loaded = walker
-                .shared
-                .trees
-                .load_and_keep(
-                    &walker.shared.repository,
-                    &walker.index,
-                    &self.ids[start..end],
-                )
-                .await
-                .into();
+            self.start(walker);
+            let loading = self
+                .loading
+                .take()
+                .expect("a window is loading: ids counts every subdirectory");
+            self.loaded = match loading.await {
+                Ok(trees) => trees.into(),
+                Err(error) => std::panic::resume_unwind(error.into_panic()),
+            };
         }
         self.loaded
             .pop_front()
             .expect("load_trees answers once per id, and ids counts every subdirectory")
+    }
+}
+
+/// Directories whose extra entries a sync removes at once, beside the walk.
+const REMOVALS_AHEAD: usize = 4;
+
+/// Sync mode, one directory: remove the entries whose names are not in
+/// `keep`.
+fn remove_extras(
+    shared: &Shared,
+    directory_fd: &OwnedFd,
+    components: &[ByteBuf],
+    keep: &HashSet<ByteBuf>,
+) {
+    let names = match scan::list_directory(directory_fd) {
+        Ok(names) => names,
+        Err(error) => {
+            shared.problem(
+                display(components),
+                format!("cannot list for sync: {error}"),
+            );
+            return;
+        }
+    };
+    for name in names {
+        if keep.contains(serde_bytes::Bytes::new(&name)) {
+            continue;
+        }
+        match remove_entry(directory_fd, &name) {
+            Ok(()) => shared.outcome.lock().expect("outcome").entries_removed += 1,
+            Err(error) => {
+                let mut path = components.to_vec();
+                path.push(ByteBuf::from(name));
+                shared.problem(display(&path), format!("cannot remove: {error}"));
+            }
+        }
+    }
+}
+
+async fn finish_removal(removal: tokio::task::JoinHandle<()>) {
+    if let Err(error) = removal.await {
+        std::panic::resume_unwind(error.into_panic());
     }
 }
 
@@ -718,6 +785,8 @@ struct Walker {
     deferred_symlinks: Vec<(Components, Entry)>,
     /// Directories in pre-order, for metadata in post-order at the end.
     directories: Vec<(Components, Entry)>,
+    /// Sync mode: the removals of extra entries under way.
+    removals: std::collections::VecDeque<tokio::task::JoinHandle<()>>,
 }
 
 impl Walker {
@@ -770,16 +839,25 @@ impl Walker {
                 }
                 entries.push(entry);
             }
-            if self.shared.options.sync {
-                self.remove_extra_entries(&directory_fd, &components, &names_seen);
-            }
             let mut subtrees = Subtrees::of(&entries);
             let mut since_subtrees = Subtrees::since_of(&entries, since.as_ref());
+            subtrees.start(self);
+            since_subtrees.start(self);
+            if self.shared.options.sync {
+                self.remove_extra_entries(&directory_fd, &components, names_seen)
+                    .await;
+            }
             for entry in entries {
-                let mut path = components.clone();
-                path.push(entry.name.clone());
+                // Only for what keeps or reports the entry's path: a file
+                // that goes into a batch needs none.
+                let path_of = |entry: &Entry| {
+                    let mut path = components.clone();
+                    path.push(entry.name.clone());
+                    path
+                };
                 match entry.kind {
                     EntryKind::Directory => {
+                        let path = path_of(&entry);
                         let subtree = match entry.subtree {
                             Some(_) => subtrees.next(self).await,
                             None => Ok(Tree::default()),
@@ -826,7 +904,7 @@ impl Walker {
                     EntryKind::File => {
                         if entry.content_length() != Some(entry.size) {
                             self.problem(
-                                display(&path),
+                                display(&path_of(&entry)),
                                 format!(
                                     "refused: its content does not add up to its size of {} bytes (a damaged or forged tree)",
                                     entry.size
@@ -839,7 +917,7 @@ impl Walker {
                             let mut first = self.shared.first_links.lock().expect("links");
                             if first.contains_key(&key) {
                                 drop(first);
-                                self.deferred_links.push((path, entry));
+                                self.deferred_links.push((path_of(&entry), entry));
                                 continue;
                             }
                             // Reserve; the real path is recorded once written.
@@ -853,12 +931,12 @@ impl Walker {
                             self.send_batch().await?;
                         }
                     }
-                    EntryKind::Symlink => self.deferred_symlinks.push((path, entry)),
+                    EntryKind::Symlink => self.deferred_symlinks.push((path_of(&entry), entry)),
                     EntryKind::Fifo | EntryKind::CharDevice | EntryKind::BlockDevice => {
-                        self.create_node(&directory_fd, &path, &entry)
+                        self.create_node(&directory_fd, &path_of(&entry), &entry)
                     }
                     EntryKind::Socket => self.problem(
-                        display(&path),
+                        display(&path_of(&entry)),
                         "a Unix socket cannot be restored; it is recreated by the program that owns it",
                     ),
                 }
@@ -867,35 +945,36 @@ impl Walker {
         })
     }
 
-    /// Sync mode: remove what the snapshot does not have.
-    fn remove_extra_entries(
-        &self,
-        directory_fd: &OwnedFd,
+    /// Sync mode: remove what the snapshot does not have (`keep` holds its
+    /// names), on the blocking pool while the walk goes on: the names
+    /// removed are none the walk writes. At most [`REMOVALS_AHEAD`]
+    /// directories at once; [`Walker::finish_removals`] waits for them.
+    async fn remove_extra_entries(
+        &mut self,
+        directory_fd: &Arc<OwnedFd>,
         components: &[ByteBuf],
-        keep: &HashSet<ByteBuf>,
+        keep: HashSet<ByteBuf>,
     ) {
-        let names = match scan::list_directory(directory_fd) {
-            Ok(names) => names,
-            Err(error) => {
-                self.problem(
-                    display(components),
-                    format!("cannot list for sync: {error}"),
-                );
-                return;
-            }
-        };
-        for name in names {
-            if keep.contains(&ByteBuf::from(name.clone())) {
-                continue;
-            }
-            match remove_entry(directory_fd, &name) {
-                Ok(()) => self.shared.outcome.lock().expect("outcome").entries_removed += 1,
-                Err(error) => {
-                    let mut path = components.to_vec();
-                    path.push(ByteBuf::from(name));
-                    self.problem(display(&path), format!("cannot remove: {error}"));
-                }
-            }
+        if self.removals.len() >= REMOVALS_AHEAD
+            && let Some(oldest) = self.removals.pop_front()
+        {
+            finish_removal(oldest).await;
+        }
+        let (shared, directory_fd, components) = (
+            self.shared.clone(),
+            directory_fd.clone(),
+            components.to_vec(),
+        );
+        self.removals
+            .push_back(tokio::task::spawn_blocking(move || {
+                remove_extras(&shared, &directory_fd, &components, &keep)
+            }));
+    }
+
+    /// Wait for every removal [`Walker::remove_extra_entries`] started.
+    async fn finish_removals(&mut self) {
+        while let Some(removal) = self.removals.pop_front() {
+            finish_removal(removal).await;
         }
     }
 
