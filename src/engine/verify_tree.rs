@@ -465,16 +465,37 @@ pub fn name_differences<'a>(
     expected: impl IntoIterator<Item = &'a [u8]>,
     found: &[Vec<u8>],
 ) -> (Vec<Vec<u8>>, Vec<Vec<u8>>) {
-    let expected: BTreeSet<&[u8]> = expected.into_iter().collect();
-    let found: BTreeSet<&[u8]> = found.iter().map(Vec::as_slice).collect();
-    let missing = expected
-        .difference(&found)
-        .map(|name| name.to_vec())
-        .collect();
-    let extra = found
-        .difference(&expected)
-        .map(|name| name.to_vec())
-        .collect();
+    // Two sorted lists walked side by side (a snapshot's names come
+    // sorted, so the first sort costs a pass).
+    fn sorted(mut names: Vec<&[u8]>) -> Vec<&[u8]> {
+        if !names.is_sorted() {
+            names.sort_unstable();
+        }
+        names.dedup();
+        names
+    }
+    let expected = sorted(expected.into_iter().collect());
+    let found = sorted(found.iter().map(Vec::as_slice).collect());
+    let (mut missing, mut extra) = (Vec::new(), Vec::new());
+    let (mut expected, mut found) = (
+        expected.into_iter().peekable(),
+        found.into_iter().peekable(),
+    );
+    loop {
+        match (expected.peek(), found.peek()) {
+            (Some(wanted), Some(there)) => match wanted.cmp(there) {
+                std::cmp::Ordering::Less => missing.extend(expected.next().map(<[u8]>::to_vec)),
+                std::cmp::Ordering::Greater => extra.extend(found.next().map(<[u8]>::to_vec)),
+                std::cmp::Ordering::Equal => {
+                    expected.next();
+                    found.next();
+                }
+            },
+            (Some(_), None) => missing.extend(expected.next().map(<[u8]>::to_vec)),
+            (None, Some(_)) => extra.extend(found.next().map(<[u8]>::to_vec)),
+            (None, None) => break,
+        }
+    }
     (missing, extra)
 }
 
@@ -954,6 +975,12 @@ impl Checker {
             }
         };
         let mut entries = Vec::with_capacity(tree.entries.len());
+        // Names in strictly ascending order (as backups write them) are
+        // each listed once; only others need remembering.
+        let ascending = tree
+            .entries
+            .windows(2)
+            .all(|pair| pair[0].name.as_slice() < pair[1].name.as_slice());
         let mut names_seen = BTreeSet::new();
         for entry in tree.entries {
             let entry_path = child(&path, &entry.name);
@@ -966,7 +993,7 @@ impl Checker {
                 );
                 continue;
             }
-            if !names_seen.insert(entry.name.to_vec()) {
+            if !ascending && !names_seen.insert(entry.name.to_vec()) {
                 self.findings.record(
                     &entry_path,
                     Difference::Snapshot {
@@ -1515,6 +1542,23 @@ mod tests {
                 found: 0x0802
             }]
         );
+    }
+
+    proptest::proptest! {
+        /// Whatever the order and repeats of either list, the names
+        /// missing and extra are those of the two sets' differences.
+        #[test]
+        fn missing_and_extra_names_are_the_differences_of_the_two_sets(
+            expected in proptest::collection::vec(proptest::collection::vec(0u8..4, 0..3), 0..12),
+            found in proptest::collection::vec(proptest::collection::vec(0u8..4, 0..3), 0..12),
+        ) {
+            let (missing, extra) =
+                name_differences(expected.iter().map(Vec::as_slice), &found);
+            let wanted: BTreeSet<Vec<u8>> = expected.into_iter().collect();
+            let there: BTreeSet<Vec<u8>> = found.into_iter().collect();
+            proptest::prop_assert_eq!(missing, wanted.difference(&there).cloned().collect::<Vec<_>>());
+            proptest::prop_assert_eq!(extra, there.difference(&wanted).cloned().collect::<Vec<_>>());
+        }
     }
 
     #[test]
