@@ -284,13 +284,30 @@ pub async fn backup(
         ),
     });
 
-    // Totals for ETA, from a cheap lstat-only scan running alongside.
+    // Totals for the progress and its ETA. After a parent snapshot, its
+    // totals: a source changes little between two backups, and a scan
+    // would stat every file a second time, on the shared storage the
+    // caps protect, for an unchanged backup most of what it costs. A first
+    // backup has a cheap lstat-only scan running alongside. Either way
+    // the totals are the walk's own once it ends.
     let scan_cancel = cancel.child_token();
-    let scan = {
-        let source = source.clone();
-        let progress = progress.clone();
-        let scan_cancel = scan_cancel.clone();
-        tokio::task::spawn_blocking(move || scan_totals(&source, &progress, &scan_cancel))
+    let scan = match &parent {
+        Some((_, snapshot)) => {
+            set_totals(
+                &progress,
+                snapshot.summary.total_bytes,
+                snapshot.summary.files,
+            );
+            None
+        }
+        None => {
+            let source = source.clone();
+            let progress = progress.clone();
+            let scan_cancel = scan_cancel.clone();
+            Some(tokio::task::spawn_blocking(move || {
+                scan_totals(&source, &progress, &scan_cancel)
+            }))
+        }
     };
 
     let (items_tx, items_rx) = mpsc::channel(WALK_CHANNEL_CAPACITY);
@@ -358,7 +375,9 @@ pub async fn backup(
         .await
         .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
     scan_cancel.cancel();
-    let _ = scan.await;
+    if let Some(scan) = scan {
+        let _ = scan.await;
+    }
     let root_tree = match (assembled, walk_result) {
         (Ok(Some(root)), Ok(())) if !cancel.is_cancelled() => root,
         (assembled, walked) => {
@@ -401,6 +420,8 @@ pub async fn backup(
         return Err(EngineError::Cancelled);
     }
     let stats = &assembler.stats;
+    // The totals of what was walked, in place of the estimate or the scan.
+    set_totals(&progress, stats.total_bytes, stats.files);
     let snapshot = Snapshot {
         format_version: repository.config().format_version,
         time: start_time,
@@ -638,6 +659,15 @@ fn samples_compress(
     }
     scratch.clear();
     (compressed as f64) < INCOMPRESSIBLE_SHARE * (starts.len() * SAMPLE_BYTES) as f64
+}
+
+/// Set the progress totals, usable for an ETA: at the start from the
+/// parent snapshot's (an estimate), at the end the walk's.
+fn set_totals(progress: &Progress, total_bytes: u64, files: u64) {
+    use std::sync::atomic::Ordering;
+    progress.total_bytes.store(total_bytes, Ordering::Relaxed);
+    progress.total_files.store(files, Ordering::Relaxed);
+    progress.totals_known.store(true, Ordering::Release);
 }
 
 /// Fill in the progress totals with the lstat-only walk

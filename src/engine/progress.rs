@@ -7,11 +7,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 /// Live counters of one backup or restore.
 #[derive(Debug, Default)]
 pub struct Progress {
-    /// Bytes of file content in the whole source (known once the scan ends).
+    /// Bytes of file content in the whole source: for a restore the
+    /// snapshot's; for a backup the parent snapshot's as an estimate, or
+    /// without a parent what the scan beside the walk has found; the
+    /// walk's own once a backup's walk ends.
     pub total_bytes: AtomicU64,
-    /// Regular files in the whole source (known once the scan ends).
+    /// Regular files in the whole source, as [`Progress::total_bytes`].
     pub total_files: AtomicU64,
-    /// True once `total_*` are final.
+    /// True once `total_*` can give an ETA (an estimate from a parent
+    /// snapshot, the scan's final count, or the walk's).
     pub totals_known: AtomicBool,
     /// Bytes of file content processed (read, or taken from the parent).
     pub bytes_done: AtomicU64,

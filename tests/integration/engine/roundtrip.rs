@@ -593,3 +593,79 @@ async fn small_files_are_charged_their_size_against_the_read_throttle_not_a_read
         waited.total()
     );
 }
+
+/// A backup after another starts its progress totals from the parent
+/// snapshot's (an ETA at once, and no second stat of every file on the
+/// source's storage) and ends with the totals of what it walked. The
+/// rewritten file is read through a 1 MiB/s throttle so the backup lasts
+/// a few seconds: a scan beside it would have made its first known totals
+/// the source's 26 files.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_after_another_starts_from_its_parents_totals_and_ends_with_its_own() {
+    use std::sync::Arc;
+
+    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::progress::Progress;
+    use haulage::engine::throttle::{ByteRate, Throttle};
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    for index in 0..20 {
+        std::fs::write(
+            source.join(format!("f{index:02}")),
+            random_bytes(index, 1000),
+        )
+        .unwrap();
+    }
+    std::fs::write(source.join("slow.bin"), random_bytes(100, 2 << 20)).unwrap();
+    let first = repo.backup(&source).await;
+    assert_eq!(first.snapshot.summary.files, 21);
+
+    for index in 20..25 {
+        std::fs::write(
+            source.join(format!("f{index:02}")),
+            random_bytes(index, 1000),
+        )
+        .unwrap();
+    }
+    std::fs::write(source.join("slow.bin"), random_bytes(101, 2 << 20)).unwrap();
+    let progress = Arc::new(Progress::default());
+    let mut options = BackupOptions::new(&source);
+    options.read_throttle = Throttle::new(Some(ByteRate(1 << 20)));
+    let running = {
+        let (repository, progress) = (repo.repository.clone(), progress.clone());
+        tokio::spawn(async move {
+            backup(
+                &repository,
+                options,
+                progress,
+                tokio_util::sync::CancellationToken::new(),
+            )
+            .await
+        })
+    };
+    let first_known = loop {
+        let now = progress.snapshot();
+        if now.totals_known {
+            break (now.total_files, now.total_bytes);
+        }
+        assert!(
+            !running.is_finished(),
+            "the backup ended before its totals were known"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    };
+    let second = running.await.unwrap().expect("second backup");
+    assert_eq!(
+        first_known,
+        (21, first.snapshot.summary.total_bytes),
+        "the first totals known are the parent snapshot's"
+    );
+    let last = progress.snapshot();
+    assert_eq!(second.snapshot.summary.files, 26);
+    assert_eq!(
+        (last.total_files, last.total_bytes),
+        (26, second.snapshot.summary.total_bytes),
+        "the totals at the end are what the backup walked"
+    );
+}
