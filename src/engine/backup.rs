@@ -293,11 +293,7 @@ pub async fn backup(
     let scan_cancel = cancel.child_token();
     let scan = match &parent {
         Some((_, snapshot)) => {
-            set_totals(
-                &progress,
-                snapshot.summary.total_bytes,
-                snapshot.summary.files,
-            );
+            progress.set_totals(snapshot.summary.total_bytes, snapshot.summary.files);
             None
         }
         None => {
@@ -421,7 +417,7 @@ pub async fn backup(
     }
     let stats = &assembler.stats;
     // The totals of what was walked, in place of the estimate or the scan.
-    set_totals(&progress, stats.total_bytes, stats.files);
+    progress.set_totals(stats.total_bytes, stats.files);
     let snapshot = Snapshot {
         format_version: repository.config().format_version,
         time: start_time,
@@ -659,15 +655,6 @@ fn samples_compress(
     }
     scratch.clear();
     (compressed as f64) < INCOMPRESSIBLE_SHARE * (starts.len() * SAMPLE_BYTES) as f64
-}
-
-/// Set the progress totals, usable for an ETA: at the start from the
-/// parent snapshot's (an estimate), at the end the walk's.
-fn set_totals(progress: &Progress, total_bytes: u64, files: u64) {
-    use std::sync::atomic::Ordering;
-    progress.total_bytes.store(total_bytes, Ordering::Relaxed);
-    progress.total_files.store(files, Ordering::Relaxed);
-    progress.totals_known.store(true, Ordering::Release);
 }
 
 /// Fill in the progress totals with the lstat-only walk

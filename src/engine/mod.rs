@@ -260,7 +260,12 @@ impl EngineError {
 pub(crate) async fn run_blocking<T: Send + 'static>(
     work: impl FnOnce() -> T + Send + 'static,
 ) -> T {
-    match tokio::task::spawn_blocking(work).await {
+    joined(tokio::task::spawn_blocking(work)).await
+}
+
+/// What a spawned task returned; its panic goes on in the caller.
+pub(crate) async fn joined<T>(task: tokio::task::JoinHandle<T>) -> T {
+    match task.await {
         Ok(value) => value,
         Err(error) => std::panic::resume_unwind(error.into_panic()),
     }

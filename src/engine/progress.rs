@@ -60,6 +60,15 @@ impl Progress {
         counter.fetch_add(amount, Ordering::Relaxed);
     }
 
+    /// Set the totals, usable for an ETA from now on: a restore's from its
+    /// snapshot; a backup's from its parent snapshot (an estimate), and at
+    /// the end from what it walked.
+    pub fn set_totals(&self, total_bytes: u64, files: u64) {
+        self.total_bytes.store(total_bytes, Ordering::Relaxed);
+        self.total_files.store(files, Ordering::Relaxed);
+        self.totals_known.store(true, Ordering::Release);
+    }
+
     /// Copy the counters.
     pub fn snapshot(&self) -> ProgressSnapshot {
         ProgressSnapshot {

@@ -380,13 +380,7 @@ pub async fn restore_loaded(
     let snapshot_id = &loaded.id;
     let snapshot = &loaded.snapshot;
     let index = loaded.index.clone();
-    progress
-        .total_bytes
-        .store(snapshot.summary.total_bytes, Ordering::Relaxed);
-    progress
-        .total_files
-        .store(snapshot.summary.files, Ordering::Relaxed);
-    progress.totals_known.store(true, Ordering::Release);
+    progress.set_totals(snapshot.summary.total_bytes, snapshot.summary.files);
     let root_fd = Arc::new(open_target(&options)?);
     let since_id = options.since.filter(|_| options.sync);
     let trees = loaded.trees.clone();
@@ -719,10 +713,7 @@ impl Subtrees {
                 .loading
                 .take()
                 .expect("a window is loading: ids counts every subdirectory");
-            self.loaded = match loading.await {
-                Ok(trees) => trees.into(),
-                Err(error) => std::panic::resume_unwind(error.into_panic()),
-            };
+            self.loaded = super::joined(loading).await.into();
         }
         self.loaded
             .pop_front()
@@ -763,12 +754,6 @@ fn remove_extras(
                 shared.problem(display(&path), format!("cannot remove: {error}"));
             }
         }
-    }
-}
-
-async fn finish_removal(removal: tokio::task::JoinHandle<()>) {
-    if let Err(error) = removal.await {
-        std::panic::resume_unwind(error.into_panic());
     }
 }
 
@@ -958,7 +943,7 @@ impl Walker {
         if self.removals.len() >= REMOVALS_AHEAD
             && let Some(oldest) = self.removals.pop_front()
         {
-            finish_removal(oldest).await;
+            super::joined(oldest).await;
         }
         let (shared, directory_fd, components) = (
             self.shared.clone(),
@@ -974,7 +959,7 @@ impl Walker {
     /// Wait for every removal [`Walker::remove_extra_entries`] started.
     async fn finish_removals(&mut self) {
         while let Some(removal) = self.removals.pop_front() {
-            finish_removal(removal).await;
+            super::joined(removal).await;
         }
     }
 

@@ -610,24 +610,21 @@ async fn a_backup_after_another_starts_from_its_parents_totals_and_ends_with_its
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
     std::fs::create_dir(&source).unwrap();
-    for index in 0..20 {
-        std::fs::write(
-            source.join(format!("f{index:02}")),
-            random_bytes(index, 1000),
-        )
-        .unwrap();
-    }
+    let write_small_files = |indexes: std::ops::Range<u64>| {
+        for index in indexes {
+            std::fs::write(
+                source.join(format!("f{index:02}")),
+                random_bytes(index, 1000),
+            )
+            .unwrap();
+        }
+    };
+    write_small_files(0..20);
     std::fs::write(source.join("slow.bin"), random_bytes(100, 2 << 20)).unwrap();
     let first = repo.backup(&source).await;
     assert_eq!(first.snapshot.summary.files, 21);
 
-    for index in 20..25 {
-        std::fs::write(
-            source.join(format!("f{index:02}")),
-            random_bytes(index, 1000),
-        )
-        .unwrap();
-    }
+    write_small_files(20..25);
     std::fs::write(source.join("slow.bin"), random_bytes(101, 2 << 20)).unwrap();
     let progress = Arc::new(Progress::default());
     let mut options = BackupOptions::new(&source);
