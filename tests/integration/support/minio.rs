@@ -383,15 +383,31 @@ impl MinioServer {
         aws_sdk_s3::Client::from_conf(config)
     }
 
-    /// Create `bucket`.
+    /// Create `bucket`. MinIO can report ready before its object layer is
+    /// (`XMinioServerNotInitialized`, seen once in a CI run): that answer
+    /// is retried until [`READY_TIMEOUT`].
     pub async fn create_bucket(&self, bucket: &str) -> anyhow::Result<()> {
-        self.admin_client()
-            .create_bucket()
-            .bucket(bucket)
-            .send()
-            .await
-            .with_context(|| format!("create bucket {bucket}"))?;
-        Ok(())
+        let deadline = std::time::Instant::now() + READY_TIMEOUT;
+        loop {
+            let result = self
+                .admin_client()
+                .create_bucket()
+                .bucket(bucket)
+                .send()
+                .await;
+            match result {
+                Err(error)
+                    if std::time::Instant::now() < deadline
+                        && format!("{error:?}").contains("XMinioServerNotInitialized") =>
+                {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                result => {
+                    result.with_context(|| format!("create bucket {bucket}"))?;
+                    return Ok(());
+                }
+            }
+        }
     }
 
     /// Every incomplete multipart upload in `bucket` whose key starts with
