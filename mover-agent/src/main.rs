@@ -11,6 +11,7 @@
 //! Both run the same engine as the `haulage` CLI and on SIGTERM stop
 //! cleanly: everything already stored is reused by the next run.
 
+mod memory;
 mod metrics;
 mod report;
 mod transfers;
@@ -38,10 +39,6 @@ use tokio_util::sync::CancellationToken;
 const EXIT_TRANSIENT: u8 = 75;
 /// Default seconds between progress reports.
 const DEFAULT_PROGRESS_INTERVAL_SECONDS: u64 = 2;
-/// Default number of volumes a stage pod moves at once
-/// ([`haulage::api::transfer::STAGE_POD_PARALLEL_VOLUMES`], which the
-/// controller's admission counts on).
-const DEFAULT_PARALLEL_VOLUMES: usize = haulage::api::transfer::STAGE_POD_PARALLEL_VOLUMES as usize;
 
 /// Which way the data moves.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -129,10 +126,17 @@ struct TransfersArguments {
     /// Where the claims are mounted, each at `<root>/<pvc>`.
     #[arg(long, env = "HAULAGE_DATA_ROOT", default_value = "/data")]
     data_root: PathBuf,
-    /// Volumes moved at once (the controller's admission grants a stage
-    /// pod no more than the default).
-    #[arg(long, default_value_t = DEFAULT_PARALLEL_VOLUMES)]
-    parallel_volumes: usize,
+    /// Memory the agent's volumes share, bytes or a quantity (`128Mi`): how
+    /// many move at once and how much each engine holds. The stage pod
+    /// gives its memory request; without one, the container's memory limit
+    /// (its cgroup's), else 128Mi.
+    #[arg(long, env = "HAULAGE_MEMORY_BUDGET", value_parser = memory::parse_budget)]
+    memory_budget: Option<u64>,
+    /// Volumes moved at once instead of as many as the memory budget holds
+    /// (each then gets an equal part of it). The controller does not set
+    /// it: its admission counts on what the budget holds.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    parallel_volumes: Option<u32>,
     /// Least seconds between two progress writes of a transfer.
     #[arg(long, default_value_t = DEFAULT_PROGRESS_INTERVAL_SECONDS)]
     progress_interval: u64,
@@ -296,13 +300,29 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
     let client = kube::Client::try_default()
         .await
         .context("cannot reach the Kubernetes API")?;
+    let budget = arguments
+        .memory_budget
+        .or_else(memory::cgroup_memory_limit)
+        .unwrap_or(memory::DEFAULT_BUDGET_BYTES);
+    let plan = memory::VolumePlan::new(
+        budget,
+        arguments.parallel_volumes.map(|volumes| volumes as usize),
+        arguments.transfers.len(),
+    );
+    tracing::info!(
+        memory_budget = budget,
+        volumes_at_once = plan.at_once,
+        memory_per_volume = plan.memory.bytes(),
+        "volumes planned within the memory budget"
+    );
     let assignment = transfers::Assignment {
         identity: arguments.pod_name,
         namespace: arguments.pod_namespace,
         node: arguments.node_name,
         transfers: arguments.transfers,
         data_root: arguments.data_root,
-        parallelism: arguments.parallel_volumes,
+        parallelism: plan.at_once,
+        memory: plan.memory,
         progress_interval: Duration::from_secs(arguments.progress_interval.max(1)),
         storage,
     };

@@ -29,6 +29,7 @@ use haulage::clock::now;
 use haulage::engine::Repository;
 use haulage::engine::backup::{BackupOptions, backup};
 use haulage::engine::lock::RepositoryLock;
+use haulage::engine::memory::EngineMemory;
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{LoadedSnapshot, RestoreOptions, restore_loaded};
 use haulage::engine::throttle::{ByteRate, Throttle};
@@ -70,8 +71,10 @@ pub struct Assignment {
     pub transfers: Vec<String>,
     /// Where the claims are mounted (`<root>/<pvc>`).
     pub data_root: PathBuf,
-    /// Volumes backed up at once.
+    /// Volumes moved at once.
     pub parallelism: usize,
+    /// What each volume's engine may hold.
+    pub memory: EngineMemory,
     /// Least time between two progress writes of one transfer.
     pub progress_interval: Duration,
     /// How the agent's store waits out the storage location's outages
@@ -711,7 +714,6 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
         name,
         ref transfer,
         assignment,
-        repository,
         metrics,
         ..
     } = &claimed;
@@ -746,15 +748,7 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
                     Moved::BackedUp(back_up(&claimed, &volume, &run, &work).await)
                 }
                 TransferDirection::Download => Moved::Restored(
-                    restore_and_verify(
-                        repository,
-                        name,
-                        transfer.spec.snapshot.as_deref(),
-                        transfer.spec.since_snapshot.as_deref(),
-                        &volume,
-                        &run,
-                        &work,
-                    )
+                    restore_and_verify(&claimed, &volume, &run, &work)
                     .await,
                 ),
             };
@@ -919,6 +913,7 @@ async fn back_up(
         record
     });
     options.read_throttle = run.throttle.clone();
+    options.memory = assignment.memory;
     options.source_label = Some(format!("{}/{}", assignment.namespace, transfer.spec.pvc));
     options.hostname = SNAPSHOT_HOSTNAME.to_string();
     options.tags = transfer.spec.tags.clone();
@@ -951,7 +946,8 @@ async fn back_up(
     })
 }
 
-/// Restore `snapshot` into the claim mounted at `volume` and verify it.
+/// Restore the `claimed` transfer's snapshot into the claim mounted at
+/// `volume`, within the agent's memory share per volume, and verify it.
 /// The mount must exist (the stage pod mounts the claim there; a missing
 /// directory means it does not, and nothing is written into the pod's
 /// own filesystem). An empty claim is restored as a new copy; one that
@@ -964,14 +960,21 @@ async fn back_up(
 /// claim being synced holds completely) spares reading the files both
 /// snapshots hold unchanged, in the sync and in its verification.
 async fn restore_and_verify(
-    repository: &Repository,
-    name: &str,
-    snapshot: Option<&str>,
-    since: Option<&str>,
+    claimed: &Claimed<'_>,
     volume: &std::path::Path,
     run: &VolumeRun,
     cancel: &CancellationToken,
 ) -> Result<(RestoreFigures, RestoreVerdict), String> {
+    let &Claimed {
+        name,
+        ref transfer,
+        assignment,
+        repository,
+        ..
+    } = claimed;
+    let memory = assignment.memory;
+    let snapshot = transfer.spec.snapshot.as_deref();
+    let since = transfer.spec.since_snapshot.as_deref();
     let snapshot = snapshot
         .filter(|text| !text.is_empty())
         .ok_or_else(|| {
@@ -1006,6 +1009,7 @@ async fn restore_and_verify(
     }
     options.restore_owners = true;
     options.write_throttle = run.throttle.clone();
+    options.memory = memory;
     let verify_options = TreeVerifyOptions::for_restore(&options);
     info!(
         transfer = name,
@@ -1019,7 +1023,7 @@ async fn restore_and_verify(
     let loaded = LoadedSnapshot::load(repository, &snapshot)
         .await
         .map_err(|error| haulage::error_chain(&error))?
-        .keeping_trees_for_verification();
+        .keeping_trees_for_verification(memory);
     let outcome = restore_loaded(
         repository,
         &loaded,

@@ -11,15 +11,53 @@ use serde::{Deserialize, Serialize};
 use crate::condition::Condition;
 use crate::progress::Progress;
 
-/// Volumes a stage pod's agent moves at once (its `--parallel-volumes`
-/// default, which the controller does not change): one. Each volume runs
-/// its own engine, whose buffers peak at 110–128 MiB on large claims
-/// (docs/benchmarks.md, "Agent memory with large claims"); two at once
-/// took 200–247 MiB, more than the stage pod's 128Mi request. Admission
-/// grants a stage pod no more running transfers than this, so a cap slot
-/// (and its share of the bandwidth) never goes to a transfer its agent
-/// cannot begin yet.
-pub const STAGE_POD_PARALLEL_VOLUMES: u32 = 1;
+const MIB: u64 = 1024 * 1024;
+
+/// What a mover agent holds besides its engines' buffers: the async
+/// runtime and its blocking threads, the S3 client, the binary's pages,
+/// the repository's blob index, each thread's zstd context and the
+/// allocator's slack (freed chunk buffers glibc keeps cached: about 20
+/// MiB with four engines at once). A restore of one small file peaks at
+/// 25 MiB; four engines of 22.5 MiB besides 38 MiB peaked at 129 MiB
+/// (docs/benchmarks.md, "Several volumes in one stage pod").
+pub const AGENT_BASELINE_BYTES: u64 = 44 * MIB;
+/// The memory of one volume's engine at most, what one engine always had
+/// (a backup's 16 MiB packs and chunks in flight, a restore's whole-pack
+/// reads, its verification's trees). More buys an engine nothing
+/// measurable; an agent with the default 128Mi to itself gives its one
+/// engine what the baseline leaves, 84 MiB.
+pub const DEFAULT_VOLUME_SHARE_BYTES: u64 = 94 * MIB;
+/// The least memory one volume's engine is given: a backup's read
+/// buffer, a compression output, a largest chunk in flight and two data
+/// packs of a largest chunk; a restore's pack reads of a largest blob, one
+/// scatter worker and batches of 512 files. Below this the agent moves
+/// fewer volumes at once rather than starve each.
+pub const SMALLEST_VOLUME_SHARE_BYTES: u64 = 23 * MIB;
+
+/// Volumes a stage pod's agent moves at once, given the memory it may use
+/// (its `--memory-budget`: the stage pod's memory request): as many as
+/// leave each at least [`SMALLEST_VOLUME_SHARE_BYTES`] besides
+/// [`AGENT_BASELINE_BYTES`], and at least one. Three in the default 128Mi.
+/// The controller's admission grants a stage pod no more running
+/// transfers than this (from the pod's request, with the same function),
+/// so a cap slot, and its share of the bandwidth, never goes to a transfer
+/// its agent cannot begin now.
+pub fn volumes_at_once(memory_bytes: u64) -> u32 {
+    let room = memory_bytes.saturating_sub(AGENT_BASELINE_BYTES);
+    u32::try_from(room / SMALLEST_VOLUME_SHARE_BYTES)
+        .unwrap_or(u32::MAX)
+        .max(1)
+}
+
+/// The memory each of `volumes` engines moving at once gets from an agent
+/// that may use `memory_bytes`: an equal part of what the baseline leaves,
+/// at most [`DEFAULT_VOLUME_SHARE_BYTES`] (more buys an engine nothing
+/// measurable) and at least [`SMALLEST_VOLUME_SHARE_BYTES`].
+pub fn volume_share_bytes(memory_bytes: u64, volumes: u32) -> u64 {
+    let room = memory_bytes.saturating_sub(AGENT_BASELINE_BYTES);
+    (room / u64::from(volumes.max(1)))
+        .clamp(SMALLEST_VOLUME_SHARE_BYTES, DEFAULT_VOLUME_SHARE_BYTES)
+}
 
 /// One claim's data on its way to or from a storage location.
 #[allow(
@@ -355,6 +393,45 @@ mod tests {
     const ALL: [VolumeTransferPhase; 8] = [
         New, Queued, Admitted, InProgress, Finalizing, Completed, Failed, Canceled,
     ];
+
+    #[test]
+    fn a_stage_pod_moves_as_many_volumes_as_its_memory_holds() {
+        assert_eq!(volumes_at_once(128 * MIB), 3, "the default stage pod");
+        assert_eq!(volumes_at_once(0), 1, "always one");
+        assert_eq!(
+            volumes_at_once(AGENT_BASELINE_BYTES + SMALLEST_VOLUME_SHARE_BYTES - 1),
+            1
+        );
+        assert_eq!(
+            volumes_at_once(AGENT_BASELINE_BYTES + 2 * SMALLEST_VOLUME_SHARE_BYTES),
+            2
+        );
+        assert_eq!(volumes_at_once(1 << 30), 42);
+        // A budget below one smallest engine still moves one volume, in
+        // the smallest share; from there on, the volumes fit.
+        for memory in [
+            AGENT_BASELINE_BYTES + SMALLEST_VOLUME_SHARE_BYTES,
+            128 * MIB,
+            256 * MIB,
+            1 << 30,
+        ] {
+            let volumes = volumes_at_once(memory);
+            let share = volume_share_bytes(memory, volumes);
+            assert!(
+                AGENT_BASELINE_BYTES + u64::from(volumes) * share <= memory,
+                "{volumes} volumes of {share} bytes in {memory}"
+            );
+        }
+        assert_eq!(volume_share_bytes(128 * MIB, 1), 84 * MIB);
+        assert_eq!(volume_share_bytes(128 * MIB, 3), 28 * MIB);
+        assert_eq!(volume_share_bytes(256 * MIB, 1), DEFAULT_VOLUME_SHARE_BYTES);
+        assert_eq!(
+            volume_share_bytes(1 << 30, 1),
+            DEFAULT_VOLUME_SHARE_BYTES,
+            "no more than a whole engine"
+        );
+        assert_eq!(volume_share_bytes(0, 3), SMALLEST_VOLUME_SHARE_BYTES);
+    }
 
     #[test]
     fn phases_only_move_forward() {

@@ -95,7 +95,7 @@ async fn run_locked(
     let restored = async {
         let mut loaded = LoadedSnapshot::load(repository, &snapshot).await?;
         if args.verify {
-            loaded = loaded.keeping_trees_for_verification();
+            loaded = loaded.keeping_trees_for_verification(options.memory);
         }
         let outcome =
             restore_loaded(repository, &loaded, options, progress, cancel.clone()).await?;

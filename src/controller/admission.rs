@@ -38,6 +38,7 @@ use crate::reconcile::admission::{
     Limits, LocationLimits, PolicyLimits, PolicyReads, TransferFacts, TransferKey, TransferState,
     Write, admit, is_older, plan_writes,
 };
+use crate::reconcile::stage_pod::volumes_at_once_of;
 
 /// Seconds between passes when nothing wakes the loop (a stage pod that
 /// appeared, which is not a watched event here).
@@ -106,7 +107,7 @@ pub fn observe(
         |value: Option<i32>| value.and_then(|v| u32::try_from(v).ok()).filter(|v| *v > 0);
     let positive_u64 =
         |value: Option<i64>| value.and_then(|v| u64::try_from(v).ok()).filter(|v| *v > 0);
-    let limits = Limits {
+    let mut limits = Limits {
         max_volumes,
         max_volumes_per_node,
         policies: caches
@@ -141,6 +142,7 @@ pub fn observe(
                 )
             })
             .collect(),
+        stage_pods: BTreeMap::new(),
     };
     let mut facts = Vec::new();
     for transfer in caches.transfers {
@@ -161,6 +163,12 @@ pub fn observe(
         if pod.is_none() && state == TransferState::Waiting {
             continue;
         }
+        let stage_pod = format!("{}/{}", key.namespace, transfer.spec.stage_pod);
+        if let Some(pod) = &pod {
+            limits
+                .stage_pods
+                .insert(stage_pod.clone(), volumes_at_once_of(pod));
+        }
         let location = &transfer.spec.storage_location;
         facts.push(TransferFacts {
             created_seconds: transfer
@@ -178,7 +186,7 @@ pub fn observe(
             location: Some(format!("{}/{}", location.namespace, location.name)),
             policies: policies_of(&key.namespace, &transfer.spec.pvc, caches),
             claim: format!("{}/{}", key.namespace, transfer.spec.pvc),
-            stage_pod: format!("{}/{}", key.namespace, transfer.spec.stage_pod),
+            stage_pod,
             owner: format!(
                 "{} {}/{}",
                 match transfer.spec.direction {

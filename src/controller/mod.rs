@@ -88,10 +88,9 @@ pub const DEFAULT_CONCURRENCY: u16 = 8;
 /// StoragePolicies narrow it per storage.
 pub const DEFAULT_MAX_CONCURRENT_VOLUMES: u32 = 16;
 /// Default cap on volumes moved at once per node: a node's network and CPU
-/// are shared with its workloads. A stage pod (128Mi) moves one volume at a
-/// time by default (the agent's `--parallel-volumes`), so two slots let the
-/// node's next volume be admitted while the first finishes, or two stage
-/// pods of different namespaces on the node run at once.
+/// are shared with its workloads. A stage pod of the default 128Mi could
+/// move three of its claims at once (what its memory holds), so on a node
+/// this cap is what binds.
 pub const DEFAULT_MAX_VOLUMES_PER_NODE: u32 = 2;
 /// Seconds between retries of a transient failure.
 const TRANSIENT_RETRY_SECONDS: u64 = 5;

@@ -37,6 +37,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::buffers::BufferPool;
+use super::memory::{BackupBuffers, EngineMemory, PACK_TRAILER_ROOM};
 use super::progress::Progress;
 use super::repository::Repository;
 use super::throttle::Throttle;
@@ -74,16 +75,8 @@ const WALK_BATCH_HELD_BYTES: usize = 256 * 1024;
 /// process; without it, the batches of tiny files queued for their jobs
 /// held thousands open.
 const MAX_OPEN_SOURCE_FILES: usize = 64;
-/// Chunk plaintext bytes allowed between reading and packing. With 4 MiB
-/// maximum chunks this is at least 4 chunks in flight (16 with the 1 MiB
-/// average), enough to keep two cores busy, and bounds the pipeline's chunk
-/// memory.
-const CHUNK_BYTES_IN_FLIGHT: u32 = 16 * 1024 * 1024;
 /// Chunks smaller than this are hashed and compressed on the walker thread.
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
-/// Idle chunk buffers kept for reuse: enough for the chunks and compressed
-/// outputs in flight under [`CHUNK_BYTES_IN_FLIGHT`] with average chunks.
-const CHUNK_BUFFERS_KEPT: usize = 6;
 /// Packs being uploaded at once; each holds its full pack in memory.
 const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 1;
 /// Write an index checkpoint after this many packs, so an interrupted
@@ -128,6 +121,11 @@ pub struct BackupOptions {
     pub read_throttle: Throttle,
     /// Chunks hashed and compressed at once.
     pub parallelism: usize,
+    /// The memory its buffers may take: chunks in flight (with the
+    /// default share 16 MiB, at least 4 chunks and 16 of the 1 MiB
+    /// average, enough to keep two cores busy), chunk buffers kept for
+    /// reuse, and the packs filled and uploaded.
+    pub memory: EngineMemory,
 }
 
 impl BackupOptions {
@@ -143,6 +141,7 @@ impl BackupOptions {
             compression_level: DEFAULT_COMPRESSION_LEVEL,
             read_throttle: Throttle::unlimited(),
             parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()) + 1,
+            memory: EngineMemory::default(),
         }
     }
 }
@@ -271,17 +270,18 @@ pub async fn backup(
         None => None,
     };
 
+    // Room for the tag sealing appends, so a sealed buffer never grows.
+    let chunk_buffer_bytes = repository.largest_stored_blob_bytes();
+    let buffers = options.memory.backup(
+        chunk_buffer_bytes,
+        repository.config().pack_target_bytes as usize,
+    );
     let shared = Arc::new(Shared {
         repository: repository.clone(),
         index: index.clone(),
         claimed: Mutex::new(HashSet::new()),
         progress: progress.clone(),
-        // Room for the tag sealing appends, so a sealed buffer never grows.
-        buffers: BufferPool::new(
-            zstd::zstd_safe::compress_bound(repository.config().chunker.max_bytes as usize)
-                + repository.codec().blob_overhead(),
-            CHUNK_BUFFERS_KEPT,
-        ),
+        buffers: BufferPool::new(chunk_buffer_bytes, buffers.chunk_buffers_kept),
     });
 
     // Totals for the progress and its ETA. After a parent snapshot, its
@@ -313,7 +313,8 @@ pub async fn backup(
             chunker: repository.chunker(),
             throttle: options.read_throttle.clone(),
             handle: tokio::runtime::Handle::current(),
-            chunk_budget: Arc::new(Semaphore::new(CHUNK_BYTES_IN_FLIGHT as usize)),
+            chunk_budget: Arc::new(Semaphore::new(buffers.chunk_bytes_in_flight as usize)),
+            chunk_bytes_in_flight: buffers.chunk_bytes_in_flight,
             open_files: Arc::new(Semaphore::new(MAX_OPEN_SOURCE_FILES)),
             cancel: cancel.clone(),
             items: items_tx,
@@ -365,7 +366,10 @@ pub async fn backup(
         })
         .buffered(options.parallelism.max(1));
 
-    let mut assembler = Assembler::new(repository.clone(), shared.clone(), progress.clone());
+    let mut assembler = Assembler::new(
+        Packer::new(repository.clone(), progress.clone(), &buffers),
+        shared.clone(),
+    );
     let assembled = assembler.run(processed, &cancel).await;
     let walk_result = walker
         .await
@@ -678,6 +682,9 @@ struct WalkContext {
     throttle: Throttle,
     handle: tokio::runtime::Handle,
     chunk_budget: Arc<Semaphore>,
+    /// The permits of `chunk_budget`: a chunk takes as many as its
+    /// buffer's capacity, at most all.
+    chunk_bytes_in_flight: u32,
     /// Places under [`MAX_OPEN_SOURCE_FILES`].
     open_files: Arc<Semaphore>,
     cancel: CancellationToken,
@@ -1177,7 +1184,7 @@ impl WalkContext {
         };
         let max = u64::from(self.chunker.parameters().max_bytes);
         if before.len() <= max / 2 && before.blocks() * 512 >= before.len() {
-            let permits = (before.len() + 1).min(u64::from(CHUNK_BYTES_IN_FLIGHT)) as u32;
+            let permits = (before.len() + 1).min(u64::from(self.chunk_bytes_in_flight)) as u32;
             let permit = self.chunk_budget(permits)?;
             let small = SmallFile {
                 entry,
@@ -1353,7 +1360,8 @@ impl WalkContext {
                 })
                 .map_err(|_| ReadFailure::Cancelled);
         }
-        let permits = (chunk.capacity().max(1) as u64).min(u64::from(CHUNK_BYTES_IN_FLIGHT)) as u32;
+        let permits =
+            (chunk.capacity().max(1) as u64).min(u64::from(self.chunk_bytes_in_flight)) as u32;
         let permit = self
             .chunk_budget(permits)
             .map_err(|_| ReadFailure::Cancelled)?;
@@ -1518,9 +1526,9 @@ struct Assembler {
 }
 
 impl Assembler {
-    fn new(repository: Repository, shared: Arc<Shared>, progress: Arc<Progress>) -> Self {
+    fn new(packer: Packer, shared: Arc<Shared>) -> Self {
         Assembler {
-            packer: Packer::new(repository, progress),
+            packer,
             shared,
             stats: Stats::default(),
             directories: Vec::new(),
@@ -1710,32 +1718,25 @@ impl Assembler {
     }
 }
 
-/// A pack closes once it reaches its target, so it holds at most the target
-/// plus one maximal (incompressible) chunk and its trailer.
-fn pack_buffer_bytes(repository: &Repository) -> usize {
-    let config = repository.config();
-    config.pack_target_bytes as usize + config.chunker.max_bytes as usize + 64 * 1024
-}
-
-/// Target of a pack of tree blobs. Trees go into packs of their own (as
-/// restic's do): a restore loads a directory's subtrees together, and in
-/// packs of their own they lie side by side, one read for many; mixed in
-/// with the data, each tree sat after its directory's files, megabytes
-/// from the next, and took a request of its own (about 180 of the 246
-/// GETs of a 2 GiB restore). Small, so the second buffer costs little
-/// memory; a tree blob is at most a few MiB, so one may pass the target.
-const TREE_PACK_TARGET_BYTES: usize = 4 * 1024 * 1024;
-
 /// The buffer of a tree pack: its target and the trailer.
-fn tree_pack_buffer_bytes() -> usize {
-    TREE_PACK_TARGET_BYTES + 64 * 1024
+fn tree_pack_buffer_bytes(sizes: &BackupBuffers) -> usize {
+    sizes.tree_pack_target_bytes + PACK_TRAILER_ROOM
 }
 
 /// Collects blobs into packs and uploads them, a bounded number at a time:
-/// data blobs and tree blobs into packs of their own.
+/// data blobs and tree blobs into packs of their own. Trees go into packs
+/// of their own (as restic's do): a restore loads a directory's subtrees
+/// together, and in packs of their own they lie side by side, one read for
+/// many; mixed in with the data, each tree sat after its directory's
+/// files, megabytes from the next, and took a request of its own (about
+/// 180 of the 246 GETs of a 2 GiB restore). Tree packs are small (4 MiB
+/// with the default share), so their buffer costs little memory; a tree
+/// blob is at most a few MiB, so one may pass the target.
 struct Packer {
     repository: Repository,
     progress: Arc<Progress>,
+    /// Sizes from the engine's memory share.
+    sizes: BackupBuffers,
     /// The data pack being filled.
     current: PackWriter,
     /// The tree pack being filled.
@@ -1749,10 +1750,11 @@ struct Packer {
 }
 
 impl Packer {
-    fn new(repository: Repository, progress: Arc<Progress>) -> Self {
+    fn new(repository: Repository, progress: Arc<Progress>, sizes: &BackupBuffers) -> Self {
         Packer {
-            current: repository.pack_writer(pack_buffer_bytes(&repository)),
-            trees: repository.pack_writer(tree_pack_buffer_bytes()),
+            current: repository.pack_writer(sizes.data_pack_buffer_bytes),
+            trees: repository.pack_writer(tree_pack_buffer_bytes(sizes)),
+            sizes: *sizes,
             repository,
             progress,
             uploads: JoinSet::new(),
@@ -1774,16 +1776,16 @@ impl Packer {
     /// The size at which a pack of `kind` closes.
     fn target_bytes(&self, kind: BlobKind) -> usize {
         match kind {
-            BlobKind::Tree => TREE_PACK_TARGET_BYTES,
-            BlobKind::Data => self.repository.config().pack_target_bytes as usize,
+            BlobKind::Tree => self.sizes.tree_pack_target_bytes,
+            BlobKind::Data => self.sizes.data_pack_target_bytes,
         }
     }
 
     /// An empty pack for blobs of `kind`, its buffer sized for its target.
     fn new_writer(&self, kind: BlobKind) -> PackWriter {
         self.repository.pack_writer(match kind {
-            BlobKind::Tree => tree_pack_buffer_bytes(),
-            BlobKind::Data => pack_buffer_bytes(&self.repository),
+            BlobKind::Tree => tree_pack_buffer_bytes(&self.sizes),
+            BlobKind::Data => self.sizes.data_pack_buffer_bytes,
         })
     }
 
@@ -1800,6 +1802,19 @@ impl Packer {
         Progress::add(&self.progress.bytes_new, u64::from(raw_length));
         Progress::add(&self.progress.bytes_stored, stored);
         let target = self.target_bytes(kind);
+        // A data pack closes once it reaches its target, so with the
+        // default share its buffer (the target, a largest chunk and the
+        // trailer) always has room for the next blob; with a small share
+        // it has none past the target, and the pack closes before a blob
+        // that would not fit rather than let its buffer grow.
+        let blob_bytes = blob.prefix.as_bytes().len() + blob.body.len();
+        if kind == BlobKind::Data
+            && !self.filling(kind).is_empty()
+            && self.filling(kind).len() + blob_bytes + PACK_TRAILER_ROOM
+                > self.sizes.data_pack_buffer_bytes
+        {
+            self.flush(kind).await?;
+        }
         let writer = self.filling(kind);
         writer.add_parts(
             id,

@@ -23,6 +23,7 @@ pub mod backup;
 pub mod buffers;
 pub mod forget;
 pub mod lock;
+pub mod memory;
 pub mod progress;
 pub mod prune;
 pub mod repository;

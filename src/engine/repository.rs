@@ -444,6 +444,13 @@ impl Repository {
         &self.codec
     }
 
+    /// The most bytes one data blob takes in a pack: a largest chunk that
+    /// did not compress (zstd's bound) and what sealing adds.
+    pub fn largest_stored_blob_bytes(&self) -> usize {
+        zstd::zstd_safe::compress_bound(self.config.chunker.max_bytes as usize)
+            + self.codec.blob_overhead()
+    }
+
     /// An empty pack in this repository's format.
     pub fn pack_writer(&self, capacity: usize) -> PackWriter {
         self.codec.pack_writer(capacity)

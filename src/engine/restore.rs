@@ -51,6 +51,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::plan::{ChunkNeed, PackRead, PlanLimits, PlannedBlob, Target, Unrestorable};
 use super::EngineError;
+use super::memory::{EngineMemory, RestoreBuffers};
 use super::progress::Progress;
 use super::repository::Repository;
 use super::scan;
@@ -58,7 +59,7 @@ use super::since::{
     ChangeMark, SinceCheck, SinceDirectory, SinceSubdirectory, on_disk_as_restored, since_root,
 };
 use super::throttle::Throttle;
-use super::tree_cache::{TreeCache, VERIFY_TREE_CACHE_BYTES};
+use super::tree_cache::TreeCache;
 use crate::repo::index::BlobIndex;
 use crate::repo::snapshot::Snapshot;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
@@ -81,26 +82,28 @@ pub const RESTORE_MEMORY_BUDGET_BYTES: u64 = 128 * MIB;
 /// (glibc keeps freed memory cached per thread). A restore of one small
 /// file peaks at 25 MiB.
 const PROCESS_BASELINE_BYTES: u64 = 40 * MIB;
-/// Longest single pack read: a pack of the default size (16 MiB, closed
-/// after the chunk that reaches it, so at most 4 MiB more, and its trailer)
-/// comes in one request. Larger packs are read in several.
-const MAX_PACK_READ_BYTES: u64 = 21 * MIB;
-/// Capacity of all pack read buffers together: two default packs, one
-/// arriving while the other is decoded and written. The buffers are kept
-/// and reused for the whole restore (a buffer per read, freed by whichever
-/// worker finished with it, left up to twice this cached by the allocator),
-/// so this bounds both the bytes in flight and what they cost in memory. It
-/// is the largest share of the budget, and what a faster network would want
-/// more of.
-const PACK_BYTES_IN_FLIGHT: u64 = 2 * MAX_PACK_READ_BYTES;
-/// Pack reads requested at once (within [`PACK_BYTES_IN_FLIGHT`]): enough
+/// Longest single pack read with the default memory share: a pack of the
+/// default size (16 MiB, closed after the chunk that reaches it, so at most
+/// 4 MiB more, and its trailer) comes in one request. Larger packs, and
+/// every pack under a smaller share, are read in several.
+pub(crate) const MAX_PACK_READ_BYTES: u64 = 21 * MIB;
+/// Capacity of all pack read buffers together with the default share: two
+/// default packs, one arriving while the other is decoded and written
+/// ([`EngineMemory`] gives the figures of a smaller share). The buffers are
+/// kept and reused for the whole restore (a buffer per read, freed by
+/// whichever worker finished with it, left up to twice this cached by the
+/// allocator), so this bounds both the bytes in flight and what they cost
+/// in memory. It is the largest share of the budget, and what a faster
+/// network would want more of.
+pub(crate) const PACK_BYTES_IN_FLIGHT: u64 = 2 * MAX_PACK_READ_BYTES;
+/// Pack reads requested at once (within the pack bytes in flight): enough
 /// to hide a request's latency when reads are small (a `sync` restore's
 /// scattered chunks).
 const PACK_READS_IN_FLIGHT: usize = 4;
-/// Plaintext buffers of all scatter workers together: each holds one chunk
-/// at a time, so the workers are at most this divided by the repository's
-/// largest chunk (4 MiB by default: 4 workers).
-const DECODE_BUFFER_BYTES: u64 = 16 * MIB;
+/// Plaintext buffers of all scatter workers together with the default
+/// share: each holds one chunk at a time, so the workers are at most this
+/// divided by the repository's largest chunk (4 MiB by default: 4 workers).
+pub(crate) const DECODE_BUFFER_BYTES: u64 = 16 * MIB;
 /// Scatter workers at most; fewer on a machine (or a container quota) with
 /// fewer cores: they are CPU-bound (decompress, hash, copy into the page
 /// cache).
@@ -110,7 +113,8 @@ const MAX_SCATTER_WORKERS: usize = 4;
 const SCATTER_JOB_BYTES: u64 = 4 * MIB;
 /// Scatter jobs queued for the workers beyond those they are running.
 const SCATTER_JOBS_QUEUED: usize = 4;
-/// Files, chunks and directories of one batch. A batch costs about 350
+/// Files, chunks and directories of one batch with the default share (a
+/// smaller one batches fewer files and chunks). A batch costs about 350
 /// bytes per file (its entry and write state) and 300 per chunk while it is
 /// planned (the plan's maps), and keeps a descriptor open per directory;
 /// up to four batches are alive at once (one filled by the walker, one
@@ -119,14 +123,14 @@ const SCATTER_JOBS_QUEUED: usize = 4;
 /// split fewer packs between two of them but cost more than they save: at
 /// 16,384 files a restore of 200,000 small files peaked at 171-187 MiB, at
 /// 4,096 at 93 MiB (docs/benchmarks.md).
-const MAX_BATCH_FILES: usize = 4_096;
+pub(crate) const MAX_BATCH_FILES: usize = 4_096;
 /// See [`MAX_BATCH_FILES`].
-const MAX_BATCH_CHUNKS: usize = 16_384;
+pub(crate) const MAX_BATCH_CHUNKS: usize = 16_384;
 /// See [`MAX_BATCH_FILES`]: four batches' 512 directory descriptors, with
 /// [`MAX_OPEN_FILES`], stay under the usual limit of 1,024 open files.
 const MAX_BATCH_DIRECTORIES: usize = 128;
 /// Memory of the batches alive at once (see [`MAX_BATCH_FILES`]).
-const BATCH_BOOKKEEPING_BYTES: u64 = 24 * MIB;
+pub(crate) const BATCH_BOOKKEEPING_BYTES: u64 = 24 * MIB;
 /// Encoded bytes of the subtrees one directory level loads at once (at
 /// least one tree): neighbouring tree blobs come in one request, and a
 /// walk holds at most this much of loaded trees per level of depth.
@@ -152,6 +156,9 @@ pub struct RestoreOptions {
     pub target: PathBuf,
     /// Update an existing copy in place, writing only what differs.
     pub sync: bool,
+    /// The memory its buffers may take (pack reads in flight, the scatter
+    /// workers' buffers, the batches of files).
+    pub memory: EngineMemory,
     /// Sync mode: the snapshot the target was last restored or synced
     /// from, completely. A file both snapshots hold unchanged, which the
     /// disk still shows as that restore wrote it, is not read (see
@@ -175,6 +182,7 @@ impl RestoreOptions {
         RestoreOptions {
             target: target.into(),
             sync: false,
+            memory: EngineMemory::default(),
             since: None,
             write_throttle: Throttle::unlimited(),
             restore_owners: rustix::process::geteuid().is_root(),
@@ -357,9 +365,10 @@ impl LoadedSnapshot {
     }
 
     /// The restore of this snapshot will be verified: keep the trees it
-    /// loads ([`VERIFY_TREE_CACHE_BYTES`] of them) for the verification.
-    pub fn keeping_trees_for_verification(mut self) -> Self {
-        self.trees = Arc::new(TreeCache::new(VERIFY_TREE_CACHE_BYTES));
+    /// loads (as many as `memory` allows,
+    /// [`EngineMemory::verify_tree_cache_bytes`]) for the verification.
+    pub fn keeping_trees_for_verification(mut self, memory: EngineMemory) -> Self {
+        self.trees = Arc::new(TreeCache::new(memory.verify_tree_cache_bytes()));
         self
     }
 }
@@ -398,8 +407,14 @@ pub async fn restore_loaded(
     );
     let root_tree = root_tree?;
 
+    let config = repository.config();
+    let sizes = options.memory.restore(
+        u64::from(config.chunker.max_bytes),
+        repository.largest_stored_blob_bytes() as u64,
+    );
     let shared = Arc::new(Shared {
         repository: repository.clone(),
+        sizes,
         options,
         progress,
         cancel,
@@ -552,6 +567,8 @@ struct Shared {
     handle: tokio::runtime::Handle,
     /// Where the trees are loaded through (kept for a verification).
     trees: Arc<TreeCache>,
+    /// Sizes from the memory share.
+    sizes: RestoreBuffers,
 }
 
 impl Shared {
@@ -593,9 +610,9 @@ struct BatchFile {
 }
 
 impl Batch {
-    fn is_full(&self) -> bool {
-        self.files.len() >= MAX_BATCH_FILES
-            || self.chunks >= MAX_BATCH_CHUNKS
+    fn is_full(&self, sizes: &RestoreBuffers) -> bool {
+        self.files.len() >= sizes.batch_files
+            || self.chunks >= sizes.batch_chunks
             || self.directories.len() >= MAX_BATCH_DIRECTORIES
     }
 
@@ -912,7 +929,7 @@ impl Walker {
                             since.as_ref().is_some_and(|since| since.file_unchanged(&entry));
                         self.batch
                             .add(&directory_fd, &components, entry, unchanged_since);
-                        if self.batch.is_full() {
+                        if self.batch.is_full(&self.shared.sizes) {
                             self.send_batch().await?;
                         }
                     }
@@ -1232,10 +1249,11 @@ async fn write_batches(
     mut batches: mpsc::Receiver<Batch>,
 ) {
     let max_chunk_bytes = shared.repository.config().chunker.max_bytes;
+    let sizes = shared.sizes;
     let workers = std::thread::available_parallelism()
         .map_or(1, usize::from)
         .min(MAX_SCATTER_WORKERS)
-        .min((DECODE_BUFFER_BYTES / u64::from(max_chunk_bytes.max(1))) as usize)
+        .min((sizes.decode_buffer_bytes / u64::from(max_chunk_bytes.max(1))) as usize)
         .max(1);
     let (jobs, queued_jobs) = mpsc::channel::<Job>(SCATTER_JOBS_QUEUED);
     let queued_jobs = Arc::new(Mutex::new(queued_jobs));
@@ -1246,11 +1264,14 @@ async fn write_batches(
         })
         .collect();
     let limits = PlanLimits {
-        max_read_bytes: MAX_PACK_READ_BYTES,
+        max_read_bytes: sizes.max_pack_read_bytes,
         max_gap_bytes: DEFAULT_COALESCE_GAP_BYTES,
         max_chunk_bytes,
     };
-    let buffers = Arc::new(ReadBuffers::new(PACK_BYTES_IN_FLIGHT));
+    let buffers = Arc::new(ReadBuffers::new(
+        sizes.pack_bytes_in_flight,
+        sizes.max_pack_read_bytes,
+    ));
     while let Some(batch) = batches.recv().await {
         if shared.cancel.is_cancelled() {
             break;
@@ -1582,6 +1603,8 @@ async fn read_blob_by_blob(
 /// never exceed the budget, so neither do the bytes in flight.
 struct ReadBuffers {
     budget: u64,
+    /// The longest read.
+    max_read: u64,
     state: Mutex<ReadBuffersState>,
     returned: Notify,
 }
@@ -1594,9 +1617,10 @@ struct ReadBuffersState {
 }
 
 impl ReadBuffers {
-    fn new(budget: u64) -> Self {
+    fn new(budget: u64, max_read: u64) -> Self {
         ReadBuffers {
             budget,
+            max_read,
             state: Mutex::new(ReadBuffersState::default()),
             returned: Notify::new(),
         }
@@ -1604,7 +1628,7 @@ impl ReadBuffers {
 
     /// An empty buffer of at least `length` bytes of capacity, waiting for
     /// one to come back when the budget is used up. `length` is at most the
-    /// budget (a read is at most [`MAX_PACK_READ_BYTES`]).
+    /// budget (a read is at most `max_read`).
     async fn take(&self, length: u64) -> Vec<u8> {
         let length = length.min(self.budget);
         loop {
@@ -1622,8 +1646,8 @@ impl ReadBuffers {
                 }
                 // Reads of a whole pack (most of them) get buffers of the
                 // largest read, so that any later read fits them.
-                let capacity = if length > MAX_PACK_READ_BYTES / 2 {
-                    MAX_PACK_READ_BYTES.min(self.budget).max(length)
+                let capacity = if length > self.max_read / 2 {
+                    self.max_read.min(self.budget).max(length)
                 } else {
                     length.next_power_of_two()
                 };
@@ -2229,7 +2253,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_read_buffer_given_back_is_reused_and_the_budget_is_never_exceeded() {
-        let pool = Arc::new(ReadBuffers::new(2 * MAX_PACK_READ_BYTES));
+        let pool = Arc::new(ReadBuffers::new(
+            2 * MAX_PACK_READ_BYTES,
+            MAX_PACK_READ_BYTES,
+        ));
         let first = pool.take(MAX_PACK_READ_BYTES).await;
         let address = first.as_ptr();
         let second = pool.take(MAX_PACK_READ_BYTES - 5).await;
@@ -2249,7 +2276,7 @@ mod tests {
 
     #[tokio::test]
     async fn small_free_read_buffers_make_room_for_a_large_read() {
-        let pool = Arc::new(ReadBuffers::new(MAX_PACK_READ_BYTES));
+        let pool = Arc::new(ReadBuffers::new(MAX_PACK_READ_BYTES, MAX_PACK_READ_BYTES));
         let small: Vec<Vec<u8>> = futures::future::join_all((0..4).map(|_| pool.take(MIB))).await;
         for data in small {
             drop(buffer(&pool, data));

@@ -62,16 +62,17 @@ use crate::repo::{BlobId, ObjectId};
 
 /// Mismatches recorded before verification stops.
 pub const MAX_MISMATCHES: usize = 100;
-/// Files whose content is re-read at once: enough to keep a disk and a
-/// core busy while another file waits on its reads, few enough that the
-/// read buffers ([`READ_BYTES`] each at most) stay small.
-const PARALLEL_FILE_CHECKS: usize = 4;
+/// Files whose content is re-read at once with the default memory
+/// share: enough to keep a disk and a core busy while another file waits
+/// on its reads, few enough that the read buffers ([`READ_BYTES`] each at
+/// most) stay small.
+pub(crate) const PARALLEL_FILE_CHECKS: usize = 4;
 /// Most files one blocking job checks.
 const FILES_PER_CHECK: usize = 64;
 /// Content one blocking job may re-read beyond its first file, bytes.
 const BYTES_PER_CHECK: u64 = 8 * 1024 * 1024;
 /// Largest read of a hole's data regions, bytes.
-const READ_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const READ_BYTES: usize = 4 * 1024 * 1024;
 /// Names of entries that cannot be restored kept in the report.
 const MAX_NOT_RESTORABLE_NAMED: usize = 20;
 
@@ -94,6 +95,9 @@ pub struct TreeVerifyOptions {
     /// sync neither read nor wrote it); everything else is compared as
     /// always.
     pub since: Option<SinceCheck>,
+    /// Files re-read at once (each with a read buffer of up to 4 MiB):
+    /// what the restore's memory share holds.
+    pub parallel_checks: usize,
 }
 
 impl TreeVerifyOptions {
@@ -105,6 +109,7 @@ impl TreeVerifyOptions {
             devices_restored: options.allow_devices,
             max_mismatches: MAX_MISMATCHES,
             since: None,
+            parallel_checks: options.memory.verify_parallel_checks(),
         }
     }
 
@@ -720,7 +725,7 @@ pub async fn verify_tree_loaded(
         root_fd,
         findings: findings.clone(),
     });
-    let slots = Arc::new(Semaphore::new(PARALLEL_FILE_CHECKS));
+    let slots = Arc::new(Semaphore::new(options.parallel_checks.max(1)));
     let mut file_checks = JoinSet::new();
     let since_root = since_snapshot.map_or(SinceSubdirectory::Nothing, |earlier| {
         super::since::since_root(&earlier.tree, &snapshot.tree)

@@ -36,7 +36,6 @@ use std::sync::Arc;
 use haulage_api::condition::{
     Condition, ConditionStatus, condition_type, find_condition, reason, set_condition,
 };
-use haulage_api::transfer::STAGE_POD_PARALLEL_VOLUMES;
 use haulage_api::{
     StoragePolicy, StoragePolicyStatus, VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus,
 };
@@ -89,7 +88,7 @@ pub struct TransferFacts {
     /// Its claim, `namespace/name`: one transfer at a time moves a claim.
     pub claim: String,
     /// Its stage pod, `namespace/name`: its agent moves
-    /// [`STAGE_POD_PARALLEL_VOLUMES`] volumes at a time.
+    /// [`Limits::stage_pods`] volumes at a time.
     pub stage_pod: String,
     /// What it belongs to, for people (`VolumeBackup haulage-system/nightly`).
     pub owner: String,
@@ -124,6 +123,11 @@ pub struct Limits {
     pub policies: BTreeMap<String, PolicyLimits>,
     /// BackupStorageLocations by `namespace/name`.
     pub locations: BTreeMap<String, LocationLimits>,
+    /// Volumes each stage pod's agent moves at once, by `namespace/name`
+    /// (what its memory request holds:
+    /// [`haulage_api::transfer::volumes_at_once`]); one for a pod not
+    /// listed.
+    pub stage_pods: BTreeMap<String, u32>,
 }
 
 /// One cap a transfer falls under.
@@ -141,8 +145,8 @@ pub enum Cap {
     /// it (two backups selecting it at once take turns).
     Claim(String),
     /// A stage pod, `namespace/name`: its agent begins no more volumes
-    /// at once than [`STAGE_POD_PARALLEL_VOLUMES`], so a slot granted
-    /// beyond that would be held idle.
+    /// at once than its memory holds ([`Limits::stage_pods`]), so a slot
+    /// granted beyond that would be held idle.
     StagePod(String),
 }
 
@@ -225,10 +229,11 @@ impl fmt::Display for Hold {
             Hold::Volumes {
                 cap: Cap::StagePod(pod),
                 limit,
-                ..
+                running,
             } => write!(
                 formatter,
-                "stage pod {pod}: its agent moves {limit} volume at a time and is moving one now; starts when that one ends"
+                "stage pod {pod}: its agent moves {limit} volume{} at a time (what its memory request holds) and is moving {running} now; starts when one of them ends (or give the pod more memory through a StoragePolicy's spec.stagePodResources)",
+                if *limit == 1 { "" } else { "s" }
             ),
             Hold::Volumes {
                 cap,
@@ -341,7 +346,7 @@ fn volume_limit(cap: &Cap, limits: &Limits) -> Option<u32> {
         Cap::Location(name) => limits.locations.get(name).and_then(|l| l.max_volumes),
         Cap::Node(_) => limits.max_volumes_per_node,
         Cap::Claim(_) => Some(1),
-        Cap::StagePod(_) => Some(STAGE_POD_PARALLEL_VOLUMES),
+        Cap::StagePod(name) => Some(limits.stage_pods.get(name).copied().unwrap_or(1)),
     }
 }
 
@@ -835,6 +840,7 @@ mod tests {
                 },
             )]),
             locations: BTreeMap::new(),
+            stage_pods: BTreeMap::new(),
         }
     }
 
@@ -1005,8 +1011,11 @@ mod tests {
             volumes.clone(),
             proptest::collection::vec((volumes.clone(), bandwidth.clone()), 3),
             proptest::collection::vec((volumes, bandwidth), 2),
+            // Volumes at once of the stage pods `shop/stage-0..4` and
+            // `web/stage-0..4` (a pod left out moves one).
+            proptest::collection::vec(proptest::option::of(1u32..4), 8),
         )
-            .prop_map(|(global, node, policies, locations)| Limits {
+            .prop_map(|(global, node, policies, locations, pods)| Limits {
                 max_volumes: global,
                 max_volumes_per_node: node,
                 policies: POLICIES
@@ -1033,6 +1042,14 @@ mod tests {
                                 upload_bytes_per_second,
                             },
                         )
+                    })
+                    .collect(),
+                stage_pods: pods
+                    .into_iter()
+                    .enumerate()
+                    .filter_map(|(index, volumes)| {
+                        let pod = format!("{}/stage-{}", ["shop", "web"][index / 4], index % 4);
+                        volumes.map(|volumes| (pod, volumes))
                     })
                     .collect(),
             })
@@ -1350,6 +1367,52 @@ mod tests {
         written.status = Some((**status).clone());
         let again = plan_writes(&admission, &[Arc::new(written)], &[], at(60));
         assert!(again.is_empty(), "{again:?}");
+    }
+
+    #[test]
+    fn a_stage_pod_whose_memory_holds_two_volumes_is_granted_two() {
+        // The same line as below, but stage-a's agent moves two volumes at
+        // once: both policy slots go to its first two claims, and the
+        // third waits for the pod, the policy being full as well.
+        let limits = Limits {
+            policies: BTreeMap::from([(
+                "ceph-rbd".to_string(),
+                PolicyLimits {
+                    max_volumes: Some(3),
+                    max_bytes_per_second: None,
+                },
+            )]),
+            stage_pods: BTreeMap::from([("shop/stage-a".to_string(), 2)]),
+            ..Limits::default()
+        };
+        let in_pod = |name: &str, created: i64, pod: &str| {
+            let mut facts = on_ceph(name, created, TransferState::Waiting);
+            facts.stage_pod = format!("shop/{pod}");
+            facts
+        };
+        let transfers = [
+            in_pod("a1", 1, "stage-a"),
+            in_pod("a2", 2, "stage-a"),
+            in_pod("a3", 3, "stage-a"),
+            in_pod("b1", 4, "stage-b"),
+            in_pod("b2", 5, "stage-b"),
+        ];
+        let admission = admit(&limits, &transfers);
+        let admitted: Vec<&str> = transfers
+            .iter()
+            .filter(|t| matches!(admission.decisions[&t.key], Decision::Admit { .. }))
+            .map(|t| t.key.name.as_str())
+            .collect();
+        assert_eq!(admitted, ["a1", "a2", "b1"]);
+        let Decision::Queue { hold, .. } = &admission.decisions[&key("a3")] else {
+            panic!("a3 waits for its pod: {admission:?}");
+        };
+        assert_eq!(hold.cap(), Cap::StagePod("shop/stage-a".to_string()));
+        let message = hold.to_string();
+        assert!(
+            message.contains("2 volumes at a time") && message.contains("moving 2 now"),
+            "{message}"
+        );
     }
 
     #[test]

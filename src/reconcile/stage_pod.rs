@@ -22,7 +22,7 @@ use haulage_api::labels::{
 };
 use haulage_api::location::BackupStorageLocationSpec;
 use haulage_api::names::{MAX_LABEL_LENGTH, bounded_label_value, hashed_dns_label};
-use haulage_api::transfer::{OwnerReference, StorageLocationReference};
+use haulage_api::transfer::{OwnerReference, StorageLocationReference, volumes_at_once};
 use haulage_api::{TransferDirection, VolumeTransfer, VolumeTransferSpec};
 use haulage_plan::StagePod;
 use haulage_plan::facts::{NodeFacts, ResourceMinimum, TaintEffect};
@@ -32,8 +32,8 @@ use k8s_openapi::api::core::v1::{
     Affinity, Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
     NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectFieldSelector,
     PersistentVolumeClaimVolumeSource, Pod, PodSecurityContext, PodSpec, ProjectedVolumeSource,
-    ResourceRequirements, SeccompProfile, Secret, SecretProjection, SecurityContext,
-    ServiceAccount, Toleration, Volume, VolumeMount, VolumeProjection,
+    ResourceFieldSelector, ResourceRequirements, SeccompProfile, Secret, SecretProjection,
+    SecurityContext, ServiceAccount, Toleration, Volume, VolumeMount, VolumeProjection,
 };
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -45,6 +45,9 @@ pub const DEFAULT_CPU_REQUEST_MILLIS: u64 = 100;
 /// Memory a stage pod requests (and is limited to) unless a LimitRange or
 /// StoragePolicy says otherwise; the agent is built to fit it.
 pub const DEFAULT_MEMORY_REQUEST_BYTES: u64 = 128 << 20;
+/// The variable that gives the agent its memory budget, in bytes: the
+/// container's memory request, through the downward API.
+pub const MEMORY_BUDGET_ENV: &str = "HAULAGE_MEMORY_BUDGET";
 /// glibc malloc arenas in the agent (`MALLOC_ARENA_MAX`).
 pub const MALLOC_ARENA_MAX: u32 = 2;
 /// The stage pod's memory limit, as a multiple of its request.
@@ -874,6 +877,20 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
             value: Some(MALLOC_ARENA_MAX.to_string()),
             ..EnvVar::default()
         },
+        // The memory the agent plans its volumes in: its request (the
+        // limit is twice that, head room rather than a budget).
+        EnvVar {
+            name: MEMORY_BUDGET_ENV.to_string(),
+            value_from: Some(EnvVarSource {
+                resource_field_ref: Some(ResourceFieldSelector {
+                    container_name: Some(AGENT_CONTAINER.to_string()),
+                    resource: "requests.memory".to_string(),
+                    divisor: None,
+                }),
+                ..EnvVarSource::default()
+            }),
+            ..EnvVar::default()
+        },
         EnvVar {
             name: "POD_NAME".to_string(),
             value_from: Some(field_reference("metadata.name")),
@@ -972,6 +989,27 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
         }),
         status: None,
     }
+}
+
+/// Volumes the agent of stage pod `pod` moves at once: what its
+/// container's memory request holds ([`volumes_at_once`], which the agent
+/// applies to the same request, given to it as `HAULAGE_MEMORY_BUDGET`);
+/// one when the request cannot be read.
+pub fn volumes_at_once_of(pod: &Pod) -> u32 {
+    pod.spec
+        .iter()
+        .flat_map(|spec| spec.containers.iter())
+        .find(|container| container.name == AGENT_CONTAINER)
+        .and_then(|container| {
+            container
+                .resources
+                .as_ref()?
+                .requests
+                .as_ref()?
+                .get("memory")
+        })
+        .and_then(|quantity| haulage_plan::quantity::parse_quantity(&quantity.0).ok())
+        .map_or(1, volumes_at_once)
 }
 
 /// Tolerations for the node's NoSchedule taints and its cordon, which the
@@ -1142,6 +1180,40 @@ mod tests {
         assert_eq!(ports.len(), 1);
         assert_eq!(ports[0].name.as_deref(), Some(AGENT_METRICS_PORT_NAME));
         assert_eq!(ports[0].container_port, 9090);
+    }
+
+    #[test]
+    fn the_agent_gets_its_memory_request_as_its_budget_and_admission_the_volumes_it_holds() {
+        let template = template(Operation::Backup, "nightly");
+        let pod = pod_of(&template, &stage("node-a"), None);
+        let budget = container(&pod)
+            .env
+            .iter()
+            .flatten()
+            .find(|variable| variable.name == MEMORY_BUDGET_ENV)
+            .and_then(|variable| variable.value_from.as_ref()?.resource_field_ref.as_ref())
+            .expect("the budget from the downward API");
+        assert_eq!(budget.resource, "requests.memory");
+        assert_eq!(budget.container_name.as_deref(), Some(AGENT_CONTAINER));
+        assert_eq!(volumes_at_once_of(&pod), 3, "the default 128Mi");
+        // A StoragePolicy asking 512Mi for the stage pods of its claims.
+        let larger = desired_stage_pod(
+            &template,
+            &stage("node-a"),
+            StagePodInputs {
+                resources: ResourceOverride {
+                    cpu_millis: None,
+                    memory_bytes: Some(512 << 20),
+                },
+                ..StagePodInputs::default()
+            },
+        )
+        .pod;
+        assert_eq!(volumes_at_once_of(&larger), 20);
+        // One whose request cannot be read moves one at a time.
+        let mut unreadable = pod.clone();
+        unreadable.spec.as_mut().expect("spec").containers[0].resources = None;
+        assert_eq!(volumes_at_once_of(&unreadable), 1);
     }
 
     #[test]

@@ -285,3 +285,84 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
     fixture.stop().await;
     Ok(())
 }
+
+/// A stage pod's agent moves as many of its claims at once as its memory
+/// request holds (four in the default 128Mi), and the caps decide the
+/// rest: three claims of one namespace on one node, one stage pod; the
+/// node's cap of two (the controller's default `--max-volumes-per-node`)
+/// lets two of them move at once, the third waits for the node, and the
+/// agent shares its memory budget between the two engines. Until the
+/// budget was shared, an agent moved one volume at a time and admission
+/// held the second claim for the stage pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stage_pod_moves_its_claims_at_once_as_far_as_its_memory_and_the_caps_allow()
+-> anyhow::Result<()> {
+    let fixture = Fixture::builder()
+        .layout(crate::support::fixture::Layout::many(3, 1, 1))
+        .upload_bytes_per_second(1 << 20)
+        .volume_bytes(6 << 20)
+        .random_data_in_small_packs()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    crate::support::fixture::create_backup_in(
+        client,
+        "together",
+        &["team-0"],
+        serde_json::json!({"matchLabels": {"backup": "yes"}}),
+    )
+    .await?;
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "team-0");
+    let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
+    let mut most_at_once = 0;
+    let mut held_by_the_node = None;
+    let mut pods = std::collections::BTreeSet::new();
+    let deadline = std::time::Instant::now() + BACKUP_DEADLINE;
+    loop {
+        let list = transfers.list(&ListParams::default()).await?;
+        let running = list
+            .items
+            .iter()
+            .filter(|transfer| transfer.phase() == VolumeTransferPhase::InProgress)
+            .count();
+        most_at_once = most_at_once.max(running);
+        for transfer in &list.items {
+            pods.insert(transfer.spec.stage_pod.clone());
+            if transfer.phase() == VolumeTransferPhase::Queued {
+                held_by_the_node = transfer
+                    .status
+                    .iter()
+                    .flat_map(|status| status.conditions.iter())
+                    .map(|condition| condition.message.clone())
+                    .find(|message| message.contains("node node-0"))
+                    .or(held_by_the_node);
+            }
+        }
+        let phase = backups
+            .get("together")
+            .await?
+            .status
+            .and_then(|status| status.phase);
+        if phase == Some(haulage::api::backup::VolumeBackupPhase::Completed) {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the backup did not complete: {phase:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        pods.len(),
+        1,
+        "one stage pod for the three claims: {pods:?}"
+    );
+    assert_eq!(
+        most_at_once, 2,
+        "two of the stage pod's claims move at once, as the node's cap allows"
+    );
+    let held = held_by_the_node.context("the third claim never waited for the node's cap")?;
+    assert!(held.contains("2 of 2 volumes running"), "{held}");
+    fixture.stop().await;
+    Ok(())
+}

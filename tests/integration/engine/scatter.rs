@@ -384,3 +384,98 @@ async fn restore_with_failures(
         .collect();
     (outcome, failed)
 }
+
+/// An engine given the smallest memory share (one of several volumes in a
+/// stage pod) stores and restores the same content with smaller buffers:
+/// its backup closes data packs before they pass a few MiB where the
+/// default share fills them to 16 MiB, and its restore reads a 16 MiB pack
+/// in several ranges of at most a few MiB where the default share reads
+/// it whole. Identical files either way, and a repository that verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_smallest_memory_share_moves_the_same_data_in_smaller_packs_and_reads() {
+    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::memory::EngineMemory;
+    const MIB: u64 = 1024 * 1024;
+    let source = tempfile::tempdir().expect("source");
+    std::fs::write(source.path().join("random.bin"), random_bytes(41, 20 << 20)).expect("write");
+    std::fs::create_dir(source.path().join("small")).expect("dir");
+    for index in 0..200u64 {
+        std::fs::write(
+            source.path().join("small").join(format!("{index}.txt")),
+            random_bytes(index, 1_000 + index as usize * 37),
+        )
+        .expect("write");
+    }
+    let smallest = EngineMemory::new(0);
+    let mut largest_packs = Vec::new();
+    for memory in [EngineMemory::default(), smallest] {
+        let repo = TestRepo::new().await;
+        let mut options = BackupOptions::new(source.path());
+        options.memory = memory;
+        let outcome = backup(
+            &repo.repository,
+            options,
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .expect("backup");
+        let largest = super::support::files_under(&repo.root().join("data"))
+            .iter()
+            .map(|(_, size)| *size)
+            .max()
+            .expect("packs");
+        largest_packs.push((largest, repo.pack_count()));
+        let target = tempfile::tempdir().expect("target");
+        let mut options = RestoreOptions::new(target.path().join("restored"));
+        options.memory = memory;
+        repo.restore_with(&outcome.snapshot_id, options).await;
+        assert_same_tree(source.path(), &target.path().join("restored"));
+        assert!(repo.verify(outcome.snapshot_id).await.problems.is_empty());
+    }
+    let ((default_largest, default_packs), (small_largest, small_packs)) =
+        (largest_packs[0], largest_packs[1]);
+    assert!(default_largest > 16 * MIB, "{largest_packs:?}");
+    assert!(small_largest < 6 * MIB, "{largest_packs:?}");
+    assert!(small_packs > default_packs, "{largest_packs:?}");
+
+    // Both shares restore a backup made with the default share (its 16
+    // MiB packs): the default reads each pack whole, the smallest in
+    // ranges of a few MiB.
+    let repo = TestRepo::new().await;
+    let snapshot = repo.backup(source.path()).await.snapshot_id;
+    let (counter, repository) = counted(&repo).await;
+    let packs = pack_entries(&repository).await;
+    for (memory, most_bytes_per_read) in [(EngineMemory::default(), 21 * MIB), (smallest, 6 * MIB)]
+    {
+        let target = tempfile::tempdir().expect("target");
+        let mut options = RestoreOptions::new(target.path().join("restored"));
+        options.memory = memory;
+        counter.layer().take_reads();
+        restore_with(&repository, &snapshot, options).await;
+        assert_same_tree(source.path(), &target.path().join("restored"));
+        let reads = data_reads_per_pack(&counter.layer().take_reads(), &packs);
+        let (requests, bytes): (usize, u64) =
+            reads.values().fold((0, 0), |(requests, bytes), (r, b)| {
+                (requests + r, bytes + b)
+            });
+        assert!(
+            bytes <= requests as u64 * most_bytes_per_read,
+            "{memory:?}: {requests} reads of {bytes} bytes"
+        );
+        if memory == smallest {
+            let longest = reads
+                .values()
+                .map(|(r, b)| b / *r as u64)
+                .max()
+                .unwrap_or(0);
+            assert!(
+                requests > packs_with_data(&packs) && longest < 6 * MIB,
+                "{requests} reads for {} packs",
+                packs_with_data(&packs)
+            );
+        } else {
+            assert_eq!(requests, packs_with_data(&packs), "one read per pack");
+        }
+    }
+}

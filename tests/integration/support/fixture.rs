@@ -385,9 +385,17 @@ pub struct FixtureBuilder {
     provisioning: bool,
     fault_proxy: bool,
     api_fault_proxy: bool,
+    max_volumes_per_node: Option<u32>,
 }
 
 impl FixtureBuilder {
+    /// The controller's `--max-volumes-per-node` (`None`: no cap).
+    /// Default: the controller's default, 2.
+    pub fn max_volumes_per_node(mut self, volumes: Option<u32>) -> Self {
+        self.max_volumes_per_node = volumes;
+        self
+    }
+
     /// The namespaces, claims, nodes and application pods to create.
     /// Default: [`Layout::five_claims`].
     pub fn layout(mut self, layout: Layout) -> Self {
@@ -518,6 +526,7 @@ impl FixtureBuilder {
             provisioning,
             fault_proxy,
             api_fault_proxy,
+            max_volumes_per_node,
         } = self;
         let mut cluster = if audited {
             KubeCluster::start_audited().await?
@@ -636,7 +645,15 @@ impl FixtureBuilder {
             shutdown,
             controller,
             health_address,
-        } = start_controller(&cluster, work.path(), "controller-0").await?;
+        } = start_controller_with(
+            &cluster,
+            work.path(),
+            haulage::controller::Config {
+                max_volumes_per_node,
+                ..Fixture::controller_config("controller-0")?
+            },
+        )
+        .await?;
 
         let locations: Api<BackupStorageLocation> =
             Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
@@ -688,6 +705,17 @@ pub async fn start_controller(
     work: &Path,
     identity: &str,
 ) -> anyhow::Result<InProcessController> {
+    start_controller_with(cluster, work, Fixture::controller_config(identity)?).await
+}
+
+/// [`start_controller`] with `config` (its health address replaced by a
+/// free port).
+pub async fn start_controller_with(
+    cluster: &KubeCluster,
+    work: &Path,
+    config: haulage::controller::Config,
+) -> anyhow::Result<InProcessController> {
+    let identity = config.identity.clone();
     let kubeconfig = cluster
         .service_account_kubeconfig(
             SYSTEM_NAMESPACE,
@@ -700,7 +728,7 @@ pub async fn start_controller(
     let health_address = health.local_addr()?;
     let config = haulage::controller::Config {
         health_address,
-        ..Fixture::controller_config(identity)?
+        ..config
     };
     let shutdown = CancellationToken::new();
     crate::support::logs::capture();
@@ -789,6 +817,7 @@ impl Fixture {
             provisioning: false,
             fault_proxy: false,
             api_fault_proxy: false,
+            max_volumes_per_node: haulage::controller::Config::new("", "").max_volumes_per_node,
         }
     }
 

@@ -655,7 +655,29 @@ impl Kubelet {
                         Some("metadata.name") => name.clone(),
                         Some("metadata.namespace") => namespace.clone(),
                         Some("spec.nodeName") => node.to_string(),
-                        _ => continue,
+                        // The container's own requests, in bytes, as the
+                        // kubelet gives them (divisor 1).
+                        _ => match source.resource_field_ref.as_ref() {
+                            Some(selector) => match selector.resource.strip_prefix("requests.") {
+                                Some(resource) => {
+                                    let Some(quantity) = container
+                                        .resources
+                                        .as_ref()
+                                        .and_then(|r| r.requests.as_ref())
+                                        .and_then(|requests| requests.get(resource))
+                                    else {
+                                        continue;
+                                    };
+                                    haulage::plan::quantity::parse_quantity(&quantity.0)
+                                        .with_context(|| {
+                                            format!("{resource} request {}", quantity.0)
+                                        })?
+                                        .to_string()
+                                }
+                                None => continue,
+                            },
+                            None => continue,
+                        },
                     }
                 }
                 _ => continue,
