@@ -747,10 +747,9 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
                 TransferDirection::Upload => {
                     Moved::BackedUp(back_up(&claimed, &volume, &run, &work).await)
                 }
-                TransferDirection::Download => Moved::Restored(
-                    restore_and_verify(&claimed, &volume, &run, &work)
-                    .await,
-                ),
+                TransferDirection::Download => {
+                    Moved::Restored(restore_and_verify(&claimed, &volume, &run, &work).await)
+                }
             };
             let lost = lock.check();
             if let Err(error) = lock.release().await {
