@@ -14,9 +14,9 @@ use crate::support::fixture::{Fixture, Layout, create, final_phase};
 
 /// An agent's peak resident memory backing up large claims: first a stage
 /// pod with one claim (one engine), then one with four claims, which its
-/// agent moves at once (what the default 128Mi request holds; the node's
-/// cap is lifted for the measurement), each engine in a quarter of the
-/// budget. 256 MiB of sample data per claim (`HAULAGE_AGENT_MEMORY_MIB`
+/// agent moves as many at once as the default 128Mi request holds (three;
+/// the node's cap is lifted for the measurement), each engine in an equal
+/// part of the budget. 256 MiB of sample data per claim (`HAULAGE_AGENT_MEMORY_MIB`
 /// for another size; a quarter small files, the rest random, log-like and
 /// duplicated), one node, one VolumeBackup after the other so the caps do
 /// not mix them. The kubelet stand-in samples `VmHWM` every 100 ms. Uses
