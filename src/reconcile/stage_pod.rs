@@ -54,8 +54,8 @@ pub const MALLOC_ARENA_MAX: u32 = 2;
 /// (`MALLOC_MMAP_THRESHOLD_`), given back when freed: packs and largest
 /// chunk buffers. Without it glibc raises its threshold to the largest
 /// buffer freed (a 20 MiB pack) and keeps up to twice that freed on its
-/// heap; a 1 GiB backup peaked at 102 MiB instead of 79 MiB, in the same
-/// time (docs/benchmarks.md, "Several volumes in one stage pod").
+/// heap; a 1 GiB backup peaked at 99–104 MiB instead of 77 MiB, in the
+/// same time (docs/benchmarks.md, "Several volumes in one stage pod").
 pub const MALLOC_MMAP_THRESHOLD_BYTES: u32 = 4 << 20;
 /// The stage pod's memory limit, as a multiple of its request.
 pub const MEMORY_LIMIT_FACTOR: u64 = 2;
