@@ -11,7 +11,11 @@
 //! smaller share closes data packs before they pass a smaller target,
 //! keeps fewer chunks and pack reads in flight, writes with fewer scatter
 //! workers and batches fewer files; none of that changes what is stored
-//! or restored, only how much of it is held at once. The figures behind
+//! or restored, only how much of it is held at once. The parts are those
+//! of one engine in the repository as it is configured: a repository
+//! whose packs aim at more than the default 16 MiB takes proportionally
+//! more in every share (its packs shrink only below the default share).
+//! The figures behind
 //! the split are in docs/benchmarks.md ("Several volumes in one stage
 //! pod").
 

@@ -119,7 +119,12 @@ async fn a_backup_deleted_in_every_phase_of_its_transfers_leaves_nothing_behind_
     create_storage_policy(
         client,
         "one-at-a-time",
-        json!({"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1}),
+        // Memory for whole 80 MiB packs: the stage pod's two engines each
+        // get at most a whole engine's share, where the default 128Mi
+        // would give each half of what it leaves, and packs under 40 MiB
+        // (no multipart upload to cancel).
+        json!({"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1,
+            "stagePodResources": {"requests": {"memory": "256Mi"}}}),
     )
     .await?;
     let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "solo");
