@@ -28,8 +28,8 @@
 //! worker that writes a file's last chunk sets its size and attributes and
 //! closes it. So a pack is read once whether its blobs belong to one file or
 //! to a thousand, and small files cost the same per byte as large ones:
-//! neither a request nor a task per file. Memory stays within
-//! [`RESTORE_MEMORY_BUDGET_BYTES`] whatever the snapshot's size.
+//! neither a request nor a task per file. Memory stays within the
+//! engine's share ([`EngineMemory`]) whatever the snapshot's size.
 
 mod plan;
 
@@ -69,19 +69,6 @@ use crate::store::ranges::DEFAULT_COALESCE_GAP_BYTES;
 
 const MIB: u64 = 1024 * 1024;
 
-/// Peak resident memory a restore stays within, whatever the size of the
-/// snapshot (files, bytes, chunks): the stage pod's memory request (128Mi),
-/// which the mover agent running this restore must fit. The restore's own
-/// buffers are bounded by the constants below, whose sum with
-/// [`PROCESS_BASELINE_BYTES`] is checked against this at compile time;
-/// docs/benchmarks.md has the measured peaks.
-pub const RESTORE_MEMORY_BUDGET_BYTES: u64 = 128 * MIB;
-/// What the process holds besides the restore's buffers: the async runtime
-/// and S3 client, the blob index (about 50 bytes per blob: 1.5 MiB for a
-/// 2 GiB repository), the walker's current trees, and the allocator's slack
-/// (glibc keeps freed memory cached per thread). A restore of one small
-/// file peaks at 25 MiB.
-const PROCESS_BASELINE_BYTES: u64 = 40 * MIB;
 /// Longest single pack read with the default memory share: a pack of the
 /// default size (16 MiB, closed after the chunk that reaches it, so at most
 /// 4 MiB more, and its trailer) comes in one request. Larger packs, and
@@ -143,10 +130,17 @@ const MAX_OPEN_FILES: usize = 256;
 /// Files of a batch finished (or compared, in `sync` mode) per job.
 const FILES_PER_JOB: usize = 256;
 
+// The buffers of the default share, and the trees kept for the
+// verification, fit that share (what the process holds besides is the
+// agent's baseline, `api::transfer::AGENT_BASELINE_BYTES`);
+// docs/benchmarks.md has the measured peaks.
 const _: () = assert!(
-    PROCESS_BASELINE_BYTES + PACK_BYTES_IN_FLIGHT + DECODE_BUFFER_BYTES + BATCH_BOOKKEEPING_BYTES
-        <= RESTORE_MEMORY_BUDGET_BYTES,
-    "the restore's buffers do not fit its memory budget"
+    PACK_BYTES_IN_FLIGHT
+        + DECODE_BUFFER_BYTES
+        + BATCH_BOOKKEEPING_BYTES
+        + super::tree_cache::VERIFY_TREE_CACHE_BYTES
+        <= haulage_api::transfer::DEFAULT_VOLUME_SHARE_BYTES,
+    "the restore's buffers do not fit an engine's default memory share"
 );
 
 /// How to restore.

@@ -821,6 +821,22 @@ mod tests {
         )
     }
 
+    /// A waiting transfer of the ceph-rbd policy in stage pod `shop/POD`.
+    fn in_pod(name: &str, created: i64, pod: &str) -> TransferFacts {
+        let mut facts = on_ceph(name, created, TransferState::Waiting);
+        facts.stage_pod = format!("shop/{pod}");
+        facts
+    }
+
+    /// The names of `transfers` the pass admitted, in their order.
+    fn admitted_names<'a>(transfers: &'a [TransferFacts], admission: &Admission) -> Vec<&'a str> {
+        transfers
+            .iter()
+            .filter(|t| matches!(admission.decisions[&t.key], Decision::Admit { .. }))
+            .map(|t| t.key.name.as_str())
+            .collect()
+    }
+
     fn key(name: &str) -> TransferKey {
         TransferKey {
             namespace: "shop".to_string(),
@@ -1385,11 +1401,6 @@ mod tests {
             stage_pods: BTreeMap::from([("shop/stage-a".to_string(), 2)]),
             ..Limits::default()
         };
-        let in_pod = |name: &str, created: i64, pod: &str| {
-            let mut facts = on_ceph(name, created, TransferState::Waiting);
-            facts.stage_pod = format!("shop/{pod}");
-            facts
-        };
         let transfers = [
             in_pod("a1", 1, "stage-a"),
             in_pod("a2", 2, "stage-a"),
@@ -1398,11 +1409,7 @@ mod tests {
             in_pod("b2", 5, "stage-b"),
         ];
         let admission = admit(&limits, &transfers);
-        let admitted: Vec<&str> = transfers
-            .iter()
-            .filter(|t| matches!(admission.decisions[&t.key], Decision::Admit { .. }))
-            .map(|t| t.key.name.as_str())
-            .collect();
+        let admitted = admitted_names(&transfers, &admission);
         assert_eq!(admitted, ["a1", "a2", "b1"]);
         let Decision::Queue { hold, .. } = &admission.decisions[&key("a3")] else {
             panic!("a3 waits for its pod: {admission:?}");
@@ -1431,11 +1438,6 @@ mod tests {
             )]),
             ..Limits::default()
         };
-        let in_pod = |name: &str, created: i64, pod: &str| {
-            let mut facts = on_ceph(name, created, TransferState::Waiting);
-            facts.stage_pod = format!("shop/{pod}");
-            facts
-        };
         let transfers = [
             in_pod("a1", 1, "stage-a"),
             in_pod("a2", 2, "stage-a"),
@@ -1443,11 +1445,7 @@ mod tests {
             in_pod("b1", 4, "stage-b"),
         ];
         let admission = admit(&limits, &transfers);
-        let admitted: Vec<&str> = transfers
-            .iter()
-            .filter(|t| matches!(admission.decisions[&t.key], Decision::Admit { .. }))
-            .map(|t| t.key.name.as_str())
-            .collect();
+        let admitted = admitted_names(&transfers, &admission);
         assert_eq!(admitted, ["a1", "b1"]);
         assert_eq!(
             admission.decisions[&key("b1")],

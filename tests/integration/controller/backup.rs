@@ -299,9 +299,8 @@ async fn a_stage_pod_moves_its_claims_at_once_as_far_as_its_memory_and_the_caps_
 -> anyhow::Result<()> {
     let fixture = Fixture::builder()
         .layout(crate::support::fixture::Layout::many(3, 1, 1))
-        .upload_bytes_per_second(1 << 20)
+        .long_running_transfers()
         .volume_bytes(6 << 20)
-        .random_data_in_small_packs()
         .start()
         .await?;
     let client = &fixture.client;

@@ -817,7 +817,7 @@ impl Fixture {
             provisioning: false,
             fault_proxy: false,
             api_fault_proxy: false,
-            max_volumes_per_node: haulage::controller::Config::new("", "").max_volumes_per_node,
+            max_volumes_per_node: Some(haulage::controller::DEFAULT_MAX_VOLUMES_PER_NODE),
         }
     }
 
