@@ -49,6 +49,7 @@
 //! the AWS SDK, the file system, the network or the clock
 //! (`tests/architecture.rs`).
 
+pub mod allocator;
 pub use haulage_api as api;
 pub mod cli;
 pub mod clock;

@@ -179,6 +179,7 @@ struct Arguments {
 }
 
 fn main() -> ExitCode {
+    haulage::allocator::keep_freed_memory_small();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

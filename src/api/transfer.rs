@@ -16,8 +16,8 @@ const MIB: u64 = 1024 * 1024;
 /// What a mover agent holds besides its engines' buffers: the async
 /// runtime and its blocking threads, the S3 client, the binary's pages,
 /// the repository's blob index, each thread's zstd context and the
-/// allocator's slack (small with the stage pod's `MALLOC_MMAP_THRESHOLD_`,
-/// about 20 MiB more without it). A restore of one small file peaks at 25
+/// allocator's slack (small with the agent's allocator settings,
+/// `haulage::allocator`; about 20 MiB more without them). A restore of one small file peaks at 25
 /// MiB. With 36 MiB, four engines at once restoring 1 GiB claims peaked at
 /// 135 MiB (each restore loads its own copy of the index): 40 MiB leaves
 /// room for three (docs/benchmarks.md, "Several volumes in one stage pod").

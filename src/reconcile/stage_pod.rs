@@ -48,15 +48,6 @@ pub const DEFAULT_MEMORY_REQUEST_BYTES: u64 = 128 << 20;
 /// The variable that gives the agent its memory budget, in bytes: the
 /// container's memory request, through the downward API.
 pub const MEMORY_BUDGET_ENV: &str = "HAULAGE_MEMORY_BUDGET";
-/// glibc malloc arenas in the agent (`MALLOC_ARENA_MAX`).
-pub const MALLOC_ARENA_MAX: u32 = 2;
-/// Allocations from this size on get pages of their own in the agent
-/// (`MALLOC_MMAP_THRESHOLD_`), given back when freed: packs and largest
-/// chunk buffers. Without it glibc raises its threshold to the largest
-/// buffer freed (a 20 MiB pack) and keeps up to twice that freed on its
-/// heap; a 1 GiB backup peaked at 99–104 MiB instead of 77 MiB, in the
-/// same time (docs/benchmarks.md, "Several volumes in one stage pod").
-pub const MALLOC_MMAP_THRESHOLD_BYTES: u32 = 4 << 20;
 /// The stage pod's memory limit, as a multiple of its request.
 pub const MEMORY_LIMIT_FACTOR: u64 = 2;
 /// Where each claim is mounted: `/data/<claim name>`.
@@ -874,19 +865,6 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
         EnvVar {
             name: "TMPDIR".to_string(),
             value: Some(SCRATCH_PATH.to_string()),
-            ..EnvVar::default()
-        },
-        // glibc gives each thread that allocates its own arena and keeps
-        // freed memory there: one volume after another on different
-        // blocking threads then adds up (measured, docs/benchmarks.md).
-        EnvVar {
-            name: "MALLOC_ARENA_MAX".to_string(),
-            value: Some(MALLOC_ARENA_MAX.to_string()),
-            ..EnvVar::default()
-        },
-        EnvVar {
-            name: "MALLOC_MMAP_THRESHOLD_".to_string(),
-            value: Some(MALLOC_MMAP_THRESHOLD_BYTES.to_string()),
             ..EnvVar::default()
         },
         // The memory the agent plans its volumes in: its request (the
