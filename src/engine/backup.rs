@@ -126,6 +126,45 @@ pub struct BackupOptions {
     /// average, enough to keep two cores busy), chunk buffers kept for
     /// reuse, and the packs filled and uploaded.
     pub memory: EngineMemory,
+    /// Back up only these files of the source (and the directories on the
+    /// way to them); `None` backs up everything. `haulage bench` backs up
+    /// a sample of a source this way.
+    pub only: Option<Arc<Selection>>,
+}
+
+/// Files of a source, by their path relative to it, that a backup is
+/// limited to ([`BackupOptions::only`]).
+#[derive(Debug, Clone, Default)]
+pub struct Selection {
+    files: HashSet<PathBuf>,
+    /// Every directory with a selected file under it.
+    directories: HashSet<PathBuf>,
+}
+
+impl Selection {
+    /// The files at these paths, relative to the source.
+    pub fn of_files(files: impl IntoIterator<Item = PathBuf>) -> Self {
+        let mut selection = Selection::default();
+        for file in files {
+            let mut directory = file.parent();
+            while let Some(path) = directory.filter(|path| !path.as_os_str().is_empty()) {
+                if !selection.directories.insert(path.to_path_buf()) {
+                    break;
+                }
+                directory = path.parent();
+            }
+            selection.files.insert(file);
+        }
+        selection
+    }
+
+    /// Whether the entry at `relative` of this kind is backed up.
+    fn keeps(&self, relative: &Path, kind: EntryKind) -> bool {
+        match kind {
+            EntryKind::Directory => self.directories.contains(relative),
+            _ => self.files.contains(relative),
+        }
+    }
 }
 
 impl BackupOptions {
@@ -142,6 +181,7 @@ impl BackupOptions {
             read_throttle: Throttle::unlimited(),
             parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()) + 1,
             memory: EngineMemory::default(),
+            only: None,
         }
     }
 }
@@ -346,6 +386,8 @@ pub async fn backup(
     // the totals are the walk's own once it ends.
     let scan_cancel = cancel.child_token();
     let scan = match &parent {
+        // A selection's totals are the selection's, known at the end.
+        _ if options.only.is_some() => None,
         Some((_, snapshot)) => {
             progress.set_totals(snapshot.summary.total_bytes, snapshot.summary.files);
             None
@@ -378,6 +420,7 @@ pub async fn backup(
             hardlinks_seen: HashSet::new(),
             file_size_hint: 0,
             compression_level: options.compression_level,
+            only: options.only.clone(),
         };
         let source = source.clone();
         tokio::task::spawn_blocking(move || {
@@ -756,6 +799,8 @@ struct WalkContext {
     file_size_hint: u64,
     /// zstd level for chunks compressed on the walker thread.
     compression_level: i32,
+    /// What the backup is limited to ([`BackupOptions::only`]).
+    only: Option<Arc<Selection>>,
 }
 
 /// Whether a batch of `items` walk items, with `file_bytes` bytes of small
@@ -1148,6 +1193,11 @@ impl WalkContext {
                 }
             };
             let kind = entry.kind;
+            if let Some(only) = &self.only
+                && !only.keeps(&child_relative, kind)
+            {
+                continue;
+            }
             let name_bytes = name.into_vec();
             let previous = parent.and_then(|tree| tree.find(&name_bytes));
             entry.xattrs = match previous.filter(|previous| same_inode_state(previous, &entry)) {
