@@ -5,12 +5,21 @@
 //! machine, this source and this location: reading the source (one reader,
 //! then several, on disjoint files so the page cache does not flatter the
 //! second), the CPU stages on a sample of the source's own data (FastCDC,
-//! keyed BLAKE3, zstd at the configured level), and upload, download and
-//! request latency against the location, with objects written under a
-//! `bench/` prefix and deleted afterwards. The estimate for N bytes is the
-//! slowest stage, after the caps (`--limit-read`, `--limit-upload`) and the
-//! sample's compression ratio. Every phase is bounded in bytes, objects and
-//! time, so a bench against a slow location still ends.
+//! keyed BLAKE3, zstd at the configured level), a sample backup by the
+//! engine itself of each kind of file it treats alike (small files, several
+//! to a job; larger files, chunked as streams) into a throwaway repository,
+//! and upload, download and request latency against the location, with
+//! objects written under a `bench/` prefix and deleted afterwards.
+//!
+//! The estimate for N bytes is the slowest of the parallel read, the backup
+//! pipeline (each kind of file at its sample backup's pace) and the upload,
+//! after the caps (`--limit-read`, `--limit-upload`) and the samples'
+//! stored/source ratio. The stage figures alone had estimated 1 s for a
+//! first backup of 200,000 small files that took 6 s: per-file work is
+//! most of such a backup, and only a backup shows it (docs/benchmarks.md,
+//! "`haulage bench` against the backup it estimates"). Every phase is
+//! bounded in bytes, objects and time, so a bench against a slow location
+//! still ends.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -51,6 +60,8 @@ const LATENCY_REQUESTS: usize = 20;
 const LATENCY_OBJECT_BYTES: usize = 4 * 1024;
 /// Prefix under the location for everything the bench writes.
 pub const BENCH_PREFIX: &str = "bench/";
+/// The estimate's limit the sample backups give.
+const PIPELINE_LIMIT: &str = "backup pipeline";
 /// Bytes per read(2) in the read tests, as the backup reads.
 const READ_BLOCK_BYTES: usize = 256 * 1024;
 
@@ -170,11 +181,43 @@ pub struct CpuStages {
     pub compression_level: i32,
     /// Stored bytes per source byte on the sample (1.0 when nothing shrinks).
     pub compression_ratio: f64,
-    /// Cores the backup spreads hashing and compression over.
+}
+
+/// A backup of a sample of the source's files of one kind, by the engine
+/// itself into a throwaway encrypted repository on this machine: what the
+/// backup does per file and per byte (reads, chunking, hashing,
+/// compression, encryption, packs), without the upload.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SampleBackup {
+    /// Files backed up (a file the sample stopped in counts once).
+    pub files: u64,
+    /// Source bytes backed up and in what time; its rate is the pace
+    /// after the first quarter of the sample (the whole sample's when it
+    /// is too short to tell).
+    pub rate: Rate,
+    /// Stored bytes per byte of new data (compression).
+    pub stored_ratio: f64,
+    /// CPU seconds of the process per second of the sample: how many
+    /// cores the backup kept busy.
+    pub cores_busy: f64,
+}
+
+/// The sample backups, one per kind of file the engine treats alike.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SampleBackups {
+    /// Files up to [`small_file_limit`] bytes, read whole, several to a
+    /// job; `None` when the source has none.
+    pub small_files: Option<SampleBackup>,
+    /// Bytes of the source in small files.
+    pub small_file_bytes: u64,
+    /// Larger files, chunked as streams; `None` when the source has none.
+    pub large_files: Option<SampleBackup>,
+    /// Bytes of the source in large files.
+    pub large_file_bytes: u64,
+    /// Cores of this machine.
     pub cores: usize,
-    /// What chunking on one thread plus hashing and compression on all
-    /// cores can sustain, bytes per second.
-    pub pipeline_bytes_per_second: f64,
 }
 
 /// Upload, download and request latency against the location.
@@ -232,6 +275,8 @@ pub struct BenchReport {
     pub readers: usize,
     /// CPU stages.
     pub cpu: CpuStages,
+    /// The sample backups.
+    pub samples: SampleBackups,
     /// Storage.
     pub storage: StorageFigures,
     /// The estimate.
@@ -245,6 +290,14 @@ pub enum BenchError {
     #[error("cannot benchmark source {path}: {reason}")]
     Source {
         /// The directory.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// A sample backup failed.
+    #[error("cannot back up a sample of {path}: {reason}")]
+    Sample {
+        /// The source.
         path: PathBuf,
         /// What failed.
         reason: String,
@@ -300,6 +353,7 @@ async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchEr
         use rand::seq::SliceRandom;
         files.shuffle(&mut rand::rngs::StdRng::seed_from_u64(SAMPLE_ORDER_SEED));
     }
+    let files_in_order = files.clone();
     let budget = args.size.as_u64().max(1);
     let (single_files, parallel_files): (Vec<_>, Vec<_>) = files
         .into_iter()
@@ -327,6 +381,7 @@ async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchEr
     let cpu = tokio::task::spawn_blocking(move || cpu_stages(&sample, level))
         .await
         .map_err(|error| source_error(error.to_string()))?;
+    let samples = sample_backups(args, &files_in_order, budget, level).await?;
     let storage = storage_figures(store, args).await?;
 
     let estimate_bytes = args
@@ -335,7 +390,7 @@ async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchEr
     let estimate = estimate(
         estimate_bytes,
         &read_parallel,
-        &cpu,
+        &samples,
         &storage,
         args.limit_read,
         args.limit_upload,
@@ -346,6 +401,7 @@ async fn bench(args: &BenchArgs, store: DynStore) -> Result<BenchReport, BenchEr
         read_parallel,
         readers: args.readers,
         cpu,
+        samples,
         storage,
         estimate,
     })
@@ -445,12 +501,6 @@ fn cpu_stages(sample: &[u8], level: i32) -> CpuStages {
         };
     }
     let compression = Rate::new(sample.len() as u64, started.elapsed());
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_core_hash_and_compress =
-        1.0 / (1.0 / hashing.bytes_per_second + 1.0 / compression.bytes_per_second);
-    let pipeline_bytes_per_second = chunking
-        .bytes_per_second
-        .min(per_core_hash_and_compress * cores as f64);
     CpuStages {
         chunking,
         hashing,
@@ -461,9 +511,237 @@ fn cpu_stages(sample: &[u8], level: i32) -> CpuStages {
         } else {
             stored as f64 / sample.len() as f64
         },
-        cores,
-        pipeline_bytes_per_second,
     }
+}
+
+/// Files up to this size are small files to the engine: read whole, and
+/// several to one job (half the default chunker's largest chunk).
+pub fn small_file_limit() -> u64 {
+    u64::from(crate::repo::chunker::ChunkerParameters::default().max_bytes) / 2
+}
+
+impl SampleBackups {
+    /// Source bytes per second of the whole source through the backup's
+    /// pipeline: each kind of file at its sample's pace, one after the
+    /// other as the CPU time adds up.
+    pub fn source_bytes_per_second(&self) -> f64 {
+        let seconds = [
+            (self.small_file_bytes, &self.small_files),
+            (self.large_file_bytes, &self.large_files),
+        ]
+        .iter()
+        .map(|(bytes, sample)| match sample {
+            Some(sample) if sample.rate.bytes_per_second > 0.0 => {
+                *bytes as f64 / sample.rate.bytes_per_second
+            }
+            _ => 0.0,
+        })
+        .sum::<f64>();
+        let bytes = (self.small_file_bytes + self.large_file_bytes) as f64;
+        if seconds > 0.0 {
+            bytes / seconds
+        } else {
+            f64::INFINITY
+        }
+    }
+
+    /// Stored bytes per source byte over the whole source, each kind of
+    /// file at its sample's ratio.
+    pub fn stored_ratio(&self) -> f64 {
+        let bytes = (self.small_file_bytes + self.large_file_bytes) as f64;
+        if bytes == 0.0 {
+            return 1.0;
+        }
+        [
+            (self.small_file_bytes, &self.small_files),
+            (self.large_file_bytes, &self.large_files),
+        ]
+        .iter()
+        .map(|(class_bytes, sample)| {
+            *class_bytes as f64 * sample.as_ref().map_or(1.0, |sample| sample.stored_ratio)
+        })
+        .sum::<f64>()
+            / bytes
+    }
+
+    /// Cores the samples kept busy, over both.
+    pub fn cores_busy(&self) -> f64 {
+        let (cpu, seconds) = [&self.small_files, &self.large_files]
+            .into_iter()
+            .flatten()
+            .fold((0.0, 0.0), |(cpu, seconds), sample| {
+                (
+                    cpu + sample.cores_busy * sample.rate.seconds,
+                    seconds + sample.rate.seconds,
+                )
+            });
+        if seconds > 0.0 { cpu / seconds } else { 0.0 }
+    }
+}
+
+/// Back up a sample of each kind of file: `files` (paths under the source,
+/// in the bench's order) up to half of `budget` bytes each, and at most
+/// `--max-phase-time` each.
+async fn sample_backups(
+    args: &BenchArgs,
+    files: &[(PathBuf, u64)],
+    budget: u64,
+    level: i32,
+) -> Result<SampleBackups, BenchError> {
+    let limit = small_file_limit();
+    let (small, large): (Vec<_>, Vec<_>) = files.iter().partition(|(_, size)| *size <= limit);
+    let class_budget = (budget / 2).max(1);
+    let mut samples = SampleBackups {
+        small_files: None,
+        small_file_bytes: small.iter().map(|(_, size)| size).sum(),
+        large_files: None,
+        large_file_bytes: large.iter().map(|(_, size)| size).sum(),
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    for (class, sample) in [
+        (small, &mut samples.small_files),
+        (large, &mut samples.large_files),
+    ] {
+        let mut bytes = 0;
+        let selected: Vec<PathBuf> = class
+            .iter()
+            .take_while(|(_, size)| {
+                let take = bytes < class_budget;
+                bytes += size;
+                take
+            })
+            .filter_map(|(path, _)| path.strip_prefix(&args.source).ok())
+            .map(Path::to_path_buf)
+            .collect();
+        if selected.iter().any(|_| true) && bytes > 0 {
+            *sample = Some(sample_backup(args, selected, class_budget, level).await?);
+        }
+    }
+    Ok(samples)
+}
+
+/// This process's CPU time so far, in seconds.
+fn process_cpu_seconds() -> f64 {
+    let time = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    time.tv_sec as f64 + time.tv_nsec as f64 / 1e9
+}
+
+/// Back up the `selected` files of the source with the engine into a
+/// throwaway repository in a temporary directory, until `budget` bytes are
+/// done or `--max-phase-time` has passed.
+async fn sample_backup(
+    args: &BenchArgs,
+    selected: Vec<PathBuf>,
+    budget: u64,
+    level: i32,
+) -> Result<SampleBackup, BenchError> {
+    use crate::engine::backup::{BackupOptions, ParentPolicy, Selection};
+    use crate::engine::progress::Progress;
+    use crate::engine::repository::{Encryption, Password, Repository};
+    use std::sync::atomic::Ordering;
+    let sample_error = |reason: String| BenchError::Sample {
+        path: args.source.clone(),
+        reason,
+    };
+    let scratch = tempfile::tempdir().map_err(|error| {
+        sample_error(format!(
+            "cannot create a temporary directory for its repository \
+             (set TMPDIR to a writable directory): {error}"
+        ))
+    })?;
+    let store: DynStore = std::sync::Arc::new(crate::store::local::LocalStore::new(scratch.path()));
+    // Encrypted as repositories are by default. The key wraps a repository
+    // deleted when the sample ends: what is measured is the encryption of
+    // the data, not the cost of guessing the key's password.
+    let encryption = Encryption::Password {
+        password: Password::new(hex::encode(rand::random::<[u8; 16]>())),
+        kdf: crate::repo::keyfile::KdfParameters {
+            memory_kib: 64,
+            iterations: 1,
+            parallelism: 1,
+        },
+    };
+    let repository = Repository::init(store, encryption)
+        .await
+        .map_err(|error| sample_error(error.to_string()))?;
+    let mut options = BackupOptions::new(&args.source);
+    options.only = Some(std::sync::Arc::new(Selection::of_files(selected)));
+    options.parent = ParentPolicy::None;
+    options.compression_level = level;
+    options.hostname = "bench".into();
+    let progress = std::sync::Arc::new(Progress::default());
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let started = Instant::now();
+    // What is done at an instant: the pace is taken between the instant a
+    // quarter of the budget is done and the cut (or the end), so neither
+    // the start (threads, the first reads filling the pipeline) nor the
+    // bytes read but still in the pipeline at the cut count.
+    let mark = |progress: &Progress| Mark {
+        at: started.elapsed(),
+        cpu_seconds: process_cpu_seconds(),
+        bytes: progress.bytes_done.load(Ordering::Relaxed),
+        files: progress.files_done.load(Ordering::Relaxed),
+    };
+    let first = mark(&progress);
+    let mut quarter: Option<Mark> = None;
+    let mut cut: Option<Mark> = None;
+    let backup =
+        crate::engine::backup::backup(&repository, options, progress.clone(), cancel.clone());
+    let mut backup = std::pin::pin!(backup);
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    let outcome = loop {
+        tokio::select! {
+            outcome = &mut backup => break outcome,
+            _ = tick.tick() => {
+                let now = mark(&progress);
+                if quarter.is_none() && now.bytes >= budget / 4 {
+                    quarter = Some(now);
+                }
+                // Not before something is stored: the ratio is taken from it.
+                let stored_some = progress.bytes_new.load(Ordering::Relaxed) > 0;
+                if cut.is_none()
+                    && ((now.bytes >= budget && stored_some) || now.at >= args.max_phase_time)
+                {
+                    cut = Some(now);
+                    cancel.cancel();
+                }
+            }
+        }
+    };
+    let end = cut.unwrap_or_else(|| mark(&progress));
+    match outcome {
+        Ok(_) | Err(crate::engine::EngineError::Cancelled) => {}
+        Err(error) => return Err(sample_error(error.to_string())),
+    }
+    // A sample too short to have a steady part is taken whole.
+    let from = quarter
+        .filter(|quarter| end.bytes > quarter.bytes)
+        .unwrap_or(first);
+    let seconds = (end.at - from.at).as_secs_f64().max(1e-9);
+    let done = progress.snapshot();
+    Ok(SampleBackup {
+        files: end.files,
+        rate: Rate {
+            bytes: end.bytes,
+            seconds: end.at.as_secs_f64(),
+            bytes_per_second: (end.bytes - from.bytes) as f64 / seconds,
+        },
+        stored_ratio: if done.bytes_new == 0 {
+            1.0
+        } else {
+            done.bytes_stored as f64 / done.bytes_new as f64
+        },
+        cores_busy: (end.cpu_seconds - from.cpu_seconds) / seconds,
+    })
+}
+
+/// Progress of a sample backup at an instant.
+#[derive(Debug, Clone, Copy)]
+struct Mark {
+    at: Duration,
+    cpu_seconds: f64,
+    bytes: u64,
+    files: u64,
 }
 
 /// Incompressible bytes, different for every object so no server can dedup.
@@ -627,17 +905,20 @@ async fn measure_storage(
 fn estimate(
     bytes: u64,
     read: &Rate,
-    cpu: &CpuStages,
+    samples: &SampleBackups,
     storage: &StorageFigures,
     limit_read: Option<ByteRate>,
     limit_upload: Option<ByteRate>,
 ) -> Estimate {
-    // Uploaded bytes are the source's after compression (a first backup
-    // dedups little), so a byte of upload carries 1/ratio source bytes.
-    let ratio = cpu.compression_ratio.clamp(0.01, 1.0);
+    // Uploaded bytes are the source's after compression and dedup, as the
+    // samples stored them, so a byte of upload carries 1/ratio source bytes.
+    let ratio = samples.stored_ratio().clamp(0.01, 1.0);
     let mut limits = vec![
         ("read".to_string(), read.bytes_per_second),
-        ("cpu".to_string(), cpu.pipeline_bytes_per_second),
+        (
+            PIPELINE_LIMIT.to_string(),
+            samples.source_bytes_per_second(),
+        ),
         (
             "upload".to_string(),
             storage.upload.bytes_per_second / ratio,
@@ -655,6 +936,17 @@ fn estimate(
         .min_by(|a, b| a.1.total_cmp(&b.1))
         .cloned()
         .unwrap_or(("nothing measured".to_string(), 0.0));
+    // Whether the pipeline waits for the CPU or for something else (the
+    // source's per-file calls, the engine's own stages).
+    let bottleneck = if bottleneck == PIPELINE_LIMIT {
+        format!(
+            "{PIPELINE_LIMIT} ({:.1} of {} cores busy in the samples)",
+            samples.cores_busy(),
+            samples.cores
+        )
+    } else {
+        bottleneck
+    };
     Estimate {
         bytes,
         seconds: if rate > 0.0 {
@@ -715,11 +1007,26 @@ fn print_table(report: &BenchReport, args: &BenchArgs) {
         cpu.compression.bytes_per_second,
         format!("1 core, stored/source {:.2}", cpu.compression_ratio),
     );
-    row(
-        "pipeline CPU",
-        cpu.pipeline_bytes_per_second,
-        format!("chunking + hashing and compression on {} cores", cpu.cores),
-    );
+    let samples = &report.samples;
+    for (name, sample) in [
+        ("backup sample, small files", &samples.small_files),
+        ("backup sample, large files", &samples.large_files),
+    ] {
+        if let Some(sample) = sample {
+            row(
+                name,
+                sample.rate.bytes_per_second,
+                format!(
+                    "{} in {} files, {:.1} of {} cores busy, stored/source {:.2}",
+                    human_bytes(sample.rate.bytes),
+                    sample.files,
+                    sample.cores_busy,
+                    samples.cores,
+                    sample.stored_ratio
+                ),
+            );
+        }
+    }
     row(
         "upload",
         storage.upload.bytes_per_second,
@@ -779,5 +1086,50 @@ fn print_table(report: &BenchReport, args: &BenchArgs) {
             "warning: {} bench objects could not be deleted under {BENCH_PREFIX} of {}",
             storage.objects_left, storage.location
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    fn sample(bytes_per_second: u64, stored_ratio: f64, cores_busy: f64) -> SampleBackup {
+        SampleBackup {
+            files: 1,
+            rate: Rate {
+                bytes: 128 * MIB,
+                seconds: 1.0,
+                bytes_per_second: bytes_per_second as f64,
+            },
+            stored_ratio,
+            cores_busy,
+        }
+    }
+
+    #[test]
+    fn each_kind_of_file_takes_its_own_samples_time_and_the_times_add_up() {
+        let samples = SampleBackups {
+            small_files: Some(sample(10 * MIB, 0.2, 1.0)),
+            small_file_bytes: 100 * MIB,
+            large_files: Some(sample(100 * MIB, 1.0, 2.0)),
+            large_file_bytes: 900 * MIB,
+            cores: 2,
+        };
+        // 10 s of small files and 9 s of large ones.
+        let rate = samples.source_bytes_per_second();
+        assert!((rate - 1000.0 * MIB as f64 / 19.0).abs() < 1.0, "{rate}");
+        assert!((samples.stored_ratio() - 0.92).abs() < 1e-9);
+        assert!((samples.cores_busy() - 1.5).abs() < 1e-9);
+        let nothing = SampleBackups {
+            small_files: None,
+            small_file_bytes: 0,
+            large_files: None,
+            large_file_bytes: 0,
+            cores: 2,
+        };
+        assert!(nothing.source_bytes_per_second().is_infinite());
+        assert_eq!(nothing.stored_ratio(), 1.0);
     }
 }

@@ -20,6 +20,13 @@ fn small_source(root: &Path) {
         )
         .expect("write");
     }
+    // A file the engine chunks as a stream (larger than its small files),
+    // compressible.
+    let mut large = "line of a large log file\n"
+        .repeat((3 << 20) / 25)
+        .into_bytes();
+    large.resize(3 << 20, b'.');
+    std::fs::write(root.join("sub/large.log"), large).expect("write");
     // Compressible data, so the sample's ratio is below 1.
     std::fs::write(
         root.join("sub/text.log"),
@@ -41,7 +48,7 @@ fn bench_json(output: &Output) -> serde_json::Value {
 /// Every figure is there and was measured on something.
 fn assert_report_complete(report: &serde_json::Value, source_bytes: u64) {
     assert_eq!(report["source"]["bytes"].as_u64(), Some(source_bytes));
-    assert_eq!(report["source"]["files"].as_u64(), Some(7));
+    assert_eq!(report["source"]["files"].as_u64(), Some(8));
     for rate in [
         &report["readSingle"],
         &report["readParallel"],
@@ -57,6 +64,36 @@ fn assert_report_complete(report: &serde_json::Value, source_bytes: u64) {
             "{rate}"
         );
     }
+    // Both kinds of files were backed up by the engine, and the two kinds
+    // are the whole source.
+    let samples = &report["samples"];
+    for kind in ["smallFiles", "largeFiles"] {
+        let sample = &samples[kind];
+        assert!(
+            sample["rate"]["bytes"].as_u64().expect("bytes") > 0,
+            "{sample}"
+        );
+        assert!(sample["rate"]["bytesPerSecond"].as_f64().expect("rate") > 0.0);
+        assert!(
+            sample["coresBusy"].as_f64().expect("cores") > 0.0,
+            "{sample}"
+        );
+        let stored = sample["storedRatio"].as_f64().expect("ratio");
+        assert!(stored > 0.0 && stored < 1.1, "{sample}");
+    }
+    {
+        let stored = samples["largeFiles"]["storedRatio"]
+            .as_f64()
+            .expect("ratio");
+        assert!(stored < 0.5, "a log compresses: {stored}");
+    }
+    assert!(samples["smallFiles"]["files"].as_u64().expect("files") > 0);
+    assert_eq!(
+        samples["smallFileBytes"].as_u64().expect("bytes")
+            + samples["largeFileBytes"].as_u64().expect("bytes"),
+        source_bytes
+    );
+    assert_eq!(samples["largeFileBytes"].as_u64(), Some(3 << 20));
     let ratio = report["cpu"]["compressionRatio"].as_f64().expect("ratio");
     assert!(ratio > 0.0 && ratio < 1.0, "ratio {ratio}");
     assert_eq!(report["storage"]["objects"].as_u64(), Some(2));
@@ -76,7 +113,7 @@ fn assert_report_complete(report: &serde_json::Value, source_bytes: u64) {
         .iter()
         .map(|limit| limit[0].as_str().expect("name"))
         .collect();
-    assert_eq!(names, ["read", "cpu", "upload", "read cap"]);
+    assert_eq!(names, ["read", "backup pipeline", "upload", "read cap"]);
     // The read cap (1 MiB/s) is far below anything measured here.
     assert_eq!(estimate["bottleneck"].as_str(), Some("read cap"));
     assert_eq!(
@@ -171,6 +208,8 @@ async fn bench_against_minio_reports_every_stage_and_deletes_its_objects() {
         "chunking (FastCDC)",
         "hashing (keyed BLAKE3)",
         "compression (zstd level 1)",
+        "backup sample, small files",
+        "backup sample, large files",
         "upload",
         "download",
         "p99",
