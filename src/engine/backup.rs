@@ -158,6 +158,11 @@ impl Selection {
         selection
     }
 
+    /// Whether the selection names `relative`, as a file or a directory.
+    fn names(&self, relative: &Path) -> bool {
+        self.files.contains(relative) || self.directories.contains(relative)
+    }
+
     /// Whether the entry at `relative` of this kind is backed up.
     fn keeps(&self, relative: &Path, kind: EntryKind) -> bool {
         match kind {
@@ -246,12 +251,16 @@ struct SmallFile {
     relative: PathBuf,
 }
 
-/// What one job of the parallel stage does: one walk item, or a run of
-/// small files read, chunked, hashed and compressed one after the other on
-/// one blocking thread.
+/// What one job of the parallel stage does: a large file's chunk hashed
+/// and compressed on a blocking thread; a run of small files read, chunked,
+/// hashed and compressed one after the other on one blocking thread; or a
+/// run of walk items with nothing left to do (entries, holes, small chunks
+/// the walker compressed), handed on as they are.
 enum Job {
-    Item(WalkItem),
-    SmallFiles(Vec<(SmallFile, OwnedSemaphorePermit)>),
+    Chunk(Vec<u8>, OwnedSemaphorePermit),
+    /// The files, and their bytes.
+    SmallFiles(Vec<(SmallFile, OwnedSemaphorePermit)>, u64),
+    Done(Vec<WalkItem>),
 }
 
 /// Small files one job reads at most. A job of its own for each file woke
@@ -266,37 +275,33 @@ const SMALL_FILE_BYTES_PER_JOB: u64 = 256 * 1024;
 /// The jobs of one batch of walk items, in walk order: consecutive small
 /// files go together, up to [`SMALL_FILES_PER_JOB`] files and
 /// [`SMALL_FILE_BYTES_PER_JOB`] bytes (a file larger than that is a job of
-/// its own).
+/// its own), and so do consecutive items with nothing left to do (an
+/// unchanged backup's entries are nearly all of them).
 fn jobs_of(batch: Vec<WalkItem>) -> Vec<Job> {
     let mut jobs = Vec::new();
-    let mut run: Vec<(SmallFile, OwnedSemaphorePermit)> = Vec::new();
-    let mut run_bytes = 0u64;
+    let mut filling: Option<Job> = None;
     for item in batch {
-        match item {
-            WalkItem::SmallFile(small, permit) => {
-                let bytes = small.before.len();
-                if !run.is_empty()
-                    && (run.len() >= SMALL_FILES_PER_JOB
-                        || run_bytes + bytes > SMALL_FILE_BYTES_PER_JOB)
-                {
-                    jobs.push(Job::SmallFiles(std::mem::take(&mut run)));
-                    run_bytes = 0;
-                }
-                run_bytes += bytes;
+        match (item, &mut filling) {
+            (WalkItem::SmallFile(small, permit), Some(Job::SmallFiles(run, bytes)))
+                if run.len() < SMALL_FILES_PER_JOB
+                    && *bytes + small.before.len() <= SMALL_FILE_BYTES_PER_JOB =>
+            {
+                *bytes += small.before.len();
                 run.push((*small, permit));
             }
-            other => {
-                if !run.is_empty() {
-                    jobs.push(Job::SmallFiles(std::mem::take(&mut run)));
-                    run_bytes = 0;
-                }
-                jobs.push(Job::Item(other));
+            (WalkItem::SmallFile(small, permit), _) => {
+                let bytes = small.before.len();
+                jobs.extend(filling.replace(Job::SmallFiles(vec![(*small, permit)], bytes)));
             }
+            (WalkItem::Chunk(data, permit), _) => {
+                jobs.extend(filling.take());
+                jobs.push(Job::Chunk(data, permit));
+            }
+            (other, Some(Job::Done(items))) => items.push(other),
+            (other, _) => jobs.extend(filling.replace(Job::Done(vec![other]))),
         }
     }
-    if !run.is_empty() {
-        jobs.push(Job::SmallFiles(run));
-    }
+    jobs.extend(filling);
     jobs
 }
 
@@ -440,24 +445,29 @@ pub async fn backup(
             let throttle = &throttle;
             async move {
                 match job {
-                    Job::Item(WalkItem::Chunk(data, permit)) => vec![
+                    Job::Chunk(data, permit) => vec![
                         run_blocking(move || hash_and_compress(&shared, data, level, permit)).await,
                     ],
-                    Job::Item(WalkItem::SmallChunk {
-                        id,
-                        raw_length,
-                        new_blob,
-                    }) => vec![Processed::Chunk {
-                        id,
-                        raw_length,
-                        new_blob,
-                        _permit: None,
-                    }],
-                    Job::Item(other) => vec![Processed::Item(other)],
-                    Job::SmallFiles(files) => {
+                    Job::SmallFiles(files, _) => {
                         let throttle = throttle.clone();
                         read_small_files(shared, chunker, throttle, files, level).await
                     }
+                    Job::Done(items) => items
+                        .into_iter()
+                        .map(|item| match item {
+                            WalkItem::SmallChunk {
+                                id,
+                                raw_length,
+                                new_blob,
+                            } => Processed::Chunk {
+                                id,
+                                raw_length,
+                                new_blob,
+                                _permit: None,
+                            },
+                            other => Processed::Item(other),
+                        })
+                        .collect(),
                 }
             }
         })
@@ -1179,6 +1189,12 @@ impl WalkContext {
             }
             let child_path = path.join(&name);
             let child_relative = relative.join(&name);
+            // An entry no selection names is not even looked at.
+            if let Some(only) = &self.only
+                && !only.names(&child_relative)
+            {
+                continue;
+            }
             if directory.is_none() {
                 directory = open_directory(path);
             }
@@ -2063,8 +2079,8 @@ mod tests {
     fn shapes(jobs: &[Job]) -> Vec<usize> {
         jobs.iter()
             .map(|job| match job {
-                Job::SmallFiles(files) => files.len(),
-                Job::Item(_) => 0,
+                Job::SmallFiles(files, _) => files.len(),
+                Job::Chunk(..) | Job::Done(_) => 0,
             })
             .collect()
     }
@@ -2083,7 +2099,7 @@ mod tests {
         let jobs = jobs_of(batch);
         assert_eq!(shapes(&jobs), vec![SMALL_FILES_PER_JOB, 3, 0, 2, 1]);
         // In walk order.
-        let Job::SmallFiles(first) = &jobs[0] else {
+        let Job::SmallFiles(first, _) = &jobs[0] else {
             unreachable!()
         };
         let names: Vec<_> = first.iter().map(|(small, _)| &small.relative).collect();

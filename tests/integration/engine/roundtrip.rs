@@ -563,7 +563,7 @@ fn two_concurrent_backups_into_one_repository_both_verify_and_restore() {
 /// Charged a block each they would be 16 MiB, ~16 s of waiting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_files_are_charged_their_size_against_the_read_throttle_not_a_read_block_each() {
-    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::backup::BackupOptions;
     use haulage::engine::throttle::{ByteRate, Throttle};
     use haulage::store::limits::WaitTime;
     let repo = TestRepo::new().await;
@@ -579,14 +579,7 @@ async fn small_files_are_charged_their_size_against_the_read_throttle_not_a_read
     let mut options = BackupOptions::new(source.path());
     options.read_throttle =
         Throttle::new(Some(ByteRate(1 << 20))).recording_wait_into(waited.clone());
-    backup(
-        &repo.repository,
-        options,
-        std::sync::Arc::new(haulage::engine::progress::Progress::default()),
-        tokio_util::sync::CancellationToken::new(),
-    )
-    .await
-    .expect("backup");
+    repo.backup_with_options(options).await;
     assert!(
         waited.total() < std::time::Duration::from_secs(2),
         "128 KiB of small files waited {:?} for a 1 MiB/s throttle",
@@ -672,7 +665,7 @@ async fn a_backup_after_another_starts_from_its_parents_totals_and_ends_with_its
 /// restore holds exactly them, byte-identical.
 #[tokio::test]
 async fn a_backup_of_a_selection_stores_only_the_selected_files_and_their_directories() {
-    use haulage::engine::backup::{BackupOptions, Selection, backup};
+    use haulage::engine::backup::{BackupOptions, Selection};
     let repo = TestRepo::new().await;
     let source = tempfile::tempdir().expect("temp dir");
     for directory in ["a/b", "a/c", "d"] {
@@ -692,45 +685,24 @@ async fn a_backup_of_a_selection_stores_only_the_selected_files_and_their_direct
     let selected = ["a/b/two", "five"].map(PathBuf::from);
     let mut options = BackupOptions::new(source.path());
     options.only = Some(std::sync::Arc::new(Selection::of_files(selected.clone())));
-    let outcome = backup(
-        &repo.repository,
-        options,
-        std::sync::Arc::new(haulage::engine::progress::Progress::default()),
-        tokio_util::sync::CancellationToken::new(),
-    )
-    .await
-    .expect("backup");
+    let outcome = repo.backup_with_options(options).await;
     let target = tempfile::tempdir().expect("temp dir");
     let restored = target.path().join("restored");
     repo.restore(&outcome.snapshot_id, &restored).await;
-    let mut paths: Vec<PathBuf> = walkdir_paths(&restored);
-    paths.sort();
+    let restored_entries = fingerprint(&restored);
+    let paths: Vec<&[u8]> = restored_entries.keys().map(Vec::as_slice).collect();
     assert_eq!(
         paths,
-        ["a", "a/b", "a/b/two", "five"].map(PathBuf::from).to_vec()
+        ["a", "a/b", "a/b/two", "five"].map(str::as_bytes).to_vec()
     );
+    let source_entries = fingerprint(source.path());
     for file in selected {
+        let key = file.as_os_str().as_bytes();
         assert_eq!(
-            std::fs::read(restored.join(&file)).expect("read restored"),
-            std::fs::read(source.path().join(&file)).expect("read source"),
+            restored_entries[key].content,
+            source_entries[key].content,
             "{}",
             file.display()
         );
     }
-}
-
-/// Every path under `root`, relative to it.
-fn walkdir_paths(root: &Path) -> Vec<PathBuf> {
-    let mut paths = Vec::new();
-    let mut pending = vec![root.to_path_buf()];
-    while let Some(directory) = pending.pop() {
-        for entry in std::fs::read_dir(&directory).expect("read dir") {
-            let path = entry.expect("entry").path();
-            if path.symlink_metadata().expect("lstat").is_dir() {
-                pending.push(path.clone());
-            }
-            paths.push(path.strip_prefix(root).expect("under root").to_path_buf());
-        }
-    }
-    paths
 }

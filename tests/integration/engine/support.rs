@@ -104,6 +104,10 @@ impl TestRepo {
     pub async fn backup_with(&self, source: &Path, parent: ParentPolicy) -> BackupOutcome {
         let mut options = BackupOptions::new(source);
         options.parent = parent;
+        self.backup_with_options(options).await
+    }
+
+    pub async fn backup_with_options(&self, options: BackupOptions) -> BackupOutcome {
         backup(
             &self.repository,
             options,
