@@ -50,6 +50,7 @@
 //! (`tests/architecture.rs`).
 
 pub mod allocator;
+pub mod bench;
 pub use haulage_api as api;
 pub mod cli;
 pub mod clock;

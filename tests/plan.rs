@@ -516,11 +516,23 @@ fn selection_limits_the_plan_to_matching_claims() {
     let selection = Selection {
         namespaces: BTreeSet::from(["shop".to_string()]),
         labels: LabelSelector::parse("app=db").expect("selector"),
+        names: BTreeSet::new(),
     };
     let plan = plan_stage_pods(&facts, &selection).expect("plan");
     assert_eq!(
         placements(&plan).into_keys().collect::<Vec<_>>(),
         [("shop".to_string(), "db".to_string())]
+    );
+    // By name: one claim of the namespace, whatever its labels.
+    let by_name = Selection {
+        namespaces: BTreeSet::from(["shop".to_string()]),
+        labels: LabelSelector::default(),
+        names: BTreeSet::from(["cache".to_string()]),
+    };
+    let plan = plan_stage_pods(&facts, &by_name).expect("plan");
+    assert_eq!(
+        placements(&plan).into_keys().collect::<Vec<_>>(),
+        [("shop".to_string(), "cache".to_string())]
     );
 }
 
@@ -627,6 +639,7 @@ fn namespace_plan_serialises_to_the_documented_json() {
     let plan = fixture_plan(&Selection {
         namespaces: BTreeSet::from(["shop".to_string()]),
         labels: LabelSelector::default(),
+        names: BTreeSet::new(),
     });
     let json = serde_json::to_value(&plan).expect("plan serialises");
     assert_eq!(
@@ -1030,10 +1043,17 @@ fn selection_strategy() -> impl Strategy<Value = Selection> {
         Just(Selection {
             namespaces: BTreeSet::from(["ns0".to_string(), "ns2".to_string()]),
             labels: LabelSelector::default(),
+            names: BTreeSet::new(),
         }),
         Just(Selection {
             namespaces: BTreeSet::new(),
             labels: LabelSelector::parse("app=a").expect("selector"),
+            names: BTreeSet::new(),
+        }),
+        Just(Selection {
+            namespaces: BTreeSet::new(),
+            labels: LabelSelector::default(),
+            names: BTreeSet::from(["c1".to_string(), "c4".to_string()]),
         }),
     ]
 }
@@ -1265,7 +1285,7 @@ fn every_selected_claim_appears_once(
     let selected: BTreeSet<(String, String)> = facts
         .claims
         .iter()
-        .filter(|claim| selection.selects(&claim.namespace, &claim.labels))
+        .filter(|claim| selection.selects(&claim.namespace, &claim.name, &claim.labels))
         .map(|claim| (claim.namespace.clone(), claim.name.clone()))
         .collect();
     prop_assert_eq!(seen.keys().cloned().collect::<BTreeSet<_>>(), selected);

@@ -6,6 +6,7 @@
 //! field manager, so it names every field the agent owns at that moment
 //! (a field left out of an apply is dropped).
 
+use haulage::api::benchmark::ClaimBenchmark;
 use haulage::api::condition::{
     Condition, ConditionStatus, bounded_message, condition_type, reason,
 };
@@ -292,6 +293,22 @@ pub fn completed_status(ending: Ending, figures: &BackupFigures) -> VolumeTransf
             reason::ALL_VOLUMES_COMPLETED,
             "snapshot written",
         )],
+        ..ending.final_status()
+    }
+}
+
+/// The final status of a volume measured by a benchmark, with its figures.
+pub fn measured_status(ending: Ending, figures: ClaimBenchmark) -> VolumeTransferStatus {
+    VolumeTransferStatus {
+        phase: Some(VolumeTransferPhase::Completed),
+        progress: Some(done(ending.progress.clone())),
+        conditions: vec![ending.condition(
+            condition_type::COMPLETE,
+            ConditionStatus::True,
+            reason::ALL_VOLUMES_COMPLETED,
+            "benchmark measured; nothing stored",
+        )],
+        benchmark: Some(figures),
         ..ending.final_status()
     }
 }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use haulage::api::benchmark::ClaimBenchmark;
 use haulage::api::labels::AGENT_FIELD_MANAGER;
 use haulage::api::transfer::{AgentClaim, TransferDirection};
 use haulage::api::{Progress as ApiProgress, VolumeTransfer, VolumeTransferPhase};
@@ -47,8 +48,8 @@ use tracing::{info, warn};
 use crate::metrics::AgentMetrics;
 use crate::report::{
     BackupFigures, Ending, RestoreFigures, RestoreVerdict, StorageSeen, agent_claim, claim_status,
-    completed_status, failed_status, moved_forward, next_progress, progress_status,
-    restore_verdict, restored_status, storage_condition,
+    completed_status, failed_status, measured_status, moved_forward, next_progress,
+    progress_status, restore_verdict, restored_status, storage_condition,
 };
 
 /// Hostname recorded in every snapshot the agent writes: stable across
@@ -744,6 +745,9 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
             // then treat the lock as stale and delete what it reads.
             let work = lock.cancel_on_loss(&run.volume_cancel);
             let moved = match direction {
+                TransferDirection::Upload if transfer.spec.benchmark.is_some() => {
+                    Moved::Measured(benchmark(&claimed, &volume, &work).await)
+                }
                 TransferDirection::Upload => {
                     Moved::BackedUp(back_up(&claimed, &volume, &run, &work).await)
                 }
@@ -847,6 +851,8 @@ enum Moved {
     BackedUp(Result<BackupFigures, String>),
     /// A Download: the snapshot restored into the volume, and verified.
     Restored(Result<(RestoreFigures, RestoreVerdict), String>),
+    /// An Upload with `spec.benchmark`: the volume measured.
+    Measured(Result<ClaimBenchmark, String>),
 }
 
 impl Moved {
@@ -883,6 +889,19 @@ impl Moved {
                 failed_status(ending, &message, storage)
             }
             Moved::Restored(Ok((figures, verdict))) => restored_status(ending, &figures, &verdict),
+            Moved::Measured(Ok(figures)) => {
+                info!(
+                    transfer = name,
+                    estimate_seconds = figures.estimate_seconds,
+                    limited_by = %figures.limited_by,
+                    "volume measured"
+                );
+                measured_status(ending, figures)
+            }
+            Moved::Measured(Err(message)) => {
+                warn!(transfer = name, "benchmark failed: {message}");
+                failed_status(ending, &message, storage)
+            }
             Moved::Restored(Err(message)) => {
                 warn!(transfer = name, "restore failed: {message}");
                 failed_status(ending, &message, storage)
@@ -943,6 +962,61 @@ async fn back_up(
             .first()
             .map(|warning| format!("{warning:?}")),
     })
+}
+
+/// Most bytes of a claim a benchmark keeps in memory for its CPU stages:
+/// the stage pod's agent runs within 128 MiB.
+const BENCHMARK_CPU_SAMPLE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Measure the `claimed` transfer's claim, mounted at `volume`, against
+/// its storage location instead of backing it up (`spec.benchmark`): the
+/// reads, the backup pipeline on samples of its files (into a throwaway
+/// repository in the pod's scratch space) and the upload, its objects
+/// under `bench/` deleted afterwards; the estimate applies the bandwidth
+/// granted to the transfer as the read cap.
+async fn benchmark(
+    claimed: &Claimed<'_>,
+    volume: &std::path::Path,
+    cancel: &CancellationToken,
+) -> Result<ClaimBenchmark, String> {
+    let &Claimed {
+        name,
+        ref transfer,
+        assignment,
+        repository,
+        ..
+    } = claimed;
+    if let Err(error) = std::fs::read_dir(volume) {
+        return Err(format!(
+            "the claim's mount {} cannot be read in the stage pod ({error}): the pod does not mount the claim there",
+            volume.display()
+        ));
+    }
+    let request = transfer.spec.benchmark.clone().unwrap_or_default();
+    let mut settings = haulage::bench::BenchSettings::new(volume);
+    settings.size = request.size_bytes();
+    settings.limit_read = granted_rate(transfer);
+    settings.memory = assignment.memory;
+    settings.cpu_sample_bytes = BENCHMARK_CPU_SAMPLE_BYTES;
+    settings.cancel = cancel.clone();
+    let report = haulage::bench::measure(&settings, repository.store().clone())
+        .await
+        .map_err(|error| haulage::error_chain(&error))?;
+    if report.storage.objects_left > 0 {
+        warn!(
+            transfer = name,
+            "{} benchmark objects could not be deleted under {} of {}",
+            report.storage.objects_left,
+            haulage::bench::BENCH_PREFIX,
+            report.storage.location
+        );
+    }
+    let storage_class = transfer
+        .spec
+        .claim
+        .as_ref()
+        .and_then(|claim| claim.storage_class.clone());
+    Ok(report.claim_benchmark(storage_class))
 }
 
 /// Restore the `claimed` transfer's snapshot into the claim mounted at

@@ -86,6 +86,11 @@ pub struct VolumeBackupSpec {
     /// Which claims of those namespaces; all of them when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub selector: Option<LabelSelector>,
+    /// Only the claims of these names (in the namespaces, matching the
+    /// selector); every name when empty.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[schemars(length(max = 1000), inner(length(min = 1, max = 253)))]
+    pub claim_names: Vec<String>,
     /// Name of the BackupStorageLocation (in this VolumeBackup's namespace);
     /// the one marked `default` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -128,6 +133,16 @@ pub struct VolumeBackupSpec {
     #[schemars(length(max = 32))]
     #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 72h, 30m or 1h30m"))]
     pub ttl: Option<String>,
+    /// Measure instead of back up: the stage pod that would back up each
+    /// claim reads it read-only and measures the read, the backup
+    /// pipeline on samples of its files and the upload to the storage
+    /// location, writes nothing that lasts (its objects under `bench/`
+    /// are deleted, its sample repository is in the pod's scratch space)
+    /// and reports the figures and the estimate of the first backup in
+    /// `status.results[].benchmark` and, per storage class, in
+    /// `status.benchmarks`. No snapshot is written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub benchmark: Option<crate::benchmark::BenchmarkRequest>,
 }
 
 /// The immutability rule of a VolumeBackup's spec: every field but
@@ -140,7 +155,9 @@ pub const SPEC_IMMUTABLE_RULE: &str = "self.namespaces == oldSelf.namespaces \
     && has(self.parentPolicy) == has(oldSelf.parentPolicy) && (!has(self.parentPolicy) || self.parentPolicy == oldSelf.parentPolicy) \
     && has(self.tags) == has(oldSelf.tags) && (!has(self.tags) || self.tags == oldSelf.tags) \
     && has(self.failAfterUnavailableSeconds) == has(oldSelf.failAfterUnavailableSeconds) && (!has(self.failAfterUnavailableSeconds) || self.failAfterUnavailableSeconds == oldSelf.failAfterUnavailableSeconds) \
-    && has(self.agentUser) == has(oldSelf.agentUser) && (!has(self.agentUser) || self.agentUser == oldSelf.agentUser)";
+    && has(self.agentUser) == has(oldSelf.agentUser) && (!has(self.agentUser) || self.agentUser == oldSelf.agentUser) \
+    && has(self.claimNames) == has(oldSelf.claimNames) && (!has(self.claimNames) || self.claimNames == oldSelf.claimNames) \
+    && has(self.benchmark) == has(oldSelf.benchmark) && (!has(self.benchmark) || self.benchmark == oldSelf.benchmark)";
 
 /// What deleting a VolumeBackup does to its snapshots.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
@@ -208,6 +225,9 @@ pub struct VolumeBackupStatus {
     /// One entry per selected volume, sorted by (namespace, pvc).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub results: Vec<VolumeResult>,
+    /// A benchmark's figures per storage class of the measured claims.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub benchmarks: Vec<crate::benchmark::StorageClassBenchmark>,
     /// When the controller started working on it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_time: Option<Time>,
@@ -379,6 +399,9 @@ pub struct VolumeResult {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     pub message: Option<String>,
+    /// A benchmark's figures, once Completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub benchmark: Option<crate::benchmark::ClaimBenchmark>,
 }
 
 #[cfg(test)]

@@ -42,6 +42,8 @@ impl VolumeBackup {
                 agent_user: None,
                 deletion_policy: DeletionPolicy::Retain,
                 ttl: None,
+                claim_names: Vec::new(),
+                benchmark: None,
             },
             status: None,
         }
@@ -136,6 +138,7 @@ impl VolumeTransfer {
                 claim: None,
                 parent_policy: Default::default(),
                 tags: Default::default(),
+                benchmark: None,
             },
             status: None,
         }

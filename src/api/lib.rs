@@ -19,6 +19,7 @@
 //! reads or writes these objects takes them from here.
 
 pub mod backup;
+pub mod benchmark;
 pub mod condition;
 #[cfg(any(test, feature = "fixtures"))]
 pub mod fixtures;

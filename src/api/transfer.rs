@@ -170,6 +170,11 @@ pub struct VolumeTransferSpec {
     /// `key=value` or a bare name).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub tags: std::collections::BTreeMap<String, String>,
+    /// Upload: measure instead of back up (the VolumeBackup's
+    /// `benchmark`); the figures go into `status.benchmark`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("is immutable"))]
+    pub benchmark: Option<crate::benchmark::BenchmarkRequest>,
 }
 
 /// Which way the data goes.
@@ -286,6 +291,10 @@ pub struct VolumeTransferStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 64))]
     pub verified_tree: Option<String>,
+    /// Upload with `spec.benchmark`: what the benchmark measured, once
+    /// Completed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub benchmark: Option<crate::benchmark::ClaimBenchmark>,
     /// Conditions, keyed by type (`Admitted`, `StorageAvailable`,
     /// `Progressing`, `Verified`, `Complete`, `Failed`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

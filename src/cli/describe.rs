@@ -343,6 +343,7 @@ mod tests {
                 phase: VolumeTransferPhase::InProgress,
                 snapshot_id: None,
                 message: None,
+                benchmark: None,
             }],
             ..VolumeBackupStatus::default()
         });

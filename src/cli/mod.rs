@@ -70,7 +70,9 @@ pub enum Command {
     /// running backups (two-phase deletion with a safety margin).
     Prune(prune::PruneArgs),
     /// Measure what a migration will take: source reads, the CPU stages,
-    /// upload, download and latency against the location, and an estimate.
+    /// upload, download and latency against the location, and an estimate;
+    /// here (--source DIR --repo URL) or in the cluster, in the stage pod
+    /// that would back a claim up (--claim NAMESPACE/NAME).
     Bench(bench::BenchArgs),
     /// Plan stage pods for a backup from a `kubectl get -o yaml` dump, without touching a cluster.
     Plan(plan::PlanArgs),
@@ -273,7 +275,7 @@ pub fn main() -> ExitCode {
             Command::Verify(args) => verify::run(args).await,
             Command::Forget(args) => forget::run(args).await,
             Command::Prune(args) => prune::run(args, cancel.clone()).await,
-            Command::Bench(args) => bench::run(args).await,
+            Command::Bench(args) => bench::run(args, cancel.clone()).await,
             Command::Describe(command) => describe::run(command, cancel.clone()).await,
             Command::Migrate(args) => migrate::run(args, cancel.clone()).await,
             Command::Status(args) => status::run(args).await,

@@ -63,6 +63,7 @@ async fn render(arguments: &PlanArgs) -> anyhow::Result<String> {
     let selection = Selection {
         namespaces: arguments.namespaces.iter().cloned().collect(),
         labels,
+        ..Selection::default()
     };
     let facts = match &arguments.from_file {
         Some(path) => {

@@ -76,7 +76,7 @@ pub fn plan_stage_pods(
     let requests = cluster
         .claims
         .iter()
-        .filter(|claim| selection.selects(&claim.namespace, &claim.labels))
+        .filter(|claim| selection.selects(&claim.namespace, &claim.name, &claim.labels))
         .map(|&claim| Request {
             namespace: &claim.namespace,
             name: &claim.name,

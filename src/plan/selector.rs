@@ -4,13 +4,16 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 /// A claim selection: claims in one of `namespaces` (all namespaces when
-/// empty) whose labels match `labels`.
+/// empty) whose labels match `labels`, and whose name is one of `names`
+/// (any name when empty).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Selection {
     /// Namespaces to cover; empty covers every namespace.
     pub namespaces: BTreeSet<String>,
     /// Label selector the claims must match.
     pub labels: LabelSelector,
+    /// Claim names the claims must have; any name when empty.
+    pub names: BTreeSet<String>,
 }
 
 impl Selection {
@@ -19,9 +22,10 @@ impl Selection {
         Selection::default()
     }
 
-    /// Whether a claim in `namespace` with `labels` is selected.
-    pub fn selects(&self, namespace: &str, labels: &BTreeMap<String, String>) -> bool {
+    /// Whether the claim `name` in `namespace` with `labels` is selected.
+    pub fn selects(&self, namespace: &str, name: &str, labels: &BTreeMap<String, String>) -> bool {
         (self.namespaces.is_empty() || self.namespaces.contains(namespace))
+            && (self.names.is_empty() || self.names.contains(name))
             && self.labels.matches(labels)
     }
 }

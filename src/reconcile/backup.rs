@@ -181,6 +181,7 @@ pub fn selection_of(backup: &VolumeBackup) -> Result<Selection, BackupError> {
     Ok(Selection {
         namespaces: backup.spec.namespaces.iter().cloned().collect(),
         labels,
+        names: backup.spec.claim_names.iter().cloned().collect(),
     })
 }
 
@@ -250,12 +251,15 @@ fn claims_still_binding(
         .claims
         .iter()
         .filter(|claim| {
-            selection.selects(&claim.namespace().unwrap_or_default(), claim.labels())
-                && claim
-                    .status
-                    .as_ref()
-                    .and_then(|status| status.phase.as_deref())
-                    == Some("Pending")
+            selection.selects(
+                &claim.namespace().unwrap_or_default(),
+                &claim.name_any(),
+                claim.labels(),
+            ) && claim
+                .status
+                .as_ref()
+                .and_then(|status| status.phase.as_deref())
+                == Some("Pending")
                 && claim
                     .metadata
                     .creation_timestamp
@@ -312,6 +316,7 @@ fn observe_transfer(transfer: &VolumeTransfer) -> TransferObservation {
         phase: status.phase.unwrap_or(VolumeTransferPhase::New),
         progress: status.progress,
         snapshot_id: status.snapshot_id,
+        benchmark: status.benchmark,
         // A waiting volume says what holds it (a cap, another backup of
         // the same claim), from its Admitted condition.
         message: status.message.or_else(|| {
@@ -383,6 +388,7 @@ fn stage_pods_to_create(
                             claim: record_of(pvc).cloned(),
                             parent_policy: observation.backup.spec.parent_policy,
                             tags: observation.backup.spec.snapshot_tags(),
+                            benchmark: observation.backup.spec.benchmark.clone(),
                         },
                     )
                 })
@@ -431,6 +437,7 @@ pub fn decide(observation: &BackupObservation, now: &Time) -> Result<BackupDecis
         adopted_from: claim.adopted_from.clone(),
         storage,
         fail_after_unavailable_seconds: backup.spec.fail_after_unavailable_seconds,
+        benchmark: backup.spec.benchmark.is_some(),
         plan,
         transfers: staging
             .transfers

@@ -44,6 +44,8 @@ pub struct TransferObservation {
     pub progress: Option<Progress>,
     /// The snapshot written, once Completed.
     pub snapshot_id: Option<String>,
+    /// A benchmark's figures, once Completed.
+    pub benchmark: Option<haulage_api::benchmark::ClaimBenchmark>,
     /// Why it failed, or its warnings.
     pub message: Option<String>,
 }
@@ -61,6 +63,8 @@ pub struct Observed {
     pub storage: StorageState,
     /// The spec's `failAfterUnavailableSeconds`.
     pub fail_after_unavailable_seconds: Option<i64>,
+    /// Whether the spec asks for a benchmark instead of a backup.
+    pub benchmark: bool,
     /// The stage-pod plan, once made.
     pub plan: Option<BackupPlan>,
     /// The backup's transfers (any order).
@@ -145,13 +149,18 @@ pub fn next_status(old: &VolumeBackupStatus, observed: &Observed, now: Time) -> 
     let (results, progress) = volume_results(plan, &observed.transfers);
     let counts = VolumeCounts::from_phases(results.iter().map(|result| result.phase));
     status.progress = Some(Progress::sum(&progress));
+    status.benchmarks = haulage_api::benchmark::by_storage_class(
+        results
+            .iter()
+            .filter_map(|result| result.benchmark.as_ref()),
+    );
     status.results = results;
 
     status.volumes = Some(counts.clone());
     let rolled_up = conditions.roll_up(
         &mut status.conditions,
         &counts,
-        final_phase(&counts),
+        final_phase(&counts, observed.benchmark),
         [VolumeBackupPhase::Completed, VolumeBackupPhase::InProgress],
     );
     status.phase = Some(rolled_up.phase);
@@ -396,6 +405,7 @@ fn volume_results(
                 phase: transfer.map_or(VolumeTransferPhase::New, |transfer| transfer.phase),
                 snapshot_id: transfer.and_then(|transfer| transfer.snapshot_id.clone()),
                 message: transfer.and_then(|transfer| transfer.message.clone()),
+                benchmark: transfer.and_then(|transfer| transfer.benchmark.clone()),
             });
             if let Some(part) = transfer.and_then(|transfer| transfer.progress.as_ref()) {
                 progress.push(part.clone());
@@ -409,6 +419,7 @@ fn volume_results(
             phase: VolumeTransferPhase::Failed,
             snapshot_id: None,
             message: Some(volume.reason.clone()),
+            benchmark: None,
         });
     }
     results.sort_by(|a, b| (&a.namespace, &a.pvc).cmp(&(&b.namespace, &b.pvc)));
@@ -450,7 +461,16 @@ impl FinalCounts {
 /// The final phase the volume counts give, with its reason and message:
 /// `None` while some volume is not final. A plan selecting no volume fails
 /// the backup, since that is almost always a wrong selector or namespace.
-fn final_phase(counts: &VolumeCounts) -> Option<(VolumeBackupPhase, &'static str, String)> {
+/// A `benchmark`'s volumes are measured, not given a snapshot.
+fn final_phase(
+    counts: &VolumeCounts,
+    benchmark: bool,
+) -> Option<(VolumeBackupPhase, &'static str, String)> {
+    let (have, has) = if benchmark {
+        ("were measured", "was measured")
+    } else {
+        ("have a snapshot", "has a snapshot")
+    };
     Some(match FinalCounts::of(counts)? {
         FinalCounts::NoVolumes => (
             VolumeBackupPhase::Failed,
@@ -460,18 +480,18 @@ fn final_phase(counts: &VolumeCounts) -> Option<(VolumeBackupPhase, &'static str
         FinalCounts::AllCompleted => (
             VolumeBackupPhase::Completed,
             reason::ALL_VOLUMES_COMPLETED,
-            format!("all {} volumes have a snapshot", counts.total),
+            format!("all {} volumes {have}", counts.total),
         ),
         FinalCounts::NoneCompleted => (
             VolumeBackupPhase::Failed,
             reason::ALL_VOLUMES_FAILED,
-            format!("none of the {} volumes has a snapshot", counts.total),
+            format!("none of the {} volumes {has}", counts.total),
         ),
         FinalCounts::SomeCompleted => (
             VolumeBackupPhase::PartiallyFailed,
             reason::SOME_VOLUMES_FAILED,
             format!(
-                "{} of {} volumes have a snapshot, {} failed, {} canceled",
+                "{} of {} volumes {have}, {} failed, {} canceled",
                 counts.completed, counts.total, counts.failed, counts.canceled
             ),
         ),
@@ -524,6 +544,7 @@ mod tests {
             adopted_from: None,
             storage,
             fail_after_unavailable_seconds: None,
+            benchmark: false,
             plan: None,
             transfers: Vec::new(),
             waiting: None,
@@ -569,8 +590,59 @@ mod tests {
                 ..Progress::default()
             }),
             snapshot_id: (phase == VolumeTransferPhase::Completed).then(|| format!("snap-{pvc}")),
+            benchmark: None,
             message: None,
         }
+    }
+
+    #[test]
+    fn a_benchmarks_figures_go_into_its_volumes_results_and_per_storage_class() {
+        use haulage_api::benchmark::ClaimBenchmark;
+        let figures = |class: &str, bytes: i64, pace: i64| ClaimBenchmark {
+            storage_class: Some(class.to_string()),
+            bytes,
+            estimate_bytes_per_second: pace,
+            limited_by: "read".to_string(),
+            ..ClaimBenchmark::default()
+        };
+        let mut seen = observed(available());
+        seen.plan = Some(plan(&["a", "b", "c"], &[]));
+        let measured = |pvc: &str, benchmark: ClaimBenchmark| TransferObservation {
+            snapshot_id: None,
+            benchmark: Some(benchmark),
+            ..transfer(pvc, VolumeTransferPhase::Completed, 100)
+        };
+        seen.transfers = vec![
+            measured("a", figures("ceph", 100, 10)),
+            measured("b", figures("local", 30, 30)),
+            transfer("c", VolumeTransferPhase::InProgress, 50),
+        ];
+        let status = next_status(&VolumeBackupStatus::default(), &seen, at(0));
+        assert_eq!(
+            status.results[1].benchmark.as_ref().map(|b| b.bytes),
+            Some(30)
+        );
+        assert_eq!(status.results[2].benchmark, None);
+        let classes: Vec<_> = status
+            .benchmarks
+            .iter()
+            .map(|class| {
+                (
+                    class.storage_class.as_str(),
+                    class.claims,
+                    class.estimate_seconds,
+                )
+            })
+            .collect();
+        assert_eq!(classes, [("ceph", 1, 10), ("local", 1, 1)]);
+        seen.benchmark = true;
+        seen.transfers[2] = measured("c", figures("ceph", 0, 10));
+        let status = next_status(&status, &seen, at(1));
+        assert_eq!(status.phase, Some(VolumeBackupPhase::Completed));
+        assert_eq!(
+            status.message.as_deref(),
+            Some("all 3 volumes were measured")
+        );
     }
 
     #[test]

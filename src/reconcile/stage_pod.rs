@@ -556,6 +556,8 @@ pub struct TransferDetails {
     pub parent_policy: haulage_api::backup::ParentPolicy,
     /// Upload: the snapshot's tags.
     pub tags: BTreeMap<String, String>,
+    /// Upload: measure instead of back up.
+    pub benchmark: Option<haulage_api::benchmark::BenchmarkRequest>,
 }
 
 /// The VolumeTransfer of one claim in a stage pod. It carries its stage
@@ -588,6 +590,7 @@ fn desired_transfer(
             claim: details.claim,
             parent_policy: details.parent_policy,
             tags: details.tags,
+            benchmark: details.benchmark,
         },
     );
     transfer.metadata.namespace = Some(stage.namespace.clone());

@@ -255,6 +255,8 @@ pub fn backup_spec(settings: &MigrateSettings, pass: Pass) -> VolumeBackupSpec {
         // The migration's backups are its record of what moved: kept.
         deletion_policy: crate::api::backup::DeletionPolicy::Retain,
         ttl: None,
+        claim_names: Vec::new(),
+        benchmark: None,
     }
 }
 
@@ -298,11 +300,18 @@ pub fn selected_claims<'a>(
     let selection = Selection {
         namespaces: settings.namespaces.iter().cloned().collect(),
         labels: settings.labels.clone(),
+        ..Selection::default()
     };
     let mut claims: Vec<&PersistentVolumeClaim> = objects
         .claims
         .iter()
-        .filter(|claim| selection.selects(&claim.namespace().unwrap_or_default(), claim.labels()))
+        .filter(|claim| {
+            selection.selects(
+                &claim.namespace().unwrap_or_default(),
+                &claim.name_any(),
+                claim.labels(),
+            )
+        })
         .collect();
     claims.sort_by_key(|claim| (claim.namespace(), claim.name_any()));
     claims
@@ -327,6 +336,7 @@ pub fn source_plan(
     let selection = Selection {
         namespaces: settings.namespaces.iter().cloned().collect(),
         labels: settings.labels.clone(),
+        ..Selection::default()
     };
     // The facts come from one list per kind: no duplicates to refuse.
     Ok(plan_stage_pods(&facts, &selection).unwrap_or_default())

@@ -417,6 +417,7 @@ mod tests {
                     phase: *phase,
                     snapshot_id: None,
                     message: Some(format!("{pvc} says why")),
+                    benchmark: None,
                 })
                 .collect(),
             ..VolumeBackupStatus::default()

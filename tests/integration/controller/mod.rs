@@ -15,6 +15,8 @@
 //! - [`agent_kills`]: an agent killed again and again at random points
 //!   of one backup, counted (each round resumes, no blob stored twice).
 //! - [`backup`]: the happy path, resuming after a killed agent, cancel.
+//! - [`benchmark`]: `haulage bench --claim`, measured in the stage pods
+//!   that would back the claims up, nothing left behind.
 //! - [`cancels`]: backups deleted in every phase of their transfers,
 //!   counted (queued, admitted, a multipart pack in flight).
 //! - [`deletion_policy`]: `deletionPolicy: Delete` forgets a deleted
@@ -46,6 +48,7 @@
 
 mod agent_kills;
 mod backup;
+mod benchmark;
 mod cancels;
 mod deletion_policy;
 mod encrypted_locations;
