@@ -31,6 +31,8 @@ pub const BENCHMARK_LABEL: &str = "haulage.dev/benchmark";
 const KEPT_FOR: &str = "1h";
 /// Between two reads of the VolumeBackups.
 const POLL_INTERVAL: Duration = Duration::from_secs(2);
+/// After how long a VolumeBackup no replica claimed gets a hint.
+const UNCLAIMED_HINT_AFTER: Duration = Duration::from_secs(60);
 /// Least bytes a benchmark measures with.
 const MIN_SIZE_BYTES: u64 = 1024 * 1024;
 
@@ -176,6 +178,8 @@ async fn follow(
 ) -> anyhow::Result<Vec<VolumeBackup>> {
     use crate::cli::transfer_owner::TransferOwner as _;
     let mut shown: BTreeMap<&str, String> = BTreeMap::new();
+    let started = std::time::Instant::now();
+    let mut hinted = false;
     loop {
         let mut finished = Vec::new();
         for name in names {
@@ -190,6 +194,16 @@ async fn follow(
             if shown.get(name.as_str()) != Some(&line) {
                 eprintln!("VolumeBackup {name}: {line}");
                 shown.insert(name, line);
+            }
+            if backup.phase().is_none() && !hinted && started.elapsed() >= UNCLAIMED_HINT_AFTER
+            {
+                eprintln!(
+                    "VolumeBackup {name}: no controller replica has claimed it after {}s: is `haulage controller` running, watching namespace {}? (`kubectl -n {} get pods`)",
+                    UNCLAIMED_HINT_AFTER.as_secs(),
+                    backups.namespace().unwrap_or_default(),
+                    backups.namespace().unwrap_or_default()
+                );
+                hinted = true;
             }
             if backup.is_finished() {
                 finished.push(backup);

@@ -12,6 +12,7 @@
 //! cargo test --test integration measurements::agent_memory -- --ignored --nocapture
 //! cargo test --test integration measurements::controller_memory -- --ignored --nocapture
 //! cargo test --test integration measurements::restore_throughput -- --ignored --nocapture
+//! cargo test --test integration measurements::bench_claim -- --ignored --nocapture
 //! ```
 //!
 //! (`HAULAGE_AGENT_BIN` / `HAULAGE_CONTROLLER_BIN` / `HAULAGE_BIN` name release builds
@@ -22,6 +23,7 @@
 mod agent_memory;
 mod api_requests;
 mod bandwidth_split;
+mod bench_claim;
 mod controller_memory;
 mod restore_api_requests;
 mod restore_throughput;
