@@ -195,8 +195,7 @@ async fn follow(
                 eprintln!("VolumeBackup {name}: {line}");
                 shown.insert(name, line);
             }
-            if backup.phase().is_none() && !hinted && started.elapsed() >= UNCLAIMED_HINT_AFTER
-            {
+            if backup.phase().is_none() && !hinted && started.elapsed() >= UNCLAIMED_HINT_AFTER {
                 eprintln!(
                     "VolumeBackup {name}: no controller replica has claimed it after {}s: is `haulage controller` running, watching namespace {}? (`kubectl -n {} get pods`)",
                     UNCLAIMED_HINT_AFTER.as_secs(),

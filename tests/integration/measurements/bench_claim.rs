@@ -99,8 +99,7 @@ async fn measure_bench_claim_against_the_first_backup_of_the_same_claim() -> any
             json!({"matchLabels": {"claim": "data"}}),
         )
         .await?;
-        let backups: Api<VolumeBackup> =
-            Api::namespaced(fixture.client.clone(), SYSTEM_NAMESPACE);
+        let backups: Api<VolumeBackup> = Api::namespaced(fixture.client.clone(), SYSTEM_NAMESPACE);
         let backup = final_phase(
             &backups,
             &fixture.kubelet,
@@ -115,7 +114,11 @@ async fn measure_bench_claim_against_the_first_backup_of_the_same_claim() -> any
         );
         let repository = fixture.repository().await?;
         let (snapshots, _) = repository.list_snapshots().await?;
-        let summary = &snapshots.first().context("the backup's snapshot")?.1.summary;
+        let summary = &snapshots
+            .first()
+            .context("the backup's snapshot")?
+            .1
+            .summary;
         let backup_seconds = summary.duration_seconds;
         let stored_percent = 100.0 * summary.bytes_stored as f64 / summary.bytes_read as f64;
         let backup_peak = peak_mib(&fixture, "solo", "haulage-backup-first-");
@@ -133,9 +136,7 @@ async fn measure_bench_claim_against_the_first_backup_of_the_same_claim() -> any
         backup_peaks.push(backup_peak);
         fixture.stop().await;
     }
-    println!(
-        "run  estimate s  backup s  ratio  bench s  bench MiB  backup MiB  limited by"
-    );
+    println!("run  estimate s  backup s  ratio  bench s  bench MiB  backup MiB  limited by");
     for row in &rows {
         println!("{row}");
     }
