@@ -263,7 +263,10 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         arguments
             .fail_after_unavailable_seconds
             .map(Duration::from_secs),
-    );
+    )
+    // On SIGTERM nothing waits for the location any more: the pod has a
+    // grace period, and what is stored is kept either way.
+    .stopping_with(cancel.clone());
     let agent_metrics = Arc::new(metrics::AgentMetrics::new(
         upload_wait.clone(),
         storage.outage.clone(),

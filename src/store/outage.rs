@@ -28,6 +28,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use super::{FailureCause, StoreError};
 
@@ -48,6 +49,11 @@ pub struct OutageWait {
     /// Upper bound of the time between two probes; each waits a random
     /// time between half of it and all of it.
     pub probe_every: Duration,
+    /// Once cancelled (the process stops: SIGTERM), nothing waits for the
+    /// location any more: a waiting operation fails at once, and a retry
+    /// within the budget does not sleep again. What is stored stays; the
+    /// work resumes when the process runs again.
+    pub stop: CancellationToken,
 }
 
 impl OutageWait {
@@ -58,7 +64,14 @@ impl OutageWait {
             outage,
             give_up_after,
             probe_every: Duration::from_secs(DEFAULT_PROBE_SECONDS),
+            stop: CancellationToken::new(),
         }
+    }
+
+    /// The same, no longer waiting once `stop` is cancelled.
+    pub fn stopping_with(mut self, stop: CancellationToken) -> Self {
+        self.stop = stop;
+        self
     }
 }
 
@@ -298,6 +311,9 @@ impl Outage {
             let Some(current) = changes.borrow_and_update().clone() else {
                 return Ok(());
             };
+            if wait.stop.is_cancelled() {
+                return Err(stopped(&current));
+            }
             let left = match wait.give_up_after {
                 Some(limit) => {
                     let lasted = current.started.elapsed();
@@ -318,17 +334,24 @@ impl Outage {
                 // Ended or changed by another operation's probe.
                 _ = changes.changed() => {}
                 () = deadline => {}
+                () = wait.stop.cancelled() => {}
                 _guard = self.inner.probe.lock() => {
                     if !self.is_on() {
                         continue;
                     }
                     let pause = wait.probe_every.mul_f64(0.5 + rand::random::<f64>() / 2.0);
                     let pause = left.map_or(pause, |left| pause.min(left));
-                    tokio::time::sleep(pause).await;
-                    match probe().await {
-                        Err(error) if error.is_transient() => self.note(&error),
-                        // Any other answer: the location answers.
-                        _ => self.end(),
+                    let probed = async {
+                        tokio::time::sleep(pause).await;
+                        probe().await
+                    };
+                    tokio::select! {
+                        answer = probed => match answer {
+                            Err(error) if error.is_transient() => self.note(&error),
+                            // Any other answer: the location answers.
+                            _ => self.end(),
+                        },
+                        () = wait.stop.cancelled() => {}
                     }
                 }
             }
@@ -349,5 +372,21 @@ impl Outage {
             ),
             cause: current.cause,
         }
+    }
+}
+
+/// The error of an operation that stops waiting for the location because
+/// the process stops.
+fn stopped(current: &Current) -> StoreError {
+    StoreError::Transient {
+        location: current.location.clone(),
+        operation: "reach",
+        key: "the storage location".to_string(),
+        message: format!(
+            "stopping while it has not answered for {}s (latest error: {}); what is stored stays and the work resumes when it runs again",
+            current.started.elapsed().as_secs(),
+            current.error
+        ),
+        cause: current.cause,
     }
 }

@@ -192,7 +192,16 @@ impl RetryStore {
                 error = %error,
                 "transient storage error, retrying"
             );
-            tokio::time::sleep(delay).await;
+            match &self.outages {
+                // A stopping process does not retry any more.
+                Some(wait) => tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = wait.stop.cancelled() => {
+                        return Err(give_up(error, attempts, started.elapsed()));
+                    }
+                },
+                None => tokio::time::sleep(delay).await,
+            }
         }
     }
 }
@@ -563,6 +572,52 @@ mod tests {
         wait.probe_every = Duration::from_secs(5);
         let store = RetryStore::new(inner, policy(3, 60)).waiting_out_outages(wait);
         (Arc::new(store), outage)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stop_ends_the_wait_for_the_location_and_the_retries_at_once() {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let store_of = |inner: Arc<SwitchedStore>| {
+            let outage = crate::store::outage::Outage::default();
+            let wait = OutageWait::new(outage.clone(), None).stopping_with(stop.clone());
+            let store = RetryStore::new(inner, policy(3, 60)).waiting_out_outages(wait);
+            (Arc::new(store), outage)
+        };
+        let down = Arc::new(SwitchedStore::default());
+        down.down.store(true, Ordering::SeqCst);
+        // One operation waits out an outage as long as it takes...
+        let (store, outage) = store_of(down.clone());
+        let waiting = tokio::spawn(async move { store.get("data/waiting", None).await });
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(outage.current().is_some(), "an outage is recorded");
+        assert!(!waiting.is_finished(), "it waits as long as it takes");
+        // ... another is between two attempts of its budget...
+        let (store, _) = store_of(down.clone());
+        let calls = down.calls.load(Ordering::SeqCst);
+        let retrying = tokio::spawn(async move { store.get("data/retrying", None).await });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(down.calls.load(Ordering::SeqCst) > calls, "it tried once");
+        assert!(!retrying.is_finished(), "it waits to try again");
+        // ... and both end when the process stops, without waiting more.
+        stop.cancel();
+        let stopped_at = tokio::time::Instant::now();
+        let within = |task| tokio::time::timeout(Duration::from_secs(1), task);
+        let waited = within(waiting)
+            .await
+            .expect("stopped at once")
+            .expect("joined");
+        let retried = within(retrying)
+            .await
+            .expect("stopped at once")
+            .expect("joined");
+        let (waited, retried) = (waited.expect_err("stopped"), retried.expect_err("stopped"));
+        assert_eq!(
+            stopped_at.elapsed(),
+            Duration::ZERO,
+            "nothing waited after the stop"
+        );
+        assert!(waited.is_transient() && retried.is_transient());
+        assert!(waited.to_string().contains("stopping"), "{waited}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -10,7 +10,8 @@
 //! way and finishes verified. A location throttling a fifth of the
 //! requests (503 SlowDown) slows a backup that completes identical, the
 //! retried requests counted in the agent's metrics and the transfer's
-//! `StorageAvailable` condition. And a backup across two restarts of
+//! `StorageAvailable` condition. An agent stopped by SIGTERM while it waits
+//! an outage out exits at once, and the backup completes after it. And a backup across two restarts of
 //! kube-apiserver, or across a 2-minute outage of it, completes with its
 //! progress never going back, its agent never restarted.
 
@@ -306,6 +307,84 @@ async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_pas
         message.contains("longer than failAfterUnavailableSeconds (20)"),
         "{message}"
     );
+    fixture.stop().await;
+    Ok(())
+}
+
+/// How long an agent stopped by SIGTERM while it waits out a storage
+/// outage may take to exit: well within the stage pod's grace period
+/// (60 s), so it is never SIGKILLed mid-write.
+const SIGTERM_EXIT_WITHIN: Duration = Duration::from_secs(10);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_stopped_by_sigterm_while_it_waits_out_an_outage_exits_at_once_and_the_backup_completes()
+-> anyhow::Result<()> {
+    let fixture = Fixture::builder()
+        .long_running_transfers()
+        .through_fault_proxy()
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    create_backup_of_claim(client, "sigterm-in-an-outage", "archive").await?;
+    fixture.packs_stored_at_least(2).await?;
+    let before = transfer_of(&transfers, "archive").await?;
+    let namespace = before.metadata.namespace.clone().context("namespace")?;
+    let pod = before.spec.stage_pod.clone();
+
+    proxy.go_down();
+    let paused = paused_for_storage(&fixture, &transfers, "archive", "transfer").await?;
+    let paused_progress = paused
+        .status
+        .and_then(|status| status.progress)
+        .unwrap_or_default();
+    // Stopped as a node drain or an eviction stops it, while its uploads
+    // and its reads wait for the location.
+    let exited = fixture
+        .kubelet
+        .terminate_running(&namespace, &pod, SIGTERM_EXIT_WITHIN)
+        .await?;
+    let took = exited.with_context(|| {
+        format!(
+            "the agent was still running {SIGTERM_EXIT_WITHIN:?} after SIGTERM while the location was down:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    println!(
+        "outage: the agent exited {:.2} s after SIGTERM",
+        took.as_secs_f64()
+    );
+    let transfer = transfer_of(&transfers, "archive").await?;
+    let status = transfer.status.context("status")?;
+    assert_eq!(
+        status.phase,
+        Some(VolumeTransferPhase::InProgress),
+        "a stopped agent ends nothing: {status:#?}"
+    );
+    assert!(
+        status.progress.unwrap_or_default().bytes_done >= paused_progress.bytes_done,
+        "progress went backwards"
+    );
+
+    // The restarted agent waits the rest of the outage out and finishes.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    proxy.come_back();
+    let status = fixture
+        .completed_backup("sigterm-in-an-outage", BACKUP_DEADLINE)
+        .await?;
+    assert!(status.completion_time.is_some());
+    let finished = transfer_of(&transfers, "archive").await?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &finished
+            .status
+            .and_then(|status| status.snapshot_id)
+            .context("snapshot id")?,
+        &fixture.volumes.join(&namespace).join("archive"),
+        &fixture.work.path().join("restored-archive"),
+    )
+    .await?;
     fixture.stop().await;
     Ok(())
 }

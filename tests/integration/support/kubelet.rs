@@ -291,6 +291,47 @@ impl Kubelet {
         }
     }
 
+    /// SIGTERM the running agent of a pod, as a kubelet stopping its
+    /// container does, and wait for the process to exit: how long it took,
+    /// or `None` when it was still running after `within` (it is then
+    /// SIGKILLed). The stand-in restarts it as after any exit.
+    pub async fn terminate_running(
+        &self,
+        namespace: &str,
+        pod: &str,
+        within: Duration,
+    ) -> anyhow::Result<Option<Duration>> {
+        let pid = {
+            let processes = self.processes.lock().expect("lock");
+            processes
+                .get(&(namespace.to_string(), pod.to_string()))
+                .and_then(|running| running.child.as_ref())
+                .and_then(|child| child.id())
+                .with_context(|| format!("no agent runs for pod {namespace}/{pod}"))?
+        };
+        // Gone, or a zombie until the stand-in reaps it.
+        let exited = || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+                stat.rsplit_once(')')
+                    .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+            })
+        };
+        let started = std::time::Instant::now();
+        let status = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .await?;
+        anyhow::ensure!(status.success(), "kill -TERM {pid} failed: {status}");
+        while started.elapsed() < within {
+            if exited() {
+                return Ok(Some(started.elapsed()));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        self.kill(namespace, pod);
+        Ok(None)
+    }
+
     /// SIGKILL the running agent of a pod, asserting there was one, and
     /// return how many agents had started before; hand that to
     /// [`Self::assert_restarted_since`].
