@@ -47,14 +47,14 @@ pub struct BenchArgs {
     pub claims: Vec<(String, String)>,
     /// With --claim: the BackupStorageLocation to measure against
     /// (default: the one marked default).
-    #[arg(long, value_name = "NAME", requires = "claims")]
+    #[arg(long, value_name = "NAME")]
     pub location: Option<String>,
     /// With --claim: namespace of the controller and its locations.
     #[arg(long, value_name = "NAMESPACE", default_value = SYSTEM_NAMESPACE)]
     pub controller_namespace: String,
     /// With --claim: keep the VolumeBackups the benchmark created (they go
     /// an hour after they finished) instead of deleting them at the end.
-    #[arg(long, requires = "claims")]
+    #[arg(long)]
     pub keep: bool,
     #[command(flatten)]
     pub cluster: ClusterArgs,
@@ -125,6 +125,21 @@ impl BenchArgs {
 pub async fn run(args: BenchArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
     if !args.claims.is_empty() {
         return claims::run(&args, cancel).await;
+    }
+    let cluster_only = [
+        ("--location", args.location.is_some()),
+        ("--keep", args.keep),
+        (
+            "--controller-namespace",
+            args.controller_namespace != SYSTEM_NAMESPACE,
+        ),
+        ("--kubeconfig", args.cluster.kubeconfig.is_some()),
+        ("--context", args.cluster.context.is_some()),
+    ];
+    if let Some((flag, _)) = cluster_only.iter().find(|(_, given)| *given) {
+        anyhow::bail!(
+            "{flag} is for a benchmark in the cluster: give it with --claim NAMESPACE/NAME (a benchmark here takes --source DIR and --repo URL)"
+        );
     }
     let (Some(source), Some(repo)) = (&args.source, &args.repo) else {
         anyhow::bail!(

@@ -163,6 +163,44 @@ fn bench_against_a_directory_location_reports_every_stage_and_leaves_nothing_beh
     );
 }
 
+#[test]
+fn options_of_the_other_kind_of_benchmark_are_refused_before_anything_is_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let location = dir.path().join("location");
+    std::fs::create_dir(&location).expect("mkdir");
+    let repo = format!("file://{}", location.display());
+    let source = dir.path().display().to_string();
+    for (extra, says) in [
+        (vec!["--keep"], "--keep is for a benchmark in the cluster"),
+        (
+            vec!["--context", "prod"],
+            "--context is for a benchmark in the cluster",
+        ),
+        (
+            vec!["--location", "s3"],
+            "--location is for a benchmark in the cluster",
+        ),
+    ] {
+        let output = haulage()
+            .args(["bench", "--source", &source, "--repo", &repo])
+            .args(&extra)
+            .output()
+            .expect("run bench");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{extra:?} was accepted");
+        assert!(stderr.contains(says), "{extra:?}: {stderr}");
+    }
+    // With --claim, the options only a benchmark here has.
+    let output = haulage()
+        .args(["bench", "--claim", "shop/db", "--readers", "2"])
+        .output()
+        .expect("run bench");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
+    assert_eq!(files_under(&location), Vec::new(), "something was written");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn bench_against_minio_reports_every_stage_and_deletes_its_objects() {
     let server = MinioServer::start().await.expect("start minio");
