@@ -964,6 +964,16 @@ async fn back_up(
     })
 }
 
+/// Why a volume cannot be moved when its mount cannot be read: the stage
+/// pod does not mount the claim there (and nothing is written into the
+/// pod's own filesystem).
+fn unreadable_mount(volume: &std::path::Path, error: &std::io::Error) -> String {
+    format!(
+        "the claim's mount {} cannot be read in the stage pod ({error}): the pod does not mount the claim there",
+        volume.display()
+    )
+}
+
 /// Most bytes of a claim a benchmark keeps in memory for its CPU stages:
 /// the stage pod's agent runs within 128 MiB.
 const BENCHMARK_CPU_SAMPLE_BYTES: usize = 16 * 1024 * 1024;
@@ -987,10 +997,7 @@ async fn benchmark(
         ..
     } = claimed;
     if let Err(error) = std::fs::read_dir(volume) {
-        return Err(format!(
-            "the claim's mount {} cannot be read in the stage pod ({error}): the pod does not mount the claim there",
-            volume.display()
-        ));
+        return Err(unreadable_mount(volume, &error));
     }
     let request = transfer.spec.benchmark.clone().unwrap_or_default();
     let mut settings = haulage::bench::BenchSettings::new(volume);
@@ -1059,12 +1066,7 @@ async fn restore_and_verify(
         .map_err(|error| haulage::error_chain(&error))?;
     let empty = match std::fs::read_dir(volume) {
         Ok(mut entries) => entries.next().is_none(),
-        Err(error) => {
-            return Err(format!(
-                "the claim's mount {} cannot be read in the stage pod ({error}): the pod does not mount the claim there",
-                volume.display()
-            ));
-        }
+        Err(error) => return Err(unreadable_mount(volume, &error)),
     };
     let mut options = RestoreOptions::new(volume);
     options.sync = !empty;

@@ -163,7 +163,16 @@ pub async fn run(args: BenchArgs, cancel: CancellationToken) -> anyhow::Result<O
 }
 
 fn per_second(rate: f64) -> String {
-    format!("{}/s", human_bytes(rate as u64))
+    format!("{}/s", human_bytes(rate.max(0.0) as u64))
+}
+
+/// An estimated duration, whole seconds up; "forever" when nothing moves.
+fn about(seconds: f64) -> String {
+    if seconds.is_finite() && seconds < u64::MAX as f64 {
+        humantime::format_duration(Duration::from_secs(seconds.max(0.0).ceil() as u64)).to_string()
+    } else {
+        "forever".to_string()
+    }
 }
 
 fn print_table(report: &BenchReport, args: &BenchArgs) {
@@ -274,12 +283,7 @@ fn print_table(report: &BenchReport, args: &BenchArgs) {
     println!(
         "estimate: a first backup of {} takes about {} at {} ({caps}), limited by {}",
         human_bytes(estimate.bytes),
-        if estimate.seconds.is_finite() {
-            humantime::format_duration(Duration::from_secs(estimate.seconds.ceil() as u64))
-                .to_string()
-        } else {
-            "forever".to_string()
-        },
+        about(estimate.seconds),
         per_second(estimate.bytes_per_second),
         estimate.bottleneck
     );

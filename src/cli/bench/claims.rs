@@ -218,16 +218,18 @@ async fn follow(
     }
 }
 
-fn per_second(rate: i64) -> String {
-    format!("{}/s", human_bytes(rate.max(0) as u64))
+/// A figure of the status, bytes per second.
+fn rate(bytes_per_second: i64) -> String {
+    super::per_second(bytes_per_second as f64)
 }
 
+/// An estimate of the status, whole seconds (`i64::MAX`: never).
 fn duration(seconds: i64) -> String {
-    if seconds == i64::MAX {
-        "forever".to_string()
+    super::about(if seconds == i64::MAX {
+        f64::INFINITY
     } else {
-        humantime::format_duration(Duration::from_secs(seconds.max(0) as u64)).to_string()
-    }
+        seconds as f64
+    })
 }
 
 fn print_claims(report: &ClaimsReport, backups: &[VolumeBackup]) {
@@ -273,9 +275,9 @@ fn print_claims(report: &ClaimsReport, backups: &[VolumeBackup]) {
             class.claims,
             if class.claims == 1 { "claim" } else { "claims" },
             human_bytes(class.bytes.max(0) as u64),
-            per_second(class.read_bytes_per_second),
-            per_second(class.pipeline_bytes_per_second),
-            per_second(class.upload_bytes_per_second),
+            rate(class.read_bytes_per_second),
+            rate(class.pipeline_bytes_per_second),
+            rate(class.upload_bytes_per_second),
             duration(class.estimate_seconds),
             class.limited_by
         );
@@ -287,9 +289,9 @@ fn print_claim(name: &str, figures: &ClaimBenchmark) {
         "{name:<32} {:<16} {:>10} {:>12} {:>12} {:>12} {:>12}  {}",
         figures.storage_class.as_deref().unwrap_or("-"),
         human_bytes(figures.bytes.max(0) as u64),
-        per_second(figures.read_bytes_per_second),
-        per_second(figures.pipeline_bytes_per_second),
-        per_second(figures.upload_bytes_per_second),
+        rate(figures.read_bytes_per_second),
+        rate(figures.pipeline_bytes_per_second),
+        rate(figures.upload_bytes_per_second),
         duration(figures.estimate_seconds),
         figures.limited_by
     );

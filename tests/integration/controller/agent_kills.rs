@@ -57,12 +57,7 @@ async fn an_agent_killed_at_random_points_resumes_every_time_and_stores_no_blob_
         upload_bytes_per_second >> 20
     );
     let mut random = fastrand::Rng::with_seed(seed);
-    let layout = Layout {
-        namespaces: vec!["solo".to_string()],
-        claims: vec![("solo".to_string(), "data".to_string(), "ReadWriteOnce", 77)],
-        nodes: vec!["node-0".to_string()],
-        app_pods: Vec::new(),
-    };
+    let layout = Layout::solo(77);
     let fixture = Fixture::builder()
         .layout(layout)
         .volume_bytes(volume_bytes)

@@ -100,6 +100,26 @@ async fn paused_for_storage(
     })
 }
 
+/// A fixture whose location is behind the fault proxy, and the backup
+/// `name` of claim `archive` under way in it (two packs stored): the
+/// fixture, every transfer, and the backup's transfer as it was then. 12
+/// MiB of random data per claim in 1 MiB packs, uploaded at 1 MiB/s: an
+/// outage from here lands mid-transfer.
+async fn archive_backup_under_way(
+    name: &str,
+) -> anyhow::Result<(Fixture, Api<VolumeTransfer>, VolumeTransfer)> {
+    let fixture = Fixture::builder()
+        .long_running_transfers()
+        .through_fault_proxy()
+        .start()
+        .await?;
+    let transfers: Api<VolumeTransfer> = Api::all(fixture.client.clone());
+    create_backup_of_claim(&fixture.client, name, "archive").await?;
+    fixture.packs_stored_at_least(2).await?;
+    let before = transfer_of(&transfers, "archive").await?;
+    Ok((fixture, transfers, before))
+}
+
 /// The `bytesDone` of each progress report of claim `pvc`'s transfer, as
 /// a watch sees them, across apiserver restarts and outages.
 struct ProgressReports {
@@ -140,20 +160,10 @@ impl ProgressReports {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_storage_outage_pauses_a_backup_until_the_location_is_back_and_one_past_its_limit_fails()
 -> anyhow::Result<()> {
-    // 12 MiB of random data per claim in 1 MiB packs, uploaded at 1 MiB/s:
-    // the outage lands mid-transfer.
-    let fixture = Fixture::builder()
-        .long_running_transfers()
-        .through_fault_proxy()
-        .start()
-        .await?;
+    let (fixture, transfers, before) = archive_backup_under_way("through-an-outage").await?;
     let client = &fixture.client;
     let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
-    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
     let locations: Api<BackupStorageLocation> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    create_backup_of_claim(client, "through-an-outage", "archive").await?;
-    fixture.packs_stored_at_least(2).await?;
-    let before = transfer_of(&transfers, "archive").await?;
     let phase = before.status.as_ref().and_then(|status| status.phase);
     assert_eq!(
         phase,
@@ -319,17 +329,8 @@ const SIGTERM_EXIT_WITHIN: Duration = Duration::from_secs(10);
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_agent_stopped_by_sigterm_while_it_waits_out_an_outage_exits_at_once_and_the_backup_completes()
 -> anyhow::Result<()> {
-    let fixture = Fixture::builder()
-        .long_running_transfers()
-        .through_fault_proxy()
-        .start()
-        .await?;
-    let client = &fixture.client;
+    let (fixture, transfers, before) = archive_backup_under_way("sigterm-in-an-outage").await?;
     let proxy = fixture.proxy.as_ref().context("the fixture's proxy")?;
-    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
-    create_backup_of_claim(client, "sigterm-in-an-outage", "archive").await?;
-    fixture.packs_stored_at_least(2).await?;
-    let before = transfer_of(&transfers, "archive").await?;
     let namespace = before.metadata.namespace.clone().context("namespace")?;
     let pod = before.spec.stage_pod.clone();
 

@@ -53,17 +53,7 @@ async fn measure_bench_claim_against_the_first_backup_of_the_same_claim() -> any
     let mut rows = Vec::new();
     let (mut ratios, mut bench_peaks, mut backup_peaks) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..RUNS {
-        let layout = Layout {
-            namespaces: vec!["solo".to_string()],
-            claims: vec![(
-                "solo".to_string(),
-                "data".to_string(),
-                "ReadWriteOnce",
-                4242,
-            )],
-            nodes: vec!["node-0".to_string()],
-            app_pods: Vec::new(),
-        };
+        let layout = Layout::solo(4242);
         let fixture = Fixture::builder()
             .layout(layout)
             .volume_bytes(VOLUME_BYTES)

@@ -109,17 +109,7 @@ async fn measure_restore_throughput_of_one_volume_in_the_cluster_and_with_the_cl
 -> anyhow::Result<()> {
     const VOLUME_BYTES: u64 = 1 << 30;
     const RUNS: usize = 3;
-    let layout = Layout {
-        namespaces: vec!["solo".to_string()],
-        claims: vec![(
-            "solo".to_string(),
-            "data".to_string(),
-            "ReadWriteOnce",
-            4242,
-        )],
-        nodes: vec!["node-0".to_string()],
-        app_pods: Vec::new(),
-    };
+    let layout = Layout::solo(4242);
     let fixture = Fixture::builder()
         .layout(layout)
         .volume_bytes(VOLUME_BYTES)

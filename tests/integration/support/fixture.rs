@@ -300,6 +300,22 @@ impl Layout {
         }
     }
 
+    /// One unmounted RWO claim `solo/data` (its data seeded with `seed`)
+    /// on one node `node-0`.
+    pub fn solo(seed: u64) -> Self {
+        Layout {
+            namespaces: vec!["solo".to_string()],
+            claims: vec![(
+                "solo".to_string(),
+                "data".to_string(),
+                "ReadWriteOnce",
+                seed,
+            )],
+            nodes: vec!["node-0".to_string()],
+            app_pods: Vec::new(),
+        }
+    }
+
     /// `claims` unmounted RWO claims `data-NNN`, dealt round-robin over
     /// `namespaces` namespaces `team-N`, and `nodes` nodes `node-N` for
     /// the planner to spread them over.
