@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use haulage::engine::backup::{BackupOptions, backup};
+use haulage::engine::backup::{BackupOptions, DEFAULT_CHECKPOINT_EVERY, backup};
 use haulage::engine::progress::Progress;
 use haulage::engine::restore::{RestoreOptions, restore};
 use haulage::engine::throttle::{ByteRate, Throttle};
@@ -140,6 +140,11 @@ struct TransfersArguments {
     /// Least seconds between two progress writes of a transfer.
     #[arg(long, default_value_t = DEFAULT_PROGRESS_INTERVAL_SECONDS)]
     progress_interval: u64,
+    /// Seconds between two checkpoints of a backup, so that the agent of a
+    /// recreated stage pod does not read again the files a volume had
+    /// stored; 0 writes none (the controller's `--checkpoint-seconds`).
+    #[arg(long, default_value_t = DEFAULT_CHECKPOINT_EVERY.as_secs())]
+    checkpoint_seconds: u64,
     /// Address of `/metrics` and `/healthz` (port 0: any free port, logged),
     /// or `off`.
     #[arg(
@@ -328,6 +333,8 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         parallelism: plan.at_once,
         memory: plan.memory,
         progress_interval: Duration::from_secs(arguments.progress_interval.max(1)),
+        checkpoint_every: (arguments.checkpoint_seconds > 0)
+            .then(|| Duration::from_secs(arguments.checkpoint_seconds)),
         storage,
     };
     match transfers::run(assignment, repository, client, agent_metrics, cancel).await {

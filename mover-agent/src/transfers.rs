@@ -78,6 +78,8 @@ pub struct Assignment {
     pub memory: EngineMemory,
     /// Least time between two progress writes of one transfer.
     pub progress_interval: Duration,
+    /// How often a backup writes its checkpoint (`None`: never).
+    pub checkpoint_every: Option<Duration>,
     /// How the agent's store waits out the storage location's outages
     /// (the state it records them into, and the limit), for the reports.
     pub storage: OutageWait,
@@ -932,6 +934,7 @@ async fn back_up(
     });
     options.read_throttle = run.throttle.clone();
     options.memory = assignment.memory;
+    options.checkpoint_every = assignment.checkpoint_every;
     options.source_label = Some(format!("{}/{}", assignment.namespace, transfer.spec.pvc));
     options.hostname = SNAPSHOT_HOSTNAME.to_string();
     options.tags = transfer.spec.tags.clone();

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use clap::Args;
 use serde_json::json;
@@ -11,7 +12,8 @@ use tokio_util::sync::CancellationToken;
 use super::progress::{ProgressDisplay, human_bytes};
 use super::{Outcome, RepoArgs};
 use crate::engine::backup::{
-    BackupOptions, BackupOutcome, DEFAULT_COMPRESSION_LEVEL, ParentPolicy, backup,
+    BackupOptions, BackupOutcome, DEFAULT_CHECKPOINT_EVERY, DEFAULT_COMPRESSION_LEVEL,
+    ParentPolicy, backup,
 };
 use crate::engine::progress::Progress;
 use crate::engine::throttle::{ByteRate, Throttle};
@@ -41,6 +43,12 @@ pub struct BackupArgs {
     /// zstd compression level (1 is fastest; higher levels trade CPU for space).
     #[arg(long, default_value_t = DEFAULT_COMPRESSION_LEVEL, value_parser = clap::value_parser!(i32).range(-7..=19))]
     pub compression_level: i32,
+    /// Write a checkpoint of what is stored this often (seconds), so that
+    /// the next backup of the same source from this host, after this one
+    /// was interrupted (Ctrl-C, a kill, a crash), does not read again the
+    /// files it had stored; 0 writes none.
+    #[arg(long, value_name = "SECONDS", default_value_t = DEFAULT_CHECKPOINT_EVERY.as_secs())]
+    pub checkpoint_seconds: u64,
     /// Name recorded as the snapshot's source (default: the absolute path).
     #[arg(long, value_name = "NAME")]
     pub label: Option<String>,
@@ -83,6 +91,8 @@ async fn run_locked(
     options.tags = args.tags.iter().cloned().collect::<BTreeMap<_, _>>();
     options.compression_level = args.compression_level;
     options.read_throttle = Throttle::new(args.limit_read);
+    options.checkpoint_every =
+        (args.checkpoint_seconds > 0).then(|| Duration::from_secs(args.checkpoint_seconds));
     let progress = Arc::new(Progress::default());
     let display = ProgressDisplay::start(
         progress.clone(),
@@ -107,6 +117,12 @@ pub fn print_summary(outcome: &BackupOutcome, as_json: bool) {
         let value = json!({
             "snapshotId": outcome.snapshot_id.to_hex(),
             "parent": outcome.snapshot.parent.map(|id| id.to_hex()),
+            "resumedFrom": outcome.resumed_from.as_ref().map(|resumed| json!({
+                "checkpoint": resumed.checkpoint.to_hex(),
+                "started": resumed.started,
+                "files": resumed.files,
+                "bytes": resumed.bytes,
+            })),
             "files": summary.files,
             "filesUnchanged": summary.files_unchanged,
             "directories": summary.directories,
@@ -128,6 +144,15 @@ pub fn print_summary(outcome: &BackupOutcome, as_json: bool) {
     println!("  id:       {}", outcome.snapshot_id);
     if let Some(parent) = outcome.snapshot.parent {
         println!("  parent:   {}", parent.short());
+    }
+    if let Some(resumed) = &outcome.resumed_from {
+        println!(
+            "  resumed:  the interrupted backup started {} (checkpoint {}): {} files, {} stored then, read again only if changed since",
+            resumed.started,
+            resumed.checkpoint.short(),
+            resumed.files,
+            human_bytes(resumed.bytes)
+        );
     }
     println!(
         "  files:    {} ({} unchanged), {} directories, {} other",

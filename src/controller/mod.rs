@@ -172,6 +172,12 @@ pub struct ControllerArgs {
         value_parser = clap::value_parser!(u32).range(i64::from(MIN_AGENT_LOST_SECONDS)..)
     )]
     pub agent_lost_seconds: u32,
+    /// Seconds between two checkpoints of a backup in its agent, so that
+    /// a recreated stage pod (a killed agent, a drained node) does not read
+    /// again the files the volume had stored (default: the agent's, 60;
+    /// 0: none).
+    #[arg(long, env = "HAULAGE_CHECKPOINT_SECONDS")]
+    pub checkpoint_seconds: Option<u32>,
 }
 
 /// Shortest time without a heartbeat before an agent counts as lost.
@@ -199,6 +205,9 @@ pub struct Config {
     pub replica_lease_seconds: u32,
     /// Seconds a running agent may go without reporting.
     pub agent_lost_seconds: u32,
+    /// Seconds between two checkpoints of a backup in its agent (`None`:
+    /// the agent's default).
+    pub checkpoint_seconds: Option<u32>,
     /// Volumes moved at once in the cluster (`None`: no cap).
     pub max_concurrent_volumes: Option<u32>,
     /// Volumes moved at once per node (`None`: no cap).
@@ -218,6 +227,7 @@ impl Config {
             pinning: Pinning::RequiredNodeAffinity,
             replica_lease_seconds: crate::reconcile::replicas::DEFAULT_LEASE_SECONDS,
             agent_lost_seconds: crate::reconcile::supervision::DEFAULT_AGENT_LOST_SECONDS,
+            checkpoint_seconds: None,
             max_concurrent_volumes: Some(DEFAULT_MAX_CONCURRENT_VOLUMES),
             max_volumes_per_node: Some(DEFAULT_MAX_VOLUMES_PER_NODE),
         }
@@ -258,6 +268,7 @@ impl ControllerArgs {
             },
             replica_lease_seconds: self.replica_lease_seconds.max(MIN_LEASE_SECONDS),
             agent_lost_seconds: self.agent_lost_seconds.max(MIN_AGENT_LOST_SECONDS),
+            checkpoint_seconds: self.checkpoint_seconds,
             max_concurrent_volumes: (self.max_concurrent_volumes > 0)
                 .then_some(self.max_concurrent_volumes),
             max_volumes_per_node: (self.max_volumes_per_node > 0)

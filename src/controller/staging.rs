@@ -134,6 +134,7 @@ pub fn observe_staging(
             agent_image: config.agent_image.clone(),
             pinning: config.pinning,
             agent_lost_seconds: config.agent_lost_seconds,
+            checkpoint_seconds: config.checkpoint_seconds,
         },
         lease_fresh: context.heartbeat.is_fresh(config.replica_lease_seconds),
         leases: super::replicas::cached(&stores.leases),

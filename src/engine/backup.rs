@@ -28,7 +28,7 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_bytes::ByteBuf;
@@ -84,6 +84,9 @@ const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 1;
 const INDEX_CHECKPOINT_PACKS: usize = 32;
 /// Bytes per read(2) call from the source.
 const READ_BLOCK_BYTES: usize = 256 * 1024;
+/// How often a backup writes its checkpoint by default: a killed backup
+/// reads again at most about this long of its source when it is run again.
+pub const DEFAULT_CHECKPOINT_EVERY: Duration = Duration::from_secs(60);
 /// Default zstd level: level 1 keeps compression from being the bottleneck
 /// on two cores (see docs/benchmarks.md for the measurement).
 pub const DEFAULT_COMPRESSION_LEVEL: i32 = 1;
@@ -130,6 +133,13 @@ pub struct BackupOptions {
     /// way to them); `None` backs up everything. `haulage bench` backs up
     /// a sample of a source this way.
     pub only: Option<Arc<Selection>>,
+    /// How often a checkpoint of what is stored so far is written, so that
+    /// a backup of the same source and host after this one was killed does
+    /// not read again the files it had stored; `None` writes none. Only a
+    /// first backup (no parent snapshot) writes and uses checkpoints; not
+    /// one with [`ParentPolicy::None`] or a selection
+    /// ([`BackupOptions::only`]).
+    pub checkpoint_every: Option<Duration>,
 }
 
 /// Files of a source, by their path relative to it, that a backup is
@@ -187,6 +197,7 @@ impl BackupOptions {
             parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()) + 1,
             memory: EngineMemory::default(),
             only: None,
+            checkpoint_every: Some(DEFAULT_CHECKPOINT_EVERY),
         }
     }
 }
@@ -198,6 +209,22 @@ pub struct BackupOutcome {
     pub snapshot_id: ObjectId,
     /// The manifest written.
     pub snapshot: Snapshot,
+    /// The checkpoint of an interrupted backup of the same source this one
+    /// continued from (its files unchanged since were not read again).
+    pub resumed_from: Option<ResumedFrom>,
+}
+
+/// The checkpoint a backup continued from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResumedFrom {
+    /// The checkpoint's id.
+    pub checkpoint: ObjectId,
+    /// When the interrupted backup started (RFC 3339).
+    pub started: String,
+    /// Files the interrupted backup had stored.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
 }
 
 /// What the walker tells the rest of the pipeline, in walk order.
@@ -368,6 +395,38 @@ pub async fn backup(
         Some((_, snapshot)) => Some(repository.load_tree(&index, &snapshot.tree).await?),
         None => None,
     };
+    // Checkpoints of earlier runs of this backup that did not finish: for
+    // a first backup, the one that got furthest stands in for a parent, so
+    // the files it stored are not read again; all of them go once this
+    // backup's snapshot is written.
+    let checkpoints = match options.only {
+        Some(_) => Vec::new(),
+        None => repository.checkpoints_of(&label, &options.hostname).await?,
+    };
+    let checkpointed = checkpointed(&options, parent.as_ref());
+    let resume = resumable(&checkpoints)
+        .filter(|_| checkpointed)
+        .map(|(id, checkpoint)| {
+            (
+                checkpoint.tree,
+                ResumedFrom {
+                    checkpoint: *id,
+                    started: checkpoint.time.clone(),
+                    files: checkpoint.summary.files,
+                    bytes: checkpoint.summary.total_bytes,
+                },
+            )
+        });
+    let (previous_root, resumed_from) = match resume {
+        Some((tree, resumed)) => match repository.load_tree(&index, &tree).await {
+            Ok(tree) => (Some(tree), Some(resumed)),
+            Err(error) => {
+                tracing::warn!(checkpoint = %resumed.checkpoint, %error, "checkpoint's tree cannot be read, its files are read again");
+                (parent_root, None)
+            }
+        },
+        None => (parent_root, None),
+    };
 
     // Room for the tag sealing appends, so a sealed buffer never grows.
     let chunk_buffer_bytes = repository.largest_stored_blob_bytes();
@@ -430,7 +489,7 @@ pub async fn backup(
         let source = source.clone();
         tokio::task::spawn_blocking(move || {
             let mut context = context;
-            context.walk_root(&source, parent_root)
+            context.walk_root(&source, previous_root)
         })
     };
 
@@ -478,6 +537,26 @@ pub async fn backup(
         Packer::new(repository.clone(), progress.clone(), &buffers),
         shared.clone(),
     );
+    if checkpointed && let Some(every) = options.checkpoint_every {
+        assembler.checkpoints = Some(CheckpointWriter {
+            every,
+            last: Instant::now(),
+            bytes_at_last: 0,
+            template: Snapshot {
+                format_version: repository.config().format_version,
+                time: start_time.clone(),
+                hostname: options.hostname.clone(),
+                source: label.clone(),
+                tree: BlobId([0; 32]),
+                root: RootAttributes::default(),
+                parent: parent.as_ref().map(|(id, _)| *id),
+                tags: BTreeMap::new(),
+                claim: None,
+                summary: SnapshotSummary::default(),
+            },
+            written: None,
+        });
+    }
     let assembled = assembler.run(processed, &cancel).await;
     let walk_result = walker
         .await
@@ -563,10 +642,42 @@ pub async fn backup(
         },
     };
     let snapshot_id = repository.write_snapshot(&snapshot).await?;
+    // The snapshot holds everything the checkpoints did.
+    let mut done: Vec<ObjectId> = checkpoints.iter().map(|(id, _)| *id).collect();
+    done.extend(
+        assembler
+            .checkpoints
+            .as_ref()
+            .and_then(|writer| writer.written),
+    );
+    for id in &done {
+        if let Err(error) = repository.delete_checkpoint(id).await {
+            tracing::warn!(checkpoint = %id, %error, "checkpoint not deleted; the next backup of this source deletes it");
+        }
+    }
     Ok(BackupOutcome {
         snapshot_id,
         snapshot,
+        resumed_from,
     })
+}
+
+/// Whether a backup writes checkpoints and continues from them: a first
+/// backup of its source (no parent snapshot), the long one, unless it is
+/// to read every file anyway or backs up a selection. With a parent, the
+/// parent already spares reading the files unchanged since, while a
+/// checkpoint holds only the part of the tree the interrupted run had
+/// reached: continuing from it would read the rest again.
+fn checkpointed(options: &BackupOptions, parent: Option<&(ObjectId, Snapshot)>) -> bool {
+    options.only.is_none() && options.parent != ParentPolicy::None && parent.is_none()
+}
+
+/// The checkpoint a backup continues from: of those of its source and host
+/// (`checkpoints`), the one that got furthest (the most file bytes).
+fn resumable(checkpoints: &[(ObjectId, Snapshot)]) -> Option<&(ObjectId, Snapshot)> {
+    checkpoints
+        .iter()
+        .max_by_key(|(_, checkpoint)| (checkpoint.summary.total_bytes, checkpoint.summary.files))
 }
 
 fn tokio_stream_from<T: Send + 'static>(
@@ -1259,15 +1370,22 @@ impl WalkContext {
         previous: Option<&Entry>,
     ) -> Result<(), EngineError> {
         let progress = self.shared.progress.clone();
+        // The previous entry of a file not changed since: whole (a parent
+        // snapshot's, or a checkpoint's finished file), or the first part
+        // of it (a checkpoint's file that was being read).
+        let previous = previous.filter(|previous| {
+            same_inode_state(previous, &entry)
+                && previous.size == entry.size
+                && previous.mtime_seconds == entry.mtime_seconds
+                && previous.mtime_nanos == entry.mtime_nanos
+                && previous.content.iter().all(|extent| match extent {
+                    Extent::Chunk(id, _) => self.shared.index.contains(id),
+                    Extent::Hole(_) => true,
+                })
+        });
+        let stored_part = previous.map_or(0, content_length);
         if let Some(previous) = previous
-            && same_inode_state(previous, &entry)
-            && previous.size == entry.size
-            && previous.mtime_seconds == entry.mtime_seconds
-            && previous.mtime_nanos == entry.mtime_nanos
-            && previous.content.iter().all(|extent| match extent {
-                Extent::Chunk(id, _) => self.shared.index.contains(id),
-                Extent::Hole(_) => true,
-            })
+            && stored_part == previous.size
         {
             let mut unchanged = entry;
             unchanged.content = previous.content.clone();
@@ -1316,8 +1434,20 @@ impl WalkContext {
             };
             return self.send(WalkItem::SmallFile(Box::new(small), permit));
         }
+        // A file a checkpoint holds the first part of is read from there on:
+        // the part ends where a chunk did, so the chunks after it are the
+        // ones reading it from the start would make.
+        let mut entry = entry;
+        let resume_at = match previous {
+            Some(previous) if stored_part > 0 && stored_part < before.len() => {
+                entry.content = previous.content.clone();
+                Progress::add(&progress.bytes_done, stored_part);
+                stored_part
+            }
+            _ => 0,
+        };
         self.send(WalkItem::FileStart(entry))?;
-        match self.read_file_content(file, &before) {
+        match self.read_file_content(file, &before, resume_at) {
             Ok(after) => {
                 Progress::add(&progress.files_done, 1);
                 let warning = changed_while_read(&before, &after).then(|| {
@@ -1337,17 +1467,23 @@ impl WalkContext {
         }
     }
 
-    /// Read and chunk a file, data regions only (holes are skipped with
+    /// Read and chunk a file from `start` (0, or where the part a
+    /// checkpoint holds ends), data regions only (holes are skipped with
     /// SEEK_DATA/SEEK_HOLE when the file has any).
     fn read_file_content(
         &mut self,
         mut file: File,
         before: &Metadata,
+        start: u64,
     ) -> Result<Metadata, ReadFailure> {
         let size = before.len();
         self.file_size_hint = size;
         let may_have_holes = before.blocks() * 512 < size;
-        let mut position = 0u64;
+        let mut position = start;
+        if start > 0 {
+            file.seek(io::SeekFrom::Start(start))
+                .map_err(ReadFailure::Io)?;
+        }
         if may_have_holes {
             loop {
                 let data_start = match rustix::fs::seek(&file, rustix::fs::SeekFrom::Data(position))
@@ -1684,6 +1820,22 @@ struct Assembler {
     directories: Vec<(Entry, Vec<Entry>)>,
     current_file: Option<Entry>,
     hardlink_content: HashMap<(u64, u64), Vec<Extent>>,
+    /// Writes the backup's checkpoints, when it writes any.
+    checkpoints: Option<CheckpointWriter>,
+}
+
+/// When and what a backup's checkpoints are.
+struct CheckpointWriter {
+    every: Duration,
+    /// When the last checkpoint was written (or the backup started).
+    last: Instant,
+    /// File bytes the last checkpoint held.
+    bytes_at_last: u64,
+    /// The manifest of every checkpoint of this backup, but its tree and
+    /// figures.
+    template: Snapshot,
+    /// The newest checkpoint this backup wrote.
+    written: Option<ObjectId>,
 }
 
 impl Assembler {
@@ -1695,6 +1847,7 @@ impl Assembler {
             directories: Vec::new(),
             current_file: None,
             hardlink_content: HashMap::new(),
+            checkpoints: None,
         }
     }
 
@@ -1721,8 +1874,87 @@ impl Assembler {
             if let Some(id) = handled {
                 root = Some(id);
             }
+            if self.checkpoint_due() {
+                tokio::select! {
+                    written = self.write_checkpoint() => written?,
+                    () = cancel.cancelled() => return Err(EngineError::Cancelled),
+                }
+            }
         }
         Ok(root)
+    }
+
+    /// Whether it is time for a checkpoint and it would hold more than
+    /// the last.
+    fn checkpoint_due(&self) -> bool {
+        self.checkpoints.as_ref().is_some_and(|writer| {
+            !self.directories.is_empty()
+                && self.held_bytes() > writer.bytes_at_last
+                && writer.last.elapsed() >= writer.every
+        })
+    }
+
+    /// File bytes stored so far: finished files and the part of the file
+    /// being read that is in chunks.
+    fn held_bytes(&self) -> u64 {
+        self.stats.total_bytes + self.current_file.as_ref().map_or(0, content_length)
+    }
+
+    /// Store what the backup holds so far as a checkpoint: the trees of the
+    /// open directories with the entries finished in them and, last in the
+    /// innermost, the file being read with the chunks it has so far (its
+    /// size the whole file's: that its content is shorter is what tells a
+    /// part), every pack they need uploaded and indexed, then the manifest;
+    /// the backup's previous checkpoint is deleted.
+    async fn write_checkpoint(&mut self) -> Result<(), EngineError> {
+        let mut inner: Option<Entry> = self
+            .current_file
+            .as_ref()
+            .filter(|file| !file.content.is_empty())
+            .cloned();
+        let mut root = None;
+        for level in (0..self.directories.len()).rev() {
+            // The open directory below is this one's last entry for the
+            // moment of encoding; names are in order, so it sorts last.
+            let children = &mut self.directories[level].1;
+            let pushed = inner.take().map(|entry| children.push(entry)).is_some();
+            let tree = Tree {
+                entries: std::mem::take(children),
+            };
+            let bytes = tree.encode();
+            let mut entries = tree.entries;
+            if pushed {
+                entries.pop();
+            }
+            self.directories[level].1 = entries;
+            let id = self.store_tree_bytes(bytes).await?;
+            let mut directory = self.directories[level].0.clone();
+            directory.subtree = Some(id);
+            inner = Some(directory);
+            root = Some(id);
+        }
+        let Some(root) = root else { return Ok(()) };
+        self.packer.settle().await?;
+        let repository = self.packer.repository.clone();
+        let files = self.stats.files;
+        let total_bytes = self.held_bytes();
+        let Some(writer) = self.checkpoints.as_mut() else {
+            return Ok(());
+        };
+        let mut manifest = writer.template.clone();
+        manifest.tree = root;
+        manifest.summary.files = files;
+        manifest.summary.total_bytes = total_bytes;
+        let id = repository.write_checkpoint(&manifest).await?;
+        tracing::debug!(checkpoint = %id, files, "checkpoint written");
+        writer.last = Instant::now();
+        writer.bytes_at_last = total_bytes;
+        if let Some(previous) = writer.written.replace(id)
+            && let Err(error) = repository.delete_checkpoint(&previous).await
+        {
+            tracing::warn!(checkpoint = %previous, %error, "earlier checkpoint not deleted; the snapshot's backup deletes it");
+        }
+        Ok(())
     }
 
     async fn handle(&mut self, processed: Processed) -> Result<Option<BlobId>, EngineError> {
@@ -1860,16 +2092,26 @@ impl Assembler {
     async fn store_tree(&mut self, tree: Tree) -> Result<BlobId, EngineError> {
         let repository = self.packer.repository.clone();
         let shared = self.shared.clone();
-        let (id, raw_length, new_blob) = run_blocking(move || {
-            let bytes = tree.encode();
-            let id = repository.keys().blob_id(&bytes);
-            let raw_length = bytes.len() as u32;
-            let new_blob = shared
-                .claim(&id)
-                .then(|| NewBlob::encode(&repository, None, BlobKind::Tree, &id, bytes, 3));
-            (id, raw_length, new_blob)
-        })
-        .await;
+        let (id, raw_length, new_blob) =
+            run_blocking(move || tree_blob(&repository, &shared, tree.encode())).await;
+        self.add_tree_blob(id, raw_length, new_blob).await
+    }
+
+    /// Store an encoded tree.
+    async fn store_tree_bytes(&mut self, bytes: Vec<u8>) -> Result<BlobId, EngineError> {
+        let repository = self.packer.repository.clone();
+        let shared = self.shared.clone();
+        let (id, raw_length, new_blob) =
+            run_blocking(move || tree_blob(&repository, &shared, bytes)).await;
+        self.add_tree_blob(id, raw_length, new_blob).await
+    }
+
+    async fn add_tree_blob(
+        &mut self,
+        id: BlobId,
+        raw_length: u32,
+        new_blob: Option<NewBlob>,
+    ) -> Result<BlobId, EngineError> {
         if let Some(blob) = new_blob {
             self.packer
                 .add(id, BlobKind::Tree, &blob, raw_length)
@@ -1877,6 +2119,25 @@ impl Assembler {
         }
         Ok(id)
     }
+}
+
+/// A tree's id, length and, unless this backup stored it already, its blob.
+fn tree_blob(
+    repository: &Repository,
+    shared: &Shared,
+    bytes: Vec<u8>,
+) -> (BlobId, u32, Option<NewBlob>) {
+    let id = repository.keys().blob_id(&bytes);
+    let raw_length = bytes.len() as u32;
+    let new_blob = shared
+        .claim(&id)
+        .then(|| NewBlob::encode(repository, None, BlobKind::Tree, &id, bytes, 3));
+    (id, raw_length, new_blob)
+}
+
+/// The bytes of a file its extents hold.
+fn content_length(entry: &Entry) -> u64 {
+    entry.content.iter().map(Extent::length).sum()
 }
 
 /// The buffer of a tree pack: its target and the trailer.
@@ -2029,6 +2290,16 @@ impl Packer {
         self.uploads.abort_all();
         while self.uploads.join_next().await.is_some() {}
         self.repository.store().wait_for_cleanup().await;
+    }
+
+    /// Upload the packs being filled, wait for every upload and index them
+    /// all: after this, everything added so far is in the repository.
+    async fn settle(&mut self) -> Result<(), EngineError> {
+        let unindexed = self.finish().await?;
+        if !unindexed.is_empty() {
+            self.repository.write_index(unindexed).await?;
+        }
+        Ok(())
     }
 
     /// Upload what is left and wait for every upload; returns the packs
@@ -2186,6 +2457,71 @@ mod tests {
             assert_eq!(without_descriptor, by_path, "{name}");
         }
         assert!(lstat_entry(Some(&directory), OsStr::new("gone"), &root.join("gone")).is_err());
+    }
+
+    fn manifest(time: &str, files: u64, bytes: u64) -> Snapshot {
+        Snapshot {
+            format_version: 2,
+            time: time.to_string(),
+            hostname: "host".into(),
+            source: "/data".into(),
+            tree: BlobId([1; 32]),
+            root: RootAttributes::default(),
+            parent: None,
+            tags: BTreeMap::new(),
+            claim: None,
+            summary: SnapshotSummary {
+                files,
+                total_bytes: bytes,
+                ..SnapshotSummary::default()
+            },
+        }
+    }
+
+    #[test]
+    fn only_a_first_backup_that_may_skip_files_writes_and_uses_checkpoints() {
+        let options = BackupOptions::new("/data");
+        let parent = (
+            ObjectId::of(b"parent"),
+            manifest("2026-12-04T10:00:00Z", 1, 1),
+        );
+        assert!(checkpointed(&options, None));
+        assert!(!checkpointed(&options, Some(&parent)));
+        let reads_everything = BackupOptions {
+            parent: ParentPolicy::None,
+            ..options.clone()
+        };
+        assert!(!checkpointed(&reads_everything, None));
+        let sample = BackupOptions {
+            only: Some(Arc::new(Selection::of_files([PathBuf::from("a")]))),
+            ..options
+        };
+        assert!(!checkpointed(&sample, None));
+    }
+
+    #[test]
+    fn the_checkpoint_that_got_furthest_is_the_one_continued_from() {
+        assert_eq!(resumable(&[]), None);
+        let checkpoints = [
+            (
+                ObjectId::of(b"a"),
+                manifest("2026-12-04T10:00:00Z", 900, 10 << 20),
+            ),
+            // Later, but a run killed again before it got as far.
+            (
+                ObjectId::of(b"b"),
+                manifest("2026-12-04T11:00:00Z", 10, 1 << 20),
+            ),
+            // Fewer files, more bytes: the first part of a large file.
+            (
+                ObjectId::of(b"c"),
+                manifest("2026-12-04T10:30:00Z", 899, 900 << 20),
+            ),
+        ];
+        assert_eq!(
+            resumable(&checkpoints).map(|(id, _)| *id),
+            Some(ObjectId::of(b"c"))
+        );
     }
 
     #[test]

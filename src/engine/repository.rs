@@ -903,6 +903,75 @@ impl Repository {
             })
     }
 
+    /// Write the checkpoint of an unfinished backup: a manifest like a
+    /// snapshot's whose tree holds what the backup has stored so far. Every
+    /// pack and index it needs must be stored first.
+    pub async fn write_checkpoint(&self, checkpoint: &Snapshot) -> Result<ObjectId, EngineError> {
+        let (id, bytes) = self.codec.encode_snapshot(checkpoint, &mut rand::rng());
+        put_object(&self.store, &repo::checkpoint_key(&id), bytes, || {
+            format!("write checkpoint {id}")
+        })
+        .await?;
+        Ok(id)
+    }
+
+    /// The checkpoints of unfinished backups of `source` from `hostname`,
+    /// oldest first. One that cannot be read is skipped with a warning: it
+    /// only spares reading files again.
+    pub async fn checkpoints_of(
+        &self,
+        source: &str,
+        hostname: &str,
+    ) -> Result<Vec<(ObjectId, Snapshot)>, EngineError> {
+        let objects = self
+            .store
+            .list(repo::CHECKPOINT_PREFIX)
+            .await
+            .map_err(|error| EngineError::store("list checkpoints", error))?;
+        let ids: Vec<ObjectId> = objects
+            .iter()
+            .filter_map(|meta| repo::id_from_key(&meta.key, repo::CHECKPOINT_PREFIX))
+            .collect();
+        let mut loads = futures::stream::iter(ids)
+            .map(|id| async move {
+                let loaded = match self.store.get(&repo::checkpoint_key(&id), None).await {
+                    Ok(bytes) if ObjectId::of(&bytes) == id => self
+                        .codec
+                        .decode_snapshot(&bytes)
+                        .map_err(|error| error.to_string()),
+                    Ok(_) => Err("content does not match its name".to_string()),
+                    Err(error) => Err(error.to_string()),
+                };
+                (id, loaded)
+            })
+            .buffer_unordered(LOAD_CONCURRENCY);
+        let mut found = Vec::new();
+        while let Some((id, loaded)) = loads.next().await {
+            match loaded {
+                Ok(checkpoint)
+                    if checkpoint.source == source && checkpoint.hostname == hostname =>
+                {
+                    found.push((id, checkpoint));
+                }
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(checkpoint = %id, %error, "checkpoint cannot be read, ignored");
+                }
+            }
+        }
+        found.sort_by(|a, b| a.1.time.cmp(&b.1.time).then(a.0.cmp(&b.0)));
+        Ok(found)
+    }
+
+    /// Delete a checkpoint; one already gone is fine.
+    pub async fn delete_checkpoint(&self, id: &ObjectId) -> Result<(), EngineError> {
+        match self.store.delete(&repo::checkpoint_key(id)).await {
+            Ok(()) => Ok(()),
+            Err(error) if error.is_not_found() => Ok(()),
+            Err(error) => Err(EngineError::store(format!("delete checkpoint {id}"), error)),
+        }
+    }
+
     /// Ids of all snapshots.
     pub async fn snapshot_ids(&self) -> Result<Vec<ObjectId>, EngineError> {
         let objects = self

@@ -33,6 +33,9 @@ pub struct ControllerSettings {
     pub pinning: Pinning,
     /// Seconds a running agent may go without reporting.
     pub agent_lost_seconds: u32,
+    /// Seconds between two checkpoints of a backup in its agent (`None`:
+    /// the agent's default).
+    pub checkpoint_seconds: Option<u32>,
 }
 
 /// Who acts on the object.

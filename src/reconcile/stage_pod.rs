@@ -251,6 +251,9 @@ pub struct StagePodTemplate {
     /// once the location has not answered this long, and waits as long as
     /// it takes without it.
     pub fail_after_unavailable_seconds: Option<i64>,
+    /// Seconds between two checkpoints of a backup (the controller's
+    /// `--checkpoint-seconds`; `None`: the agent's default).
+    pub checkpoint_seconds: Option<u32>,
 }
 
 impl StagePodTemplate {
@@ -270,11 +273,13 @@ impl StagePodTemplate {
             pinning: Pinning::RequiredNodeAffinity,
             location,
             fail_after_unavailable_seconds: None,
+            checkpoint_seconds: None,
         }
     }
 
     /// The agent's arguments in this template's stage pods: the location's
-    /// ([`agent_arguments`]) and how long the agent waits for it.
+    /// ([`agent_arguments`]), how long the agent waits for it and how
+    /// often a backup writes its checkpoint.
     pub fn agent_arguments(&self) -> Vec<String> {
         let mut arguments = agent_arguments(&self.location.spec);
         if let Some(seconds) = self.fail_after_unavailable_seconds {
@@ -282,6 +287,9 @@ impl StagePodTemplate {
                 "--fail-after-unavailable-seconds".to_string(),
                 seconds.max(0).to_string(),
             ]);
+        }
+        if let Some(seconds) = self.checkpoint_seconds {
+            arguments.extend(["--checkpoint-seconds".to_string(), seconds.to_string()]);
         }
         arguments
     }

@@ -96,6 +96,7 @@ impl StagingObservation {
                 agent_image: "agent:1".to_string(),
                 pinning: crate::stage_pod::Pinning::RequiredNodeAffinity,
                 agent_lost_seconds: 300,
+                checkpoint_seconds: None,
             },
             lease_fresh: true,
             leases: Vec::new(),
@@ -291,6 +292,7 @@ impl StagingObservation {
     ) -> StagePodTemplate {
         StagePodTemplate {
             pinning: self.settings.pinning,
+            checkpoint_seconds: self.settings.checkpoint_seconds,
             ..StagePodTemplate::new(
                 operation,
                 owner.clone(),

@@ -210,6 +210,12 @@ pub fn snapshot_key(id: &ObjectId) -> String {
     format!("snapshots/{}", id.to_hex())
 }
 
+/// Object key of a backup's checkpoint: a manifest like a snapshot's,
+/// naming the trees of what an unfinished backup has stored so far.
+pub fn checkpoint_key(id: &ObjectId) -> String {
+    format!("checkpoints/{}", id.to_hex())
+}
+
 /// Key of the repository config object.
 pub const CONFIG_KEY: &str = "config";
 /// Prefix under which packs live.
@@ -218,6 +224,8 @@ pub const DATA_PREFIX: &str = "data/";
 pub const INDEX_PREFIX: &str = "index/";
 /// Prefix under which snapshot manifests live.
 pub const SNAPSHOT_PREFIX: &str = "snapshots/";
+/// Prefix under which the checkpoints of unfinished backups live.
+pub const CHECKPOINT_PREFIX: &str = "checkpoints/";
 
 /// Parse the id out of an object key under `prefix`, ignoring anything that
 /// is not a well-formed id (foreign files, temporary names).

@@ -165,3 +165,102 @@ async fn an_agent_killed_at_random_points_resumes_every_time_and_stores_no_blob_
     fixture.stop().await;
     Ok(())
 }
+
+/// The checkpoints in the fixture's bucket: (file bytes held, source).
+async fn checkpoints_held(fixture: &Fixture) -> anyhow::Result<Vec<(u64, String)>> {
+    let repository = fixture.repository().await?;
+    let mut held = Vec::new();
+    for object in repository
+        .store()
+        .list(haulage::repo::CHECKPOINT_PREFIX)
+        .await?
+    {
+        let bytes = repository.store().get(&object.key, None).await?;
+        let checkpoint = repository.codec().decode_snapshot(&bytes)?;
+        held.push((checkpoint.summary.total_bytes, checkpoint.source));
+    }
+    Ok(held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_killed_after_a_checkpoint_does_not_read_again_what_the_volume_had_stored()
+-> anyhow::Result<()> {
+    let fixture = Fixture::builder()
+        .layout(Layout::solo(78))
+        .volume_bytes(96 << 20)
+        .upload_bytes_per_second(4 << 20)
+        .checkpoint_seconds(1)
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "solo");
+    create_backup_in(
+        client,
+        "checkpointed",
+        &["solo"],
+        json!({"matchLabels": {"claim": "data"}}),
+    )
+    .await?;
+    // Killed once a checkpoint holds a quarter of the volume.
+    let covered = eventually(Duration::from_secs(180), || async {
+        let (_, total, phase) = moved(&transfers).await?;
+        anyhow::ensure!(
+            !phase.is_final(),
+            "the transfer ended as {phase:?} before its kill"
+        );
+        let held = checkpoints_held(&fixture).await?;
+        Ok(held
+            .into_iter()
+            .find(|(bytes, _)| total > 0 && *bytes >= total as u64 / 4))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "no checkpoint came to hold a quarter of the volume:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    assert_eq!(covered.1, "solo/data", "the checkpoint names its claim");
+    let stage_pod = transfer_of(&transfers, "data").await?.spec.stage_pod;
+    let starts_before = fixture.kubelet.kill_running("solo", &stage_pod);
+    eventually(Duration::from_secs(60), || async {
+        Ok((fixture.kubelet.starts() > starts_before).then_some(()))
+    })
+    .await
+    .context("the killed agent was not restarted")?;
+
+    let status = fixture
+        .completed_backup("checkpointed", Duration::from_secs(600))
+        .await?;
+    let transfer = transfer_of(&transfers, "data").await?;
+    let final_status = transfer.status.context("transfer status")?;
+    let total = final_status
+        .progress
+        .clone()
+        .unwrap_or_default()
+        .total_bytes as u64;
+    let bytes_read = final_status.bytes_read.context("bytes read")? as u64;
+    println!(
+        "checkpoint held {} of {total} bytes when the agent was killed; the restarted agent read {bytes_read}",
+        covered.0
+    );
+    assert!(
+        bytes_read <= total - covered.0,
+        "the restarted agent read {bytes_read} of {total} bytes; the checkpoint held {}",
+        covered.0
+    );
+    assert!(
+        checkpoints_held(&fixture).await?.is_empty(),
+        "checkpoints were left after the snapshot"
+    );
+    let snapshot = status.results[0].snapshot_id.clone().context("snapshot")?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &snapshot,
+        &fixture.volumes.join("solo").join("data"),
+        &fixture.work.path().join("restored"),
+    )
+    .await?;
+    fixture.stop().await;
+    Ok(())
+}

@@ -95,6 +95,193 @@ fn a_backup_killed_mid_way_is_completed_by_the_next_run_without_sending_stored_p
 }
 
 #[test]
+fn a_backup_killed_after_a_checkpoint_is_continued_without_reading_again_what_it_had_stored() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let repo = runtime.block_on(TestRepo::new());
+    let source = repo.dir.path().join("source");
+    // Three directories, so the checkpoint holds trees of open directories
+    // below the root.
+    for (d, directory) in ["a", "b", "c"].iter().enumerate() {
+        std::fs::create_dir_all(source.join(directory).join("deeper")).unwrap();
+        for i in 0..16u64 {
+            let seed = 1_000 + d as u64 * 100 + i;
+            let place = if i % 4 == 3 { "deeper/" } else { "" };
+            std::fs::write(
+                source.join(format!("{directory}/{place}{i:02}.bin")),
+                random_bytes(seed, 4 << 20),
+            )
+            .unwrap();
+        }
+    }
+    let total: u64 = files_under(&source).iter().map(|(_, size)| size).sum();
+    // Slow the first run down so it writes checkpoints and is killed
+    // before it ends.
+    let mut first = haulage()
+        .args([
+            "backup",
+            "--no-progress",
+            "--limit-read",
+            "40MiB",
+            "--checkpoint-seconds",
+            "1",
+            "--repo",
+            &repo.url(),
+        ])
+        .arg(&source)
+        .spawn()
+        .unwrap();
+    let checkpoints = repo.root().join("checkpoints");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let covered = loop {
+        assert!(Instant::now() < deadline, "no checkpoint appeared");
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "backup finished before it could be killed"
+        );
+        let written: Vec<_> = files_under(&checkpoints);
+        let held = written.iter().find_map(|(path, _)| {
+            let bytes = std::fs::read(path).ok()?;
+            let checkpoint = repo.repository.codec().decode_snapshot(&bytes).ok()?;
+            (checkpoint.summary.files >= 8).then_some(checkpoint.summary.total_bytes)
+        });
+        if let Some(bytes) = held {
+            break bytes;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+    assert!(files_under(&repo.root().join("snapshots")).is_empty());
+    // A file the checkpoint holds changes before the next run: it must be
+    // read again, not taken from the checkpoint.
+    std::fs::write(source.join("a/00.bin"), random_bytes(7, 4 << 20)).unwrap();
+
+    let output = haulage()
+        .args(["backup", "--json", "--repo", &repo.url()])
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert!(
+        summary["resumedFrom"]["checkpoint"].is_string(),
+        "the second run did not continue from the checkpoint: {summary}"
+    );
+    let bytes_read = summary["bytesRead"].as_u64().unwrap();
+    assert!(
+        bytes_read <= total - covered + (4 << 20),
+        "the second run read {bytes_read} of {total} bytes; the checkpoint held {covered}"
+    );
+    assert!(
+        files_under(&checkpoints).is_empty(),
+        "checkpoints were left after the snapshot: {:?}",
+        files_under(&checkpoints)
+    );
+    let (stored, unique) = blobs_in_packs(&repo);
+    assert_eq!(stored, unique.len(), "a blob was stored twice");
+
+    repo.assert_cli_verifies();
+    let target = repo.dir.path().join("restored");
+    let id = summary["snapshotId"].as_str().unwrap();
+    assert!(
+        haulage()
+            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
+            .arg(&target)
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_same_tree(&source, &target);
+}
+
+#[test]
+fn a_large_file_half_read_when_the_backup_was_killed_is_read_on_from_its_checkpoint() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let repo = runtime.block_on(TestRepo::new());
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(source.join("db")).unwrap();
+    // One file holds the volume, as a database's does; a hole in it, so
+    // the part is found across data and holes.
+    let mut data = random_bytes(42, 160 << 20);
+    data[(40 << 20)..(48 << 20)].fill(0);
+    std::fs::write(source.join("db/table.dat"), &data).unwrap();
+    let total = data.len() as u64;
+    let mut first = haulage()
+        .args([
+            "backup",
+            "--no-progress",
+            "--limit-read",
+            "40MiB",
+            "--checkpoint-seconds",
+            "1",
+            "--repo",
+            &repo.url(),
+        ])
+        .arg(&source)
+        .spawn()
+        .unwrap();
+    let checkpoints = repo.root().join("checkpoints");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let covered = loop {
+        assert!(Instant::now() < deadline, "no checkpoint appeared");
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "backup finished before it could be killed"
+        );
+        let held = files_under(&checkpoints).iter().find_map(|(path, _)| {
+            let bytes = std::fs::read(path).ok()?;
+            let checkpoint = repo.repository.codec().decode_snapshot(&bytes).ok()?;
+            let bytes = checkpoint.summary.total_bytes;
+            (bytes >= 56 << 20).then_some(bytes)
+        });
+        if let Some(bytes) = held {
+            break bytes;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+    assert!(covered < total, "the checkpoint holds the whole file");
+
+    let output = haulage()
+        .args(["backup", "--json", "--repo", &repo.url()])
+        .arg(&source)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let bytes_read = summary["bytesRead"].as_u64().unwrap();
+    assert!(
+        bytes_read <= total - covered,
+        "the second run read {bytes_read} of {total} bytes; the checkpoint held {covered}"
+    );
+    assert_eq!(summary["totalBytes"].as_u64(), Some(total), "{summary}");
+    let (stored, unique) = blobs_in_packs(&repo);
+    assert_eq!(stored, unique.len(), "a blob was stored twice");
+
+    repo.assert_cli_verifies();
+    let target = repo.dir.path().join("restored");
+    let id = summary["snapshotId"].as_str().unwrap();
+    assert!(
+        haulage()
+            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
+            .arg(&target)
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_same_tree(&source, &target);
+}
+
+#[test]
 fn unreadable_files_become_warnings_and_the_backup_completes_with_exit_code_3() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let repo = runtime.block_on(TestRepo::new());

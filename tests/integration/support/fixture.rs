@@ -402,9 +402,16 @@ pub struct FixtureBuilder {
     fault_proxy: bool,
     api_fault_proxy: bool,
     max_volumes_per_node: Option<u32>,
+    checkpoint_seconds: Option<u32>,
 }
 
 impl FixtureBuilder {
+    /// The controller's `--checkpoint-seconds`. Default: the agent's, 60.
+    pub fn checkpoint_seconds(mut self, seconds: u32) -> Self {
+        self.checkpoint_seconds = Some(seconds);
+        self
+    }
+
     /// The controller's `--max-volumes-per-node` (`None`: no cap).
     /// Default: the controller's default, 2.
     pub fn max_volumes_per_node(mut self, volumes: Option<u32>) -> Self {
@@ -543,6 +550,7 @@ impl FixtureBuilder {
             fault_proxy,
             api_fault_proxy,
             max_volumes_per_node,
+            checkpoint_seconds,
         } = self;
         let mut cluster = if audited {
             KubeCluster::start_audited().await?
@@ -666,6 +674,7 @@ impl FixtureBuilder {
             work.path(),
             haulage::controller::Config {
                 max_volumes_per_node,
+                checkpoint_seconds,
                 ..Fixture::controller_config("controller-0")?
             },
         )
@@ -834,6 +843,7 @@ impl Fixture {
             fault_proxy: false,
             api_fault_proxy: false,
             max_volumes_per_node: Some(haulage::controller::DEFAULT_MAX_VOLUMES_PER_NODE),
+            checkpoint_seconds: None,
         }
     }
 
