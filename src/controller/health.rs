@@ -35,6 +35,10 @@ pub struct Readiness {
     unsynced_caches: watch::Sender<BTreeSet<&'static str>>,
     /// `None` while the API server answers, else what the last look got.
     api_problem: Mutex<Option<String>>,
+    /// Since when (seconds since the epoch) the API server has answered
+    /// every look: the first answer after a look that got none, or after
+    /// the start. `None` while it does not answer.
+    api_answering_since: Mutex<Option<i64>>,
 }
 
 impl Readiness {
@@ -44,6 +48,7 @@ impl Readiness {
         Readiness {
             unsynced_caches: watch::Sender::new(caches.into_iter().collect()),
             api_problem: Mutex::new(Some("no answer yet (first check pending)".to_string())),
+            api_answering_since: Mutex::new(None),
         }
     }
 
@@ -72,7 +77,20 @@ impl Readiness {
     /// The last look at the API server: `None` when it answered, else why
     /// not.
     pub fn set_api_problem(&self, problem: Option<String>) {
+        let mut since = lock(&self.api_answering_since);
+        *since = match (&problem, *since) {
+            (Some(_), _) => None,
+            (None, Some(since)) => Some(since),
+            (None, None) => Some(crate::clock::timestamp().as_second()),
+        };
         *lock(&self.api_problem) = problem;
+    }
+
+    /// Since when (seconds since the epoch) the API server has answered
+    /// every look; `None` while it does not. What was written meanwhile
+    /// (the agents' heartbeats) could not reach it before then.
+    pub fn api_answering_since(&self) -> Option<i64> {
+        *lock(&self.api_answering_since)
     }
 
     /// `None` when ready, else why not: the API server's problem first

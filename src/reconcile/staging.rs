@@ -33,7 +33,7 @@ use crate::stage_pod::{
     LocationSettings, Operation, Owner, StagePodInputs, StagePodTemplate, TransferDetails,
     desired_stage_pod, resources_for,
 };
-use crate::supervision::{supervise_stage_pods, transfer_name_of, transfers_of};
+use crate::supervision::{AgentWatch, supervise_stage_pods, transfer_name_of, transfers_of};
 
 /// Least time between two status writes of a backup or restore that change
 /// only its progress: each agent reports every 2 s and each volume moves
@@ -51,6 +51,11 @@ pub struct StagingObservation {
     /// Whether this replica renewed its liveness lease recently enough to
     /// act as an owner (another replica may be adopting its objects).
     pub lease_fresh: bool,
+    /// Since when (seconds since the epoch) this replica has seen the API
+    /// server answer without a break (the start, or the end of an outage);
+    /// `None` while it does not answer. No agent's silence is counted
+    /// before it: its heartbeats could not reach the server.
+    pub api_answering_since: Option<i64>,
     /// The replicas' liveness Leases.
     pub leases: Vec<Lease>,
     /// The BackupStorageLocations of the object's namespace.
@@ -99,6 +104,7 @@ impl StagingObservation {
                 checkpoint_seconds: None,
             },
             lease_fresh: true,
+            api_answering_since: Some(0),
             leases: Vec::new(),
             locations,
             nodes: Vec::new(),
@@ -277,7 +283,10 @@ impl StagingObservation {
             &self.pods,
             &self.transfers,
             &self.deleted_pods,
-            self.settings.agent_lost_seconds,
+            AgentWatch {
+                lost_after_seconds: self.settings.agent_lost_seconds,
+                api_answering_since: self.api_answering_since,
+            },
             now,
         )
     }

@@ -259,8 +259,11 @@ pub fn lost_agent(
     heartbeats: &[i64],
     attempts: i32,
     now: i64,
-    lost_after_seconds: u32,
+    watch: AgentWatch,
 ) -> Option<Verdict> {
+    // While the API server does not answer, no heartbeat can reach it;
+    // once it does, each agent gets the whole interval to report again.
+    let answering_since = watch.api_answering_since?;
     let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
     let running = pod
         .status
@@ -312,12 +315,19 @@ pub fn lost_agent(
         .unwrap_or(i64::MIN);
     let latest = heartbeats.iter().copied().max()?.max(started);
     let silent = now - latest;
-    if !running || silent <= i64::from(lost_after_seconds) {
+    if !running || now - latest.max(answering_since) <= i64::from(watch.lost_after_seconds) {
         return None;
     }
-    let message = format!(
-        "the agent in stage pod {name} has not reported for {silent}s (a hung process or a stuck volume mount?)"
-    );
+    let message = if answering_since > latest {
+        format!(
+            "the agent in stage pod {name} has not reported for {silent}s, {}s of them since the API server answered again (a hung process or a stuck volume mount?)",
+            now - answering_since
+        )
+    } else {
+        format!(
+            "the agent in stage pod {name} has not reported for {silent}s (a hung process or a stuck volume mount?)"
+        )
+    };
     let this_attempt = attempts + 1;
     Some(if this_attempt >= MAX_POD_ATTEMPTS {
         Verdict::Fail {
@@ -330,6 +340,17 @@ pub fn lost_agent(
             message,
         }
     })
+}
+
+/// How agents are judged lost ([`lost_agent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentWatch {
+    /// Seconds an agent may go without reporting (`--agent-lost-seconds`).
+    pub lost_after_seconds: u32,
+    /// Since when (seconds since the epoch) this replica has seen the API
+    /// server answer without a break; `None` while it does not: silence
+    /// is counted from then at the earliest, and not at all before.
+    pub api_answering_since: Option<i64>,
 }
 
 /// "exit code 137 (OOMKilled): last log line".
@@ -401,7 +422,7 @@ pub fn supervise_stage_pods(
     pods: &[Arc<Pod>],
     transfers: &[Arc<VolumeTransfer>],
     deleted_pods: &BTreeSet<String>,
-    agent_lost_seconds: u32,
+    watch: AgentWatch,
     now: &Time,
 ) -> (Vec<Action>, Option<Duration>) {
     let mut actions = Vec::new();
@@ -462,8 +483,9 @@ pub fn supervise_stage_pods(
             })
             .max();
         let verdict = match verdict(pod, attempts, last_moved, time) {
-            Verdict::Healthy => lost_agent(pod, &heartbeats, attempts, time, agent_lost_seconds)
-                .unwrap_or(Verdict::Healthy),
+            Verdict::Healthy => {
+                lost_agent(pod, &heartbeats, attempts, time, watch).unwrap_or(Verdict::Healthy)
+            }
             other => other,
         };
         match verdict {
@@ -603,6 +625,12 @@ pub fn note_stage_pods(
 mod tests {
     use super::*;
 
+    /// The default interval, the API server answering since long before.
+    const WATCH: AgentWatch = AgentWatch {
+        lost_after_seconds: 300,
+        api_answering_since: Some(0),
+    };
+
     const T0: i64 = 1_800_000_000;
 
     fn at(seconds: i64) -> String {
@@ -631,11 +659,39 @@ mod tests {
     }
 
     #[test]
+    fn no_agent_is_lost_while_the_api_server_does_not_answer_and_each_gets_the_interval_after() {
+        let running = pod(serde_json::json!({"phase": "Running"}));
+        // The last heartbeat at T0; the API server away from T0 + 5 to
+        // T0 + 600 (longer than the interval): the agents could not report.
+        let away = AgentWatch {
+            api_answering_since: None,
+            ..WATCH
+        };
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 600, away), None);
+        let back = AgentWatch {
+            api_answering_since: Some(T0 + 600),
+            ..WATCH
+        };
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 900, back), None);
+        let Some(Verdict::Recreate { message, .. }) =
+            lost_agent(&running, &[T0], 0, T0 + 901, back)
+        else {
+            panic!("an agent still silent the whole interval after the server came back is lost");
+        };
+        assert!(
+            message.contains(
+                "has not reported for 901s, 301s of them since the API server answered again"
+            ),
+            "{message}"
+        );
+    }
+
+    #[test]
     fn a_silent_agent_is_recreated_then_given_up_on() {
         let running = pod(serde_json::json!({"phase": "Running"}));
-        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 300, 300), None);
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 300, WATCH), None);
         assert_eq!(
-            lost_agent(&running, &[], 0, T0 + 3000, 300),
+            lost_agent(&running, &[], 0, T0 + 3000, WATCH),
             None,
             "nothing runs"
         );
@@ -643,20 +699,20 @@ mod tests {
             attempt: 2,
             after_seconds: 0,
             message,
-        }) = lost_agent(&running, &[T0 - 50, T0], 0, T0 + 301, 300)
+        }) = lost_agent(&running, &[T0 - 50, T0], 0, T0 + 301, WATCH)
         else {
             panic!("recreated");
         };
         assert!(message.contains("has not reported for 301s"), "{message}");
         assert!(matches!(
-            lost_agent(&running, &[T0], 2, T0 + 301, 300),
+            lost_agent(&running, &[T0], 2, T0 + 301, WATCH),
             Some(Verdict::Fail { .. })
         ));
         let pending = pod(serde_json::json!({"phase": "Pending"}));
-        assert_eq!(lost_agent(&pending, &[T0], 0, T0 + 3000, 300), None);
+        assert_eq!(lost_agent(&pending, &[T0], 0, T0 + 3000, WATCH), None);
         // A pod created after the last heartbeat gets the whole interval.
         let recreated = pod(serde_json::json!({"phase": "Running", "startTime": at(1000)}));
-        assert_eq!(lost_agent(&recreated, &[T0], 1, T0 + 1200, 300), None);
+        assert_eq!(lost_agent(&recreated, &[T0], 1, T0 + 1200, WATCH), None);
         // Counted from when its agent container started running, not from
         // the pod's start: an image pull (or the old process taking long to
         // stop) is not the agent's silence. A restarted container likewise.
@@ -665,19 +721,22 @@ mod tests {
             "containerStatuses": [container(
                 serde_json::json!({"running": {"startedAt": at(1500)}}), serde_json::json!({}), 0)]}),
         );
-        assert_eq!(lost_agent(&pulled_long, &[T0], 1, T0 + 1700, 300), None);
-        assert!(lost_agent(&pulled_long, &[T0], 1, T0 + 1801, 300).is_some());
+        assert_eq!(lost_agent(&pulled_long, &[T0], 1, T0 + 1700, WATCH), None);
+        assert!(lost_agent(&pulled_long, &[T0], 1, T0 + 1801, WATCH).is_some());
         let restarted = pod(serde_json::json!({"phase": "Running", "startTime": at(0),
             "containerStatuses": [container(
                 serde_json::json!({"running": {"startedAt": at(2000)}}), serde_json::json!({}), 1)]}));
-        assert_eq!(lost_agent(&restarted, &[T0 + 100], 0, T0 + 2200, 300), None);
+        assert_eq!(
+            lost_agent(&restarted, &[T0 + 100], 0, T0 + 2200, WATCH),
+            None
+        );
         let mut deleting = running.clone();
         deleting.metadata.deletion_timestamp =
             Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
                 k8s_openapi::jiff::Timestamp::from_second(T0 + 10).expect("valid"),
             ));
         assert_eq!(
-            lost_agent(&deleting, &[T0], 0, T0 + 3000, 300),
+            lost_agent(&deleting, &[T0], 0, T0 + 3000, WATCH),
             None,
             "being deleted"
         );
@@ -803,13 +862,13 @@ mod tests {
             "containerStatuses": [container(
                 serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
                 serde_json::json!({"terminated": {"exitCode": 137, "finishedAt": at(700)}}), 7)]}));
-        assert_eq!(lost_agent(&waiting, &[T0 + 690], 0, T0 + 1100, 300), None);
+        assert_eq!(lost_agent(&waiting, &[T0 + 690], 0, T0 + 1100, WATCH), None);
         let running_again = pod(serde_json::json!({"phase": "Running", "startTime": at(0),
             "containerStatuses": [container(
                 serde_json::json!({"running": {"startedAt": at(1000)}}),
                 serde_json::json!({"terminated": {"exitCode": 137, "finishedAt": at(700)}}), 7)]}));
         assert!(
-            lost_agent(&running_again, &[T0 + 690], 0, T0 + 1301, 300).is_some(),
+            lost_agent(&running_again, &[T0 + 690], 0, T0 + 1301, WATCH).is_some(),
             "silent for longer than the interval once it runs again"
         );
     }

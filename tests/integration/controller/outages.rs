@@ -13,7 +13,8 @@
 //! `StorageAvailable` condition. An agent stopped by SIGTERM while it waits
 //! an outage out exits at once, and the backup completes after it. And a backup across two restarts of
 //! kube-apiserver, or across a 2-minute outage of it, completes with its
-//! progress never going back, its agent never restarted.
+//! progress never going back, its agent never restarted; and an outage of
+//! it longer than `--agent-lost-seconds` does not make the agent lost.
 
 use std::time::{Duration, Instant};
 
@@ -538,6 +539,50 @@ async fn a_backup_across_a_two_minute_apiserver_outage_completes_its_outcome_wri
         &fixture.work.path().join("restored-archive"),
     )
     .await?;
+    fixture.stop().await;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_apiserver_outage_longer_than_agent_lost_seconds_does_not_make_the_running_agent_lost()
+-> anyhow::Result<()> {
+    // A controller that counts an agent silent for 10 s as lost, and the
+    // API server away for 40 s while a 64 MiB backup moves at 1 MiB/s: the
+    // agent cannot report meanwhile, and it is not lost for that.
+    let mut fixture = Fixture::builder()
+        .long_running_transfers()
+        .volume_bytes(64 << 20)
+        .agent_lost_seconds(haulage::controller::MIN_AGENT_LOST_SECONDS)
+        .start()
+        .await?;
+    let client = fixture.client.clone();
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    create_backup_of_claim(&client, "across-a-long-outage", "archive").await?;
+    moved_at_least(&fixture, &transfers, "archive", 4 << 20, "backup").await?;
+    let starts = fixture.kubelet.starts();
+    let down = Duration::from_secs(40);
+    fixture.cluster.restart_apiserver_after(down).await?;
+    let running = transfer_of(&transfers, "archive").await?.phase();
+    assert!(
+        !running.is_final(),
+        "the volume ended during the outage: make it longer"
+    );
+    let status = fixture
+        .completed_backup("across-a-long-outage", BACKUP_DEADLINE)
+        .await?;
+    assert!(status.completion_time.is_some());
+    let logs = fixture.kubelet.all_agent_logs();
+    assert_eq!(
+        fixture.kubelet.starts(),
+        starts,
+        "the agent was judged lost after the outage and its stage pod recreated\n{logs}"
+    );
+    let finished = transfer_of(&transfers, "archive").await?;
+    let attempts = finished.status.and_then(|status| status.attempts);
+    assert!(
+        attempts.unwrap_or(1) <= 1,
+        "the transfer took {attempts:?} stage pods"
+    );
     fixture.stop().await;
     Ok(())
 }

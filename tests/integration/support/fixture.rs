@@ -403,9 +403,16 @@ pub struct FixtureBuilder {
     api_fault_proxy: bool,
     max_volumes_per_node: Option<u32>,
     checkpoint_seconds: Option<u32>,
+    agent_lost_seconds: Option<u32>,
 }
 
 impl FixtureBuilder {
+    /// The controller's `--agent-lost-seconds`. Default: its default, 300.
+    pub fn agent_lost_seconds(mut self, seconds: u32) -> Self {
+        self.agent_lost_seconds = Some(seconds);
+        self
+    }
+
     /// The controller's `--checkpoint-seconds`. Default: the agent's, 60.
     pub fn checkpoint_seconds(mut self, seconds: u32) -> Self {
         self.checkpoint_seconds = Some(seconds);
@@ -551,6 +558,7 @@ impl FixtureBuilder {
             api_fault_proxy,
             max_volumes_per_node,
             checkpoint_seconds,
+            agent_lost_seconds,
         } = self;
         let mut cluster = if audited {
             KubeCluster::start_audited().await?
@@ -675,6 +683,8 @@ impl FixtureBuilder {
             haulage::controller::Config {
                 max_volumes_per_node,
                 checkpoint_seconds,
+                agent_lost_seconds: agent_lost_seconds
+                    .unwrap_or(haulage::reconcile::supervision::DEFAULT_AGENT_LOST_SECONDS),
                 ..Fixture::controller_config("controller-0")?
             },
         )
@@ -844,6 +854,7 @@ impl Fixture {
             api_fault_proxy: false,
             max_volumes_per_node: Some(haulage::controller::DEFAULT_MAX_VOLUMES_PER_NODE),
             checkpoint_seconds: None,
+            agent_lost_seconds: None,
         }
     }
 
