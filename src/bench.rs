@@ -24,6 +24,7 @@
 //! still ends.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -33,6 +34,7 @@ use serde::Serialize;
 use crate::api::benchmark::ClaimBenchmark;
 use crate::engine::backup::DEFAULT_COMPRESSION_LEVEL;
 use crate::engine::memory::EngineMemory;
+use crate::engine::progress::Progress;
 use crate::engine::throttle::ByteRate;
 use crate::repo::chunker::Chunker;
 use crate::repo::config::RepoConfig;
@@ -80,7 +82,11 @@ pub struct BenchSettings {
     pub size: u64,
     /// Bytes the estimate is for (the source's when `None`).
     pub estimate_bytes: Option<u64>,
-    /// The read cap the estimate applies.
+    /// The read cap: the estimate applies it, and the measurement keeps
+    /// its own reads under it on average (each phase reads at full speed,
+    /// its figure the source's, then the measurement rests until its
+    /// reads so far average the cap), so a benchmark of a claim on shared
+    /// storage loads it no more than the transfer's grant allows.
     pub limit_read: Option<ByteRate>,
     /// The upload cap, applied to the upload test and the estimate.
     pub limit_upload: Option<ByteRate>,
@@ -99,6 +105,10 @@ pub struct BenchSettings {
     /// Stops the measurement between requests; what it wrote to the
     /// location is still deleted.
     pub cancel: CancellationToken,
+    /// Where the measurement counts its reads: the total it plans (the
+    /// read tests' and the sample backups') and, after each phase, what
+    /// it has read (the agent reports it as the transfer's progress).
+    pub progress: Option<Arc<Progress>>,
 }
 
 impl BenchSettings {
@@ -117,6 +127,7 @@ impl BenchSettings {
             cpu_sample_bytes: MAX_SAMPLE_BYTES,
             memory: EngineMemory::default(),
             cancel: CancellationToken::new(),
+            progress: None,
         }
     }
 }
@@ -378,6 +389,7 @@ pub async fn measure(args: &BenchSettings, store: DynStore) -> Result<BenchRepor
     let cancelled = || BenchError::Cancelled {
         path: args.source.clone(),
     };
+    let mut pace = ReadPace::start(args, 2 * budget.min(facts.bytes));
     let stop = args.cancel.clone();
     let (read_single, sample) = tokio::task::spawn_blocking(move || {
         read_files(&single_files, budget / 2, 1, cpu_sample_bytes, &stop)
@@ -385,6 +397,7 @@ pub async fn measure(args: &BenchSettings, store: DynStore) -> Result<BenchRepor
     .await
     .map_err(|error| source_error(error.to_string()))?
     .map_err(|error| source_error(error.to_string()))?;
+    pace.read(read_single.bytes).await;
     let readers = args.readers;
     let stop = args.cancel.clone();
     let (read_parallel, _) = tokio::task::spawn_blocking(move || {
@@ -393,6 +406,7 @@ pub async fn measure(args: &BenchSettings, store: DynStore) -> Result<BenchRepor
     .await
     .map_err(|error| source_error(error.to_string()))?
     .map_err(|error| source_error(error.to_string()))?;
+    pace.read(read_parallel.bytes).await;
 
     if args.cancel.is_cancelled() {
         return Err(cancelled());
@@ -401,7 +415,7 @@ pub async fn measure(args: &BenchSettings, store: DynStore) -> Result<BenchRepor
     let cpu = tokio::task::spawn_blocking(move || cpu_stages(&sample, level))
         .await
         .map_err(|error| source_error(error.to_string()))?;
-    let samples = sample_backups(args, &files_in_order, budget, level).await?;
+    let samples = sample_backups(args, &files_in_order, budget, level, &mut pace).await?;
     if args.cancel.is_cancelled() {
         return Err(cancelled());
     }
@@ -429,6 +443,61 @@ pub async fn measure(args: &BenchSettings, store: DynStore) -> Result<BenchRepor
         storage,
         estimate,
     })
+}
+
+/// The measurement's reads of the source, against the read cap and for
+/// the progress ([`BenchSettings::limit_read`], [`BenchSettings::progress`]).
+struct ReadPace {
+    limit: Option<ByteRate>,
+    progress: Option<Arc<Progress>>,
+    cancel: CancellationToken,
+    started: Instant,
+    bytes: u64,
+}
+
+impl ReadPace {
+    /// Reads starting now, about `planned` bytes of them.
+    fn start(args: &BenchSettings, planned: u64) -> Self {
+        if let Some(progress) = &args.progress {
+            progress.set_totals(planned, 0);
+        }
+        ReadPace {
+            limit: args.limit_read,
+            progress: args.progress.clone(),
+            cancel: args.cancel.clone(),
+            started: Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    /// A phase read `bytes`: count them, then rest until the reads so far
+    /// average the cap (or the measurement is cancelled).
+    async fn read(&mut self, bytes: u64) {
+        self.count(bytes);
+        if let Some(rest) = self.rest() {
+            tokio::select! {
+                () = tokio::time::sleep(rest) => {}
+                () = self.cancel.cancelled() => {}
+            }
+        }
+    }
+
+    /// Count `bytes` read, in the progress too.
+    fn count(&mut self, bytes: u64) {
+        self.bytes += bytes;
+        if let Some(progress) = &self.progress {
+            Progress::add(&progress.bytes_done, bytes);
+            Progress::add(&progress.bytes_transferred, bytes);
+        }
+    }
+
+    /// How long to rest for the reads so far to average the cap.
+    fn rest(&self) -> Option<Duration> {
+        let ByteRate(rate) = self.limit?;
+        let due = Duration::from_secs_f64(self.bytes as f64 / rate.max(1) as f64);
+        due.checked_sub(self.started.elapsed())
+            .filter(|rest| !rest.is_zero())
+    }
 }
 
 /// Regular files under `root` with their sizes, and the totals.
@@ -612,6 +681,7 @@ async fn sample_backups(
     files: &[(PathBuf, u64)],
     budget: u64,
     level: i32,
+    pace: &mut ReadPace,
 ) -> Result<SampleBackups, BenchError> {
     let limit = small_file_limit();
     let (small, large): (Vec<_>, Vec<_>) = files.iter().partition(|(_, size)| *size <= limit);
@@ -640,6 +710,8 @@ async fn sample_backups(
             .collect();
         if !selected.is_empty() && bytes > 0 {
             *sample = Some(sample_backup(args, selected, class_budget, level).await?);
+            // At most the files selected were read.
+            pace.read(bytes).await;
         }
     }
     Ok(samples)
@@ -661,7 +733,6 @@ async fn sample_backup(
     level: i32,
 ) -> Result<SampleBackup, BenchError> {
     use crate::engine::backup::{BackupOptions, ParentPolicy, Selection};
-    use crate::engine::progress::Progress;
     use crate::engine::repository::{Encryption, Password, Repository};
     use std::sync::atomic::Ordering;
     let sample_error = |reason: String| BenchError::Sample {
@@ -1048,6 +1119,33 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn the_reads_rest_until_they_average_the_read_cap_and_count_in_the_progress() {
+        let progress = Arc::new(Progress::default());
+        let settings = BenchSettings {
+            limit_read: Some(ByteRate(16 * MIB)),
+            progress: Some(progress.clone()),
+            ..BenchSettings::new("/data")
+        };
+        let mut pace = ReadPace::start(&settings, 128 * MIB);
+        assert_eq!(pace.rest(), None, "nothing read yet");
+        pace.count(32 * MIB);
+        pace.count(32 * MIB);
+        // 64 MiB at 16 MiB/s: four seconds since the start, less the
+        // moment the test took.
+        let rest = pace.rest().expect("a rest under the cap");
+        assert!(
+            rest > Duration::from_millis(3900) && rest <= Duration::from_secs(4),
+            "{rest:?}"
+        );
+        let seen = progress.snapshot();
+        assert_eq!((seen.bytes_done, seen.total_bytes), (64 * MIB, 128 * MIB));
+        let uncapped = ReadPace::start(&BenchSettings::new("/data"), 128 * MIB);
+        let mut uncapped = uncapped;
+        uncapped.count(64 * MIB);
+        assert_eq!(uncapped.rest(), None, "no cap, no rest");
+    }
 
     fn sample(bytes_per_second: u64, stored_ratio: f64, cores_busy: f64) -> SampleBackup {
         SampleBackup {

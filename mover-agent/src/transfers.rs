@@ -748,7 +748,7 @@ async fn move_claimed(claimed: Claimed<'_>) -> Result<(), AgentError> {
             let work = lock.cancel_on_loss(&run.volume_cancel);
             let moved = match direction {
                 TransferDirection::Upload if transfer.spec.benchmark.is_some() => {
-                    Moved::Measured(benchmark(&claimed, &volume, &work).await)
+                    Moved::Measured(benchmark(&claimed, &volume, &run, &work).await)
                 }
                 TransferDirection::Upload => {
                     Moved::BackedUp(back_up(&claimed, &volume, &run, &work).await)
@@ -985,11 +985,14 @@ const BENCHMARK_CPU_SAMPLE_BYTES: usize = 16 * 1024 * 1024;
 /// its storage location instead of backing it up (`spec.benchmark`): the
 /// reads, the backup pipeline on samples of its files (into a throwaway
 /// repository in the pod's scratch space) and the upload, its objects
-/// under `bench/` deleted afterwards; the estimate applies the bandwidth
-/// granted to the transfer as the read cap.
+/// under `bench/` deleted afterwards; the bandwidth granted to the
+/// transfer is the read cap, which the estimate applies and the reads
+/// average (each phase at full speed, then a rest), and what was read is
+/// the transfer's progress.
 async fn benchmark(
     claimed: &Claimed<'_>,
     volume: &std::path::Path,
+    run: &VolumeRun,
     cancel: &CancellationToken,
 ) -> Result<ClaimBenchmark, String> {
     let &Claimed {
@@ -1009,6 +1012,7 @@ async fn benchmark(
     settings.memory = assignment.memory;
     settings.cpu_sample_bytes = BENCHMARK_CPU_SAMPLE_BYTES;
     settings.cancel = cancel.clone();
+    settings.progress = Some(run.progress.clone());
     let report = haulage::bench::measure(&settings, repository.store().clone())
         .await
         .map_err(|error| haulage::error_chain(&error))?;

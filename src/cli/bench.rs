@@ -67,7 +67,9 @@ pub struct BenchArgs {
     /// Bytes to estimate the backup time for (default: the source's size).
     #[arg(long, value_name = "BYTES")]
     pub estimate_bytes: Option<bytesize::ByteSize>,
-    /// The read cap the backup will run with (e.g. 50MiB, per second).
+    /// The read cap the backup will run with (e.g. 50MiB, per second): the
+    /// estimate applies it, and the measurement's own reads average no
+    /// more (each phase reads at full speed, then it rests).
     #[arg(long, value_name = "RATE")]
     pub limit_read: Option<ByteRate>,
     /// The location's upload cap (e.g. 20MiB, per second); applied to the

@@ -145,6 +145,7 @@ fn bench_against_a_directory_location_reports_every_stage_and_leaves_nothing_beh
     small_source(&source);
     let location = dir.path().join("location");
     std::fs::create_dir(&location).expect("mkdir");
+    let started = std::time::Instant::now();
     let output = haulage()
         .arg("bench")
         .args(BENCH_ARGS)
@@ -154,8 +155,25 @@ fn bench_against_a_directory_location_reports_every_stage_and_leaves_nothing_beh
         .arg(format!("file://{}", location.display()))
         .output()
         .expect("run bench");
+    let took = started.elapsed();
     let report = bench_json(&output);
     assert_report_complete(&report, source_bytes(&source));
+    // Its reads of the source average at most --limit-read (1 MiB/s):
+    // the read tests' bytes alone take that long. Not a speed budget: a
+    // lower bound the rests guarantee however fast the machine.
+    let read: u64 = ["readSingle", "readParallel"]
+        .iter()
+        .map(|test| report[test]["bytes"].as_u64().expect("bytes read"))
+        .sum();
+    assert!(
+        took.as_secs_f64() >= read as f64 / f64::from(1 << 20),
+        "read {read} bytes in {took:?}, faster than --limit-read 1MiB"
+    );
+    // And its figures are still the source's, not the cap's.
+    let single = report["readSingle"]["bytesPerSecond"]
+        .as_f64()
+        .expect("rate");
+    assert!(single > 4.0 * f64::from(1 << 20), "read rate {single}");
     assert_eq!(
         files_under(&location),
         Vec::new(),
