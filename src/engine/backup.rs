@@ -346,6 +346,10 @@ struct Shared {
     /// Blobs claimed by this backup, so two identical new chunks in flight
     /// are stored once.
     claimed: Mutex<HashSet<BlobId>>,
+    /// Claimed blobs the assembler has not put into a pack yet: a job
+    /// claims a blob when it hashes it, and jobs run ahead of the
+    /// assembly, so an earlier file may name a blob a later one stores.
+    pending: Mutex<HashSet<BlobId>>,
     progress: Arc<Progress>,
     /// Chunk and compressed-chunk buffers.
     buffers: BufferPool,
@@ -354,7 +358,22 @@ struct Shared {
 impl Shared {
     /// True if this blob must be stored (unknown, and not claimed yet).
     fn claim(&self, id: &BlobId) -> bool {
-        !self.index.contains(id) && self.claimed.lock().expect("claim set").insert(*id)
+        let claimed =
+            !self.index.contains(id) && self.claimed.lock().expect("claim set").insert(*id);
+        if claimed {
+            self.pending.lock().expect("pending set").insert(*id);
+        }
+        claimed
+    }
+
+    /// Whether `id` was claimed and is not in a pack yet.
+    fn is_pending(&self, id: &BlobId) -> bool {
+        self.pending.lock().expect("pending set").contains(id)
+    }
+
+    /// `id` went into a pack.
+    fn packed(&self, id: &BlobId) {
+        self.pending.lock().expect("pending set").remove(id);
     }
 }
 
@@ -401,7 +420,14 @@ pub async fn backup(
     // backup's snapshot is written.
     let checkpoints = match options.only {
         Some(_) => Vec::new(),
-        None => repository.checkpoints_of(&label, &options.hostname).await?,
+        // Only a saving: without them every file is read.
+        None => repository
+            .checkpoints_of(&label, &options.hostname)
+            .await
+            .unwrap_or_else(|error| {
+                tracing::warn!(%error, "checkpoints not listed; every file is read");
+                Vec::new()
+            }),
     };
     let checkpointed = checkpointed(&options, parent.as_ref());
     let resume = resumable(&checkpoints)
@@ -438,6 +464,7 @@ pub async fn backup(
         repository: repository.clone(),
         index: index.clone(),
         claimed: Mutex::new(HashSet::new()),
+        pending: Mutex::new(HashSet::new()),
         progress: progress.clone(),
         buffers: BufferPool::new(chunk_buffer_bytes, buffers.chunk_buffers_kept),
     });
@@ -1062,6 +1089,19 @@ fn entry_from_statx(name: &[u8], status: &rustix::fs::Statx) -> Entry {
 /// inode's metadata (its extended attributes, mode, owner, links, and any
 /// write) moves its ctime, so `previous`'s extended attributes are still
 /// the inode's and need not be listed again.
+/// Whether the file opened (`opened`) is the one `entry` was looked up as,
+/// unchanged: not one renamed over it since (an application saving it
+/// anew), nor written to.
+fn is_the_file_looked_at(entry: &Entry, opened: &Metadata) -> bool {
+    opened.ino() == entry.inode
+        && opened.dev() == entry.device
+        && opened.len() == entry.size
+        && opened.mtime() == entry.mtime_seconds
+        && opened.mtime_nsec() == i64::from(entry.mtime_nanos)
+        && opened.ctime() == entry.ctime_seconds
+        && opened.ctime_nsec() == i64::from(entry.ctime_nanos)
+}
+
 fn same_inode_state(previous: &Entry, entry: &Entry) -> bool {
     previous.kind == entry.kind
         && previous.inode == entry.inode
@@ -1439,7 +1479,11 @@ impl WalkContext {
         // ones reading it from the start would make.
         let mut entry = entry;
         let resume_at = match previous {
-            Some(previous) if stored_part > 0 && stored_part < before.len() => {
+            Some(previous)
+                if stored_part > 0
+                    && stored_part < before.len()
+                    && is_the_file_looked_at(&entry, &before) =>
+            {
                 entry.content = previous.content.clone();
                 Progress::add(&progress.bytes_done, stored_part);
                 stored_part
@@ -1822,6 +1866,9 @@ struct Assembler {
     hardlink_content: HashMap<(u64, u64), Vec<Extent>>,
     /// Writes the backup's checkpoints, when it writes any.
     checkpoints: Option<CheckpointWriter>,
+    /// Blobs assembled files name that a later item is to store: no
+    /// checkpoint is written until they are in packs.
+    unpacked: HashSet<BlobId>,
 }
 
 /// When and what a backup's checkpoints are.
@@ -1848,6 +1895,7 @@ impl Assembler {
             current_file: None,
             hardlink_content: HashMap::new(),
             checkpoints: None,
+            unpacked: HashSet::new(),
         }
     }
 
@@ -1889,6 +1937,7 @@ impl Assembler {
     fn checkpoint_due(&self) -> bool {
         self.checkpoints.as_ref().is_some_and(|writer| {
             !self.directories.is_empty()
+                && self.unpacked.is_empty()
                 && self.held_bytes() > writer.bytes_at_last
                 && writer.last.elapsed() >= writer.every
         })
@@ -1916,13 +1965,15 @@ impl Assembler {
         for level in (0..self.directories.len()).rev() {
             // The open directory below is this one's last entry for the
             // moment of encoding; names are in order, so it sorts last.
-            let children = &mut self.directories[level].1;
-            let pushed = inner.take().map(|entry| children.push(entry)).is_some();
-            let tree = Tree {
-                entries: std::mem::take(children),
-            };
-            let bytes = tree.encode();
-            let mut entries = tree.entries;
+            let mut entries = std::mem::take(&mut self.directories[level].1);
+            let pushed = inner.take().map(|entry| entries.push(entry)).is_some();
+            // Encoded on the blocking pool, as every tree: a large
+            // directory's takes a while.
+            let (bytes, mut entries) = run_blocking(move || {
+                let tree = Tree { entries };
+                (tree.encode(), tree.entries)
+            })
+            .await;
             if pushed {
                 entries.pop();
             }
@@ -1945,9 +1996,16 @@ impl Assembler {
         manifest.tree = root;
         manifest.summary.files = files;
         manifest.summary.total_bytes = total_bytes;
-        let id = repository.write_checkpoint(&manifest).await?;
-        tracing::debug!(checkpoint = %id, files, "checkpoint written");
         writer.last = Instant::now();
+        // Only a saving: a backup goes on without it.
+        let id = match repository.write_checkpoint(&manifest).await {
+            Ok(id) => id,
+            Err(error) => {
+                tracing::warn!(%error, "checkpoint not written; the backup goes on");
+                return Ok(());
+            }
+        };
+        tracing::debug!(checkpoint = %id, files, "checkpoint written");
         writer.bytes_at_last = total_bytes;
         if let Some(previous) = writer.written.replace(id)
             && let Err(error) = repository.delete_checkpoint(&previous).await
@@ -1965,12 +2023,7 @@ impl Assembler {
                 new_blob,
                 _permit,
             } => {
-                if let Some(blob) = new_blob {
-                    self.packer
-                        .add(id, BlobKind::Data, &blob, raw_length)
-                        .await?;
-                    self.shared.buffers.give(blob.body);
-                }
+                self.add_data_blob(id, raw_length, new_blob).await?;
                 if let Some(file) = &mut self.current_file {
                     file.content.push(Extent::Chunk(id, raw_length));
                 }
@@ -1985,12 +2038,7 @@ impl Assembler {
                 // The job filled `entry.content` (chunks and holes in file
                 // order); only the new blobs go to the packs here.
                 for (id, raw_length, new_blob) in chunks {
-                    if let Some(blob) = new_blob {
-                        self.packer
-                            .add(id, BlobKind::Data, &blob, raw_length)
-                            .await?;
-                        self.shared.buffers.give(blob.body);
-                    }
+                    self.add_data_blob(id, raw_length, new_blob).await?;
                 }
                 self.finish_file(entry, warning);
                 return Ok(None);
@@ -2063,6 +2111,31 @@ impl Assembler {
         Ok(None)
     }
 
+    /// A chunk a file names: into a pack when this file stores it; else
+    /// noted while another item, not assembled yet, is to store it.
+    async fn add_data_blob(
+        &mut self,
+        id: BlobId,
+        raw_length: u32,
+        new_blob: Option<NewBlob>,
+    ) -> Result<(), EngineError> {
+        match new_blob {
+            Some(blob) => {
+                self.packer
+                    .add(id, BlobKind::Data, &blob, raw_length)
+                    .await?;
+                self.shared.buffers.give(blob.body);
+                self.shared.packed(&id);
+                self.unpacked.remove(&id);
+            }
+            None if self.checkpoints.is_some() && self.shared.is_pending(&id) => {
+                self.unpacked.insert(id);
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
     /// A file read to its end: its size from its extents, its warning,
     /// its content remembered for later hard links to it.
     fn finish_file(&mut self, mut file: Entry, warning: Option<(String, String)>) {
@@ -2116,6 +2189,7 @@ impl Assembler {
             self.packer
                 .add(id, BlobKind::Tree, &blob, raw_length)
                 .await?;
+            self.shared.packed(&id);
         }
         Ok(id)
     }
