@@ -14,6 +14,7 @@ use tracing::{info, warn};
 
 use super::metrics::ControllerMetrics;
 use crate::metrics::Response;
+use crate::reconcile::supervision::ApiOutage;
 
 /// Seconds between two looks at the API server's `/version`.
 pub const API_CHECK_INTERVAL_SECONDS: u64 = 10;
@@ -35,11 +36,15 @@ pub struct Readiness {
     unsynced_caches: watch::Sender<BTreeSet<&'static str>>,
     /// `None` while the API server answers, else what the last look got.
     api_problem: Mutex<Option<String>>,
-    /// Since when (seconds since the epoch) the API server has answered
-    /// every look: the first answer after a look that got none, or after
-    /// the start. `None` while it does not answer.
-    api_answering_since: Mutex<Option<i64>>,
+    /// The API server's outages as this replica saw them, oldest first
+    /// (the last [`OUTAGES_KEPT`]), and its last answer.
+    api_outages: Mutex<(Vec<ApiOutage>, Option<i64>)>,
 }
+
+/// Outages of the API server kept for judging agents' silence: more than
+/// fit in any `--agent-lost-seconds` of looks every 10 s that fail now and
+/// then.
+const OUTAGES_KEPT: usize = 256;
 
 impl Readiness {
     /// Not ready until each of `caches` has synced and the API server has
@@ -48,7 +53,15 @@ impl Readiness {
         Readiness {
             unsynced_caches: watch::Sender::new(caches.into_iter().collect()),
             api_problem: Mutex::new(Some("no answer yet (first check pending)".to_string())),
-            api_answering_since: Mutex::new(None),
+            // Until its first answer: what happened before the start, this
+            // replica cannot tell.
+            api_outages: Mutex::new((
+                vec![ApiOutage {
+                    from: i64::MIN,
+                    to: None,
+                }],
+                None,
+            )),
         }
     }
 
@@ -77,20 +90,35 @@ impl Readiness {
     /// The last look at the API server: `None` when it answered, else why
     /// not.
     pub fn set_api_problem(&self, problem: Option<String>) {
-        let mut since = lock(&self.api_answering_since);
-        *since = match (&problem, *since) {
-            (Some(_), _) => None,
-            (None, Some(since)) => Some(since),
-            (None, None) => Some(crate::clock::timestamp().as_second()),
-        };
+        let now = crate::clock::timestamp().as_second();
+        let mut guard = lock(&self.api_outages);
+        let (outages, last_answer) = &mut *guard;
+        let ongoing = outages.last_mut().filter(|outage| outage.to.is_none());
+        match (&problem, ongoing) {
+            (None, Some(outage)) => outage.to = Some(now),
+            (Some(_), None) => {
+                outages.push(ApiOutage {
+                    from: last_answer.unwrap_or(now),
+                    to: None,
+                });
+                if outages.len() > OUTAGES_KEPT {
+                    outages.remove(0);
+                }
+            }
+            _ => {}
+        }
+        if problem.is_none() {
+            *last_answer = Some(now);
+        }
+        drop(guard);
         *lock(&self.api_problem) = problem;
     }
 
-    /// Since when (seconds since the epoch) the API server has answered
-    /// every look; `None` while it does not. What was written meanwhile
-    /// (the agents' heartbeats) could not reach it before then.
-    pub fn api_answering_since(&self) -> Option<i64> {
-        *lock(&self.api_answering_since)
+    /// The API server's outages as this replica saw them (the time before
+    /// its first answer included): what the agents wrote meanwhile could
+    /// not reach it.
+    pub fn api_outages(&self) -> Vec<ApiOutage> {
+        lock(&self.api_outages).0.clone()
     }
 
     /// `None` when ready, else why not: the API server's problem first
@@ -190,6 +218,25 @@ pub async fn watch_api_server(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outages_run_from_the_last_answer_to_the_next_and_the_start_counts_as_one() {
+        let readiness = Readiness::new([]);
+        let outages = readiness.api_outages();
+        assert_eq!(outages.len(), 1);
+        assert_eq!((outages[0].from, outages[0].to), (i64::MIN, None));
+        readiness.set_api_problem(None);
+        let first_answer = readiness.api_outages()[0].to.expect("ended by the answer");
+        readiness.set_api_problem(None);
+        assert_eq!(readiness.api_outages().len(), 1, "answers are no outage");
+        readiness.set_api_problem(Some("connection refused".into()));
+        readiness.set_api_problem(Some("connection refused".into()));
+        let outages = readiness.api_outages();
+        assert_eq!(outages.len(), 2, "one outage however many looks fail");
+        assert!(outages[1].from >= first_answer && outages[1].to.is_none());
+        readiness.set_api_problem(None);
+        assert!(readiness.api_outages()[1].to.is_some());
+    }
 
     #[tokio::test]
     async fn every_task_waiting_for_a_cache_wakes_when_it_syncs() {

@@ -137,7 +137,7 @@ pub fn observe_staging(
             checkpoint_seconds: config.checkpoint_seconds,
         },
         lease_fresh: context.heartbeat.is_fresh(config.replica_lease_seconds),
-        api_answering_since: context.readiness.api_answering_since(),
+        api_outages: context.readiness.api_outages(),
         leases: super::replicas::cached(&stores.leases),
         locations: stores
             .locations

@@ -33,7 +33,9 @@ use crate::stage_pod::{
     LocationSettings, Operation, Owner, StagePodInputs, StagePodTemplate, TransferDetails,
     desired_stage_pod, resources_for,
 };
-use crate::supervision::{AgentWatch, supervise_stage_pods, transfer_name_of, transfers_of};
+use crate::supervision::{
+    AgentWatch, ApiOutage, supervise_stage_pods, transfer_name_of, transfers_of,
+};
 
 /// Least time between two status writes of a backup or restore that change
 /// only its progress: each agent reports every 2 s and each volume moves
@@ -51,11 +53,10 @@ pub struct StagingObservation {
     /// Whether this replica renewed its liveness lease recently enough to
     /// act as an owner (another replica may be adopting its objects).
     pub lease_fresh: bool,
-    /// Since when (seconds since the epoch) this replica has seen the API
-    /// server answer without a break (the start, or the end of an outage);
-    /// `None` while it does not answer. No agent's silence is counted
-    /// before it: its heartbeats could not reach the server.
-    pub api_answering_since: Option<i64>,
+    /// When this replica saw the API server not answering (its start
+    /// included, until the first answer): no agent's silence is counted in
+    /// them, its heartbeats could not reach the server.
+    pub api_outages: Vec<ApiOutage>,
     /// The replicas' liveness Leases.
     pub leases: Vec<Lease>,
     /// The BackupStorageLocations of the object's namespace.
@@ -104,7 +105,7 @@ impl StagingObservation {
                 checkpoint_seconds: None,
             },
             lease_fresh: true,
-            api_answering_since: Some(0),
+            api_outages: Vec::new(),
             leases: Vec::new(),
             locations,
             nodes: Vec::new(),
@@ -285,7 +286,7 @@ impl StagingObservation {
             &self.deleted_pods,
             AgentWatch {
                 lost_after_seconds: self.settings.agent_lost_seconds,
-                api_answering_since: self.api_answering_since,
+                api_outages: &self.api_outages,
             },
             now,
         )

@@ -259,11 +259,12 @@ pub fn lost_agent(
     heartbeats: &[i64],
     attempts: i32,
     now: i64,
-    watch: AgentWatch,
+    watch: AgentWatch<'_>,
 ) -> Option<Verdict> {
-    // While the API server does not answer, no heartbeat can reach it;
-    // once it does, each agent gets the whole interval to report again.
-    let answering_since = watch.api_answering_since?;
+    // While the API server does not answer, no heartbeat can reach it.
+    if watch.api_outages.iter().any(|outage| outage.to.is_none()) {
+        return None;
+    }
     let name = pod.metadata.name.as_deref().unwrap_or("<unnamed>");
     let running = pod
         .status
@@ -315,13 +316,17 @@ pub fn lost_agent(
         .unwrap_or(i64::MIN);
     let latest = heartbeats.iter().copied().max()?.max(started);
     let silent = now - latest;
-    if !running || now - latest.max(answering_since) <= i64::from(watch.lost_after_seconds) {
+    // The silence counted is what fell while the API server answered
+    // (and its watches had caught up): an agent's heartbeats cannot reach
+    // a server that does not answer.
+    let away = time_away(watch.api_outages, latest, now);
+    let counted = silent - away;
+    if !running || counted <= i64::from(watch.lost_after_seconds) {
         return None;
     }
-    let message = if answering_since > latest {
+    let message = if away > 0 {
         format!(
-            "the agent in stage pod {name} has not reported for {silent}s, {}s of them since the API server answered again (a hung process or a stuck volume mount?)",
-            now - answering_since
+            "the agent in stage pod {name} has not reported for {silent}s, {counted}s of them while the API server answered (a hung process or a stuck volume mount?)"
         )
     } else {
         format!(
@@ -344,13 +349,54 @@ pub fn lost_agent(
 
 /// How agents are judged lost ([`lost_agent`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AgentWatch {
+pub struct AgentWatch<'a> {
     /// Seconds an agent may go without reporting (`--agent-lost-seconds`).
     pub lost_after_seconds: u32,
-    /// Since when (seconds since the epoch) this replica has seen the API
-    /// server answer without a break; `None` while it does not: silence
-    /// is counted from then at the earliest, and not at all before.
-    pub api_answering_since: Option<i64>,
+    /// When this replica saw the API server not answering, oldest first:
+    /// no agent's silence is counted in them, nor while one lasts.
+    pub api_outages: &'a [ApiOutage],
+}
+
+/// A time (seconds since the epoch) the API server did not answer this
+/// replica: from its last answer before to its first after.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApiOutage {
+    /// The last answer before (`i64::MIN`: before this replica started,
+    /// which could not see whether the agents could report).
+    pub from: i64,
+    /// The first answer after; `None` while it lasts.
+    pub to: Option<i64>,
+}
+
+/// Seconds after an outage ends during which an agent's silence is not
+/// counted either: its watches take that long to bring the heartbeats
+/// written since into the caches (8–13 s measured after a 2-minute outage).
+pub const API_CATCH_UP_SECONDS: i64 = 30;
+
+/// Seconds of `[from, to]` that fell in `outages` (each lengthened by
+/// [`API_CATCH_UP_SECONDS`]), overlaps counted once.
+fn time_away(outages: &[ApiOutage], from: i64, to: i64) -> i64 {
+    let mut spans: Vec<(i64, i64)> = outages
+        .iter()
+        .map(|outage| {
+            let end = outage
+                .to
+                .map_or(i64::MAX, |end| end.saturating_add(API_CATCH_UP_SECONDS));
+            (outage.from.max(from), end.min(to))
+        })
+        .filter(|(start, end)| start < end)
+        .collect();
+    spans.sort_unstable();
+    let mut away = 0;
+    let mut covered_to = i64::MIN;
+    for (start, end) in spans {
+        let start = start.max(covered_to);
+        if end > start {
+            away += end - start;
+            covered_to = end;
+        }
+    }
+    away
 }
 
 /// "exit code 137 (OOMKilled): last log line".
@@ -422,7 +468,7 @@ pub fn supervise_stage_pods(
     pods: &[Arc<Pod>],
     transfers: &[Arc<VolumeTransfer>],
     deleted_pods: &BTreeSet<String>,
-    watch: AgentWatch,
+    watch: AgentWatch<'_>,
     now: &Time,
 ) -> (Vec<Action>, Option<Duration>) {
     let mut actions = Vec::new();
@@ -626,9 +672,9 @@ mod tests {
     use super::*;
 
     /// The default interval, the API server answering since long before.
-    const WATCH: AgentWatch = AgentWatch {
+    const WATCH: AgentWatch<'static> = AgentWatch {
         lost_after_seconds: 300,
-        api_answering_since: Some(0),
+        api_outages: &[],
     };
 
     const T0: i64 = 1_800_000_000;
@@ -663,27 +709,73 @@ mod tests {
         let running = pod(serde_json::json!({"phase": "Running"}));
         // The last heartbeat at T0; the API server away from T0 + 5 to
         // T0 + 600 (longer than the interval): the agents could not report.
+        let ongoing = [ApiOutage {
+            from: T0 + 5,
+            to: None,
+        }];
         let away = AgentWatch {
-            api_answering_since: None,
+            api_outages: &ongoing,
             ..WATCH
         };
         assert_eq!(lost_agent(&running, &[T0], 0, T0 + 600, away), None);
+        let ended = [ApiOutage {
+            from: T0 + 5,
+            to: Some(T0 + 600),
+        }];
         let back = AgentWatch {
-            api_answering_since: Some(T0 + 600),
+            api_outages: &ended,
             ..WATCH
         };
-        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 900, back), None);
+        // 5 s before, and after the 30 s the watches take to catch up.
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 925, back), None);
         let Some(Verdict::Recreate { message, .. }) =
-            lost_agent(&running, &[T0], 0, T0 + 901, back)
+            lost_agent(&running, &[T0], 0, T0 + 926, back)
         else {
             panic!("an agent still silent the whole interval after the server came back is lost");
         };
         assert!(
-            message.contains(
-                "has not reported for 901s, 301s of them since the API server answered again"
-            ),
+            message
+                .contains("has not reported for 926s, 301s of them while the API server answered"),
             "{message}"
         );
+    }
+
+    #[test]
+    fn an_api_server_failing_now_and_then_does_not_keep_a_hung_agent_from_being_lost() {
+        let running = pod(serde_json::json!({"phase": "Running"}));
+        // A look failing every 100 s, answered 10 s later: each takes 40 s
+        // (with the catch-up) off the silence, not the whole interval.
+        let flapping: Vec<ApiOutage> = (1..=20)
+            .map(|n| ApiOutage {
+                from: T0 + n * 100,
+                to: Some(T0 + n * 100 + 10),
+            })
+            .collect();
+        let watch = AgentWatch {
+            api_outages: &flapping,
+            ..WATCH
+        };
+        // By T0 + 560: 5 outages, 200 s away, 360 s counted.
+        assert!(lost_agent(&running, &[T0], 0, T0 + 560, watch).is_some());
+        // By T0 + 440: 4 outages, 160 s away, 280 s counted.
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 440, watch), None);
+    }
+
+    #[test]
+    fn a_replica_just_started_gives_each_agent_the_interval_from_its_first_answer() {
+        let running = pod(serde_json::json!({"phase": "Running"}));
+        // Started at T0 + 1000, its first look answered: whether the
+        // agents could report before, it cannot tell.
+        let started = [ApiOutage {
+            from: i64::MIN,
+            to: Some(T0 + 1000),
+        }];
+        let watch = AgentWatch {
+            api_outages: &started,
+            ..WATCH
+        };
+        assert_eq!(lost_agent(&running, &[T0], 0, T0 + 1330, watch), None);
+        assert!(lost_agent(&running, &[T0], 0, T0 + 1331, watch).is_some());
     }
 
     #[test]
