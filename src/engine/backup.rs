@@ -678,7 +678,10 @@ pub async fn backup(
             .and_then(|writer| writer.written),
     );
     for id in &done {
-        if let Err(error) = repository.delete_checkpoint(id).await {
+        if let Err(error) = repository
+            .delete_checkpoint(&snapshot.source, &snapshot.hostname, id)
+            .await
+        {
             tracing::warn!(checkpoint = %id, %error, "checkpoint not deleted; the next backup of this source deletes it");
         }
     }
@@ -2008,7 +2011,9 @@ impl Assembler {
         tracing::debug!(checkpoint = %id, files, "checkpoint written");
         writer.bytes_at_last = total_bytes;
         if let Some(previous) = writer.written.replace(id)
-            && let Err(error) = repository.delete_checkpoint(&previous).await
+            && let Err(error) = repository
+                .delete_checkpoint(&manifest.source, &manifest.hostname, &previous)
+                .await
         {
             tracing::warn!(checkpoint = %previous, %error, "earlier checkpoint not deleted; the snapshot's backup deletes it");
         }

@@ -908,11 +908,25 @@ impl Repository {
     /// pack and index it needs must be stored first.
     pub async fn write_checkpoint(&self, checkpoint: &Snapshot) -> Result<ObjectId, EngineError> {
         let (id, bytes) = self.codec.encode_snapshot(checkpoint, &mut rand::rng());
-        put_object(&self.store, &repo::checkpoint_key(&id), bytes, || {
-            format!("write checkpoint {id}")
-        })
+        let group = self.checkpoint_group(&checkpoint.source, &checkpoint.hostname);
+        put_object(
+            &self.store,
+            &repo::checkpoint_key(&group, &id),
+            bytes,
+            || format!("write checkpoint {id}"),
+        )
         .await?;
         Ok(id)
+    }
+
+    /// The folder of the checkpoints of `source` from `hostname` under
+    /// `checkpoints/`: a keyed hash of the two, so it names neither.
+    fn checkpoint_group(&self, source: &str, hostname: &str) -> String {
+        let mut text = b"haulage checkpoint group\0".to_vec();
+        text.extend_from_slice(source.as_bytes());
+        text.push(0);
+        text.extend_from_slice(hostname.as_bytes());
+        self.keys.blob_id(&text).to_hex()[..32].to_string()
     }
 
     /// The checkpoints of unfinished backups of `source` from `hostname`,
@@ -923,18 +937,20 @@ impl Repository {
         source: &str,
         hostname: &str,
     ) -> Result<Vec<(ObjectId, Snapshot)>, EngineError> {
+        let group = self.checkpoint_group(source, hostname);
+        let prefix = format!("{}{group}/", repo::CHECKPOINT_PREFIX);
         let objects = self
             .store
-            .list(repo::CHECKPOINT_PREFIX)
+            .list(&prefix)
             .await
             .map_err(|error| EngineError::store("list checkpoints", error))?;
-        let ids: Vec<ObjectId> = objects
-            .iter()
-            .filter_map(|meta| repo::id_from_key(&meta.key, repo::CHECKPOINT_PREFIX))
+        let ids: Vec<(ObjectId, String)> = objects
+            .into_iter()
+            .filter_map(|meta| Some((repo::id_from_key(&meta.key, &prefix)?, meta.key)))
             .collect();
         let mut loads = futures::stream::iter(ids)
-            .map(|id| async move {
-                let loaded = match self.store.get(&repo::checkpoint_key(&id), None).await {
+            .map(|(id, key)| async move {
+                let loaded = match self.store.get(&key, None).await {
                     Ok(bytes) if ObjectId::of(&bytes) == id => self
                         .codec
                         .decode_snapshot(&bytes)
@@ -963,9 +979,16 @@ impl Repository {
         Ok(found)
     }
 
-    /// Delete a checkpoint; one already gone is fine.
-    pub async fn delete_checkpoint(&self, id: &ObjectId) -> Result<(), EngineError> {
-        match self.store.delete(&repo::checkpoint_key(id)).await {
+    /// Delete a checkpoint of `source` from `hostname`; one already gone
+    /// is fine.
+    pub async fn delete_checkpoint(
+        &self,
+        source: &str,
+        hostname: &str,
+        id: &ObjectId,
+    ) -> Result<(), EngineError> {
+        let group = self.checkpoint_group(source, hostname);
+        match self.store.delete(&repo::checkpoint_key(&group, id)).await {
             Ok(()) => Ok(()),
             Err(error) if error.is_not_found() => Ok(()),
             Err(error) => Err(EngineError::store(format!("delete checkpoint {id}"), error)),

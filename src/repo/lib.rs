@@ -211,9 +211,11 @@ pub fn snapshot_key(id: &ObjectId) -> String {
 }
 
 /// Object key of a backup's checkpoint: a manifest like a snapshot's,
-/// naming the trees of what an unfinished backup has stored so far.
-pub fn checkpoint_key(id: &ObjectId) -> String {
-    format!("checkpoints/{}", id.to_hex())
+/// naming the trees of what an unfinished backup has stored so far, under
+/// the `group` of its source and host (a keyed hash: a backup lists only
+/// its own source's).
+pub fn checkpoint_key(group: &str, id: &ObjectId) -> String {
+    format!("checkpoints/{group}/{}", id.to_hex())
 }
 
 /// Key of the repository config object.
