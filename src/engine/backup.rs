@@ -349,7 +349,8 @@ struct Shared {
     /// Claimed blobs the assembler has not put into a pack yet: a job
     /// claims a blob when it hashes it, and jobs run ahead of the
     /// assembly, so an earlier file may name a blob a later one stores.
-    pending: Mutex<HashSet<BlobId>>,
+    /// Kept only by a backup that writes checkpoints.
+    pending: Option<Mutex<HashSet<BlobId>>>,
     progress: Arc<Progress>,
     /// Chunk and compressed-chunk buffers.
     buffers: BufferPool,
@@ -360,20 +361,24 @@ impl Shared {
     fn claim(&self, id: &BlobId) -> bool {
         let claimed =
             !self.index.contains(id) && self.claimed.lock().expect("claim set").insert(*id);
-        if claimed {
-            self.pending.lock().expect("pending set").insert(*id);
+        if claimed && let Some(pending) = &self.pending {
+            pending.lock().expect("pending set").insert(*id);
         }
         claimed
     }
 
     /// Whether `id` was claimed and is not in a pack yet.
     fn is_pending(&self, id: &BlobId) -> bool {
-        self.pending.lock().expect("pending set").contains(id)
+        self.pending
+            .as_ref()
+            .is_some_and(|pending| pending.lock().expect("pending set").contains(id))
     }
 
     /// `id` went into a pack.
     fn packed(&self, id: &BlobId) {
-        self.pending.lock().expect("pending set").remove(id);
+        if let Some(pending) = &self.pending {
+            pending.lock().expect("pending set").remove(id);
+        }
     }
 }
 
@@ -464,7 +469,8 @@ pub async fn backup(
         repository: repository.clone(),
         index: index.clone(),
         claimed: Mutex::new(HashSet::new()),
-        pending: Mutex::new(HashSet::new()),
+        pending: (checkpointed && options.checkpoint_every.is_some())
+            .then(|| Mutex::new(HashSet::new())),
         progress: progress.clone(),
         buffers: BufferPool::new(chunk_buffer_bytes, buffers.chunk_buffers_kept),
     });
@@ -2133,7 +2139,7 @@ impl Assembler {
                 self.shared.packed(&id);
                 self.unpacked.remove(&id);
             }
-            None if self.checkpoints.is_some() && self.shared.is_pending(&id) => {
+            None if self.shared.is_pending(&id) => {
                 self.unpacked.insert(id);
             }
             None => {}

@@ -874,9 +874,21 @@ impl Repository {
 
     /// Write a snapshot manifest.
     pub async fn write_snapshot(&self, snapshot: &Snapshot) -> Result<ObjectId, EngineError> {
-        let (id, bytes) = self.codec.encode_snapshot(snapshot, &mut rand::rng());
-        put_object(&self.store, &repo::snapshot_key(&id), bytes, || {
-            format!("write snapshot {id}")
+        self.write_manifest(snapshot, "snapshot", repo::snapshot_key)
+            .await
+    }
+
+    /// Write a manifest (a snapshot's or a checkpoint's) under the key
+    /// `key_of` its id gives; `what` names it in an error.
+    async fn write_manifest(
+        &self,
+        manifest: &Snapshot,
+        what: &str,
+        key_of: impl FnOnce(&ObjectId) -> String,
+    ) -> Result<ObjectId, EngineError> {
+        let (id, bytes) = self.codec.encode_snapshot(manifest, &mut rand::rng());
+        put_object(&self.store, &key_of(&id), bytes, || {
+            format!("write {what} {id}")
         })
         .await?;
         Ok(id)
@@ -884,11 +896,23 @@ impl Repository {
 
     /// Read a snapshot manifest, checking it against its id.
     pub async fn load_snapshot(&self, id: &ObjectId) -> Result<Snapshot, EngineError> {
+        self.read_manifest(&repo::snapshot_key(id), id, "snapshot")
+            .await
+    }
+
+    /// Read the manifest at `key` (a snapshot's or a checkpoint's),
+    /// checking it against its id; `what` names it in an error.
+    async fn read_manifest(
+        &self,
+        key: &str,
+        id: &ObjectId,
+        what: &str,
+    ) -> Result<Snapshot, EngineError> {
         let bytes = self
             .store
-            .get(&repo::snapshot_key(id), None)
+            .get(key, None)
             .await
-            .map_err(|error| EngineError::store(format!("read snapshot {id}"), error))?;
+            .map_err(|error| EngineError::store(format!("read {what} {id}"), error))?;
         if ObjectId::of(&bytes) != *id {
             return Err(EngineError::SnapshotDamaged {
                 id: *id,
@@ -907,16 +931,11 @@ impl Repository {
     /// snapshot's whose tree holds what the backup has stored so far. Every
     /// pack and index it needs must be stored first.
     pub async fn write_checkpoint(&self, checkpoint: &Snapshot) -> Result<ObjectId, EngineError> {
-        let (id, bytes) = self.codec.encode_snapshot(checkpoint, &mut rand::rng());
         let group = self.checkpoint_group(&checkpoint.source, &checkpoint.hostname);
-        put_object(
-            &self.store,
-            &repo::checkpoint_key(&group, &id),
-            bytes,
-            || format!("write checkpoint {id}"),
-        )
-        .await?;
-        Ok(id)
+        self.write_manifest(checkpoint, "checkpoint", |id| {
+            repo::checkpoint_key(&group, id)
+        })
+        .await
     }
 
     /// The folder of the checkpoints of `source` from `hostname` under
@@ -949,17 +968,7 @@ impl Repository {
             .filter_map(|meta| Some((repo::id_from_key(&meta.key, &prefix)?, meta.key)))
             .collect();
         let mut loads = futures::stream::iter(ids)
-            .map(|(id, key)| async move {
-                let loaded = match self.store.get(&key, None).await {
-                    Ok(bytes) if ObjectId::of(&bytes) == id => self
-                        .codec
-                        .decode_snapshot(&bytes)
-                        .map_err(|error| error.to_string()),
-                    Ok(_) => Err("content does not match its name".to_string()),
-                    Err(error) => Err(error.to_string()),
-                };
-                (id, loaded)
-            })
+            .map(|(id, key)| async move { (id, self.read_manifest(&key, &id, "checkpoint").await) })
             .buffer_unordered(LOAD_CONCURRENCY);
         let mut found = Vec::new();
         while let Some((id, loaded)) = loads.next().await {

@@ -2,6 +2,8 @@
 //! the `haulage` binary as a user runs it.
 
 use std::collections::HashSet;
+use std::path::Path;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use super::support::{TestRepo, assert_same_tree, files_under, haulage, random_bytes};
@@ -20,6 +22,77 @@ fn blobs_in_packs(repo: &TestRepo) -> (usize, HashSet<haulage::repo::BlobId>) {
     (total, unique)
 }
 
+/// `haulage backup SOURCE` slowed to 40 MiB/s so it can be killed mid-way,
+/// with `extra` arguments; running.
+fn slow_backup(repo: &TestRepo, source: &Path, extra: &[&str]) -> Child {
+    haulage()
+        .args(["backup", "--no-progress", "--limit-read", "40MiB"])
+        .args(extra)
+        .args(["--repo", &repo.url()])
+        .arg(source)
+        .spawn()
+        .unwrap()
+}
+
+/// Wait (up to 2 minutes, while `first` runs) for a checkpoint of which
+/// `held` says how many bytes it holds, if enough; those bytes.
+fn checkpoint_holding(
+    repo: &TestRepo,
+    first: &mut Child,
+    held: impl Fn(&haulage::repo::snapshot::Snapshot) -> Option<u64>,
+) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        assert!(Instant::now() < deadline, "no checkpoint appeared");
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "backup finished before it could be killed"
+        );
+        let found = files_under(&repo.root().join("checkpoints"))
+            .iter()
+            .find_map(|(path, _)| {
+                let bytes = std::fs::read(path).ok()?;
+                held(&repo.repository.codec().decode_snapshot(&bytes).ok()?)
+            });
+        if let Some(bytes) = found {
+            return bytes;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `haulage backup SOURCE --json`, which must succeed: its summary.
+fn backup_summary(repo: &TestRepo, source: &Path) -> serde_json::Value {
+    let output = haulage()
+        .args(["backup", "--json", "--repo", &repo.url()])
+        .arg(source)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// The repository verifies, and the snapshot of `summary` restores through
+/// the CLI as `source` is.
+fn assert_verifies_and_restores_as(repo: &TestRepo, summary: &serde_json::Value, source: &Path) {
+    repo.assert_cli_verifies();
+    let target = repo.dir.path().join("restored");
+    let id = summary["snapshotId"].as_str().unwrap();
+    assert!(
+        haulage()
+            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
+            .arg(&target)
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_same_tree(source, &target);
+}
+
 #[test]
 fn a_backup_killed_mid_way_is_completed_by_the_next_run_without_sending_stored_packs_again() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -34,18 +107,7 @@ fn a_backup_killed_mid_way_is_completed_by_the_next_run_without_sending_stored_p
         .unwrap();
     }
     // Slow the first run down so it can be killed between packs.
-    let mut first = haulage()
-        .args([
-            "backup",
-            "--no-progress",
-            "--limit-read",
-            "40MiB",
-            "--repo",
-            &repo.url(),
-        ])
-        .arg(&source)
-        .spawn()
-        .unwrap();
+    let mut first = slow_backup(&repo, &source, &[]);
     let deadline = Instant::now() + Duration::from_secs(120);
     while repo.pack_count() < 3 {
         assert!(Instant::now() < deadline, "no packs appeared");
@@ -61,17 +123,7 @@ fn a_backup_killed_mid_way_is_completed_by_the_next_run_without_sending_stored_p
     let (stored_before, _) = blobs_in_packs(&repo);
     assert!(stored_before > 0);
 
-    let output = haulage()
-        .args(["backup", "--json", "--repo", &repo.url()])
-        .arg(&source)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let summary = backup_summary(&repo, &source);
     let bytes_new = summary["bytesNew"].as_u64().unwrap();
     assert!(
         bytes_new < 192 << 20,
@@ -80,18 +132,7 @@ fn a_backup_killed_mid_way_is_completed_by_the_next_run_without_sending_stored_p
     let (total, unique) = blobs_in_packs(&repo);
     assert_eq!(total, unique.len(), "a blob was stored twice");
 
-    repo.assert_cli_verifies();
-    let target = repo.dir.path().join("restored");
-    let id = summary["snapshotId"].as_str().unwrap();
-    assert!(
-        haulage()
-            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
-            .arg(&target)
-            .status()
-            .unwrap()
-            .success()
-    );
-    assert_same_tree(&source, &target);
+    assert_verifies_and_restores_as(&repo, &summary, &source);
 }
 
 #[test]
@@ -116,39 +157,11 @@ fn a_backup_killed_after_a_checkpoint_is_continued_without_reading_again_what_it
     let total: u64 = files_under(&source).iter().map(|(_, size)| size).sum();
     // Slow the first run down so it writes checkpoints and is killed
     // before it ends.
-    let mut first = haulage()
-        .args([
-            "backup",
-            "--no-progress",
-            "--limit-read",
-            "40MiB",
-            "--checkpoint-seconds",
-            "1",
-            "--repo",
-            &repo.url(),
-        ])
-        .arg(&source)
-        .spawn()
-        .unwrap();
+    let mut first = slow_backup(&repo, &source, &["--checkpoint-seconds", "1"]);
     let checkpoints = repo.root().join("checkpoints");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let covered = loop {
-        assert!(Instant::now() < deadline, "no checkpoint appeared");
-        assert!(
-            first.try_wait().unwrap().is_none(),
-            "backup finished before it could be killed"
-        );
-        let written: Vec<_> = files_under(&checkpoints);
-        let held = written.iter().find_map(|(path, _)| {
-            let bytes = std::fs::read(path).ok()?;
-            let checkpoint = repo.repository.codec().decode_snapshot(&bytes).ok()?;
-            (checkpoint.summary.files >= 8).then_some(checkpoint.summary.total_bytes)
-        });
-        if let Some(bytes) = held {
-            break bytes;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let covered = checkpoint_holding(&repo, &mut first, |checkpoint| {
+        (checkpoint.summary.files >= 8).then_some(checkpoint.summary.total_bytes)
+    });
     first.kill().unwrap(); // SIGKILL
     first.wait().unwrap();
     assert!(files_under(&repo.root().join("snapshots")).is_empty());
@@ -156,17 +169,7 @@ fn a_backup_killed_after_a_checkpoint_is_continued_without_reading_again_what_it
     // read again, not taken from the checkpoint.
     std::fs::write(source.join("a/00.bin"), random_bytes(7, 4 << 20)).unwrap();
 
-    let output = haulage()
-        .args(["backup", "--json", "--repo", &repo.url()])
-        .arg(&source)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let summary = backup_summary(&repo, &source);
     assert!(
         summary["resumedFrom"]["checkpoint"].is_string(),
         "the second run did not continue from the checkpoint: {summary}"
@@ -184,18 +187,7 @@ fn a_backup_killed_after_a_checkpoint_is_continued_without_reading_again_what_it
     let (stored, unique) = blobs_in_packs(&repo);
     assert_eq!(stored, unique.len(), "a blob was stored twice");
 
-    repo.assert_cli_verifies();
-    let target = repo.dir.path().join("restored");
-    let id = summary["snapshotId"].as_str().unwrap();
-    assert!(
-        haulage()
-            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
-            .arg(&target)
-            .status()
-            .unwrap()
-            .success()
-    );
-    assert_same_tree(&source, &target);
+    assert_verifies_and_restores_as(&repo, &summary, &source);
 }
 
 #[test]
@@ -210,54 +202,16 @@ fn a_large_file_half_read_when_the_backup_was_killed_is_read_on_from_its_checkpo
     data[(40 << 20)..(48 << 20)].fill(0);
     std::fs::write(source.join("db/table.dat"), &data).unwrap();
     let total = data.len() as u64;
-    let mut first = haulage()
-        .args([
-            "backup",
-            "--no-progress",
-            "--limit-read",
-            "40MiB",
-            "--checkpoint-seconds",
-            "1",
-            "--repo",
-            &repo.url(),
-        ])
-        .arg(&source)
-        .spawn()
-        .unwrap();
-    let checkpoints = repo.root().join("checkpoints");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let covered = loop {
-        assert!(Instant::now() < deadline, "no checkpoint appeared");
-        assert!(
-            first.try_wait().unwrap().is_none(),
-            "backup finished before it could be killed"
-        );
-        let held = files_under(&checkpoints).iter().find_map(|(path, _)| {
-            let bytes = std::fs::read(path).ok()?;
-            let checkpoint = repo.repository.codec().decode_snapshot(&bytes).ok()?;
-            let bytes = checkpoint.summary.total_bytes;
-            (bytes >= 56 << 20).then_some(bytes)
-        });
-        if let Some(bytes) = held {
-            break bytes;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let mut first = slow_backup(&repo, &source, &["--checkpoint-seconds", "1"]);
+    let covered = checkpoint_holding(&repo, &mut first, |checkpoint| {
+        let bytes = checkpoint.summary.total_bytes;
+        (bytes >= 56 << 20).then_some(bytes)
+    });
     first.kill().unwrap(); // SIGKILL
     first.wait().unwrap();
     assert!(covered < total, "the checkpoint holds the whole file");
 
-    let output = haulage()
-        .args(["backup", "--json", "--repo", &repo.url()])
-        .arg(&source)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let summary: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let summary = backup_summary(&repo, &source);
     let bytes_read = summary["bytesRead"].as_u64().unwrap();
     assert!(
         bytes_read <= total - covered,
@@ -267,18 +221,7 @@ fn a_large_file_half_read_when_the_backup_was_killed_is_read_on_from_its_checkpo
     let (stored, unique) = blobs_in_packs(&repo);
     assert_eq!(stored, unique.len(), "a blob was stored twice");
 
-    repo.assert_cli_verifies();
-    let target = repo.dir.path().join("restored");
-    let id = summary["snapshotId"].as_str().unwrap();
-    assert!(
-        haulage()
-            .args(["restore", id, "--no-progress", "--repo", &repo.url()])
-            .arg(&target)
-            .status()
-            .unwrap()
-            .success()
-    );
-    assert_same_tree(&source, &target);
+    assert_verifies_and_restores_as(&repo, &summary, &source);
 }
 
 #[test]
