@@ -151,6 +151,12 @@ pub struct BackupStorageLocationSpec {
 /// `maintenance.safetyMargin` when the spec leaves it out (`haulage
 /// prune`'s default).
 pub const DEFAULT_MAINTENANCE_SAFETY_MARGIN: &str = "24h";
+/// `maintenance.keepCheckpointsWithin` when the spec leaves it out, and
+/// `haulage prune --keep-checkpoints-within`'s default: a week, longer than
+/// an agent or node is expected to stay down and come back to its backup.
+/// A running backup writes a new checkpoint every minute or so, so its own
+/// is never that old.
+pub const DEFAULT_KEEP_CHECKPOINTS_WITHIN: &str = "168h";
 /// `maintenance.repackThresholdPercent` when the spec leaves it out.
 pub const DEFAULT_MAINTENANCE_REPACK_THRESHOLD_PERCENT: i32 = 10;
 
@@ -172,6 +178,14 @@ pub struct LocationMaintenance {
     #[schemars(length(min = 1, max = 32))]
     #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 24h, or 0"))]
     pub safety_margin: String,
+    /// The checkpoint of an unfinished backup written within this is kept
+    /// with the data it names, so its backup can still continue from it;
+    /// an older one is deleted (`haulage prune --keep-checkpoints-within`):
+    /// a duration such as `168h`, or `0` to delete every checkpoint.
+    #[serde(default = "default_keep_checkpoints_within")]
+    #[schemars(length(min = 1, max = 32))]
+    #[x_kube(validation = Rule::new("self.matches('^(0|([0-9]+(h|m|s|ms))+)$')").message("must be a duration such as 168h, or 0"))]
+    pub keep_checkpoints_within: String,
     /// Packs whose unused share of bytes is above this percentage are
     /// rewritten (`haulage prune --repack-threshold`).
     #[serde(default = "default_maintenance_repack_threshold_percent")]
@@ -181,6 +195,10 @@ pub struct LocationMaintenance {
 
 fn default_maintenance_safety_margin() -> String {
     DEFAULT_MAINTENANCE_SAFETY_MARGIN.to_string()
+}
+
+fn default_keep_checkpoints_within() -> String {
+    DEFAULT_KEEP_CHECKPOINTS_WITHIN.to_string()
 }
 
 fn default_maintenance_repack_threshold_percent() -> i32 {
@@ -203,6 +221,11 @@ impl LocationMaintenance {
     /// The safety margin of each prune.
     pub fn safety_margin(&self) -> Result<Duration, DurationError> {
         parse_duration(&self.safety_margin)
+    }
+
+    /// How long each prune keeps a checkpoint.
+    pub fn keep_checkpoints_within(&self) -> Result<Duration, DurationError> {
+        parse_duration(&self.keep_checkpoints_within)
     }
 }
 

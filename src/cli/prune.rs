@@ -7,6 +7,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::progress::human_bytes;
 use super::{LockArgs, Outcome, RepoArgs};
+use crate::api::location::DEFAULT_KEEP_CHECKPOINTS_WITHIN;
 use crate::engine::prune::{PruneOptions, prune};
 use crate::repo::prune::PruneSettings;
 
@@ -26,6 +27,12 @@ pub struct PruneArgs {
     /// the CLI and the cluster's agents of this version do).
     #[arg(long, value_name = "DURATION", default_value = DEFAULT_SAFETY_MARGIN, value_parser = humantime::parse_duration)]
     pub safety_margin: Duration,
+    /// Keep the checkpoint of an unfinished backup (and the data it names,
+    /// so that backup can still continue from it) written within this;
+    /// delete older ones (0s deletes every checkpoint not written this
+    /// second).
+    #[arg(long, value_name = "DURATION", default_value = DEFAULT_KEEP_CHECKPOINTS_WITHIN, value_parser = humantime::parse_duration)]
+    pub keep_checkpoints_within: Duration,
     /// Repack packs whose unused share of bytes is above this (percent).
     #[arg(long, value_name = "PERCENT", default_value = "10%", value_parser = parse_percent)]
     pub repack_threshold: f64,
@@ -54,6 +61,8 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
         settings: PruneSettings {
             repack_threshold: args.repack_threshold,
             safety_margin_seconds: args.safety_margin.as_secs() as i64,
+            checkpoint_max_age_seconds: i64::try_from(args.keep_checkpoints_within.as_secs())
+                .unwrap_or(i64::MAX),
         },
         dry_run: args.dry_run,
         lock_wait: args.lock.retry_lock,
@@ -69,8 +78,13 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
         ""
     };
     println!(
-        "{} snapshots reference {} of {} in {} packs{dry}",
+        "{} snapshots{} reference {} of {} in {} packs{dry}",
         report.snapshots,
+        if report.checkpoints_kept > 0 {
+            format!(" and {} checkpoints", report.checkpoints_kept)
+        } else {
+            String::new()
+        },
         human_bytes(report.used_bytes),
         human_bytes(report.total_bytes),
         report.packs
@@ -106,6 +120,21 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
             String::new()
         }
     );
+    if report.checkpoints_kept + report.checkpoints_deleted > 0 {
+        println!(
+            "  kept {} checkpoints of unfinished backups written within {} (and their data), {} {} older ones",
+            report.checkpoints_kept,
+            humantime::format_duration(args.keep_checkpoints_within),
+            would("deleted", "would delete"),
+            report.checkpoints_deleted
+        );
+    }
+    if report.checkpoints_unreadable > 0 {
+        eprintln!(
+            "warning: {} checkpoints cannot be read (damaged); left as they are, their data not kept, and a backup ignores them",
+            report.checkpoints_unreadable
+        );
+    }
     if report.waiting_packs > 0 {
         println!(
             "  {} packs ({}) wait for their safety margin",

@@ -1133,6 +1133,7 @@ mod tests {
         pruned.spec.maintenance = Some(crate::api::location::LocationMaintenance {
             interval: "24h".into(),
             safety_margin: "24h".into(),
+            keep_checkpoints_within: "168h".into(),
             repack_threshold_percent: 10,
         });
         let mut failing = pruned.clone();

@@ -573,6 +573,7 @@ pub async fn backup(
     if checkpointed && let Some(every) = options.checkpoint_every {
         assembler.checkpoints = Some(CheckpointWriter {
             every,
+            started,
             last: Instant::now(),
             bytes_at_last: 0,
             template: Snapshot {
@@ -1883,6 +1884,9 @@ struct Assembler {
 /// When and what a backup's checkpoints are.
 struct CheckpointWriter {
     every: Duration,
+    /// When the backup started: a checkpoint records the time since, so
+    /// prune knows when it was written.
+    started: Instant,
     /// When the last checkpoint was written (or the backup started).
     last: Instant,
     /// File bytes the last checkpoint held.
@@ -2005,6 +2009,7 @@ impl Assembler {
         manifest.tree = root;
         manifest.summary.files = files;
         manifest.summary.total_bytes = total_bytes;
+        manifest.summary.duration_seconds = writer.started.elapsed().as_secs_f64();
         writer.last = Instant::now();
         // Only a saving: a backup goes on without it.
         let id = match repository.write_checkpoint(&manifest).await {

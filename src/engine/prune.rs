@@ -6,7 +6,9 @@
 //! (docs/storage.md, "Prune").
 //!
 //! 1. Under a shared lock (backups go on): list packs and index files,
-//!    walk every snapshot's trees to find the referenced blobs, plan.
+//!    walk every snapshot's trees, and those of the checkpoints of
+//!    unfinished backups written within the maximum age, to find the
+//!    referenced blobs, plan; delete the older checkpoints.
 //!    Repack: copy the needed blobs of mostly unused packs into new packs
 //!    (sealed bytes are copied as they are: a blob's seal is bound to its
 //!    id, not its pack), write their index, then record the old packs and
@@ -28,7 +30,9 @@ use crate::repo::index::BlobIndex;
 use crate::repo::lock::LockKind;
 use crate::repo::pack::PackEntry;
 pub use crate::repo::prune::PruneReport;
-use crate::repo::prune::{Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, plan_prune};
+use crate::repo::prune::{
+    Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, checkpoint_kept, plan_prune,
+};
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
 
@@ -136,34 +140,115 @@ async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineErro
     Ok(inventory)
 }
 
-/// Every blob the snapshots reference: their trees and file chunks. Any
-/// snapshot or tree that cannot be read stops prune (it could not know what
-/// that snapshot needs).
+/// The checkpoints of unfinished backups, as prune judges them.
+#[derive(Debug, Default)]
+struct CheckpointSurvey {
+    /// The root trees of those kept: written within the maximum age.
+    kept: Vec<BlobId>,
+    /// The key and id of those older, to delete.
+    expired: Vec<(String, ObjectId)>,
+    /// Those whose manifest is damaged: left as they are.
+    unreadable: usize,
+}
+
+/// Read every checkpoint and judge it at `now`. A checkpoint that cannot be
+/// fetched stops prune (it might be one to keep); a damaged one is left and
+/// counted (a backup ignores it too).
+async fn survey_checkpoints(
+    repository: &Repository,
+    settings: PruneSettings,
+    now: i64,
+) -> Result<CheckpointSurvey, EngineError> {
+    let mut survey = CheckpointSurvey::default();
+    for stored in repository.all_checkpoints().await? {
+        match stored.manifest {
+            Ok(manifest) if checkpoint_kept(&manifest, now, settings) => {
+                survey.kept.push(manifest.tree);
+            }
+            Ok(_) => survey.expired.push((stored.key, stored.id)),
+            Err(EngineError::SnapshotDamaged { id, reason }) => {
+                tracing::warn!(checkpoint = %id, %reason, "checkpoint cannot be read; left as it is, its data not kept");
+                survey.unreadable += 1;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(survey)
+}
+
+/// Every blob the snapshots and the kept checkpoints (`checkpoint_trees`)
+/// reference: their trees and file chunks. Any snapshot or tree of one
+/// that cannot be read stops prune (it could not know what that snapshot
+/// needs); a checkpoint keeps only what of it is still stored (a backup
+/// reads again whatever of a checkpoint is gone).
 async fn referenced_blobs(
     repository: &Repository,
     index: &BlobIndex,
+    checkpoint_trees: &[BlobId],
 ) -> Result<(usize, HashSet<BlobId>), EngineError> {
     let (snapshots, damaged) = repository.list_snapshots().await?;
     if let Some(error) = damaged.into_iter().next() {
         return Err(error);
     }
     let mut referenced = HashSet::new();
+    let roots: Vec<BlobId> = snapshots
+        .iter()
+        .map(|(_, snapshot)| snapshot.tree)
+        .collect();
+    add_reachable(repository, index, &roots, Reach::Required, &mut referenced).await?;
+    add_reachable(
+        repository,
+        index,
+        checkpoint_trees,
+        Reach::WhatIsStored,
+        &mut referenced,
+    )
+    .await?;
+    Ok((snapshots.len(), referenced))
+}
+
+/// How [`add_reachable`] treats a blob the store no longer has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reach {
+    /// A snapshot's: an error (its restore needs it).
+    Required,
+    /// A checkpoint's: passed over.
+    WhatIsStored,
+}
+
+/// Add to `referenced` every blob reachable from the trees `roots`.
+async fn add_reachable(
+    repository: &Repository,
+    index: &BlobIndex,
+    roots: &[BlobId],
+    reach: Reach,
+    referenced: &mut HashSet<BlobId>,
+) -> Result<(), EngineError> {
+    let wanted = |blob: &BlobId| reach == Reach::Required || index.get(blob).is_some();
     let mut pending: Vec<BlobId> = Vec::new();
-    for (_, snapshot) in &snapshots {
-        if referenced.insert(snapshot.tree) {
-            pending.push(snapshot.tree);
+    for root in roots {
+        if wanted(root) && referenced.insert(*root) {
+            pending.push(*root);
         }
     }
     while !pending.is_empty() {
         let take = pending.len().min(TREES_PER_BATCH);
         let batch: Vec<BlobId> = pending.drain(pending.len() - take..).collect();
         let trees = repository.load_trees(index, &batch).await;
-        for tree in trees {
-            let tree = tree?;
+        for (tree, id) in trees.into_iter().zip(&batch) {
+            let tree = match (tree, reach) {
+                (Ok(tree), _) => tree,
+                (Err(error), Reach::Required) => return Err(error),
+                (Err(error), Reach::WhatIsStored) => {
+                    tracing::warn!(tree = %id, %error, "a checkpoint's tree cannot be read; what is below it is not kept");
+                    continue;
+                }
+            };
             for entry in tree.entries {
                 match entry.kind {
                     EntryKind::Directory => {
                         if let Some(subtree) = entry.subtree
+                            && wanted(&subtree)
                             && referenced.insert(subtree)
                         {
                             pending.push(subtree);
@@ -171,7 +256,9 @@ async fn referenced_blobs(
                     }
                     EntryKind::File => {
                         for extent in entry.content {
-                            if let Extent::Chunk(blob, _) = extent {
+                            if let Extent::Chunk(blob, _) = extent
+                                && wanted(&blob)
+                            {
                                 referenced.insert(blob);
                             }
                         }
@@ -181,18 +268,28 @@ async fn referenced_blobs(
             }
         }
     }
-    Ok((snapshots.len(), referenced))
+    Ok(())
+}
+
+/// What prune found, and its plan.
+struct Gathered {
+    inventory: Inventory,
+    snapshots: usize,
+    checkpoints: CheckpointSurvey,
+    plan: PrunePlan,
+    candidates: Vec<Candidate>,
 }
 
 /// Gather the facts and plan.
 async fn gather_and_plan(
     repository: &Repository,
     settings: PruneSettings,
-) -> Result<(Inventory, usize, PrunePlan, Vec<Candidate>), EngineError> {
+) -> Result<Gathered, EngineError> {
     let inventory = take_inventory(repository).await?;
     let candidates = repository.load_deletion_candidates().await?.candidates;
     let index = inventory.blob_index(&candidates);
-    let (snapshots, referenced) = referenced_blobs(repository, &index).await?;
+    let checkpoints = survey_checkpoints(repository, settings, unix_now()).await?;
+    let (snapshots, referenced) = referenced_blobs(repository, &index, &checkpoints.kept).await?;
     let plan = plan_prune(
         &inventory.packs,
         &referenced,
@@ -206,7 +303,13 @@ async fn gather_and_plan(
             first: *first,
         });
     }
-    Ok((inventory, snapshots, plan, candidates))
+    Ok(Gathered {
+        inventory,
+        snapshots,
+        checkpoints,
+        plan,
+        candidates,
+    })
 }
 
 /// Run prune.
@@ -280,12 +383,20 @@ async fn first_phase(
             holders: format!("another prune is running: {}", other.description),
         });
     }
-    let (inventory, snapshots, plan, candidates) =
-        gather_and_plan(repository, options.settings).await?;
+    let Gathered {
+        inventory,
+        snapshots,
+        checkpoints,
+        plan,
+        candidates,
+    } = gather_and_plan(repository, options.settings).await?;
     let sizes = inventory.sizes();
     let mut report = PruneReport {
         dry_run: options.dry_run,
         snapshots,
+        checkpoints_kept: checkpoints.kept.len(),
+        checkpoints_deleted: checkpoints.expired.len(),
+        checkpoints_unreadable: checkpoints.unreadable,
         packs: inventory.packs.len(),
         total_bytes: plan.total_bytes,
         used_bytes: plan.used_bytes,
@@ -318,6 +429,13 @@ async fn first_phase(
             report.deleted_bytes += report.marked_bytes;
         }
         return Ok((report, false));
+    }
+    // The expired checkpoints go first: the plan keeps none of their data,
+    // so their packs are marked now and deleted a margin later, and no
+    // checkpoint is ever left naming a deleted blob by prune.
+    for (key, id) in &checkpoints.expired {
+        lock.check()?;
+        repository.delete_checkpoint_at(key, id).await?;
     }
     let now = unix_now();
     let repacked = repack(repository, &plan, lock, cancel, &mut report).await?;
@@ -441,7 +559,9 @@ async fn second_phase(
     report: &mut PruneReport,
     cancel: &CancellationToken,
 ) -> Result<(), EngineError> {
-    let (inventory, _, plan, _) = gather_and_plan(repository, options.settings).await?;
+    let Gathered {
+        inventory, plan, ..
+    } = gather_and_plan(repository, options.settings).await?;
     report.unmarked_packs += plan.unmark.len();
     report.waiting_packs = plan.waiting.len();
     let sizes = inventory.sizes();

@@ -166,6 +166,17 @@ fn key_file_origin() -> KeyFileOrigin {
     }
 }
 
+/// A checkpoint of an unfinished backup as stored.
+#[derive(Debug)]
+pub struct StoredCheckpoint {
+    /// Its object key.
+    pub key: String,
+    /// Its id (the hash of its stored bytes).
+    pub id: ObjectId,
+    /// Its manifest, or why it cannot be read.
+    pub manifest: Result<Snapshot, EngineError>,
+}
+
 /// The blob index and what was noticed while loading it.
 #[derive(Debug, Default)]
 pub struct LoadedIndex {
@@ -957,35 +968,50 @@ impl Repository {
         hostname: &str,
     ) -> Result<Vec<(ObjectId, Snapshot)>, EngineError> {
         let group = self.checkpoint_group(source, hostname);
-        let prefix = format!("{}{group}/", repo::CHECKPOINT_PREFIX);
-        let objects = self
-            .store
-            .list(&prefix)
-            .await
-            .map_err(|error| EngineError::store("list checkpoints", error))?;
-        let ids: Vec<(ObjectId, String)> = objects
-            .into_iter()
-            .filter_map(|meta| Some((repo::id_from_key(&meta.key, &prefix)?, meta.key)))
-            .collect();
-        let mut loads = futures::stream::iter(ids)
-            .map(|(id, key)| async move { (id, self.read_manifest(&key, &id, "checkpoint").await) })
-            .buffer_unordered(LOAD_CONCURRENCY);
+        let stored = self
+            .checkpoints_under(&format!("{}{group}/", repo::CHECKPOINT_PREFIX))
+            .await?;
         let mut found = Vec::new();
-        while let Some((id, loaded)) = loads.next().await {
-            match loaded {
-                Ok(checkpoint)
-                    if checkpoint.source == source && checkpoint.hostname == hostname =>
-                {
-                    found.push((id, checkpoint));
+        for checkpoint in stored {
+            match checkpoint.manifest {
+                Ok(manifest) if manifest.source == source && manifest.hostname == hostname => {
+                    found.push((checkpoint.id, manifest));
                 }
                 Ok(_) => {}
                 Err(error) => {
-                    tracing::warn!(checkpoint = %id, %error, "checkpoint cannot be read, ignored");
+                    tracing::warn!(checkpoint = %checkpoint.id, %error, "checkpoint cannot be read, ignored");
                 }
             }
         }
         found.sort_by(|a, b| a.1.time.cmp(&b.1.time).then(a.0.cmp(&b.0)));
         Ok(found)
+    }
+
+    /// Every checkpoint in the repository, of every source and host (for
+    /// prune).
+    pub async fn all_checkpoints(&self) -> Result<Vec<StoredCheckpoint>, EngineError> {
+        self.checkpoints_under(repo::CHECKPOINT_PREFIX).await
+    }
+
+    /// The checkpoints stored under `prefix`, read.
+    async fn checkpoints_under(&self, prefix: &str) -> Result<Vec<StoredCheckpoint>, EngineError> {
+        let objects = self
+            .store
+            .list(prefix)
+            .await
+            .map_err(|error| EngineError::store("list checkpoints", error))?;
+        let ids: Vec<(ObjectId, String)> = objects
+            .into_iter()
+            .filter_map(|meta| Some((repo::id_from_key(&meta.key, prefix)?, meta.key)))
+            .collect();
+        Ok(futures::stream::iter(ids)
+            .map(|(id, key)| async move {
+                let manifest = self.read_manifest(&key, &id, "checkpoint").await;
+                StoredCheckpoint { key, id, manifest }
+            })
+            .buffer_unordered(LOAD_CONCURRENCY)
+            .collect()
+            .await)
     }
 
     /// Delete a checkpoint of `source` from `hostname`; one already gone
@@ -997,7 +1023,13 @@ impl Repository {
         id: &ObjectId,
     ) -> Result<(), EngineError> {
         let group = self.checkpoint_group(source, hostname);
-        match self.store.delete(&repo::checkpoint_key(&group, id)).await {
+        self.delete_checkpoint_at(&repo::checkpoint_key(&group, id), id)
+            .await
+    }
+
+    /// Delete the checkpoint `id` stored at `key`; one already gone is fine.
+    pub async fn delete_checkpoint_at(&self, key: &str, id: &ObjectId) -> Result<(), EngineError> {
+        match self.store.delete(key).await {
             Ok(()) => Ok(()),
             Err(error) if error.is_not_found() => Ok(()),
             Err(error) => Err(EngineError::store(format!("delete checkpoint {id}"), error)),

@@ -63,13 +63,14 @@ pub fn decide_maintenance(location: &BackupStorageLocation, now: &Time) -> Maint
     let generation = location.metadata.generation;
     let settings = maintenance.interval().and_then(|interval| {
         let margin = maintenance.safety_margin()?;
-        Ok((interval, margin))
+        let keep_checkpoints = maintenance.keep_checkpoints_within()?;
+        Ok((interval, margin, keep_checkpoints))
     });
-    let (interval, margin) = match settings {
+    let (interval, margin, keep_checkpoints) = match settings {
         Ok(settings) => settings,
         Err(error) => {
             let message = format!(
-                "spec.maintenance: {:?} {}: use a duration such as 24h (safetyMargin may be 0)",
+                "spec.maintenance: {:?} {}: use a duration such as 24h (safetyMargin and keepCheckpointsWithin may be 0)",
                 error.text, error.problem
             );
             let refused = MaintenanceStatus {
@@ -90,6 +91,8 @@ pub fn decide_maintenance(location: &BackupStorageLocation, now: &Time) -> Maint
         settings: PruneSettings {
             repack_threshold: f64::from(maintenance.repack_threshold_percent.clamp(0, 100)) / 100.0,
             safety_margin_seconds: i64::try_from(margin.as_secs()).unwrap_or(i64::MAX),
+            checkpoint_max_age_seconds: i64::try_from(keep_checkpoints.as_secs())
+                .unwrap_or(i64::MAX),
         },
     };
     let Some(started) = &old.last_start_time else {
@@ -172,6 +175,18 @@ pub fn finished_status(
     if report.repacked_packs > 0 {
         message.push_str(&format!(", repacked {} packs", report.repacked_packs));
     }
+    if report.checkpoints_kept + report.checkpoints_deleted > 0 {
+        message.push_str(&format!(
+            "; kept {} checkpoints of unfinished backups, deleted {} older than keepCheckpointsWithin",
+            report.checkpoints_kept, report.checkpoints_deleted
+        ));
+    }
+    if report.checkpoints_unreadable > 0 {
+        message.push_str(&format!(
+            "; {} checkpoints cannot be read and are left (a backup ignores them)",
+            report.checkpoints_unreadable
+        ));
+    }
     if report.waiting_packs > 0 {
         message.push_str(&format!(
             "; {} packs ({}) wait for the safety margin",
@@ -231,6 +246,7 @@ mod tests {
         location.spec.maintenance = Some(LocationMaintenance {
             interval: interval.into(),
             safety_margin: margin.into(),
+            keep_checkpoints_within: "1h".into(),
             repack_threshold_percent: 25,
         });
         location.status = Some(BackupStorageLocationStatus {
@@ -275,6 +291,7 @@ mod tests {
                 settings: PruneSettings {
                     repack_threshold: 0.25,
                     safety_margin_seconds: 3_600,
+                    checkpoint_max_age_seconds: 3_600,
                 }
             }
         );
@@ -370,13 +387,21 @@ mod tests {
 
     #[test]
     fn an_interval_that_is_not_a_duration_is_refused_once_naming_the_field() {
-        for (interval, margin) in [("0", "24h"), ("daily", "24h"), ("24h", "soon")] {
-            let location = scheduled(interval, margin);
+        for (interval, margin, keep) in [
+            ("0", "24h", "1h"),
+            ("daily", "24h", "1h"),
+            ("24h", "soon", "1h"),
+            ("24h", "24h", "weekly"),
+        ] {
+            let mut location = scheduled(interval, margin);
+            if let Some(maintenance) = &mut location.spec.maintenance {
+                maintenance.keep_checkpoints_within = keep.into();
+            }
             let MaintenanceStep::Refuse {
                 status: Some(status),
             } = decide_maintenance(&location, &at(1_000))
             else {
-                panic!("{interval} {margin}: not refused");
+                panic!("{interval} {margin} {keep}: not refused");
             };
             assert_eq!(status.result, Some(MaintenanceResult::Failed));
             let message = status.message.clone().unwrap_or_default();
@@ -385,7 +410,7 @@ mod tests {
             assert_eq!(
                 decide_maintenance(&recorded, &at(1_060)),
                 MaintenanceStep::Refuse { status: None },
-                "{interval} {margin}: written twice"
+                "{interval} {margin} {keep}: written twice"
             );
         }
     }

@@ -23,6 +23,8 @@ use std::collections::{HashMap, HashSet};
 use serde::{Deserialize, Serialize};
 
 use super::pack::PackEntry;
+use super::policy::parse_snapshot_time;
+use super::snapshot::Snapshot;
 use super::{BlobId, ObjectId};
 
 /// Where prune keeps its record of packs waiting for deletion.
@@ -89,6 +91,33 @@ pub struct PruneSettings {
     pub repack_threshold: f64,
     /// A marked pack is deleted only this many seconds after its mark.
     pub safety_margin_seconds: i64,
+    /// A checkpoint of an unfinished backup written at most this many
+    /// seconds ago is kept with every blob it names, so the backup can
+    /// still continue from it; an older one is deleted (its backup is not
+    /// coming back) and its blobs are left to the marking.
+    pub checkpoint_max_age_seconds: i64,
+}
+
+/// When a checkpoint was written (seconds since the epoch): its backup's
+/// start plus the wall time it records; `None` when its time cannot be
+/// read.
+pub fn checkpoint_written_seconds(checkpoint: &Snapshot) -> Option<i64> {
+    let (started, _) = parse_snapshot_time(&checkpoint.time)?;
+    let ran = checkpoint.summary.duration_seconds;
+    let ran = if ran.is_finite() && ran > 0.0 {
+        ran.min(i64::MAX as f64) as i64
+    } else {
+        0
+    };
+    Some(started.saturating_add(ran))
+}
+
+/// Whether prune keeps `checkpoint` at `now` (and every blob it names)
+/// rather than deleting it: written within the settings' maximum age. One
+/// whose time cannot be read is not kept.
+pub fn checkpoint_kept(checkpoint: &Snapshot, now: i64, settings: PruneSettings) -> bool {
+    checkpoint_written_seconds(checkpoint)
+        .is_some_and(|written| now.saturating_sub(written) <= settings.checkpoint_max_age_seconds)
 }
 
 /// What prune found and did.
@@ -99,11 +128,19 @@ pub struct PruneReport {
     pub dry_run: bool,
     /// Snapshots whose data was kept.
     pub snapshots: usize,
+    /// Checkpoints of unfinished backups kept with their data (written
+    /// within the maximum age).
+    pub checkpoints_kept: usize,
+    /// Older checkpoints deleted (or, dry run, to delete).
+    pub checkpoints_deleted: usize,
+    /// Checkpoints that cannot be read: left as they are, their data not
+    /// kept (a backup ignores them too).
+    pub checkpoints_unreadable: usize,
     /// Packs in the store before.
     pub packs: usize,
     /// Their bytes.
     pub total_bytes: u64,
-    /// Bytes of the blobs the snapshots reference.
+    /// Bytes of the blobs the snapshots and kept checkpoints reference.
     pub used_bytes: u64,
     /// Packs rewritten (or, dry run, to rewrite).
     pub repacked_packs: usize,
@@ -358,7 +395,61 @@ mod tests {
     const SETTINGS: PruneSettings = PruneSettings {
         repack_threshold: 0.2,
         safety_margin_seconds: 3600,
+        checkpoint_max_age_seconds: 7 * 86_400,
     };
+
+    /// A checkpoint of a backup started at `time` that had run `ran`
+    /// seconds when written.
+    fn checkpoint_at(time: &str, ran: f64) -> Snapshot {
+        Snapshot {
+            format_version: 1,
+            time: time.to_string(),
+            hostname: "node-a".into(),
+            source: "ns/data".into(),
+            tree: BlobId([1; 32]),
+            root: Default::default(),
+            parent: None,
+            tags: Default::default(),
+            claim: None,
+            summary: crate::snapshot::SnapshotSummary {
+                duration_seconds: ran,
+                ..Default::default()
+            },
+        }
+    }
+
+    #[test]
+    fn a_checkpoint_is_kept_for_its_maximum_age_from_when_it_was_written() {
+        // 2026-12-01T00:00:00Z
+        let start = 1_796_083_200;
+        let week = 7 * 86_400;
+        let fresh = checkpoint_at("2026-12-01T00:00:00Z", 0.0);
+        assert_eq!(checkpoint_written_seconds(&fresh), Some(start));
+        assert!(checkpoint_kept(&fresh, start + week, SETTINGS));
+        assert!(!checkpoint_kept(&fresh, start + week + 1, SETTINGS));
+        // A backup that ran ten days wrote its last checkpoint at its end:
+        // counted from there, not from the start.
+        let long = checkpoint_at("2026-12-01T00:00:00.25Z", 10.0 * 86_400.0);
+        assert!(checkpoint_kept(&long, start + 10 * 86_400 + week, SETTINGS));
+        assert!(!checkpoint_kept(
+            &long,
+            start + 10 * 86_400 + week + 1,
+            SETTINGS
+        ));
+        // A time that cannot be read is not kept; a maximum age of 0 keeps
+        // only a checkpoint written this second.
+        assert!(!checkpoint_kept(
+            &checkpoint_at("yesterday", 0.0),
+            start,
+            SETTINGS
+        ));
+        let none = PruneSettings {
+            checkpoint_max_age_seconds: 0,
+            ..SETTINGS
+        };
+        assert!(checkpoint_kept(&fresh, start, none));
+        assert!(!checkpoint_kept(&fresh, start + 1, none));
+    }
 
     fn refs(blobs: &[u8]) -> HashSet<BlobId> {
         blobs.iter().map(|blob| BlobId([*blob; 32])).collect()

@@ -80,8 +80,8 @@ fn backup_summary(repo: &TestRepo, source: &Path) -> serde_json::Value {
 /// the CLI as `source` is.
 fn assert_verifies_and_restores_as(repo: &TestRepo, summary: &serde_json::Value, source: &Path) {
     repo.assert_cli_verifies();
-    let target = repo.dir.path().join("restored");
     let id = summary["snapshotId"].as_str().unwrap();
+    let target = repo.dir.path().join(format!("restored-{id}"));
     assert!(
         haulage()
             .args(["restore", id, "--no-progress", "--repo", &repo.url()])
@@ -222,6 +222,100 @@ fn a_large_file_half_read_when_the_backup_was_killed_is_read_on_from_its_checkpo
     assert_eq!(stored, unique.len(), "a blob was stored twice");
 
     assert_verifies_and_restores_as(&repo, &summary, &source);
+}
+
+/// `haulage prune --json --safety-margin 0s EXTRA`, which must succeed:
+/// its report.
+fn prune_now(repo: &TestRepo, extra: &[&str]) -> serde_json::Value {
+    let output = haulage()
+        .args(["prune", "--json", "--safety-margin", "0s"])
+        .args(extra)
+        .args(["--repo", &repo.url()])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+#[test]
+fn prune_keeps_a_young_checkpoint_with_its_data_and_deletes_one_older_than_its_maximum_age() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let repo = runtime.block_on(TestRepo::new());
+    // Two sources, each killed after a checkpoint.
+    let mut sources = Vec::new();
+    let mut held = Vec::new();
+    for (s, name) in ["kept", "expired"].iter().enumerate() {
+        let source = repo.dir.path().join(name);
+        std::fs::create_dir_all(&source).unwrap();
+        for i in 0..16u64 {
+            std::fs::write(
+                source.join(format!("{i:02}.bin")),
+                random_bytes(2_000 + s as u64 * 100 + i, 4 << 20),
+            )
+            .unwrap();
+        }
+        let mut first = slow_backup(&repo, &source, &["--checkpoint-seconds", "1"]);
+        held.push(checkpoint_holding(&repo, &mut first, |checkpoint| {
+            (checkpoint.source.ends_with(name) && checkpoint.summary.files >= 8)
+                .then_some(checkpoint.summary.total_bytes)
+        }));
+        first.kill().unwrap(); // SIGKILL
+        first.wait().unwrap();
+        sources.push(source);
+    }
+    let checkpoints = repo.root().join("checkpoints");
+    assert_eq!(files_under(&checkpoints).len(), 2);
+
+    // Deleting what no snapshot names at once, a prune keeps both
+    // checkpoints (a day old at most) and the data they name (only the
+    // trees of the checkpoints each backup replaced go).
+    let report = prune_now(&repo, &["--keep-checkpoints-within", "1d"]);
+    assert_eq!(report["checkpointsKept"], 2, "{report}");
+    assert_eq!(report["checkpointsDeleted"], 0, "{report}");
+    assert_eq!(files_under(&checkpoints).len(), 2);
+    assert!(
+        repo.pack_bytes() >= held[0] + held[1],
+        "prune deleted data a checkpoint names ({} bytes left; the checkpoints held {} of random content): {report}",
+        repo.pack_bytes(),
+        held[0] + held[1]
+    );
+
+    // The first source's backup continues from its checkpoint.
+    let total: u64 = files_under(&sources[0]).iter().map(|(_, size)| size).sum();
+    let summary = backup_summary(&repo, &sources[0]);
+    assert!(
+        summary["resumedFrom"]["checkpoint"].is_string(),
+        "the backup did not continue from the checkpoint prune kept: {summary}"
+    );
+    let bytes_read = summary["bytesRead"].as_u64().unwrap();
+    assert!(
+        bytes_read <= total - held[0],
+        "the backup read {bytes_read} of {total} bytes; the checkpoint held {}",
+        held[0]
+    );
+    assert_verifies_and_restores_as(&repo, &summary, &sources[0]);
+
+    // A prune that keeps checkpoints for no time deletes the other one, and
+    // the packs only it named.
+    let stored_before = repo.pack_bytes();
+    let report = prune_now(&repo, &["--keep-checkpoints-within", "0s"]);
+    assert_eq!(report["checkpointsKept"], 0, "{report}");
+    assert_eq!(report["checkpointsDeleted"], 1, "{report}");
+    assert!(files_under(&checkpoints).is_empty());
+    let reclaimed = report["deletedBytes"].as_u64().unwrap();
+    assert!(
+        reclaimed >= held[1] / 2 && repo.pack_bytes() < stored_before,
+        "the expired checkpoint's data was not reclaimed ({reclaimed} bytes; it held {} of random content): {report}",
+        held[1]
+    );
+    // Its source is then backed up whole, and both snapshots restore.
+    let summary = backup_summary(&repo, &sources[1]);
+    assert!(summary["resumedFrom"].is_null(), "{summary}");
+    assert_verifies_and_restores_as(&repo, &summary, &sources[1]);
 }
 
 #[test]
