@@ -950,9 +950,15 @@ async fn back_up(
             Err(error) => warn!(transfer = name, "parent {parent} not usable: {error}"),
         }
     }
-    let outcome = backup(repository, options, run.progress.clone(), cancel.clone())
-        .await
-        .map_err(|error| haulage::error_chain(&error))?;
+    // SIGTERM (a node drain, the stage pod deleted) stops the backup
+    // keeping what it read, with a last checkpoint the restarted agent goes
+    // on from; the controller ending the transfer, or the lock lost, stops
+    // it at once.
+    options.stop = claimed.cancel.clone();
+    let (engine_cancel, follower) = cancel_unless_sigterm(cancel, claimed.cancel);
+    let outcome = backup(repository, options, run.progress.clone(), engine_cancel).await;
+    follower.abort();
+    let outcome = outcome.map_err(|error| haulage::error_chain(&error))?;
     let summary = &outcome.snapshot.summary;
     Ok(BackupFigures {
         snapshot_id: outcome.snapshot_id.to_string(),
@@ -965,6 +971,28 @@ async fn back_up(
             .first()
             .map(|warning| format!("{warning:?}")),
     })
+}
+
+/// A token cancelled with `work` (a child of `sigterm`) when `sigterm` is
+/// not what cancelled it, and the task that follows `work` (to abort once
+/// the engine is done).
+fn cancel_unless_sigterm(
+    work: &CancellationToken,
+    sigterm: &CancellationToken,
+) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let engine = CancellationToken::new();
+    let follower = {
+        let (work, sigterm, engine) = (work.clone(), sigterm.clone(), engine.clone());
+        // A parent's cancel marks it cancelled before it wakes its
+        // children's waiters, so SIGTERM is seen here as the cause.
+        tokio::spawn(async move {
+            work.cancelled().await;
+            if !sigterm.is_cancelled() {
+                engine.cancel();
+            }
+        })
+    };
+    (engine, follower)
 }
 
 /// Why a volume cannot be moved when its mount cannot be read: the stage
@@ -1241,6 +1269,28 @@ fn spawn_reporter(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_engine_stops_at_once_when_the_controller_ends_the_transfer_but_not_at_sigterm() {
+        // The controller (or a lost lock) cancels the volume's work.
+        let sigterm = CancellationToken::new();
+        let work = sigterm.child_token();
+        let (engine, follower) = cancel_unless_sigterm(&work, &sigterm);
+        work.cancel();
+        tokio::time::timeout(Duration::from_secs(5), engine.cancelled())
+            .await
+            .expect("the engine is cancelled with the volume's work");
+        let _ = follower.await;
+        // SIGTERM cancels the work as its parent: the engine is only
+        // stopped (BackupOptions::stop), to store what it read first.
+        let sigterm = CancellationToken::new();
+        let work = sigterm.child_token();
+        let (engine, follower) = cancel_unless_sigterm(&work, &sigterm);
+        sigterm.cancel();
+        follower.await.expect("the follower ends");
+        assert!(work.is_cancelled());
+        assert!(!engine.is_cancelled(), "SIGTERM cancelled the engine");
+    }
 
     fn transfer(phase: Option<VolumeTransferPhase>, agent: Option<&str>) -> VolumeTransfer {
         let mut transfer: VolumeTransfer = serde_json::from_value(serde_json::json!({

@@ -67,11 +67,20 @@ fn parse_tag(text: &str) -> Result<(String, String), String> {
     }
 }
 
-pub async fn run(args: BackupArgs, cancel: CancellationToken) -> anyhow::Result<Outcome> {
+/// Back up. Ctrl-C or SIGTERM (`stop`) stops the backup keeping what it
+/// read: the chunks read are stored and a first backup writes a last
+/// checkpoint, so the next run goes on from there; a second signal exits
+/// at once.
+pub async fn run(args: BackupArgs, stop: CancellationToken) -> anyhow::Result<Outcome> {
     let repository = args.repo.open().await?;
-    super::under_shared_lock(&repository, "backup", &args.lock, &cancel, |work| {
-        run_locked(&args, &repository, work)
-    })
+    // The engine stops at once only when the lock is lost.
+    super::under_shared_lock(
+        &repository,
+        "backup",
+        &args.lock,
+        &CancellationToken::new(),
+        |lost| run_locked(&args, &repository, lost, stop),
+    )
     .await
 }
 
@@ -79,6 +88,7 @@ async fn run_locked(
     args: &BackupArgs,
     repository: &crate::engine::Repository,
     cancel: CancellationToken,
+    stop: CancellationToken,
 ) -> anyhow::Result<Outcome> {
     let parent = match (&args.parent, args.no_parent) {
         (_, true) => ParentPolicy::None,
@@ -93,6 +103,7 @@ async fn run_locked(
     options.read_throttle = Throttle::new(args.limit_read);
     options.checkpoint_every =
         (args.checkpoint_seconds > 0).then(|| Duration::from_secs(args.checkpoint_seconds));
+    options.stop = stop;
     let progress = Arc::new(Progress::default());
     let display = ProgressDisplay::start(
         progress.clone(),

@@ -140,7 +140,23 @@ pub struct BackupOptions {
     /// one with [`ParentPolicy::None`] or a selection
     /// ([`BackupOptions::only`]).
     pub checkpoint_every: Option<Duration>,
+    /// Stops the backup keeping what it read (SIGTERM: a node drain, a
+    /// Ctrl-C): reading ends at once, the chunks read are stored with
+    /// their index and, for a backup that writes checkpoints, a last
+    /// checkpoint holds them, all within [`LAST_SAVE_WAIT`]; then the
+    /// backup ends as cancelled. The `cancel` of [`backup`] stops at once,
+    /// storing nothing more (a transfer the controller ended). A stop after
+    /// every file was read lets the backup finish its snapshot.
+    pub stop: CancellationToken,
 }
+
+/// How long a stopped backup ([`BackupOptions::stop`]) may take to store
+/// what it read and write its last checkpoint: the chunks in flight are
+/// few (the chunk budget) and one pack is open, so this is a few seconds
+/// at most against a working store; past it (a store not answering) the
+/// uploads are aborted. Well within a stage pod's termination grace
+/// period (60 s).
+pub const LAST_SAVE_WAIT: Duration = Duration::from_secs(30);
 
 /// Files of a source, by their path relative to it, that a backup is
 /// limited to ([`BackupOptions::only`]).
@@ -198,6 +214,7 @@ impl BackupOptions {
             memory: EngineMemory::default(),
             only: None,
             checkpoint_every: Some(DEFAULT_CHECKPOINT_EVERY),
+            stop: CancellationToken::new(),
         }
     }
 }
@@ -510,6 +527,7 @@ pub async fn backup(
             chunk_bytes_in_flight: buffers.chunk_bytes_in_flight,
             open_files: Arc::new(Semaphore::new(MAX_OPEN_SOURCE_FILES)),
             cancel: cancel.clone(),
+            stop: options.stop.clone(),
             items: items_tx,
             batch: Vec::with_capacity(WALK_BATCH_ITEMS),
             batch_file_bytes: 0,
@@ -601,6 +619,14 @@ pub async fn backup(
     }
     let root_tree = match (assembled, walk_result) {
         (Ok(Some(root)), Ok(())) if !cancel.is_cancelled() => root,
+        (Ok(_), Err(EngineError::Cancelled))
+            if options.stop.is_cancelled() && !cancel.is_cancelled() =>
+        {
+            // Everything the walker handed on is assembled: store it.
+            assembler.save_after_stop(&cancel).await;
+            assembler.packer.abandon().await;
+            return Err(EngineError::Cancelled);
+        }
         (assembled, walked) => {
             // Stop the uploads in flight and wait for their aborts, so a
             // failed or cancelled backup leaves no multipart upload behind.
@@ -944,6 +970,9 @@ struct WalkContext {
     /// Places under [`MAX_OPEN_SOURCE_FILES`].
     open_files: Arc<Semaphore>,
     cancel: CancellationToken,
+    /// [`BackupOptions::stop`]: looked at before each entry and each read,
+    /// where everything handed on is whole.
+    stop: CancellationToken,
     items: mpsc::Sender<Vec<WalkItem>>,
     /// Items not yet handed on, in walk order.
     batch: Vec<WalkItem>,
@@ -1192,6 +1221,17 @@ impl WalkContext {
         Ok(())
     }
 
+    /// After a stop ([`BackupOptions::stop`]): hand on what is queued and
+    /// end the walk (`Err(Cancelled)`). Called only where every item
+    /// queued is whole.
+    fn end_if_stopped(&mut self) -> Result<(), EngineError> {
+        if !self.stop.is_cancelled() {
+            return Ok(());
+        }
+        self.flush()?;
+        Err(EngineError::Cancelled)
+    }
+
     /// Hand the queued items on. Called before the walker waits for chunk
     /// budget: the queued items may hold the budget it waits for.
     fn flush(&mut self) -> Result<(), EngineError> {
@@ -1348,6 +1388,7 @@ impl WalkContext {
             if self.cancel.is_cancelled() {
                 return Err(EngineError::Cancelled);
             }
+            self.end_if_stopped()?;
             let child_path = path.join(&name);
             let child_relative = relative.join(&name);
             // An entry no selection names is not even looked at.
@@ -1619,6 +1660,9 @@ impl WalkContext {
                     at_end = true;
                     break;
                 }
+                // What is read but not cut into a chunk yet is left: the
+                // file's part ends where its last chunk did.
+                self.end_if_stopped().map_err(|_| ReadFailure::Cancelled)?;
                 let charged =
                     want.min(expected.saturating_sub(total).clamp(1, usize::MAX as u64) as usize);
                 self.throttle.acquire_blocking(&self.handle, charged);
@@ -1943,6 +1987,51 @@ impl Assembler {
             }
         }
         Ok(root)
+    }
+
+    /// After a stop: store what was read (the open pack, and the index of
+    /// every pack) and, for a backup that writes checkpoints, a last
+    /// checkpoint holding it, within [`LAST_SAVE_WAIT`] and until
+    /// `cancel`. Only a saving: a failure is logged.
+    async fn save_after_stop(&mut self, cancel: &CancellationToken) {
+        let checkpoint = self.checkpoints.as_ref().is_some_and(|writer| {
+            !self.directories.is_empty()
+                && self.unpacked.is_empty()
+                && self.held_bytes() > writer.bytes_at_last
+        });
+        let before = self.checkpoints.as_ref().and_then(|writer| writer.written);
+        let save = async {
+            if checkpoint {
+                self.write_checkpoint().await
+            } else {
+                self.packer.settle().await
+            }
+        };
+        let saved = tokio::select! {
+            saved = tokio::time::timeout(LAST_SAVE_WAIT, save) => saved,
+            () = cancel.cancelled() => return,
+        };
+        match saved {
+            Ok(Ok(())) => {
+                if let Some(id) = self.checkpoints.as_ref().and_then(|writer| writer.written)
+                    && Some(id) != before
+                {
+                    tracing::warn!(
+                        checkpoint = %id,
+                        files = self.stats.files,
+                        bytes = self.held_bytes(),
+                        "stopped: a last checkpoint holds what was read; the next backup of this source goes on from there"
+                    );
+                }
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "stopped: what was read since the last checkpoint is not stored");
+            }
+            Err(_) => tracing::warn!(
+                "stopped: storing what was read took longer than {} s; the uploads in flight are aborted",
+                LAST_SAVE_WAIT.as_secs()
+            ),
+        }
     }
 
     /// Whether it is time for a checkpoint and it would hold more than

@@ -444,7 +444,8 @@ async fn a_store_that_throttles_a_fifth_of_its_requests_slows_backup_and_restore
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_before_exiting() {
+async fn a_backup_stopped_by_sigterm_mid_upload_leaves_whole_packs_a_last_checkpoint_and_no_multipart_upload()
+ {
     let server = server_with_bucket().await;
     let proxy = proxy_in_front_of(&server).await;
     let (_dir, source) = initialised_repo_and_source(&server, 4, 16 << 20);
@@ -471,8 +472,9 @@ async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_b
         .status()
         .expect("run kill");
     assert!(signalled.success());
-    // The aborts go through the proxy too: let them pass. The process must
-    // wait for them before it exits.
+    // The stopped backup completes the uploads in flight (or, past its
+    // save's time, aborts them) through the proxy too: let them pass. The
+    // process must wait for them before it exits.
     proxy.resume();
     let output = wait_with_output(backup);
     assert_eq!(
@@ -481,8 +483,18 @@ async fn a_backup_cancelled_by_sigterm_mid_upload_aborts_its_multipart_uploads_b
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    assert_no_multipart_upload_pending(&server, "the cancelled backup").await;
+    assert_no_multipart_upload_pending(&server, "the stopped backup").await;
     assert_stored_packs_whole(&server).await;
+    let repository = open_repository(repo_store(&server).await).await;
+    let checkpoints = repository
+        .all_checkpoints()
+        .await
+        .expect("list checkpoints");
+    assert_eq!(
+        checkpoints.len(),
+        1,
+        "the stopped backup wrote no last checkpoint"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -264,3 +264,100 @@ async fn an_agent_killed_after_a_checkpoint_does_not_read_again_what_the_volume_
     fixture.stop().await;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_agent_stopped_by_sigterm_writes_a_last_checkpoint_and_its_restart_reads_only_the_rest()
+-> anyhow::Result<()> {
+    let fixture = Fixture::builder()
+        .layout(Layout::solo(79))
+        .volume_bytes(96 << 20)
+        .upload_bytes_per_second(4 << 20)
+        // No periodic checkpoint comes in this backup's time: only the one
+        // the agent writes when stopped.
+        .checkpoint_seconds(3600)
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "solo");
+    create_backup_in(
+        client,
+        "drained",
+        &["solo"],
+        json!({"matchLabels": {"claim": "data"}}),
+    )
+    .await?;
+    // Stopped as a node drain stops it, once a third of the volume is read.
+    let done = eventually(Duration::from_secs(180), || async {
+        let (done, total, phase) = moved(&transfers).await?;
+        anyhow::ensure!(
+            !phase.is_final(),
+            "the transfer ended as {phase:?} before its stop"
+        );
+        Ok((total > 0 && done >= total / 3).then_some(done))
+    })
+    .await
+    .context("the backup did not get a third of the way")?;
+    let stage_pod = transfer_of(&transfers, "data").await?.spec.stage_pod;
+    let starts_before = fixture.kubelet.starts();
+    let took = fixture
+        .kubelet
+        .terminate_running("solo", &stage_pod, Duration::from_secs(60))
+        .await?
+        .with_context(|| {
+            format!(
+                "the agent was still running 60 s after SIGTERM:\n{}",
+                fixture.kubelet.all_agent_logs()
+            )
+        })?;
+    let held = checkpoints_held(&fixture).await?;
+    let covered = held.first().map_or(0, |(bytes, _)| *bytes);
+    println!(
+        "SIGTERM after {done} bytes read: the agent exited {:.2} s later; its last checkpoint holds {covered} bytes",
+        took.as_secs_f64()
+    );
+    assert_eq!(
+        held.len(),
+        1,
+        "the stopped agent wrote no last checkpoint:\n{}",
+        fixture.kubelet.all_agent_logs()
+    );
+    // What was read then, less the part of a chunk not cut yet (at most
+    // the largest chunk, 4 MiB) and the reads after the last progress
+    // report (which lag the reads).
+    assert!(
+        covered + (4 << 20) >= done as u64,
+        "the last checkpoint holds {covered} bytes of the {done} read before SIGTERM"
+    );
+    eventually(Duration::from_secs(60), || async {
+        Ok((fixture.kubelet.starts() > starts_before).then_some(()))
+    })
+    .await
+    .context("the stopped agent was not restarted")?;
+
+    let status = fixture
+        .completed_backup("drained", Duration::from_secs(600))
+        .await?;
+    let transfer = transfer_of(&transfers, "data").await?;
+    let final_status = transfer.status.context("transfer status")?;
+    let total = final_status
+        .progress
+        .clone()
+        .unwrap_or_default()
+        .total_bytes as u64;
+    let bytes_read = final_status.bytes_read.context("bytes read")? as u64;
+    println!("the restarted agent read {bytes_read} of {total} bytes");
+    assert!(
+        bytes_read <= total - covered,
+        "the restarted agent read {bytes_read} of {total} bytes; the last checkpoint held {covered}"
+    );
+    let snapshot = status.results[0].snapshot_id.clone().context("snapshot")?;
+    assert_snapshot_restores_as(
+        &fixture.repository().await?,
+        &snapshot,
+        &fixture.volumes.join("solo").join("data"),
+        &fixture.work.path().join("restored"),
+    )
+    .await?;
+    fixture.stop().await;
+    Ok(())
+}

@@ -224,6 +224,73 @@ fn a_large_file_half_read_when_the_backup_was_killed_is_read_on_from_its_checkpo
     assert_verifies_and_restores_as(&repo, &summary, &source);
 }
 
+#[test]
+fn a_backup_stopped_by_sigterm_stores_what_it_read_and_the_next_run_goes_on_from_there() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let repo = runtime.block_on(TestRepo::new());
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(source.join("a")).unwrap();
+    std::fs::create_dir_all(source.join("z")).unwrap();
+    for i in 0..8u64 {
+        std::fs::write(
+            source.join(format!("a/{i:02}.bin")),
+            random_bytes(3_000 + i, 4 << 20),
+        )
+        .unwrap();
+    }
+    // A large file the stop comes in the middle of.
+    std::fs::write(source.join("z/table.dat"), random_bytes(3_100, 128 << 20)).unwrap();
+    let total: u64 = files_under(&source).iter().map(|(_, size)| size).sum();
+    // No periodic checkpoint comes in this backup's time: only the one it
+    // writes when stopped.
+    let mut first = slow_backup(&repo, &source, &["--checkpoint-seconds", "3600"]);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while repo.pack_bytes() < 48 << 20 {
+        assert!(Instant::now() < deadline, "the backup stored too little");
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "backup finished before it could be stopped"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let signalled = std::process::Command::new("kill")
+        .args(["-TERM", &first.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(signalled.success());
+    let status = first.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "a stopped backup exits 130");
+    assert!(files_under(&repo.root().join("snapshots")).is_empty());
+    let checkpoints: Vec<_> = files_under(&repo.root().join("checkpoints"))
+        .iter()
+        .filter_map(|(path, _)| {
+            let bytes = std::fs::read(path).ok()?;
+            repo.repository.codec().decode_snapshot(&bytes).ok()
+        })
+        .collect();
+    assert_eq!(checkpoints.len(), 1, "no last checkpoint was written");
+    // At least what was in packs when the signal came, so into the file.
+    let held = checkpoints[0].summary.total_bytes;
+    assert!(
+        held >= 44 << 20,
+        "the last checkpoint holds only {held} bytes"
+    );
+
+    let summary = backup_summary(&repo, &source);
+    assert!(
+        summary["resumedFrom"]["checkpoint"].is_string(),
+        "the next run did not go on from the last checkpoint: {summary}"
+    );
+    let bytes_read = summary["bytesRead"].as_u64().unwrap();
+    assert!(
+        bytes_read <= total - held,
+        "the next run read {bytes_read} of {total} bytes; the last checkpoint held {held}"
+    );
+    let (stored, unique) = blobs_in_packs(&repo);
+    assert_eq!(stored, unique.len(), "a blob was stored twice");
+    assert_verifies_and_restores_as(&repo, &summary, &source);
+}
+
 /// `haulage prune --json --safety-margin 0s EXTRA`, which must succeed:
 /// its report.
 fn prune_now(repo: &TestRepo, extra: &[&str]) -> serde_json::Value {
