@@ -594,6 +594,7 @@ pub async fn backup(
             started,
             last: Instant::now(),
             bytes_at_last: 0,
+            tree_bytes_at_last: 0,
             template: Snapshot {
                 format_version: repository.config().format_version,
                 time: start_time.clone(),
@@ -723,6 +724,22 @@ pub async fn backup(
         snapshot,
         resumed_from,
     })
+}
+
+/// How many times the bytes of the trees the last checkpoint stored a
+/// backup must read before its next checkpoint.
+const CHECKPOINT_BYTES_PER_TREE_BYTE: u64 = 8;
+
+/// Whether a checkpoint holding `held` file bytes is worth writing after
+/// one that held `at_last` and stored `tree_bytes_at_last` of trees: each
+/// checkpoint stores again the whole trees of the open directories (a flat
+/// directory of a million files has a tree of about 100 MB), so a next one
+/// waits until the backup has read [`CHECKPOINT_BYTES_PER_TREE_BYTE`]
+/// times that since. The trees of checkpoints then stay under an eighth of
+/// the file bytes the backup reads; with ordinary directories (trees of a
+/// few KiB) any progress is enough.
+fn checkpoint_worth_its_trees(held: u64, at_last: u64, tree_bytes_at_last: u64) -> bool {
+    held > at_last.saturating_add(tree_bytes_at_last.saturating_mul(CHECKPOINT_BYTES_PER_TREE_BYTE))
 }
 
 /// Whether a backup writes checkpoints and continues from them: a first
@@ -1935,6 +1952,9 @@ struct CheckpointWriter {
     last: Instant,
     /// File bytes the last checkpoint held.
     bytes_at_last: u64,
+    /// Bytes of the trees the last checkpoint stored (those of the open
+    /// directories, rewritten whole by each checkpoint).
+    tree_bytes_at_last: u64,
     /// The manifest of every checkpoint of this backup, but its tree and
     /// figures.
     template: Snapshot,
@@ -1994,11 +2014,7 @@ impl Assembler {
     /// checkpoint holding it, within [`LAST_SAVE_WAIT`] and until
     /// `cancel`. Only a saving: a failure is logged.
     async fn save_after_stop(&mut self, cancel: &CancellationToken) {
-        let checkpoint = self.checkpoints.as_ref().is_some_and(|writer| {
-            !self.directories.is_empty()
-                && self.unpacked.is_empty()
-                && self.held_bytes() > writer.bytes_at_last
-        });
+        let checkpoint = self.checkpoint_worth_writing();
         let before = self.checkpoints.as_ref().and_then(|writer| writer.written);
         let save = async {
             if checkpoint {
@@ -2034,14 +2050,27 @@ impl Assembler {
         }
     }
 
-    /// Whether it is time for a checkpoint and it would hold more than
-    /// the last.
+    /// Whether it is time for a checkpoint and one is worth writing.
     fn checkpoint_due(&self) -> bool {
+        self.checkpoint_worth_writing()
+            && self
+                .checkpoints
+                .as_ref()
+                .is_some_and(|writer| writer.last.elapsed() >= writer.every)
+    }
+
+    /// Whether a checkpoint can be written now (every blob it would name
+    /// stored or being stored by this backup's packer) and is worth it
+    /// ([`checkpoint_worth_its_trees`]).
+    fn checkpoint_worth_writing(&self) -> bool {
         self.checkpoints.as_ref().is_some_and(|writer| {
             !self.directories.is_empty()
                 && self.unpacked.is_empty()
-                && self.held_bytes() > writer.bytes_at_last
-                && writer.last.elapsed() >= writer.every
+                && checkpoint_worth_its_trees(
+                    self.held_bytes(),
+                    writer.bytes_at_last,
+                    writer.tree_bytes_at_last,
+                )
         })
     }
 
@@ -2064,6 +2093,7 @@ impl Assembler {
             .filter(|file| !file.content.is_empty())
             .cloned();
         let mut root = None;
+        let mut tree_bytes = 0u64;
         for level in (0..self.directories.len()).rev() {
             // The open directory below is this one's last entry for the
             // moment of encoding; names are in order, so it sorts last.
@@ -2080,6 +2110,7 @@ impl Assembler {
                 entries.pop();
             }
             self.directories[level].1 = entries;
+            tree_bytes += bytes.len() as u64;
             let id = self.store_tree_bytes(bytes).await?;
             let mut directory = self.directories[level].0.clone();
             directory.subtree = Some(id);
@@ -2110,6 +2141,7 @@ impl Assembler {
         };
         tracing::debug!(checkpoint = %id, files, "checkpoint written");
         writer.bytes_at_last = total_bytes;
+        writer.tree_bytes_at_last = tree_bytes;
         if let Some(previous) = writer.written.replace(id)
             && let Err(error) = repository
                 .delete_checkpoint(&manifest.source, &manifest.hostname, &previous)
@@ -2655,6 +2687,37 @@ mod tests {
                 ..SnapshotSummary::default()
             },
         }
+    }
+
+    #[test]
+    fn a_checkpoint_waits_for_eight_times_the_trees_the_last_one_stored() {
+        // Small trees: any progress is worth a checkpoint.
+        assert!(checkpoint_worth_its_trees(1, 0, 0));
+        assert!(checkpoint_worth_its_trees(100 << 20, (100 << 20) - 1, 0));
+        assert!(!checkpoint_worth_its_trees(5 << 20, 5 << 20, 4 << 10));
+        assert!(checkpoint_worth_its_trees(
+            (5 << 20) + (32 << 10) + 1,
+            5 << 20,
+            4 << 10
+        ));
+        // A flat directory whose tree was 100 MB: the next checkpoint only
+        // after 800 MB more were read.
+        let tree = 100_000_000;
+        assert!(!checkpoint_worth_its_trees(
+            1_000_000_000 + 8 * tree,
+            1_000_000_000,
+            tree
+        ));
+        assert!(checkpoint_worth_its_trees(
+            1_000_000_001 + 8 * tree,
+            1_000_000_000,
+            tree
+        ));
+        assert!(!checkpoint_worth_its_trees(
+            u64::MAX,
+            u64::MAX - 1,
+            u64::MAX
+        ));
     }
 
     #[test]

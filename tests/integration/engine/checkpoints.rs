@@ -73,11 +73,13 @@ async fn a_checkpoint_names_only_blobs_stored_and_indexed_before_it() {
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
     std::fs::create_dir_all(&source).unwrap();
-    // 480 files of 3 KiB, 24 contents each repeated 20 times.
-    for index in 0..480u64 {
+    // 960 files of 12 KiB, 24 contents each repeated 40 times (each file
+    // many times its entry in the tree, so every item is worth a
+    // checkpoint).
+    for index in 0..960u64 {
         std::fs::write(
             source.join(format!("f{index:04}")),
-            random_bytes(index % 24, 3 * 1024),
+            random_bytes(index % 24, 12 * 1024),
         )
         .unwrap();
     }
