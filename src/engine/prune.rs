@@ -152,8 +152,9 @@ struct CheckpointSurvey {
 }
 
 /// Read every checkpoint and judge it at `now`. A checkpoint that cannot be
-/// fetched stops prune (it might be one to keep); a damaged one is left and
-/// counted (a backup ignores it too).
+/// fetched stops prune (it might be one to keep); one gone since the listing
+/// is passed over; a damaged one is left and counted (a backup ignores it
+/// too).
 async fn survey_checkpoints(
     repository: &Repository,
     settings: PruneSettings,
@@ -170,6 +171,10 @@ async fn survey_checkpoints(
                 tracing::warn!(checkpoint = %id, %reason, "checkpoint cannot be read; left as it is, its data not kept");
                 survey.unreadable += 1;
             }
+            // Replaced since the listing by the newer checkpoint of a
+            // running backup (each rotates its own once a minute): that
+            // backup's blobs are protected as a running backup's are.
+            Err(EngineError::Store { source, .. }) if source.is_not_found() => {}
             Err(error) => return Err(error),
         }
     }

@@ -160,3 +160,62 @@ async fn a_checkpoint_names_only_blobs_stored_and_indexed_before_it() {
     }
     assert!(checked >= 10, "only {checked} checkpoints checked");
 }
+
+/// Deletes each checkpoint just before it is read, as a running backup
+/// replacing its checkpoint between a prune's listing and its read does.
+#[derive(Debug)]
+struct CheckpointReplacedAfterListing {
+    root: PathBuf,
+}
+
+#[async_trait::async_trait]
+impl Layer for CheckpointReplacedAfterListing {
+    type Held = ();
+
+    async fn before(&self, request: Request<'_>) {
+        if let Request::Get { key, .. } = request
+            && key.starts_with("checkpoints/")
+        {
+            let _ = std::fs::remove_file(self.root.join(key));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_passes_over_a_checkpoint_replaced_after_its_listing() {
+    use haulage::engine::prune::{PruneOptions, prune};
+    use haulage::repo::prune::PruneSettings;
+
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    std::fs::write(source.join("a"), random_bytes(1, 64 * 1024)).unwrap();
+    let outcome = repo.backup(&source).await;
+    // A checkpoint of a backup of another source, as a running one writes.
+    let mut checkpoint = outcome.snapshot.clone();
+    checkpoint.source = "ns/elsewhere".into();
+    repo.repository.write_checkpoint(&checkpoint).await.unwrap();
+
+    let layered = Arc::new(Layered::wrap(
+        Arc::new(LocalStore::new(repo.root())) as DynStore,
+        CheckpointReplacedAfterListing { root: repo.root() },
+    ));
+    let repository = Repository::open(layered, &KeySource::password(TEST_PASSWORD))
+        .await
+        .unwrap();
+    let options = PruneOptions {
+        settings: PruneSettings {
+            repack_threshold: 0.1,
+            safety_margin_seconds: 0,
+            checkpoint_max_age_seconds: 3600,
+        },
+        dry_run: false,
+        lock_wait: Duration::from_secs(5),
+    };
+    let report = prune(&repository, &options, &CancellationToken::new())
+        .await
+        .expect("a checkpoint gone since the listing does not stop prune");
+    assert_eq!(report.checkpoints_kept, 0, "{report:?}");
+    assert_eq!(report.snapshots, 1);
+    repo.assert_cli_verifies();
+}
