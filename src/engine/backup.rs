@@ -247,7 +247,13 @@ pub struct ResumedFrom {
 /// What the walker tells the rest of the pipeline, in walk order.
 enum WalkItem {
     DirectoryStart(Entry),
-    DirectoryEnd,
+    /// The end of the directory started last. `unchanged_tree`: the
+    /// walker found its entries to be exactly those of this stored tree
+    /// (its parent snapshot's), so it is named again, not encoded,
+    /// hashed and looked up again.
+    DirectoryEnd {
+        unchanged_tree: Option<BlobId>,
+    },
     FileStart(Entry),
     Chunk(Vec<u8>, OwnedSemaphorePermit),
     /// A small chunk the walker hashed and compressed itself: handing a few
@@ -1307,8 +1313,10 @@ impl WalkContext {
         let mut entry = entry_from_metadata(b"", EntryKind::Directory, &metadata);
         entry.xattrs = read_xattrs(root).unwrap_or_default();
         self.send(WalkItem::DirectoryStart(entry))?;
-        self.walk_directory(root, Path::new(""), parent.as_ref())?;
-        self.send(WalkItem::DirectoryEnd)?;
+        self.walk_directory(root, Path::new(""), parent.as_ref(), None)?;
+        self.send(WalkItem::DirectoryEnd {
+            unchanged_tree: None,
+        })?;
         self.flush()
     }
 
@@ -1377,21 +1385,32 @@ impl WalkContext {
             .ok()
     }
 
+    /// Walk the directory at `path`, whose tree in the parent snapshot is
+    /// `parent` (stored as `parent_id`). Returns `parent_id` when every
+    /// entry the walk sent is the parent's entry of that name, unchanged,
+    /// and the parent has no other: the directory's tree is then the
+    /// parent's, bit for bit.
     fn walk_directory(
         &mut self,
         path: &Path,
         relative: &Path,
         parent: Option<&Tree>,
-    ) -> Result<(), EngineError> {
+        parent_id: Option<BlobId>,
+    ) -> Result<Option<BlobId>, EngineError> {
+        // Entries sent that are their parent's entry, unchanged; any other
+        // sent clears `same`.
+        let mut same = parent.is_some() && parent_id.is_some();
+        let mut same_entries = 0usize;
         let mut names: Vec<OsString> = match fs::read_dir(path) {
             Ok(entries) => entries
                 .filter_map(|entry| entry.ok().map(|entry| entry.file_name()))
                 .collect(),
             Err(error) => {
-                return self.warn(
+                self.warn(
                     relative,
                     format!("cannot list directory, stored empty: {error}"),
-                );
+                )?;
+                return Ok(None);
             }
         };
         names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
@@ -1439,44 +1458,82 @@ impl WalkContext {
                 Some(previous) => previous.xattrs.clone(),
                 None => read_xattrs(&child_path).unwrap_or_default(),
             };
-            match kind {
+            let sent_as_before = match kind {
                 EntryKind::Directory => {
                     directory = None;
                     let parent_subtree =
                         self.parent_subtree(parent, &name_bytes, &mut next_subtree);
+                    let previous_subtree = previous
+                        .filter(|previous| previous.kind == EntryKind::Directory)
+                        .and_then(|previous| previous.subtree);
+                    // Compared once its tree is known.
+                    let mut stored = previous.is_some().then(|| entry.clone());
                     self.send(WalkItem::DirectoryStart(entry))?;
-                    self.walk_directory(&child_path, &child_relative, parent_subtree.as_ref())?;
-                    self.send(WalkItem::DirectoryEnd)?;
+                    let unchanged_tree = self.walk_directory(
+                        &child_path,
+                        &child_relative,
+                        parent_subtree.as_ref(),
+                        previous_subtree,
+                    )?;
+                    self.send(WalkItem::DirectoryEnd { unchanged_tree })?;
+                    match (&mut stored, unchanged_tree) {
+                        (Some(stored), Some(tree)) => {
+                            stored.subtree = Some(tree);
+                            previous == Some(&*stored)
+                        }
+                        _ => false,
+                    }
                 }
-                EntryKind::File => {
-                    self.walk_file(&child_path, &child_relative, entry, previous)?;
-                }
+                EntryKind::File => self.walk_file(&child_path, &child_relative, entry, previous)?,
                 EntryKind::Symlink => match fs::read_link(&child_path) {
                     Ok(target) => {
                         entry.link_target = Some(ByteBuf::from(target.into_os_string().into_vec()));
+                        let as_before = previous == Some(&entry);
                         self.send(WalkItem::Leaf(entry))?;
+                        as_before
                     }
-                    Err(error) => self.warn(
-                        &child_relative,
-                        format!("cannot read symlink, skipped: {error}"),
-                    )?,
+                    Err(error) => {
+                        self.warn(
+                            &child_relative,
+                            format!("cannot read symlink, skipped: {error}"),
+                        )?;
+                        // Nothing sent: the tree lacks it as the parent's
+                        // would if it lacked it too.
+                        continue;
+                    }
                 },
                 EntryKind::Fifo
                 | EntryKind::Socket
                 | EntryKind::CharDevice
-                | EntryKind::BlockDevice => self.send(WalkItem::Leaf(entry))?,
+                | EntryKind::BlockDevice => {
+                    let as_before = previous == Some(&entry);
+                    self.send(WalkItem::Leaf(entry))?;
+                    as_before
+                }
+            };
+            if sent_as_before {
+                same_entries += 1;
+            } else {
+                same = false;
             }
         }
-        Ok(())
+        let unchanged_tree = parent_id.filter(|id| {
+            same && parent.is_some_and(|parent| parent.entries.len() == same_entries)
+                && self.shared.index.contains(id)
+        });
+        Ok(unchanged_tree)
     }
 
+    /// Back up the file at `path`, whose entry in the parent snapshot (or
+    /// a checkpoint) is `previous`. Returns whether it sent `previous`
+    /// itself, unchanged.
     fn walk_file(
         &mut self,
         path: &Path,
         relative: &Path,
         entry: Entry,
         previous: Option<&Entry>,
-    ) -> Result<(), EngineError> {
+    ) -> Result<bool, EngineError> {
         let progress = self.shared.progress.clone();
         // The previous entry of a file not changed since: whole (a parent
         // snapshot's, or a checkpoint's finished file), or the first part
@@ -1503,8 +1560,25 @@ impl WalkContext {
             }
             Progress::add(&progress.bytes_done, unchanged.size);
             Progress::add(&progress.files_done, 1);
-            return self.send(WalkItem::Unchanged(unchanged));
+            let as_before = unchanged == *previous;
+            self.send(WalkItem::Unchanged(unchanged))?;
+            return Ok(as_before);
         }
+        self.read_changed_file(path, relative, entry, previous, stored_part)?;
+        Ok(false)
+    }
+
+    /// Back up a file that changed since `previous` (or is new, or a hard
+    /// link), of which `stored_part` bytes are stored already.
+    fn read_changed_file(
+        &mut self,
+        path: &Path,
+        relative: &Path,
+        entry: Entry,
+        previous: Option<&Entry>,
+        stored_part: u64,
+    ) -> Result<(), EngineError> {
+        let progress = self.shared.progress.clone();
         if entry.links > 1 && !self.hardlinks_seen.insert((entry.device, entry.inode)) {
             Progress::add(&progress.bytes_done, entry.size);
             Progress::add(&progress.files_done, 1);
@@ -2184,12 +2258,15 @@ impl Assembler {
         };
         match item {
             WalkItem::DirectoryStart(entry) => self.directories.push((entry, Vec::new())),
-            WalkItem::DirectoryEnd => {
+            WalkItem::DirectoryEnd { unchanged_tree } => {
                 let (mut entry, children) = self
                     .directories
                     .pop()
                     .expect("walker emits balanced directory items");
-                let id = self.store_tree(Tree { entries: children }).await?;
+                let id = match unchanged_tree {
+                    Some(id) => id,
+                    None => self.store_tree(Tree { entries: children }).await?,
+                };
                 entry.subtree = Some(id);
                 self.stats.directories += 1;
                 match self.directories.last_mut() {
@@ -2573,7 +2650,9 @@ mod tests {
         let mut batch: Vec<WalkItem> = (0..SMALL_FILES_PER_JOB + 3)
             .map(|index| small_file(directory.path(), index, 100))
             .collect();
-        batch.push(WalkItem::DirectoryEnd);
+        batch.push(WalkItem::DirectoryEnd {
+            unchanged_tree: None,
+        });
         batch.push(small_file(directory.path(), 100, 100));
         let large = SMALL_FILE_BYTES_PER_JOB as usize / 2 + 1;
         batch.push(small_file(directory.path(), 101, large));

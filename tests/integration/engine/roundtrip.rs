@@ -199,6 +199,127 @@ async fn a_backup_after_another_reuses_only_what_did_not_change() {
     assert_same_tree(&source, &target);
 }
 
+/// The tree id of every directory of a snapshot, by path.
+async fn directory_trees(
+    repo: &TestRepo,
+    outcome: &haulage::engine::backup::BackupOutcome,
+) -> std::collections::BTreeMap<String, haulage::repo::BlobId> {
+    let repository = &repo.repository;
+    let index = repository.load_index().await.unwrap().index;
+    let mut trees = std::collections::BTreeMap::new();
+    let mut pending = vec![(String::new(), outcome.snapshot.tree)];
+    while let Some((path, id)) = pending.pop() {
+        let tree = repository.load_tree(&index, &id).await.unwrap();
+        for entry in &tree.entries {
+            if let Some(subtree) = entry.subtree {
+                let name = String::from_utf8_lossy(&entry.name);
+                pending.push((format!("{path}/{name}"), subtree));
+            }
+        }
+        trees.insert(path, id);
+    }
+    trees
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_walked_unchanged_keeps_its_tree_and_a_change_at_any_depth_is_stored() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    for path in [
+        "top/mid/deep/f1",
+        "top/mid/deep/f2",
+        "top/mid/g1",
+        "top/h1",
+        "other/x",
+    ] {
+        let path = source.join(path);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, path.to_string_lossy().as_bytes()).unwrap();
+    }
+    std::os::unix::fs::symlink("deep/f1", source.join("top/mid/link")).unwrap();
+    let mut last = repo.backup(&source).await;
+    let mut last_trees = directory_trees(&repo, &last).await;
+    // Each step changes one thing, below which directories it names; every
+    // other directory keeps its tree, these get new ones.
+    type Change = fn(&Path);
+    let steps: [(&str, Change, &[&str]); 6] = [
+        (
+            "a directory's mode, two levels down",
+            |source| {
+                std::fs::set_permissions(
+                    source.join("top/mid/deep"),
+                    std::fs::Permissions::from_mode(0o700),
+                )
+                .unwrap()
+            },
+            &["", "/top", "/top/mid"],
+        ),
+        (
+            "a directory's extended attribute",
+            |source| set_xattr(&source.join("top/mid/deep"), "user.note", b"x").unwrap(),
+            &["", "/top", "/top/mid"],
+        ),
+        (
+            "a file's mode, three levels down",
+            |source| {
+                std::fs::set_permissions(
+                    source.join("top/mid/deep/f2"),
+                    std::fs::Permissions::from_mode(0o600),
+                )
+                .unwrap()
+            },
+            &["", "/top", "/top/mid", "/top/mid/deep"],
+        ),
+        (
+            "a file removed",
+            |source| std::fs::remove_file(source.join("top/mid/g1")).unwrap(),
+            &["", "/top", "/top/mid"],
+        ),
+        (
+            "a symlink pointed elsewhere",
+            |source| {
+                std::fs::remove_file(source.join("top/mid/link")).unwrap();
+                std::os::unix::fs::symlink("deep/f2", source.join("top/mid/link")).unwrap();
+            },
+            &["", "/top", "/top/mid"],
+        ),
+        (
+            "a file added",
+            |source| std::fs::write(source.join("other/y"), b"new").unwrap(),
+            &["", "/other"],
+        ),
+    ];
+    for (what, change, changed) in steps {
+        // Times kept apart from the last backup's (same-second changes).
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        change(&source);
+        let next = repo.backup(&source).await;
+        let trees = directory_trees(&repo, &next).await;
+        for (path, tree) in &trees {
+            let kept = last_trees.get(path) == Some(tree);
+            assert_eq!(
+                kept,
+                !changed.contains(&path.as_str()),
+                "after {what}: the tree of `{path}` {}",
+                if kept { "was kept" } else { "changed" }
+            );
+        }
+        let target = repo
+            .dir
+            .path()
+            .join(format!("restored-{}", next.snapshot_id));
+        let restored = repo.restore(&next.snapshot_id, &target).await;
+        assert!(
+            restored.problems.is_empty(),
+            "{what}: {:?}",
+            restored.problems
+        );
+        assert_same_tree(&source, &target);
+        (last, last_trees) = (next, trees);
+    }
+    assert_eq!(last.snapshot.summary.files, 5);
+}
+
 /// A tree of many tiny files in many directories backs up under a low
 /// limit of open descriptors: the backup holds a bounded number of source
 /// files open, however far its walker runs ahead of the jobs that read
