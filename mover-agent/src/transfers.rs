@@ -12,8 +12,10 @@
 //! One watch per transfer ([`follow`]) carries everything the controller
 //! says to the agent: admission, the bandwidth grant (re-split live), and
 //! the end of a transfer it canceled or failed (the volume's engine stops
-//! at once, not at its next progress write). SIGTERM cancels the engine
-//! and exits non-zero, leaving the transfers InProgress: the restarted pod
+//! at once, not at its next progress write; also while a backup stopped
+//! by SIGTERM stores what it read). SIGTERM stops a backup, which stores
+//! what it read with a last checkpoint, and cancels a restore; the agent
+//! exits non-zero, leaving the transfers InProgress: the restarted pod
 //! claims them again; a backup adopts the packs already stored, a restore
 //! continues in sync mode and leaves the files already written alone.
 
@@ -345,16 +347,19 @@ async fn wait_for_admission(
     }
 }
 
-/// Follow the watch while the volume moves: apply each new grant to
-/// `throttle` live (the copy never restarts), and stop the volume when
-/// the controller ends the transfer (canceled or failed: final phases are
-/// the controller's while the agent runs) or deletes it.
+/// Follow the watch while the volume moves, until `done`: apply each new
+/// grant to `throttle` live (the copy never restarts), and stop the volume
+/// (`volume_cancel`, and `ended`) when the controller ends the transfer
+/// (canceled or failed: final phases are the controller's while the agent
+/// runs) or deletes it. Also after SIGTERM: a backup stopped by it stores
+/// what it read for the restarted agent, unless the transfer ends
+/// meanwhile (its VolumeBackup deleted with the stage pod).
 fn supervise_volume(
     mut watched: watch::Receiver<Watched>,
     name: String,
     throttle: Throttle,
     mut granted: Option<ByteRate>,
-    volume_cancel: CancellationToken,
+    (volume_cancel, ended, done): (CancellationToken, CancellationToken, CancellationToken),
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         loop {
@@ -363,6 +368,7 @@ fn supervise_volume(
                 Watched::Unknown => {}
                 Watched::Deleted => {
                     warn!(transfer = %name, "transfer deleted; stopping");
+                    ended.cancel();
                     volume_cancel.cancel();
                     return;
                 }
@@ -373,6 +379,7 @@ fn supervise_volume(
                             phase = ?transfer.phase(),
                             "the controller ended this transfer; stopping"
                         );
+                        ended.cancel();
                         volume_cancel.cancel();
                         return;
                     }
@@ -389,7 +396,7 @@ fn supervise_volume(
                 }
             }
             tokio::select! {
-                _ = volume_cancel.cancelled() => return,
+                _ = done.cancelled() => return,
                 changed = watched.changed() => if changed.is_err() { return },
             }
         }
@@ -468,7 +475,9 @@ async fn move_volume(
     gate: &Semaphore,
     cancel: &CancellationToken,
 ) -> Result<(), AgentError> {
-    let stop_watch = cancel.child_token();
+    // Ended with the volume's work, not at SIGTERM: the supervisor follows
+    // the transfer while a stopped backup stores what it read.
+    let stop_watch = CancellationToken::new();
     let (mut watched, watch_task) = follow(api.clone(), name.to_string(), stop_watch.clone());
     let result = async {
         if !wait_for_admission(&mut watched, name, &assignment.identity, cancel).await? {
@@ -518,6 +527,11 @@ struct Claimed<'a> {
 struct VolumeRun {
     progress: Arc<Progress>,
     volume_cancel: CancellationToken,
+    /// Cancelled when the controller ends the transfer (canceled, failed)
+    /// or deletes it, SIGTERM or not.
+    ended: CancellationToken,
+    /// Cancelled when the engine is done: ends the supervisor.
+    done: CancellationToken,
     throttle: Throttle,
     /// The claim as the transfer showed it when the run began.
     earlier_claim: Option<AgentClaim>,
@@ -579,12 +593,13 @@ impl VolumeRun {
         let throttle = Throttle::new(granted)
             .recording_wait_into(waited)
             .cancelled_by(volume_cancel.clone());
+        let (ended, done) = (CancellationToken::new(), CancellationToken::new());
         let supervisor = supervise_volume(
             claimed.watched.clone(),
             name.to_string(),
             throttle.clone(),
             granted,
-            volume_cancel.clone(),
+            (volume_cancel.clone(), ended.clone(), done.clone()),
         );
         info!(
             transfer = name,
@@ -594,6 +609,8 @@ impl VolumeRun {
         VolumeRun {
             progress,
             volume_cancel,
+            ended,
+            done,
             throttle,
             earlier_claim,
             reported,
@@ -607,6 +624,7 @@ impl VolumeRun {
     fn finish(&self, name: &str, cancel: &CancellationToken) -> Result<(), Interrupted> {
         let stopped_by_controller = self.volume_cancel.is_cancelled() && !cancel.is_cancelled();
         self.volume_cancel.cancel();
+        self.done.cancel();
         if cancel.is_cancelled() {
             info!(
                 transfer = name,
@@ -952,10 +970,11 @@ async fn back_up(
     }
     // SIGTERM (a node drain, the stage pod deleted) stops the backup
     // keeping what it read, with a last checkpoint the restarted agent goes
-    // on from; the controller ending the transfer, or the lock lost, stops
-    // it at once.
+    // on from; the controller ending the transfer (before SIGTERM or
+    // while the stopped backup stores what it read), or the lock lost,
+    // stops it at once.
     options.stop = claimed.cancel.clone();
-    let (engine_cancel, follower) = cancel_unless_sigterm(cancel, claimed.cancel);
+    let (engine_cancel, follower) = cancel_unless_sigterm(cancel, claimed.cancel, &run.ended);
     let outcome = backup(repository, options, run.progress.clone(), engine_cancel).await;
     follower.abort();
     let outcome = outcome.map_err(|error| haulage::error_chain(&error))?;
@@ -974,22 +993,27 @@ async fn back_up(
 }
 
 /// A token cancelled with `work` (a child of `sigterm`) when `sigterm` is
-/// not what cancelled it, and the task that follows `work` (to abort once
-/// the engine is done).
+/// not what cancelled it, and after SIGTERM when `ended` is (the
+/// controller ended the transfer: what a stopped backup would store is
+/// then of no use); and the task that follows them (to abort once the
+/// engine is done).
 fn cancel_unless_sigterm(
     work: &CancellationToken,
     sigterm: &CancellationToken,
+    ended: &CancellationToken,
 ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
     let engine = CancellationToken::new();
     let follower = {
-        let (work, sigterm, engine) = (work.clone(), sigterm.clone(), engine.clone());
+        let (work, sigterm, ended, engine) =
+            (work.clone(), sigterm.clone(), ended.clone(), engine.clone());
         // A parent's cancel marks it cancelled before it wakes its
         // children's waiters, so SIGTERM is seen here as the cause.
         tokio::spawn(async move {
             work.cancelled().await;
-            if !sigterm.is_cancelled() {
-                engine.cancel();
+            if sigterm.is_cancelled() {
+                ended.cancelled().await;
             }
+            engine.cancel();
         })
     };
     (engine, follower)
@@ -1275,21 +1299,70 @@ mod tests {
         // The controller (or a lost lock) cancels the volume's work.
         let sigterm = CancellationToken::new();
         let work = sigterm.child_token();
-        let (engine, follower) = cancel_unless_sigterm(&work, &sigterm);
+        let ended = CancellationToken::new();
+        let (engine, follower) = cancel_unless_sigterm(&work, &sigterm, &ended);
         work.cancel();
         tokio::time::timeout(Duration::from_secs(5), engine.cancelled())
             .await
             .expect("the engine is cancelled with the volume's work");
         let _ = follower.await;
         // SIGTERM cancels the work as its parent: the engine is only
-        // stopped (BackupOptions::stop), to store what it read first.
+        // stopped (BackupOptions::stop), to store what it read first...
         let sigterm = CancellationToken::new();
         let work = sigterm.child_token();
-        let (engine, follower) = cancel_unless_sigterm(&work, &sigterm);
+        let ended = CancellationToken::new();
+        let (engine, follower) = cancel_unless_sigterm(&work, &sigterm, &ended);
         sigterm.cancel();
-        follower.await.expect("the follower ends");
+        tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(work.is_cancelled());
         assert!(!engine.is_cancelled(), "SIGTERM cancelled the engine");
+        // ...unless the controller ends the transfer meanwhile.
+        ended.cancel();
+        tokio::time::timeout(Duration::from_secs(5), engine.cancelled())
+            .await
+            .expect("the transfer ended after SIGTERM does not cancel the engine");
+        follower.await.expect("the follower ends");
+    }
+
+    #[tokio::test]
+    async fn a_transfer_deleted_after_sigterm_still_ends_the_volume_while_it_stores_what_it_read() {
+        let (sender, receiver) = watch::channel(Watched::Unknown);
+        let sigterm = CancellationToken::new();
+        let volume_cancel = sigterm.child_token();
+        let (ended, done) = (CancellationToken::new(), CancellationToken::new());
+        let supervisor = supervise_volume(
+            receiver,
+            "t".to_string(),
+            Throttle::new(None),
+            None,
+            (volume_cancel.clone(), ended.clone(), done.clone()),
+        );
+        sender.send_replace(Watched::Seen(Arc::new(transfer(
+            Some(VolumeTransferPhase::InProgress),
+            Some("a"),
+        ))));
+        sigterm.cancel();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!ended.is_cancelled(), "SIGTERM is not the transfer's end");
+        sender.send_replace(Watched::Deleted);
+        tokio::time::timeout(Duration::from_secs(5), ended.cancelled())
+            .await
+            .expect("the deletion after SIGTERM was not seen");
+        supervisor.await.expect("the supervisor ends");
+        // And the run's end ends the supervisor.
+        let (_sender, receiver) = watch::channel(Watched::Unknown);
+        let supervisor = supervise_volume(
+            receiver,
+            "t".to_string(),
+            Throttle::new(None),
+            None,
+            (CancellationToken::new(), ended.clone(), done.clone()),
+        );
+        done.cancel();
+        tokio::time::timeout(Duration::from_secs(5), supervisor)
+            .await
+            .expect("the supervisor outlived its run")
+            .expect("the supervisor ends");
     }
 
     fn transfer(phase: Option<VolumeTransferPhase>, agent: Option<&str>) -> VolumeTransfer {
@@ -1359,7 +1432,11 @@ mod tests {
             "t".to_string(),
             throttle.clone(),
             None,
-            volume_cancel.clone(),
+            (
+                volume_cancel.clone(),
+                CancellationToken::new(),
+                CancellationToken::new(),
+            ),
         );
         let mut granted = transfer(Some(VolumeTransferPhase::InProgress), Some("a"));
         granted.spec.granted_bytes_per_second = Some(4096);
@@ -1391,7 +1468,11 @@ mod tests {
             "t".to_string(),
             Throttle::new(None),
             None,
-            volume_cancel.clone(),
+            (
+                volume_cancel.clone(),
+                CancellationToken::new(),
+                CancellationToken::new(),
+            ),
         );
         sender.send_replace(Watched::Deleted);
         tokio::time::timeout(Duration::from_secs(5), volume_cancel.cancelled())
