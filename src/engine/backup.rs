@@ -2433,6 +2433,10 @@ fn tree_pack_buffer_bytes(sizes: &BackupBuffers) -> usize {
     sizes.tree_pack_target_bytes + PACK_TRAILER_ROOM
 }
 
+/// A pack stored: its id, its blobs and its buffer, when the store let go
+/// of it ([`Repository::upload_pack_keeping_buffer`]).
+type UploadedPack = (ObjectId, Vec<PackEntry>, Option<Vec<u8>>);
+
 /// Collects blobs into packs and uploads them, a bounded number at a time:
 /// data blobs and tree blobs into packs of their own. Trees go into packs
 /// of their own (as restic's do): a restore loads a directory's subtrees
@@ -2451,7 +2455,9 @@ struct Packer {
     current: PackWriter,
     /// The tree pack being filled.
     trees: PackWriter,
-    uploads: JoinSet<Result<(ObjectId, Vec<PackEntry>), EngineError>>,
+    uploads: JoinSet<Result<UploadedPack, EngineError>>,
+    /// The buffer of the last data pack stored, for the next one.
+    spare_buffer: Option<Vec<u8>>,
     /// Stored packs not yet named by an index file.
     unindexed: Vec<(ObjectId, Vec<PackEntry>)>,
     bytes_new: u64,
@@ -2468,6 +2474,7 @@ impl Packer {
             repository,
             progress,
             uploads: JoinSet::new(),
+            spare_buffer: None,
             unindexed: Vec::new(),
             bytes_new: 0,
             bytes_stored: 0,
@@ -2491,12 +2498,23 @@ impl Packer {
         }
     }
 
-    /// An empty pack for blobs of `kind`, its buffer sized for its target.
-    fn new_writer(&self, kind: BlobKind) -> PackWriter {
-        self.repository.pack_writer(match kind {
+    /// An empty pack for blobs of `kind`, its buffer sized for its target:
+    /// a data pack's that of the last one stored, when the store let go of
+    /// it.
+    fn new_writer(&mut self, kind: BlobKind) -> PackWriter {
+        let capacity = match kind {
             BlobKind::Tree => tree_pack_buffer_bytes(&self.sizes),
             BlobKind::Data => self.sizes.data_pack_buffer_bytes,
-        })
+        };
+        match kind {
+            BlobKind::Data => match self.spare_buffer.take() {
+                Some(buffer) if buffer.capacity() >= capacity => {
+                    self.repository.pack_writer_in(buffer)
+                }
+                _ => self.repository.pack_writer(capacity),
+            },
+            BlobKind::Tree => self.repository.pack_writer(capacity),
+        }
     }
 
     async fn add(
@@ -2545,22 +2563,31 @@ impl Packer {
             return Ok(());
         }
         while self.uploads.len() >= MAX_PACK_UPLOADS_IN_FLIGHT {
-            self.collect_one().await?;
+            // A data pack's buffer is kept only for the data pack that
+            // starts now: held idle while another fills, it would be one
+            // buffer more in memory.
+            self.collect_one(kind == BlobKind::Data).await?;
         }
         let fresh = self.new_writer(kind);
         let writer = std::mem::replace(self.filling(kind), fresh);
         let repository = self.repository.clone();
         self.uploads
-            .spawn(async move { repository.upload_pack(writer, "pack").await });
+            .spawn(async move { repository.upload_pack_keeping_buffer(writer, "pack").await });
         Ok(())
     }
 
-    async fn collect_one(&mut self) -> Result<(), EngineError> {
+    /// Wait for the oldest upload in flight and note its pack; with
+    /// `keep_buffer`, keep a data pack's buffer for the next data pack.
+    async fn collect_one(&mut self, keep_buffer: bool) -> Result<(), EngineError> {
         let Some(result) = self.uploads.join_next().await else {
             return Ok(());
         };
-        let (id, entries) =
+        let (id, entries, buffer) =
             result.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))?;
+        if keep_buffer {
+            self.spare_buffer =
+                buffer.filter(|buffer| buffer.capacity() >= self.sizes.data_pack_buffer_bytes);
+        }
         tracing::debug!(pack = %id, blobs = entries.len(), "pack uploaded");
         self.packs_written += 1;
         self.unindexed.push((id, entries));
@@ -2596,7 +2623,7 @@ impl Packer {
         self.flush(BlobKind::Data).await?;
         self.flush(BlobKind::Tree).await?;
         while !self.uploads.is_empty() {
-            self.collect_one().await?;
+            self.collect_one(false).await?;
         }
         Ok(std::mem::take(&mut self.unindexed))
     }

@@ -873,14 +873,33 @@ impl Repository {
         writer: PackWriter,
         what: &str,
     ) -> Result<(ObjectId, Vec<PackEntry>), EngineError> {
+        let (id, entries, _) = self.upload_pack_keeping_buffer(writer, what).await?;
+        Ok((id, entries))
+    }
+
+    /// [`Repository::upload_pack`], handing back the pack's buffer once the
+    /// store let go of it (for the next pack: reusing it spares mapping
+    /// and zeroing fresh memory for every pack).
+    pub async fn upload_pack_keeping_buffer(
+        &self,
+        writer: PackWriter,
+        what: &str,
+    ) -> Result<(ObjectId, Vec<PackEntry>, Option<Vec<u8>>), EngineError> {
         let codec = self.codec.clone();
         let pack = super::run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
         let id = pack.id;
-        put_object(&self.store, &repo::pack_key(&id), pack.bytes, || {
-            format!("upload {what} {id}")
-        })
-        .await?;
-        Ok((id, pack.entries))
+        let bytes = Bytes::from(pack.bytes);
+        self.store
+            .put(&repo::pack_key(&id), bytes.clone(), PutMode::Overwrite)
+            .await
+            .map_err(|error| EngineError::store(format!("upload {what} {id}"), error))?;
+        let buffer = bytes.try_into_mut().ok().map(Vec::from);
+        Ok((id, pack.entries, buffer))
+    }
+
+    /// An empty pack written into `buffer`.
+    pub fn pack_writer_in(&self, buffer: Vec<u8>) -> PackWriter {
+        self.codec.pack_writer_in(buffer)
     }
 
     /// Write a snapshot manifest.

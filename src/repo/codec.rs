@@ -133,6 +133,11 @@ impl ObjectCodec {
         PackWriter::with_format(capacity, self.pack_format())
     }
 
+    /// An empty pack of this format, written into `buffer`.
+    pub fn pack_writer_in(&self, buffer: Vec<u8>) -> PackWriter {
+        PackWriter::in_buffer(buffer, self.pack_format())
+    }
+
     /// Append the trailer and name the pack.
     pub fn finish_pack(
         &self,

@@ -134,10 +134,17 @@ impl PackWriter {
 
     /// An empty pack of `format` whose buffer holds `bytes` without growing.
     pub fn with_format(bytes: usize, format: PackFormat) -> Self {
-        let mut bytes = Vec::with_capacity(bytes);
-        bytes.extend_from_slice(format.magic());
+        Self::in_buffer(Vec::with_capacity(bytes), format)
+    }
+
+    /// An empty pack of `format` written into `buffer` (what it held is
+    /// dropped; its capacity kept: a writer of many packs reuses the
+    /// buffer of the last one stored, whose memory is already mapped).
+    pub fn in_buffer(mut buffer: Vec<u8>, format: PackFormat) -> Self {
+        buffer.clear();
+        buffer.extend_from_slice(format.magic());
         PackWriter {
-            bytes,
+            bytes: buffer,
             entries: Vec::new(),
             format,
         }
@@ -531,6 +538,40 @@ fn trailer_of_whole_pack<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pack_written_into_a_used_buffer_is_the_pack_a_fresh_one_makes() {
+        let used = PackWriter::with_capacity(4096);
+        let mut used = used;
+        used.add(
+            BlobId([9; 32]),
+            BlobKind::Data,
+            Compression::None,
+            b"left over",
+            9,
+        );
+        let buffer = used.finish().bytes;
+        let capacity = buffer.capacity();
+        let mut reused = PackWriter::in_buffer(buffer, PackFormat::Plain);
+        let mut fresh = PackWriter::with_capacity(4096);
+        for writer in [&mut reused, &mut fresh] {
+            writer.add(
+                BlobId([1; 32]),
+                BlobKind::Data,
+                Compression::None,
+                b"hello",
+                5,
+            );
+        }
+        assert_eq!(
+            reused.bytes.capacity(),
+            capacity,
+            "the buffer was not reused"
+        );
+        let (reused, fresh) = (reused.finish(), fresh.finish());
+        assert_eq!(reused.bytes, fresh.bytes);
+        assert_eq!(reused.id, fresh.id);
+    }
 
     /// A plaintext pack writer holding one uncompressed data blob, `hello`.
     fn writer_with_hello() -> PackWriter {
