@@ -1422,22 +1422,29 @@ mod tests {
         );
     }
 
+    /// [`supervise_volume`] of transfer `t`, no grant yet, stopping
+    /// `volume_cancel`; its other tokens unused.
+    fn supervise(
+        receiver: watch::Receiver<Watched>,
+        throttle: Throttle,
+        volume_cancel: CancellationToken,
+    ) -> tokio::task::JoinHandle<()> {
+        let unused = (CancellationToken::new(), CancellationToken::new());
+        supervise_volume(
+            receiver,
+            "t".to_string(),
+            throttle,
+            None,
+            (volume_cancel, unused.0, unused.1),
+        )
+    }
+
     #[tokio::test]
     async fn a_cancel_seen_on_the_watch_stops_the_volume_and_a_grant_change_reaches_the_throttle() {
         let (sender, receiver) = watch::channel(Watched::Unknown);
         let throttle = Throttle::new(None);
         let volume_cancel = CancellationToken::new();
-        let supervisor = supervise_volume(
-            receiver,
-            "t".to_string(),
-            throttle.clone(),
-            None,
-            (
-                volume_cancel.clone(),
-                CancellationToken::new(),
-                CancellationToken::new(),
-            ),
-        );
+        let supervisor = supervise(receiver, throttle.clone(), volume_cancel.clone());
         let mut granted = transfer(Some(VolumeTransferPhase::InProgress), Some("a"));
         granted.spec.granted_bytes_per_second = Some(4096);
         sender.send_replace(Watched::Seen(Arc::new(granted)));
@@ -1463,17 +1470,7 @@ mod tests {
     async fn a_deleted_transfer_stops_its_volume() {
         let (sender, receiver) = watch::channel(Watched::Unknown);
         let volume_cancel = CancellationToken::new();
-        let supervisor = supervise_volume(
-            receiver,
-            "t".to_string(),
-            Throttle::new(None),
-            None,
-            (
-                volume_cancel.clone(),
-                CancellationToken::new(),
-                CancellationToken::new(),
-            ),
-        );
+        let supervisor = supervise(receiver, Throttle::new(None), volume_cancel.clone());
         sender.send_replace(Watched::Deleted);
         tokio::time::timeout(Duration::from_secs(5), volume_cancel.cancelled())
             .await

@@ -2456,8 +2456,6 @@ struct Packer {
     /// The tree pack being filled.
     trees: PackWriter,
     uploads: JoinSet<Result<UploadedPack, EngineError>>,
-    /// The buffer of the last data pack stored, for the next one.
-    spare_buffer: Option<Vec<u8>>,
     /// Stored packs not yet named by an index file.
     unindexed: Vec<(ObjectId, Vec<PackEntry>)>,
     bytes_new: u64,
@@ -2474,7 +2472,6 @@ impl Packer {
             repository,
             progress,
             uploads: JoinSet::new(),
-            spare_buffer: None,
             unindexed: Vec::new(),
             bytes_new: 0,
             bytes_stored: 0,
@@ -2499,21 +2496,20 @@ impl Packer {
     }
 
     /// An empty pack for blobs of `kind`, its buffer sized for its target:
-    /// a data pack's that of the last one stored, when the store let go of
-    /// it.
-    fn new_writer(&mut self, kind: BlobKind) -> PackWriter {
-        let capacity = match kind {
-            BlobKind::Tree => tree_pack_buffer_bytes(&self.sizes),
-            BlobKind::Data => self.sizes.data_pack_buffer_bytes,
-        };
+    /// a data pack's `spare`, the buffer of the pack just stored, when it
+    /// is large enough (a tree pack's is not).
+    fn new_writer(&self, kind: BlobKind, spare: Option<Vec<u8>>) -> PackWriter {
         match kind {
-            BlobKind::Data => match self.spare_buffer.take() {
-                Some(buffer) if buffer.capacity() >= capacity => {
-                    self.repository.pack_writer_in(buffer)
+            BlobKind::Tree => self
+                .repository
+                .pack_writer(tree_pack_buffer_bytes(&self.sizes)),
+            BlobKind::Data => {
+                let capacity = self.sizes.data_pack_buffer_bytes;
+                match spare.filter(|buffer| buffer.capacity() >= capacity) {
+                    Some(buffer) => self.repository.pack_writer_in(buffer),
+                    None => self.repository.pack_writer(capacity),
                 }
-                _ => self.repository.pack_writer(capacity),
-            },
-            BlobKind::Tree => self.repository.pack_writer(capacity),
+            }
         }
     }
 
@@ -2562,13 +2558,14 @@ impl Packer {
         if self.filling(kind).is_empty() {
             return Ok(());
         }
+        // The buffer of the pack stored last goes to the pack that starts
+        // now, and only to it: held idle while another fills, it would be
+        // one buffer more in memory.
+        let mut spare = None;
         while self.uploads.len() >= MAX_PACK_UPLOADS_IN_FLIGHT {
-            // A data pack's buffer is kept only for the data pack that
-            // starts now: held idle while another fills, it would be one
-            // buffer more in memory.
-            self.collect_one(kind == BlobKind::Data).await?;
+            spare = self.collect_one().await?;
         }
-        let fresh = self.new_writer(kind);
+        let fresh = self.new_writer(kind, spare);
         let writer = std::mem::replace(self.filling(kind), fresh);
         let repository = self.repository.clone();
         self.uploads
@@ -2576,18 +2573,14 @@ impl Packer {
         Ok(())
     }
 
-    /// Wait for the oldest upload in flight and note its pack; with
-    /// `keep_buffer`, keep a data pack's buffer for the next data pack.
-    async fn collect_one(&mut self, keep_buffer: bool) -> Result<(), EngineError> {
+    /// Wait for the oldest upload in flight and note its pack; returns its
+    /// buffer, when the store let go of it.
+    async fn collect_one(&mut self) -> Result<Option<Vec<u8>>, EngineError> {
         let Some(result) = self.uploads.join_next().await else {
-            return Ok(());
+            return Ok(None);
         };
         let (id, entries, buffer) =
             result.unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))?;
-        if keep_buffer {
-            self.spare_buffer =
-                buffer.filter(|buffer| buffer.capacity() >= self.sizes.data_pack_buffer_bytes);
-        }
         tracing::debug!(pack = %id, blobs = entries.len(), "pack uploaded");
         self.packs_written += 1;
         self.unindexed.push((id, entries));
@@ -2595,7 +2588,7 @@ impl Packer {
             let packs = std::mem::take(&mut self.unindexed);
             self.repository.write_index(packs).await?;
         }
-        Ok(())
+        Ok(buffer)
     }
 
     /// Cancel the uploads in flight and wait until they are gone and the
@@ -2623,7 +2616,7 @@ impl Packer {
         self.flush(BlobKind::Data).await?;
         self.flush(BlobKind::Tree).await?;
         while !self.uploads.is_empty() {
-            self.collect_one(false).await?;
+            self.collect_one().await?;
         }
         Ok(std::mem::take(&mut self.unindexed))
     }

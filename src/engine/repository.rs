@@ -888,12 +888,10 @@ impl Repository {
         let codec = self.codec.clone();
         let pack = super::run_blocking(move || codec.finish_pack(writer, &mut rand::rng())).await;
         let id = pack.id;
-        let bytes = Bytes::from(pack.bytes);
-        self.store
-            .put(&repo::pack_key(&id), bytes.clone(), PutMode::Overwrite)
-            .await
-            .map_err(|error| EngineError::store(format!("upload {what} {id}"), error))?;
-        let buffer = bytes.try_into_mut().ok().map(Vec::from);
+        let buffer = put_object_reclaiming(&self.store, &repo::pack_key(&id), pack.bytes, || {
+            format!("upload {what} {id}")
+        })
+        .await?;
         Ok((id, pack.entries, buffer))
     }
 
@@ -1196,8 +1194,21 @@ async fn put_object(
     bytes: Vec<u8>,
     action: impl FnOnce() -> String,
 ) -> Result<(), EngineError> {
+    put_object_reclaiming(store, key, bytes, action).await?;
+    Ok(())
+}
+
+/// [`put_object`], handing the buffer back once the store let go of it.
+async fn put_object_reclaiming(
+    store: &DynStore,
+    key: &str,
+    bytes: Vec<u8>,
+    action: impl FnOnce() -> String,
+) -> Result<Option<Vec<u8>>, EngineError> {
+    let bytes = Bytes::from(bytes);
     store
-        .put(key, Bytes::from(bytes), PutMode::Overwrite)
+        .put(key, bytes.clone(), PutMode::Overwrite)
         .await
-        .map_err(|error| EngineError::store(action(), error))
+        .map_err(|error| EngineError::store(action(), error))?;
+    Ok(bytes.try_into_mut().ok().map(Vec::from))
 }

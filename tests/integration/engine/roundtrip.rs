@@ -199,6 +199,10 @@ async fn a_backup_after_another_reuses_only_what_did_not_change() {
     assert_same_tree(&source, &target);
 }
 
+fn set_mode(path: &Path, mode: u32) {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+}
+
 /// The tree id of every directory of a snapshot, by path.
 async fn directory_trees(
     repo: &TestRepo,
@@ -245,13 +249,7 @@ async fn a_directory_walked_unchanged_keeps_its_tree_and_a_change_at_any_depth_i
     let steps: [(&str, Change, &[&str]); 6] = [
         (
             "a directory's mode, two levels down",
-            |source| {
-                std::fs::set_permissions(
-                    source.join("top/mid/deep"),
-                    std::fs::Permissions::from_mode(0o700),
-                )
-                .unwrap()
-            },
+            |source| set_mode(&source.join("top/mid/deep"), 0o700),
             &["", "/top", "/top/mid"],
         ),
         (
@@ -261,13 +259,7 @@ async fn a_directory_walked_unchanged_keeps_its_tree_and_a_change_at_any_depth_i
         ),
         (
             "a file's mode, three levels down",
-            |source| {
-                std::fs::set_permissions(
-                    source.join("top/mid/deep/f2"),
-                    std::fs::Permissions::from_mode(0o600),
-                )
-                .unwrap()
-            },
+            |source| set_mode(&source.join("top/mid/deep/f2"), 0o600),
             &["", "/top", "/top/mid", "/top/mid/deep"],
         ),
         (
