@@ -5,7 +5,9 @@
 //! engine's job. To get the same cut points as chunking the whole stream at
 //! once, a caller hands [`Chunker::cut`] either at least
 //! [`ChunkerParameters::max_bytes`] bytes or everything up to the end of the
-//! stream.
+//! stream; a caller reading a stream a block at a time asks
+//! [`Chunker::find_cut`] after each block instead, which looks at each
+//! byte once and needs no more than the chunk itself read.
 
 use std::borrow::Cow;
 
@@ -72,6 +74,14 @@ impl ChunkerParameters {
     }
 }
 
+/// Where [`Chunker::find_cut`] stopped looking for a cut: the next pair of
+/// bytes to test and the rolling hash before it.
+#[derive(Debug, Clone, Copy)]
+pub struct CutSearch {
+    pair: usize,
+    hash: u64,
+}
+
 /// Finds content-defined cut points.
 #[derive(Debug, Clone)]
 pub struct Chunker {
@@ -129,6 +139,60 @@ impl Chunker {
         length.clamp(1, data.len())
     }
 
+    /// A new search for the first cut of a chunk read a part at a time
+    /// (see [`Chunker::find_cut`]).
+    pub fn cut_search(&self) -> CutSearch {
+        CutSearch {
+            pair: self.parameters.min_bytes as usize / 2,
+            hash: 0,
+        }
+    }
+
+    /// The first cut of a chunk whose bytes so far are `data`, carrying on
+    /// `search` from where the last call on a shorter `data` stopped, so
+    /// each byte is looked at once however the chunk is read; `None` when
+    /// the cut lies beyond `data` (read more and call again), unless
+    /// `at_end` says the stream ends with `data`. The cut is
+    /// [`Chunker::cut`]'s for the whole stream: the same scan as
+    /// FastCDC's `cut_gear`, pair by pair, held between calls.
+    pub fn find_cut(&self, search: &mut CutSearch, data: &[u8], at_end: bool) -> Option<usize> {
+        let min = self.parameters.min_bytes as usize;
+        let max = self.parameters.max_bytes as usize;
+        if data.len() <= min {
+            return at_end.then_some(data.len());
+        }
+        let window = data.len().min(max);
+        let gear: &[u64; 256] = self.gear.as_ref().try_into().expect("256 gear entries");
+        let gear_ls: &[u64; 256] = self.gear_ls.as_ref().try_into().expect("256 gear entries");
+        let strict_pair_end = self.parameters.average_bytes as usize / 2;
+        let data = &data[..window];
+        // The state in locals while scanning, and one loop per mask, as in
+        // FastCDC's own scan (whose first byte of a pair is tested with the
+        // mask shifted left).
+        let mut pair = search.pair;
+        let mut hash = search.hash;
+        for (end, mask) in [
+            (strict_pair_end.min(window / 2), self.mask_s),
+            (window / 2, self.mask_l),
+        ] {
+            let mask_ls = mask << 1;
+            while pair < end {
+                let at = pair * 2;
+                hash = (hash << 2).wrapping_add(gear_ls[data[at] as usize]);
+                if hash & mask_ls == 0 {
+                    return Some(at.max(1));
+                }
+                hash = hash.wrapping_add(gear[data[at + 1] as usize]);
+                if hash & mask == 0 {
+                    return Some(at + 1);
+                }
+                pair += 1;
+            }
+        }
+        *search = CutSearch { pair, hash };
+        (at_end || data.len() >= max).then_some(window)
+    }
+
     /// Split a whole in-memory stream into chunk lengths.
     pub fn chunk_lengths(&self, mut data: &[u8]) -> Vec<usize> {
         let mut lengths = Vec::new();
@@ -169,6 +233,47 @@ mod tests {
                     prop_assert!(*length >= 1024 && *length <= 16384);
                 }
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_stream_read_in_parts_is_cut_where_the_whole_is(
+            data in proptest::collection::vec(any::<u8>(), 0..60_000),
+            reads in proptest::collection::vec(1usize..9_000, 1..40),
+            normalization in 0u8..=3,
+        ) {
+            // Normalization 3 makes the masks before and after the
+            // average far apart, so a scan that switches at the wrong pair
+            // cuts elsewhere.
+            let parameters = ChunkerParameters { normalization, ..*small_chunker().parameters() };
+            let chunker = Chunker::new(parameters, 42);
+            let max = parameters.max_bytes as usize;
+            let mut lengths = Vec::new();
+            let mut chunk_start = 0;
+            let mut read_end = 0;
+            let mut search = chunker.cut_search();
+            for read in reads.iter().cycle() {
+                if chunk_start == data.len() {
+                    break;
+                }
+                read_end = (read_end + read).min(data.len());
+                let at_end = read_end == data.len();
+                loop {
+                    let held = &data[chunk_start..read_end];
+                    let Some(cut) = chunker.find_cut(&mut search, held, at_end) else {
+                        prop_assert!(held.len() < max, "no cut in {} bytes", held.len());
+                        break;
+                    };
+                    if cut == 0 {
+                        break;
+                    }
+                    lengths.push(cut);
+                    chunk_start += cut;
+                    search = chunker.cut_search();
+                }
+            }
+            prop_assert_eq!(lengths, chunker.chunk_lengths(&data));
         }
     }
 
