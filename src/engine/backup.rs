@@ -75,6 +75,8 @@ const WALK_BATCH_HELD_BYTES: usize = 256 * 1024;
 /// process; without it, the batches of tiny files queued for their jobs
 /// held thousands open.
 const MAX_OPEN_SOURCE_FILES: usize = 64;
+/// Places under [`MAX_OPEN_SOURCE_FILES`] the walker waits for at once.
+const OPEN_FILE_PLACES_AT_ONCE: u32 = 8;
 /// Chunks smaller than this are hashed and compressed on the walker thread.
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
 /// Packs being uploaded at once; each holds its full pack in memory.
@@ -532,6 +534,7 @@ pub async fn backup(
             chunk_budget: Arc::new(Semaphore::new(buffers.chunk_bytes_in_flight as usize)),
             chunk_bytes_in_flight: buffers.chunk_bytes_in_flight,
             open_files: Arc::new(Semaphore::new(MAX_OPEN_SOURCE_FILES)),
+            spare_open_file_places: None,
             cancel: cancel.clone(),
             stop: options.stop.clone(),
             items: items_tx,
@@ -992,6 +995,8 @@ struct WalkContext {
     chunk_bytes_in_flight: u32,
     /// Places under [`MAX_OPEN_SOURCE_FILES`].
     open_files: Arc<Semaphore>,
+    /// Places under [`MAX_OPEN_SOURCE_FILES`] taken and not used yet.
+    spare_open_file_places: Option<OwnedSemaphorePermit>,
     cancel: CancellationToken,
     /// [`BackupOptions::stop`]: looked at before each entry and each read,
     /// where everything handed on is whole.
@@ -1275,10 +1280,25 @@ impl WalkContext {
         self.acquire(budget, permits)
     }
 
-    /// A place for one more open source file.
+    /// A place for one more open source file. When none is free the
+    /// walker waits for [`OPEN_FILE_PLACES_AT_ONCE`] and keeps the ones it
+    /// does not use yet: waking it for each file a job closed made two
+    /// context switches per small file.
     fn open_file_place(&mut self) -> Result<OwnedSemaphorePermit, EngineError> {
-        let places = self.open_files.clone();
-        self.acquire(places, 1)
+        let mut spare = match self.spare_open_file_places.take() {
+            Some(last) if last.num_permits() == 1 => return Ok(last),
+            Some(spare) => spare,
+            None => {
+                let places = self.open_files.clone();
+                if let Ok(place) = places.clone().try_acquire_owned() {
+                    return Ok(place);
+                }
+                self.acquire(places, OPEN_FILE_PLACES_AT_ONCE)?
+            }
+        };
+        let place = spare.split(1).expect("more than one spare place");
+        self.spare_open_file_places = Some(spare);
+        Ok(place)
     }
 
     /// `permits` of `semaphore`, handing the queued items on first when it
