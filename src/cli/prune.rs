@@ -148,6 +148,15 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
             report.unmarked_packs
         );
     }
+    if report.abandoned_uploads_removed > 0 {
+        println!(
+            "  removed {} incomplete uploads older than the safety margin (left by writers that died)",
+            report.abandoned_uploads_removed
+        );
+    }
+    if let Some(problem) = &report.abandoned_uploads_problem {
+        eprintln!("warning: {problem}");
+    }
     if let Some(reason) = &report.deletion_deferred {
         println!("  deletion deferred: {reason}");
     }

@@ -435,6 +435,18 @@ async fn first_phase(
         }
         return Ok((report, false));
     }
+    // Uploads a writer began and never finished (a stage pod killed, or
+    // stopped while the location was away) cost storage until aborted:
+    // those older than the margin a marked pack gets are nobody's.
+    let margin = Duration::from_secs(options.settings.safety_margin_seconds.max(0) as u64);
+    match repository.store().sweep_incomplete_uploads(margin).await {
+        Ok(swept) => report.abandoned_uploads_removed = swept.removed.len(),
+        Err(error) => {
+            report.abandoned_uploads_problem = Some(format!(
+                "the incomplete uploads older than the safety margin could not be listed or removed ({error}); run `haulage repo sweep` when the store allows it"
+            ))
+        }
+    }
     // The expired checkpoints go first: the plan keeps none of their data,
     // so their packs are marked now and deleted a margin later, and no
     // checkpoint is ever left naming a deleted blob by prune.

@@ -194,6 +194,15 @@ pub fn finished_status(
             human(report.waiting_bytes)
         ));
     }
+    if report.abandoned_uploads_removed > 0 {
+        message.push_str(&format!(
+            "; removed {} incomplete uploads older than the safety margin (left by writers that died)",
+            report.abandoned_uploads_removed
+        ));
+    }
+    if let Some(problem) = &report.abandoned_uploads_problem {
+        message.push_str(&format!("; {problem}"));
+    }
     if !report.damaged_packs.is_empty() {
         message.push_str(&format!(
             "; {} packs cannot be read and are kept (run `haulage verify` on the repository): {}",
@@ -446,6 +455,27 @@ mod tests {
         assert!(
             done.message.unwrap_or_default().contains("shop/db"),
             "the holder is named"
+        );
+        let swept = PruneReport {
+            abandoned_uploads_removed: 2,
+            ..PruneReport::default()
+        };
+        let message = finished_status(&running, Ok(&swept), &[], at(1_010)).message;
+        assert!(
+            message
+                .unwrap_or_default()
+                .contains("removed 2 incomplete uploads"),
+            "the uploads aborted are counted"
+        );
+        let refused = PruneReport {
+            abandoned_uploads_problem: Some("ListMultipartUploads: AccessDenied".into()),
+            ..PruneReport::default()
+        };
+        let done = finished_status(&running, Ok(&refused), &[], at(1_010));
+        assert_eq!(done.result, Some(MaintenanceResult::Succeeded));
+        assert!(
+            done.message.unwrap_or_default().contains("AccessDenied"),
+            "why the uploads were not looked at is said"
         );
     }
 

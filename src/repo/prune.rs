@@ -166,6 +166,13 @@ pub struct PruneReport {
     pub deletion_deferred: Option<String>,
     /// Packs whose blobs could not be read (kept, never deleted).
     pub damaged_packs: Vec<String>,
+    /// Incomplete uploads (S3 multipart uploads, temporary files) older
+    /// than the safety margin, left by writers that died or were stopped
+    /// while the store was away, removed (not looked for in a dry run).
+    pub abandoned_uploads_removed: usize,
+    /// Why they could not be looked for, if they could not (the prune
+    /// itself goes on: a store may refuse to list its uploads).
+    pub abandoned_uploads_problem: Option<String>,
 }
 
 /// A pack to rewrite: copy these blobs (its keepers) out of it.

@@ -188,6 +188,92 @@ fn forget_and_prune_reclaim_space_to_within_ten_percent_of_a_fresh_backup() {
     );
 }
 
+/// A multipart upload a writer never finished (a stage pod killed in the
+/// middle of a pack, or stopped while its location was away) costs storage
+/// until it is aborted: the next prune aborts it once it is older than the
+/// safety margin a marked pack gets, and not before; another prefix's
+/// upload is not its to touch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_aborts_uploads_left_unfinished_once_older_than_its_margin() {
+    let server = MinioServer::start().await.expect("start minio");
+    server.create_bucket("lifecycle").await.expect("bucket");
+    let endpoint = server.endpoint();
+    let at_minio = move || {
+        let mut command = haulage();
+        with_s3_credentials(&mut command, &endpoint);
+        command
+    };
+    let admin = server.admin_client();
+    for key in ["repo/data/ab/abandoned-pack", "other/data/ab/not-ours"] {
+        let created = admin
+            .create_multipart_upload()
+            .bucket("lifecycle")
+            .key(key)
+            .send()
+            .await
+            .expect("create upload");
+        admin
+            .upload_part()
+            .bucket("lifecycle")
+            .key(key)
+            .upload_id(created.upload_id().expect("upload id"))
+            .part_number(1)
+            .body(random_bytes(7, 1 << 20).into())
+            .send()
+            .await
+            .expect("upload part");
+    }
+    let uploads = |prefix: &'static str| {
+        let server = &server;
+        async move {
+            server
+                .multipart_uploads("lifecycle", prefix)
+                .await
+                .unwrap()
+                .len()
+        }
+    };
+    let prune = |margin: &'static str| {
+        let mut command = at_minio();
+        command.args([
+            "prune",
+            "--safety-margin",
+            margin,
+            "--repo",
+            "s3://lifecycle/repo",
+        ]);
+        async move {
+            tokio::task::spawn_blocking(move || run(&mut command, "prune"))
+                .await
+                .unwrap()
+        }
+    };
+    let mut init = at_minio();
+    init.args(["repo", "init", "--repo", "s3://lifecycle/repo"]);
+    tokio::task::spawn_blocking(move || run(&mut init, "init"))
+        .await
+        .unwrap();
+
+    let within_margin = prune("1h").await;
+    assert!(
+        !within_margin.contains("incomplete uploads"),
+        "{within_margin}"
+    );
+    assert_eq!(
+        uploads("repo/").await,
+        1,
+        "an upload younger than the margin stays"
+    );
+
+    let past_margin = prune("0s").await;
+    assert!(
+        past_margin.contains("removed 1 incomplete uploads older than the safety margin"),
+        "{past_margin}"
+    );
+    assert_eq!(uploads("repo/").await, 0);
+    assert_eq!(uploads("other/").await, 1, "another prefix's upload stays");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prune_reclaims_space_on_minio_and_no_object_in_the_bucket_holds_plaintext() {
     let server = MinioServer::start().await.expect("start minio");
