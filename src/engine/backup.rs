@@ -1184,15 +1184,27 @@ fn kind_of_mode(mode: u32) -> EntryKind {
 
 /// Extended attributes of a path, without following a symlink.
 fn read_xattrs(path: &Path) -> io::Result<Vec<Xattr>> {
-    let mut names = vec![0u8; 4096];
+    // Most files have none: their list is asked into the stack, not into a
+    // buffer allocated and zeroed for each file.
+    let mut listed = [0u8; 1024];
+    let mut larger: Vec<u8> = Vec::new();
     let length = loop {
-        match rustix::fs::llistxattr(path, &mut names) {
+        let names: &mut [u8] = if larger.is_empty() {
+            &mut listed
+        } else {
+            &mut larger
+        };
+        match rustix::fs::llistxattr(path, &mut *names) {
             Ok(length) => break length,
-            Err(rustix::io::Errno::RANGE) => names.resize(names.len() * 4, 0),
+            Err(rustix::io::Errno::RANGE) => {
+                let size = names.len() * 4;
+                larger.resize(size, 0);
+            }
             Err(rustix::io::Errno::NOTSUP) => return Ok(Vec::new()),
             Err(error) => return Err(error.into()),
         }
     };
+    let names: &[u8] = if larger.is_empty() { &listed } else { &larger };
     let mut xattrs = Vec::new();
     for name in names[..length]
         .split(|byte| *byte == 0)
@@ -1909,7 +1921,9 @@ fn read_small_file(
     let expected = before.len() as usize;
     let progress = &shared.progress;
     let limit = chunker.parameters().max_bytes as usize;
-    let mut data = Vec::with_capacity(expected + 1);
+    // One byte more for the read that finds the end, and room for the tag
+    // a blob stored as it is gets when sealed, so neither grows it.
+    let mut data = Vec::with_capacity(expected + 1 + shared.repository.codec().blob_overhead());
     let after = read_whole(&file, &mut data, expected, limit);
     let after = match after {
         Ok(after) => after,

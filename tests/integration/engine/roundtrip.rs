@@ -123,6 +123,14 @@ async fn hardlinks_xattrs_fifos_times_and_sparse_files_are_restored() {
     std::fs::write(source.join("tagged"), b"x").unwrap();
     set_xattr(&source.join("tagged"), "user.comment", b"hello").unwrap();
     set_xattr(&source.join("a"), "user.dir", b"on a directory").unwrap();
+    // Names listing to more than the kibibyte the backup first asks the
+    // list into, and a value longer than the one it first asks into.
+    std::fs::write(source.join("many-tags"), b"y").unwrap();
+    for tag in 0..10 {
+        let name = format!("user.{tag:02}-{}", "n".repeat(110));
+        set_xattr(&source.join("many-tags"), &name, tag.to_string().as_bytes()).unwrap();
+    }
+    set_xattr(&source.join("many-tags"), "user.long", &[b'v'; 1500]).unwrap();
     make_fifo(&source.join("pipe"), 0o640).unwrap();
     std::os::unix::fs::symlink("loop", source.join("loop")).unwrap();
     // 1 GiB sparse file with 4 KiB of data in the middle.
