@@ -121,22 +121,8 @@ impl Chunker {
     /// `max_bytes` long unless it is the end of the stream; for an empty
     /// slice the result is 0.
     pub fn cut(&self, data: &[u8]) -> usize {
-        if data.is_empty() {
-            return 0;
-        }
-        let (_, length) = v2020::cut_gear(
-            data,
-            self.parameters.min_bytes as usize,
-            self.parameters.average_bytes as usize,
-            self.parameters.max_bytes as usize,
-            self.mask_s,
-            self.mask_l,
-            self.mask_s << 1,
-            self.mask_l << 1,
-            &self.gear,
-            &self.gear_ls,
-        );
-        length.clamp(1, data.len())
+        self.find_cut(&mut self.cut_search(), data, true)
+            .unwrap_or(data.len())
     }
 
     /// A new search for the first cut of a chunk read a part at a time
@@ -152,9 +138,9 @@ impl Chunker {
     /// `search` from where the last call on a shorter `data` stopped, so
     /// each byte is looked at once however the chunk is read; `None` when
     /// the cut lies beyond `data` (read more and call again), unless
-    /// `at_end` says the stream ends with `data`. The cut is
-    /// [`Chunker::cut`]'s for the whole stream: the same scan as
-    /// FastCDC's `cut_gear`, pair by pair, held between calls.
+    /// `at_end` says the stream ends with `data`. The cut is the one
+    /// FastCDC's `cut_gear` finds in the whole stream (the same scan, pair
+    /// by pair, held between calls; property-tested against it).
     pub fn find_cut(&self, search: &mut CutSearch, data: &[u8], at_end: bool) -> Option<usize> {
         let min = self.parameters.min_bytes as usize;
         let max = self.parameters.max_bytes as usize;
@@ -273,8 +259,32 @@ mod tests {
                     search = chunker.cut_search();
                 }
             }
+            prop_assert_eq!(&lengths, &fastcdc_lengths(&chunker, &data));
             prop_assert_eq!(lengths, chunker.chunk_lengths(&data));
         }
+    }
+
+    /// The chunk lengths FastCDC's own scan gives the whole stream.
+    fn fastcdc_lengths(chunker: &Chunker, mut data: &[u8]) -> Vec<usize> {
+        let parameters = chunker.parameters;
+        let mut lengths = Vec::new();
+        while !data.is_empty() {
+            let (_, length) = v2020::cut_gear(
+                data,
+                parameters.min_bytes as usize,
+                parameters.average_bytes as usize,
+                parameters.max_bytes as usize,
+                chunker.mask_s,
+                chunker.mask_l,
+                chunker.mask_s << 1,
+                chunker.mask_l << 1,
+                &chunker.gear,
+                &chunker.gear_ls,
+            );
+            lengths.push(length);
+            data = &data[length..];
+        }
+        lengths
     }
 
     #[test]
