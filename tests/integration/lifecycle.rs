@@ -203,25 +203,11 @@ async fn prune_aborts_uploads_left_unfinished_once_older_than_its_margin() {
         with_s3_credentials(&mut command, &endpoint);
         command
     };
-    let admin = server.admin_client();
     for key in ["repo/data/ab/abandoned-pack", "other/data/ab/not-ours"] {
-        let created = admin
-            .create_multipart_upload()
-            .bucket("lifecycle")
-            .key(key)
-            .send()
+        server
+            .leave_unfinished_upload("lifecycle", key)
             .await
-            .expect("create upload");
-        admin
-            .upload_part()
-            .bucket("lifecycle")
-            .key(key)
-            .upload_id(created.upload_id().expect("upload id"))
-            .part_number(1)
-            .body(random_bytes(7, 1 << 20).into())
-            .send()
-            .await
-            .expect("upload part");
+            .expect("upload left");
     }
     let uploads = |prefix: &'static str| {
         let server = &server;

@@ -401,32 +401,15 @@ async fn dropping_a_put_mid_multipart_aborts_its_upload() {
 #[tokio::test]
 async fn sweep_aborts_old_uploads_under_the_prefix_only() {
     let server = server_with_bucket().await;
-    let admin = server.admin_client();
-    let mut orphans = Vec::new();
     for key in [
         "team/repo/data/orphan-1",
         "team/repo/data/orphan-2",
         "team/other/data/not-ours",
     ] {
-        let created = admin
-            .create_multipart_upload()
-            .bucket(BUCKET)
-            .key(key)
-            .send()
+        server
+            .leave_unfinished_upload(BUCKET, key)
             .await
-            .expect("create upload");
-        let upload_id = created.upload_id().expect("upload id").to_string();
-        admin
-            .upload_part()
-            .bucket(BUCKET)
-            .key(key)
-            .upload_id(&upload_id)
-            .part_number(1)
-            .body(pattern(1024, 1).into())
-            .send()
-            .await
-            .expect("upload part");
-        orphans.push(key);
+            .expect("upload left");
     }
     let store = open_store(&format!("s3://{BUCKET}/{PREFIX}"), &server.store_options())
         .await
@@ -463,7 +446,6 @@ async fn sweep_aborts_old_uploads_under_the_prefix_only() {
         1,
         "another prefix's upload is not ours to sweep"
     );
-    assert_eq!(orphans.len(), 3);
 }
 
 #[tokio::test]

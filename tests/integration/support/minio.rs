@@ -410,6 +410,30 @@ impl MinioServer {
         }
     }
 
+    /// Start a multipart upload of `key` in `bucket`, send one part and never
+    /// complete it: what a writer killed in the middle of a pack leaves.
+    pub async fn leave_unfinished_upload(&self, bucket: &str, key: &str) -> anyhow::Result<()> {
+        let admin = self.admin_client();
+        let created = admin
+            .create_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .send()
+            .await
+            .context("create multipart upload")?;
+        admin
+            .upload_part()
+            .bucket(bucket)
+            .key(key)
+            .upload_id(created.upload_id().context("no upload id")?)
+            .part_number(1)
+            .body(vec![7u8; 1024].into())
+            .send()
+            .await
+            .context("upload part")?;
+        Ok(())
+    }
+
     /// Every incomplete multipart upload in `bucket` whose key starts with
     /// `prefix`, as (key, upload id). Lists the whole bucket and filters here,
     /// because MinIO's prefixed listing only matches exact keys.
