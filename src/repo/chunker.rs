@@ -9,8 +9,6 @@
 //! [`Chunker::find_cut`] after each block instead, which looks at each
 //! byte once and needs no more than the chunk itself read.
 
-use std::borrow::Cow;
-
 use fastcdc::v2020;
 use serde::{Deserialize, Serialize};
 
@@ -88,8 +86,10 @@ pub struct Chunker {
     parameters: ChunkerParameters,
     mask_s: u64,
     mask_l: u64,
-    gear: Cow<'static, [u64]>,
-    gear_ls: Cow<'static, [u64]>,
+    /// FastCDC's gear tables XORed with the seed, as arrays: the scan
+    /// indexes them by a byte without bounds checks.
+    gear: Box<[u64; 256]>,
+    gear_ls: Box<[u64; 256]>,
 }
 
 impl Chunker {
@@ -103,6 +103,15 @@ impl Chunker {
         };
         let (mask_s, mask_l) = v2020::select_masks(parameters.average_bytes as usize, level);
         let (gear, gear_ls) = v2020::get_gear_with_seed(gear_seed);
+        let table = |entries: std::borrow::Cow<'static, [u64]>| -> Box<[u64; 256]> {
+            Box::new(
+                entries
+                    .as_ref()
+                    .try_into()
+                    .expect("FastCDC's gear tables have 256 entries"),
+            )
+        };
+        let (gear, gear_ls) = (table(gear), table(gear_ls));
         Chunker {
             parameters,
             mask_s,
@@ -148,8 +157,7 @@ impl Chunker {
             return at_end.then_some(data.len());
         }
         let window = data.len().min(max);
-        let gear: &[u64; 256] = self.gear.as_ref().try_into().expect("256 gear entries");
-        let gear_ls: &[u64; 256] = self.gear_ls.as_ref().try_into().expect("256 gear entries");
+        let (gear, gear_ls) = (&*self.gear, &*self.gear_ls);
         let strict_pair_end = self.parameters.average_bytes as usize / 2;
         let data = &data[..window];
         // The state in locals while scanning, and one loop per mask, as in
@@ -278,8 +286,8 @@ mod tests {
                 chunker.mask_l,
                 chunker.mask_s << 1,
                 chunker.mask_l << 1,
-                &chunker.gear,
-                &chunker.gear_ls,
+                &chunker.gear[..],
+                &chunker.gear_ls[..],
             );
             lengths.push(length);
             data = &data[length..];

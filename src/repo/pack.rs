@@ -541,8 +541,7 @@ mod tests {
 
     #[test]
     fn a_pack_written_into_a_used_buffer_is_the_pack_a_fresh_one_makes() {
-        let used = PackWriter::with_capacity(4096);
-        let mut used = used;
+        let mut used = PackWriter::with_capacity(4096);
         used.add(
             BlobId([9; 32]),
             BlobKind::Data,

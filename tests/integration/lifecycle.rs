@@ -188,13 +188,9 @@ fn forget_and_prune_reclaim_space_to_within_ten_percent_of_a_fresh_backup() {
     );
 }
 
-/// A multipart upload a writer never finished (a stage pod killed in the
-/// middle of a pack, or stopped while its location was away) costs storage
-/// until it is aborted: the next prune aborts it once it is older than the
-/// safety margin a marked pack gets, and not before; another prefix's
-/// upload is not its to touch.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prune_aborts_uploads_left_unfinished_once_older_than_its_margin() {
+/// A MinIO with the `lifecycle` bucket, and a `haulage` command that
+/// reaches it.
+async fn minio_with_lifecycle_bucket() -> (MinioServer, impl Fn() -> Command + Send + 'static) {
     let server = MinioServer::start().await.expect("start minio");
     server.create_bucket("lifecycle").await.expect("bucket");
     let endpoint = server.endpoint();
@@ -203,6 +199,17 @@ async fn prune_aborts_uploads_left_unfinished_once_older_than_its_margin() {
         with_s3_credentials(&mut command, &endpoint);
         command
     };
+    (server, at_minio)
+}
+
+/// A multipart upload a writer never finished (a stage pod killed in the
+/// middle of a pack, or stopped while its location was away) costs storage
+/// until it is aborted: the next prune aborts it once it is older than the
+/// safety margin a marked pack gets, and not before; another prefix's
+/// upload is not its to touch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_aborts_uploads_left_unfinished_once_older_than_its_margin() {
+    let (server, at_minio) = minio_with_lifecycle_bucket().await;
     for key in ["repo/data/ab/abandoned-pack", "other/data/ab/not-ours"] {
         server
             .leave_unfinished_upload("lifecycle", key)
@@ -262,14 +269,7 @@ async fn prune_aborts_uploads_left_unfinished_once_older_than_its_margin() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prune_reclaims_space_on_minio_and_no_object_in_the_bucket_holds_plaintext() {
-    let server = MinioServer::start().await.expect("start minio");
-    server.create_bucket("lifecycle").await.expect("bucket");
-    let endpoint = server.endpoint();
-    let at_minio = move || {
-        let mut command = haulage();
-        with_s3_credentials(&mut command, &endpoint);
-        command
-    };
+    let (server, at_minio) = minio_with_lifecycle_bucket().await;
     let work = tempfile::tempdir().unwrap();
     // A marked text file rides along in the tree.
     let marker = b"HAULAGE-MINIO-PLAINTEXT-MARKER-51c2";
