@@ -150,7 +150,7 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
     }
     if report.abandoned_uploads_removed > 0 {
         println!(
-            "  removed {} incomplete uploads older than the safety margin (left by writers that died)",
+            "  removed {} incomplete uploads older than the safety margin and an hour (left by writers that died)",
             report.abandoned_uploads_removed
         );
     }

@@ -43,6 +43,12 @@ const TREES_PER_BATCH: usize = 256;
 /// The lock purpose prune records, and looks for to refuse a second prune.
 pub const PRUNE_PURPOSE: &str = "prune";
 
+/// The youngest incomplete upload a prune aborts, however short its
+/// safety margin: a margin of 0 deletes marked packs at once, but a live
+/// writer's upload in flight (a lock being written, a pack going up as a
+/// multipart upload at a throttled rate) must never be taken from it.
+pub const ABANDONED_UPLOAD_MIN_AGE: Duration = Duration::from_secs(3600);
+
 /// How prune runs.
 #[derive(Debug, Clone)]
 pub struct PruneOptions {
@@ -437,13 +443,19 @@ async fn first_phase(
     }
     // Uploads a writer began and never finished (a stage pod killed, or
     // stopped while the location was away) cost storage until aborted:
-    // those older than the margin a marked pack gets are nobody's.
+    // those older than the margin a marked pack gets, and than
+    // ABANDONED_UPLOAD_MIN_AGE whatever the margin, are nobody's.
     let margin = Duration::from_secs(options.settings.safety_margin_seconds.max(0) as u64);
-    match repository.store().sweep_incomplete_uploads(margin).await {
+    let abandoned_after = margin.max(ABANDONED_UPLOAD_MIN_AGE);
+    match repository
+        .store()
+        .sweep_incomplete_uploads(abandoned_after)
+        .await
+    {
         Ok(swept) => report.abandoned_uploads_removed = swept.removed.len(),
         Err(error) => {
             report.abandoned_uploads_problem = Some(format!(
-                "the incomplete uploads older than the safety margin could not be listed or removed ({error}); run `haulage repo sweep` when the store allows it"
+                "the abandoned incomplete uploads could not be listed or removed ({error}); run `haulage repo sweep` when the store allows it"
             ))
         }
     }

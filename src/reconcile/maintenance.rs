@@ -196,7 +196,7 @@ pub fn finished_status(
     }
     if report.abandoned_uploads_removed > 0 {
         message.push_str(&format!(
-            "; removed {} incomplete uploads older than the safety margin (left by writers that died)",
+            "; removed {} incomplete uploads older than the safety margin and an hour (left by writers that died)",
             report.abandoned_uploads_removed
         ));
     }

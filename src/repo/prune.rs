@@ -167,7 +167,8 @@ pub struct PruneReport {
     /// Packs whose blobs could not be read (kept, never deleted).
     pub damaged_packs: Vec<String>,
     /// Incomplete uploads (S3 multipart uploads, temporary files) older
-    /// than the safety margin, left by writers that died or were stopped
+    /// than the safety margin and than an hour whatever the margin, left
+    /// by writers that died or were stopped
     /// while the store was away, removed (not looked for in a dry run).
     pub abandoned_uploads_removed: usize,
     /// Why they could not be looked for, if they could not (the prune
