@@ -438,7 +438,7 @@ pub async fn backup(
         .unwrap_or_else(|| source.display().to_string());
 
     let loaded = repository.load_index().await?;
-    let index = Arc::new(loaded.index);
+    let index = loaded.index;
     let parent = find_parent(repository, &options, &label).await?;
     let parent_root = match &parent {
         Some((_, snapshot)) => Some(repository.load_tree(&index, &snapshot.tree).await?),

@@ -56,6 +56,63 @@ pub struct Repository {
     codec: ObjectCodec,
     /// Format 2: the master key and the key file that unwrapped it.
     unlocked: Option<Arc<Unlocked>>,
+    /// The index the engines of this process last loaded, shared while
+    /// one of them still holds it ([`Repository::load_index`]).
+    shared_index: Arc<tokio::sync::Mutex<Option<IndexShare>>>,
+}
+
+/// An index loaded for one engine, kept for the next while the first
+/// still holds it: the volumes one agent moves at once each need the
+/// repository's index, which is the largest thing an engine holds in a
+/// large repository (about 60 bytes a blob), and four copies of it took
+/// the agent past its memory request. Given again only while the index
+/// files and prune's deletion candidates are the ones it was loaded from,
+/// so it says what a fresh load would, but for packs stored since that no
+/// index file names yet (a backup then stores again what it would have
+/// deduplicated against them); new index files or a prune's new marks
+/// make the next engine load its own.
+#[derive(Debug)]
+struct IndexShare {
+    /// The index files it was loaded from, sorted.
+    index_keys: Vec<String>,
+    /// What was loaded; the index itself only while an engine holds it.
+    index: std::sync::Weak<BlobIndex>,
+    deletion_candidates: Vec<Candidate>,
+    damaged_indexes: Vec<String>,
+    unindexed_packs: Vec<(ObjectId, Vec<PackEntry>)>,
+    damaged_packs: Vec<String>,
+}
+
+impl IndexShare {
+    fn of(loaded: &LoadedIndex, index_keys: Vec<String>) -> Self {
+        IndexShare {
+            index_keys,
+            index: Arc::downgrade(&loaded.index),
+            deletion_candidates: loaded.deletion_candidates.clone(),
+            damaged_indexes: loaded.damaged_indexes.clone(),
+            unindexed_packs: loaded.unindexed_packs.clone(),
+            damaged_packs: loaded.damaged_packs.clone(),
+        }
+    }
+
+    /// The index again, if it was loaded from `index_keys` with
+    /// `deletion_candidates` and an engine still holds it.
+    fn reuse(
+        &self,
+        index_keys: &[String],
+        deletion_candidates: &[Candidate],
+    ) -> Option<LoadedIndex> {
+        if self.index_keys != index_keys || self.deletion_candidates != deletion_candidates {
+            return None;
+        }
+        Some(LoadedIndex {
+            index: self.index.upgrade()?,
+            deletion_candidates: self.deletion_candidates.clone(),
+            damaged_indexes: self.damaged_indexes.clone(),
+            unindexed_packs: self.unindexed_packs.clone(),
+            damaged_packs: self.damaged_packs.clone(),
+        })
+    }
 }
 
 #[derive(Debug)]
@@ -182,8 +239,9 @@ pub struct StoredCheckpoint {
 pub struct LoadedIndex {
     /// Every blob found; the blobs of packs prune has marked for deletion
     /// are readable but not deduplicated against
-    /// ([`BlobIndex::add_leaving_pack`]).
-    pub index: BlobIndex,
+    /// ([`BlobIndex::add_leaving_pack`]). Shared with the other engines
+    /// of this process that load it while this one holds it.
+    pub index: Arc<BlobIndex>,
     /// The packs prune has marked for deletion.
     pub deletion_candidates: Vec<Candidate>,
     /// Index files that could not be used; their packs were read from their
@@ -262,6 +320,7 @@ impl Repository {
             keys,
             codec,
             unlocked: written_key.map(|(key_file, master)| Arc::new(Unlocked { master, key_file })),
+            shared_index: Arc::default(),
         })
     }
 
@@ -289,6 +348,7 @@ impl Repository {
                 keys,
                 codec,
                 unlocked: None,
+                shared_index: Arc::default(),
             });
         }
         let source = match key {
@@ -323,6 +383,7 @@ impl Repository {
             keys,
             codec,
             unlocked: Some(Arc::new(Unlocked { master, key_file })),
+            shared_index: Arc::default(),
         })
     }
 
@@ -490,21 +551,49 @@ impl Repository {
     /// Load every index file, then adopt packs that no index names by
     /// reading their trailers, so blobs stored by an interrupted backup are
     /// found and not uploaded again.
+    ///
+    /// The engines of one process share what they load ([`IndexShare`]):
+    /// while one holds the index, another whose listing finds the same
+    /// index files and deletion candidates is given the same index instead
+    /// of a copy, and engines that start together load it once (they wait
+    /// here for the first).
     pub async fn load_index(&self) -> Result<LoadedIndex, EngineError> {
-        let mut loaded = LoadedIndex {
-            deletion_candidates: self.load_deletion_candidates().await?.candidates,
-            ..LoadedIndex::default()
-        };
-        let leaving: HashSet<ObjectId> = loaded
-            .deletion_candidates
-            .iter()
-            .map(|candidate| candidate.pack)
-            .collect();
+        let mut share = self.shared_index.lock().await;
+        let deletion_candidates = self.load_deletion_candidates().await?.candidates;
         let index_objects = self
             .store
             .list(INDEX_PREFIX)
             .await
             .map_err(|error| EngineError::store("list index files", error))?;
+        let mut index_keys: Vec<String> =
+            index_objects.iter().map(|meta| meta.key.clone()).collect();
+        index_keys.sort_unstable();
+        if let Some(loaded) = share
+            .as_ref()
+            .and_then(|share| share.reuse(&index_keys, &deletion_candidates))
+        {
+            return Ok(loaded);
+        }
+        let loaded = self.read_index(deletion_candidates, index_objects).await?;
+        *share = Some(IndexShare::of(&loaded, index_keys));
+        Ok(loaded)
+    }
+
+    /// [`Repository::load_index`] from the listed index files.
+    async fn read_index(
+        &self,
+        deletion_candidates: Vec<Candidate>,
+        index_objects: Vec<crate::store::ObjectMeta>,
+    ) -> Result<LoadedIndex, EngineError> {
+        let leaving: HashSet<ObjectId> = deletion_candidates
+            .iter()
+            .map(|candidate| candidate.pack)
+            .collect();
+        let mut index = BlobIndex::new();
+        let mut loaded = LoadedIndex {
+            deletion_candidates,
+            ..LoadedIndex::default()
+        };
         let mut results = futures::stream::iter(index_objects.into_iter().filter_map(|meta| {
             repo::id_from_key(&meta.key, INDEX_PREFIX).map(|id| (id, meta.key))
         }))
@@ -532,9 +621,9 @@ impl Repository {
                 Ok(file) => {
                     for (pack, entries) in &file.packs {
                         if leaving.contains(pack) {
-                            loaded.index.add_leaving_pack(*pack, entries);
+                            index.add_leaving_pack(*pack, entries);
                         } else {
-                            loaded.index.add_pack(*pack, entries);
+                            index.add_pack(*pack, entries);
                         }
                     }
                 }
@@ -552,7 +641,7 @@ impl Repository {
             .into_iter()
             .filter_map(|meta| {
                 let id = repo::id_from_key(&meta.key, DATA_PREFIX)?;
-                (!loaded.index.knows_pack(&id)).then_some((id, meta.size))
+                (!index.knows_pack(&id)).then_some((id, meta.size))
             })
             .collect();
         let mut trailers = futures::stream::iter(unindexed)
@@ -561,10 +650,10 @@ impl Repository {
         while let Some((id, result)) = trailers.next().await {
             match result {
                 Ok(entries) if leaving.contains(&id) => {
-                    loaded.index.add_leaving_pack(id, &entries);
+                    index.add_leaving_pack(id, &entries);
                 }
                 Ok(entries) => {
-                    loaded.index.add_pack(id, &entries);
+                    index.add_pack(id, &entries);
                     loaded.unindexed_packs.push((id, entries));
                 }
                 Err(EngineError::Store { source, .. }) if source.is_not_found() => {}
@@ -572,6 +661,7 @@ impl Repository {
             }
         }
         loaded.unindexed_packs.sort_by_key(|(id, _)| *id);
+        loaded.index = Arc::new(index);
         Ok(loaded)
     }
 

@@ -352,7 +352,7 @@ impl LoadedSnapshot {
         Ok(LoadedSnapshot {
             id: *id,
             snapshot: snapshot?,
-            index: Arc::new(loaded?.index),
+            index: loaded?.index,
             load_started,
             trees: Arc::new(TreeCache::default()),
         })

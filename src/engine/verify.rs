@@ -162,7 +162,7 @@ pub async fn verify_subset(
             affected_files: Vec::new(),
         });
     }
-    let index = Arc::new(loaded.index);
+    let index = loaded.index;
 
     // Which files use which blob.
     let mut users: HashMap<BlobId, Vec<String>> = HashMap::new();

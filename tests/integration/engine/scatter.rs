@@ -479,3 +479,75 @@ async fn the_smallest_memory_share_moves_the_same_data_in_smaller_packs_and_read
         }
     }
 }
+
+/// The engines of one process (the volumes an agent moves at once) share
+/// one copy of the repository's index: loads that start together read
+/// the index files once and get the same index, and so does a later load
+/// while an engine still holds it. A new index file (another backup
+/// finished) or new marks of prune make the next load its own, which sees
+/// them; once no engine holds the index it is freed and read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_of_one_process_share_the_index_while_one_holds_it() {
+    use haulage::repo::prune::{Candidate, DeletionCandidates, MarkReason};
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).expect("mkdir");
+    std::fs::write(source.join("a"), random_bytes(61, 300_000)).expect("write");
+    repo.backup(&source).await;
+    let (counter, repository) = counted(&repo).await;
+    let index_reads = || {
+        counter
+            .layer()
+            .take_reads()
+            .iter()
+            .filter(|read| read.key.starts_with(haulage::repo::INDEX_PREFIX))
+            .count()
+    };
+
+    let together = futures::future::join_all((0..4).map(|_| repository.load_index())).await;
+    let together: Vec<_> = together
+        .into_iter()
+        .map(|loaded| loaded.expect("index").index)
+        .collect();
+    assert!(
+        together
+            .iter()
+            .all(|index| Arc::ptr_eq(index, &together[0])),
+        "four loads at once, four copies"
+    );
+    assert_eq!(index_reads(), 1, "the one index file read once");
+    let again = repository.load_index().await.expect("index").index;
+    assert!(Arc::ptr_eq(&again, &together[0]));
+    assert_eq!(index_reads(), 0);
+
+    // Another backup's index file: a load of its own, which finds its blobs.
+    std::fs::write(source.join("b"), random_bytes(62, 300_000)).expect("write");
+    let second = repo.backup(&source).await;
+    let after_backup = repository.load_index().await.expect("index").index;
+    assert!(!Arc::ptr_eq(&after_backup, &together[0]));
+    assert!(after_backup.contains(&second.snapshot.tree));
+    assert!(!together[0].contains(&second.snapshot.tree));
+    assert_eq!(index_reads(), 2, "both index files read");
+
+    // Prune marks a pack: the next load sees it leaving.
+    let pack = after_backup.pack_of(after_backup.get(&second.snapshot.tree).expect("tree"));
+    repository
+        .write_deletion_candidates(&DeletionCandidates {
+            candidates: vec![Candidate {
+                pack,
+                since_seconds: 0,
+                reason: MarkReason::Unreferenced,
+            }],
+        })
+        .await
+        .expect("mark");
+    let after_mark = repository.load_index().await.expect("index").index;
+    assert!(!Arc::ptr_eq(&after_mark, &after_backup));
+    assert!(after_mark.is_leaving(&pack) && !after_backup.is_leaving(&pack));
+    assert_eq!(index_reads(), 2);
+
+    // Held by no engine: freed, and read again by the next.
+    drop((together, again, after_backup, after_mark));
+    repository.load_index().await.expect("index");
+    assert_eq!(index_reads(), 2);
+}
