@@ -8,7 +8,7 @@
 //! up to twice that stays on the heap. A first backup of 200,000 small
 //! files peaked at 131 MiB with the defaults and at 78 MiB with the
 //! settings below, in the same time (docs/benchmarks.md, "Small files in
-//! runs"); an agent moving three claims at once stays under its stage
+//! runs"); an agent moving four claims at once stays under its stage
 //! pod's 128Mi request only with them.
 //!
 //! glibc reads these settings from the environment when the process starts

@@ -103,19 +103,19 @@ mod tests {
     }
 
     #[test]
-    fn a_stage_pod_of_128mi_moves_three_volumes_in_three_shares() {
+    fn a_stage_pod_of_128mi_moves_four_volumes_in_four_shares() {
         let plan = VolumePlan::new(128 * MIB, None, 10);
-        assert_eq!(plan.at_once, 3);
-        assert_eq!(plan.memory.bytes(), 88 * MIB / 3);
+        assert_eq!(plan.at_once, 4);
+        assert_eq!(plan.memory.bytes(), 23 * MIB);
         // Two claims: two at once, each with half.
         let plan = VolumePlan::new(128 * MIB, None, 2);
-        assert_eq!((plan.at_once, plan.memory.bytes()), (2, 44 * MIB));
+        assert_eq!((plan.at_once, plan.memory.bytes()), (2, 46 * MIB));
         // One claim: what the baseline leaves.
         let plan = VolumePlan::new(128 * MIB, None, 1);
-        assert_eq!((plan.at_once, plan.memory.bytes()), (1, 88 * MIB));
+        assert_eq!((plan.at_once, plan.memory.bytes()), (1, 92 * MIB));
         // By hand: one at a time.
         let plan = VolumePlan::new(128 * MIB, Some(1), 10);
-        assert_eq!((plan.at_once, plan.memory.bytes()), (1, 88 * MIB));
+        assert_eq!((plan.at_once, plan.memory.bytes()), (1, 92 * MIB));
         // A larger budget: at most a whole engine each.
         let plan = VolumePlan::new(512 * MIB, None, 1);
         assert_eq!(

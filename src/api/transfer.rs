@@ -15,13 +15,17 @@ const MIB: u64 = 1024 * 1024;
 
 /// What a mover agent holds besides its engines' buffers: the async
 /// runtime and its blocking threads, the S3 client, the binary's pages,
-/// the repository's blob index, each thread's zstd context and the
-/// allocator's slack (small with the agent's allocator settings,
-/// `haulage::allocator`; about 20 MiB more without them). A restore of one small file peaks at 25
-/// MiB. With 36 MiB, four engines at once restoring 1 GiB claims peaked at
-/// 135 MiB (each restore loads its own copy of the index): 40 MiB leaves
-/// room for three (docs/benchmarks.md, "Several volumes in one stage pod").
-pub const AGENT_BASELINE_BYTES: u64 = 40 * MIB;
+/// the repository's blob index (one copy, which the agent's engines share:
+/// 60–100 bytes a blob, 7 MiB for the 90,000 blobs of five 1 GiB sample
+/// claims), each thread's zstd context and the allocator's slack (small
+/// with the agent's allocator settings, `haulage::allocator`; about 20 MiB
+/// more without them). A restore of one small file peaks at 25 MiB. Four
+/// engines at once restoring 1 GiB claims peak at 111–113 MiB (135 MiB
+/// while each loaded its own copy of the index; docs/benchmarks.md,
+/// "Several volumes in one stage pod"). A repository of millions of blobs
+/// needs stage pods with more memory (a StoragePolicy's
+/// `stagePodResources`).
+pub const AGENT_BASELINE_BYTES: u64 = 36 * MIB;
 /// The memory of one volume's engine at most, what one engine always had
 /// (a backup's 16 MiB packs and chunks in flight, a restore's whole-pack
 /// reads, its verification's trees). More buys an engine nothing
@@ -38,7 +42,7 @@ pub const SMALLEST_VOLUME_SHARE_BYTES: u64 = 23 * MIB;
 /// Volumes a stage pod's agent moves at once, given the memory it may use
 /// (its `--memory-budget`: the stage pod's memory request): as many as
 /// leave each at least [`SMALLEST_VOLUME_SHARE_BYTES`] besides
-/// [`AGENT_BASELINE_BYTES`], and at least one. Three in the default 128Mi.
+/// [`AGENT_BASELINE_BYTES`], and at least one. Four in the default 128Mi.
 /// The controller's admission grants a stage pod no more running
 /// transfers than this (from the pod's request, with the same function),
 /// so a cap slot, and its share of the bandwidth, never goes to a transfer
@@ -406,7 +410,7 @@ mod tests {
 
     #[test]
     fn a_stage_pod_moves_as_many_volumes_as_its_memory_holds() {
-        assert_eq!(volumes_at_once(128 * MIB), 3, "the default stage pod");
+        assert_eq!(volumes_at_once(128 * MIB), 4, "the default stage pod");
         assert_eq!(volumes_at_once(0), 1, "always one");
         assert_eq!(
             volumes_at_once(AGENT_BASELINE_BYTES + SMALLEST_VOLUME_SHARE_BYTES - 1),
@@ -432,8 +436,9 @@ mod tests {
                 "{volumes} volumes of {share} bytes in {memory}"
             );
         }
-        assert_eq!(volume_share_bytes(128 * MIB, 1), 88 * MIB);
-        assert_eq!(volume_share_bytes(128 * MIB, 3), 88 * MIB / 3);
+        assert_eq!(volume_share_bytes(128 * MIB, 1), 92 * MIB);
+        assert_eq!(volume_share_bytes(128 * MIB, 4), 23 * MIB);
+        assert_eq!(volume_share_bytes(128 * MIB, 3), 92 * MIB / 3);
         assert_eq!(volume_share_bytes(256 * MIB, 1), DEFAULT_VOLUME_SHARE_BYTES);
         assert_eq!(
             volume_share_bytes(1 << 30, 1),

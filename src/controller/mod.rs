@@ -89,7 +89,7 @@ pub const DEFAULT_CONCURRENCY: u16 = 8;
 pub const DEFAULT_MAX_CONCURRENT_VOLUMES: u32 = 16;
 /// Default cap on volumes moved at once per node: a node's network and CPU
 /// are shared with its workloads. A stage pod of the default 128Mi could
-/// move three of its claims at once (what its memory holds), so on a node
+/// move four of its claims at once (what its memory holds), so on a node
 /// this cap is what binds.
 pub const DEFAULT_MAX_VOLUMES_PER_NODE: u32 = 2;
 /// Seconds between retries of a transient failure.

@@ -1196,7 +1196,7 @@ mod tests {
             .expect("the budget from the downward API");
         assert_eq!(budget.resource, "requests.memory");
         assert_eq!(budget.container_name.as_deref(), Some(AGENT_CONTAINER));
-        assert_eq!(volumes_at_once_of(&pod), 3, "the default 128Mi");
+        assert_eq!(volumes_at_once_of(&pod), 4, "the default 128Mi");
         // A StoragePolicy asking 512Mi for the stage pods of its claims.
         let larger = desired_stage_pod(
             &template,

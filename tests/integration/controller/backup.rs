@@ -287,7 +287,7 @@ async fn a_killed_agent_is_restarted_and_resumes_without_sending_stored_packs_ag
 }
 
 /// A stage pod's agent moves as many of its claims at once as its memory
-/// request holds (three in the default 128Mi), and the caps decide the
+/// request holds (four in the default 128Mi), and the caps decide the
 /// rest: three claims of one namespace on one node, one stage pod; the
 /// node's cap of two (the controller's default `--max-volumes-per-node`)
 /// lets two of them move at once, the third waits for the node, and the

@@ -14,7 +14,7 @@ use crate::support::fixture::{Fixture, Layout, create, final_phase};
 
 /// An agent's peak resident memory backing up large claims: first a stage
 /// pod with one claim (one engine), then one with four claims, which its
-/// agent moves as many at once as the default 128Mi request holds (three;
+/// agent moves as many at once as the default 128Mi request holds (four;
 /// the node's cap is lifted for the measurement), each engine in an equal
 /// part of the budget. 256 MiB of sample data per claim (`HAULAGE_AGENT_MEMORY_MIB`
 /// for another size; a quarter small files, the rest random, log-like and
@@ -120,6 +120,13 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         started.elapsed().as_secs_f64(),
         peak as f64 / f64::from(1 << 20)
     );
+    // How many volumes each agent moved at once, in its own words.
+    for line in fixture
+        .kubelet
+        .agent_log_lines_containing("volumes planned within the memory budget")
+    {
+        println!("{line}");
+    }
     println!(
         "agent {}",
         crate::support::kubelet::agent_binary()?.display()

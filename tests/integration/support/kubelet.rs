@@ -804,9 +804,9 @@ impl Kubelet {
         })
     }
 
-    /// Every agent log, for failure messages.
-    pub fn all_agent_logs(&self) -> String {
-        let mut text = String::new();
+    /// Every agent's log with its pod's directory.
+    fn agent_logs(&self) -> Vec<(PathBuf, String)> {
+        let mut logs = Vec::new();
         for namespace in std::fs::read_dir(self.root.join("pods"))
             .into_iter()
             .flatten()
@@ -818,15 +818,37 @@ impl Kubelet {
                 .flatten()
             {
                 let log = std::fs::read_to_string(pod.path().join("agent.log")).unwrap_or_default();
-                let lines: Vec<&str> = log.lines().collect();
-                text.push_str(&format!(
-                    "--- {}:\n{}\n",
-                    pod.path().display(),
-                    lines[lines.len().saturating_sub(20)..].join("\n")
-                ));
+                logs.push((pod.path(), log));
             }
         }
+        logs
+    }
+
+    /// The last lines of every agent log, for failure messages.
+    pub fn all_agent_logs(&self) -> String {
+        let mut text = String::new();
+        for (pod, log) in self.agent_logs() {
+            let lines: Vec<&str> = log.lines().collect();
+            text.push_str(&format!(
+                "--- {}:\n{}\n",
+                pod.display(),
+                lines[lines.len().saturating_sub(20)..].join("\n")
+            ));
+        }
         text
+    }
+
+    /// The lines of every agent log that contain `text`.
+    pub fn agent_log_lines_containing(&self, text: &str) -> Vec<String> {
+        self.agent_logs()
+            .into_iter()
+            .flat_map(|(_, log)| {
+                log.lines()
+                    .filter(|line| line.contains(text))
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 }
 
