@@ -402,7 +402,7 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
         transfer.spec.since_snapshot.as_deref(),
         Some(first_snapshot.as_str())
     );
-    let logs = without_colours(&fixture.kubelet.all_agent_logs());
+    let logs = fixture.kubelet.all_agent_logs();
     let unread: Vec<u64> = logs
         .match_indices("files_not_read=")
         .filter_map(|(at, key)| {
@@ -426,24 +426,6 @@ async fn a_cutover_restore_into_the_restored_claim_writes_only_what_changed_and_
     );
     fixture.stop().await;
     Ok(())
-}
-
-/// Log text without its ANSI colour sequences (`ESC [ ... m`).
-fn without_colours(text: &str) -> String {
-    let mut plain = String::with_capacity(text.len());
-    let mut chars = text.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            for c in chars.by_ref() {
-                if c == 'm' {
-                    break;
-                }
-            }
-        } else {
-            plain.push(c);
-        }
-    }
-    plain
 }
 
 /// The phases in which a transfer holds a slot of its StoragePolicy.

@@ -23,23 +23,9 @@ use crate::support::fixture::{
 };
 use crate::support::minio::with_s3_credentials;
 
-/// The `seconds=` figure of the agent log line containing `marker` (the
-/// log's colour codes removed).
+/// The `seconds=` figure of the agent log line containing `marker`.
 fn logged_seconds(log: &str, marker: &str) -> Option<f64> {
-    let mut plain = String::with_capacity(log.len());
-    let mut characters = log.chars();
-    while let Some(character) = characters.next() {
-        if character == '\u{1b}' {
-            for code in characters.by_ref() {
-                if code.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            plain.push(character);
-        }
-    }
-    let line = plain.lines().rev().find(|line| line.contains(marker))?;
+    let line = log.lines().rev().find(|line| line.contains(marker))?;
     let value = line.split("seconds=").nth(1)?;
     value.split_whitespace().next()?.parse().ok()
 }
