@@ -31,6 +31,10 @@ find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null
 measure() {
     local tool="$1" step="$2"; shift 2
     local log; log=$(mktemp)
+    # What earlier steps left dirty (the last tool's restore, the last
+    # round's files) is written back first, so no tool's time includes
+    # another's writes; a tool's own writes and fsyncs stay in its time.
+    sync
     if ! /usr/bin/time -v "$@" >/dev/null 2>"$log"; then
         echo "| $tool | $step | failed | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
     fi
