@@ -104,12 +104,11 @@ async fn run_locked(
     options.checkpoint_every =
         (args.checkpoint_seconds > 0).then(|| Duration::from_secs(args.checkpoint_seconds));
     options.stop = stop;
+    let shown = !args.no_progress && !args.json;
+    // The bar draws only at a terminal (indicatif hides it elsewhere).
+    options.scan_for_totals = shown && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let progress = Arc::new(Progress::default());
-    let display = ProgressDisplay::start(
-        progress.clone(),
-        "backing up",
-        !args.no_progress && !args.json,
-    );
+    let display = ProgressDisplay::start(progress.clone(), "backing up", shown);
     let result = backup(repository, options, progress, cancel).await;
     drop(display);
     let outcome = result?;

@@ -142,6 +142,12 @@ pub struct BackupOptions {
     /// one with [`ParentPolicy::None`] or a selection
     /// ([`BackupOptions::only`]).
     pub checkpoint_every: Option<Duration>,
+    /// Whether a first backup scans its source for the progress totals
+    /// (files and bytes, for a percentage and an ETA) while it walks: an
+    /// lstat of every file a second time. Off where nothing shows the
+    /// progress (`haulage backup --no-progress` or `--json`): the totals
+    /// are then the walk's own, at its end.
+    pub scan_for_totals: bool,
     /// Stops the backup keeping what it read (SIGTERM: a node drain, a
     /// Ctrl-C): reading ends at once, the chunks read are stored with
     /// their index and, for a backup that writes checkpoints, a last
@@ -216,6 +222,7 @@ impl BackupOptions {
             memory: EngineMemory::default(),
             only: None,
             checkpoint_every: Some(DEFAULT_CHECKPOINT_EVERY),
+            scan_for_totals: true,
             stop: CancellationToken::new(),
         }
     }
@@ -508,8 +515,9 @@ pub async fn backup(
     // the totals are the walk's own once it ends.
     let scan_cancel = cancel.child_token();
     let scan = match &parent {
-        // A selection's totals are the selection's, known at the end.
-        _ if options.only.is_some() => None,
+        // A selection's totals are the selection's, known at the end;
+        // without a display, the walk's are enough.
+        _ if options.only.is_some() || !options.scan_for_totals => None,
         Some((_, snapshot)) => {
             progress.set_totals(snapshot.summary.total_bytes, snapshot.summary.files);
             None

@@ -781,6 +781,68 @@ async fn a_backup_after_another_starts_from_its_parents_totals_and_ends_with_its
     );
 }
 
+/// A first backup scans its source for the progress totals beside its
+/// walk, so they are known long before a slow walk ends; with
+/// `scan_for_totals` off (nothing shows the progress: `haulage backup
+/// --no-progress`) the source is not stat'ed twice and the totals are
+/// the walk's, known only once it has read every file. A 2 MiB file read
+/// through a 1 MiB/s throttle makes each backup last two seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_backup_scans_for_its_totals_only_when_they_are_shown() {
+    use std::sync::Arc;
+
+    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::progress::Progress;
+    use haulage::engine::throttle::{ByteRate, Throttle};
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir(&source).unwrap();
+    for index in 0..20u64 {
+        std::fs::write(
+            source.join(format!("f{index:02}")),
+            random_bytes(index, 1000),
+        )
+        .unwrap();
+    }
+    std::fs::write(source.join("slow.bin"), random_bytes(100, 2 << 20)).unwrap();
+    for scan_for_totals in [true, false] {
+        let progress = Arc::new(Progress::default());
+        let mut options = BackupOptions::new(&source);
+        options.parent = ParentPolicy::None;
+        options.read_throttle = Throttle::new(Some(ByteRate(1 << 20)));
+        options.scan_for_totals = scan_for_totals;
+        let running = {
+            let (repository, progress) = (repo.repository.clone(), progress.clone());
+            tokio::spawn(async move {
+                backup(
+                    &repository,
+                    options,
+                    progress,
+                    tokio_util::sync::CancellationToken::new(),
+                )
+                .await
+            })
+        };
+        let mut known_before_the_walk_ended = false;
+        while !running.is_finished() {
+            let now = progress.snapshot();
+            known_before_the_walk_ended |= now.totals_known && now.files_done < 21;
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+        let outcome = running.await.unwrap().expect("backup");
+        assert_eq!(
+            known_before_the_walk_ended, scan_for_totals,
+            "totals known before the walk ended, with scan_for_totals {scan_for_totals}"
+        );
+        let last = progress.snapshot();
+        assert_eq!(
+            (last.totals_known, last.total_files, last.total_bytes),
+            (true, 21, outcome.snapshot.summary.total_bytes),
+            "the totals at the end are what the backup walked"
+        );
+    }
+}
+
 /// A backup limited to some files (what `haulage bench` samples) stores
 /// those files and the directories on their way, and nothing else: the
 /// restore holds exactly them, byte-identical.
