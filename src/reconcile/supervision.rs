@@ -399,7 +399,8 @@ fn time_away(outages: &[ApiOutage], from: i64, to: i64) -> i64 {
     away
 }
 
-/// "exit code 137 (OOMKilled): last log line".
+/// "exit code 137 (OOMKilled): last log line", and what to do about an
+/// agent that ran out of memory.
 fn describe_termination(state: &ContainerStateTerminated) -> String {
     let mut detail = format!("exit code {}", state.exit_code);
     if let Some(reason) = state.reason.as_deref().filter(|reason| !reason.is_empty()) {
@@ -411,8 +412,17 @@ fn describe_termination(state: &ContainerStateTerminated) -> String {
             detail.push_str(&format!(": {}", last.trim()));
         }
     }
+    if state.reason.as_deref() == Some("OOMKilled") {
+        detail.push_str(OUT_OF_MEMORY_ADVICE);
+    }
     detail
 }
+
+/// Said of an agent killed for its memory: what its stage pod's request
+/// must hold grows with the repository's index (60–100 bytes a blob),
+/// which the agent's baseline covers only up to a few hundred thousand
+/// blobs.
+const OUT_OF_MEMORY_ADVICE: &str = " (the stage pod's memory is too small for this repository's index or its volumes at once: give the stage pods of these claims more memory with a StoragePolicy's spec.stagePodResources)";
 
 /// The transfers of one stage pod.
 pub fn transfers_of<'a>(
@@ -857,7 +867,23 @@ mod tests {
         assert_eq!(
             verdict(&looping, 0, None, T0 + 60),
             Verdict::Fail {
-                message: "the agent in stage pod stage-a crashed 5 times; last: exit code 137 (OOMKilled): error: out of memory".to_string()
+                message: format!(
+                    "the agent in stage pod stage-a crashed 5 times; last: exit code 137 (OOMKilled): error: out of memory{OUT_OF_MEMORY_ADVICE}"
+                )
+            }
+        );
+        // Another reason, no advice about memory.
+        let failing = pod(
+            serde_json::json!({"phase": "Running", "containerStatuses": [container(
+            serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            serde_json::json!({"terminated": {"exitCode": 1,
+                "message": "error: cannot reach the Kubernetes API\n"}}),
+            5)]}),
+        );
+        assert_eq!(
+            verdict(&failing, 0, None, T0 + 60),
+            Verdict::Fail {
+                message: "the agent in stage pod stage-a crashed 5 times; last: exit code 1: error: cannot reach the Kubernetes API".to_string()
             }
         );
         let fewer = pod(
