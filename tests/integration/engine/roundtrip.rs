@@ -708,6 +708,42 @@ async fn small_files_are_charged_their_size_against_the_read_throttle_not_a_read
     );
 }
 
+/// Small files `fNN` of 1,000 bytes under `source`, one for each of
+/// `indexes`.
+fn write_small_files(source: &Path, indexes: std::ops::Range<u64>) {
+    for index in indexes {
+        std::fs::write(
+            source.join(format!("f{index:02}")),
+            random_bytes(index, 1000),
+        )
+        .unwrap();
+    }
+}
+
+/// A backup of `options` into `repo` running on its own task, reporting
+/// into `progress`, read through a 1 MiB/s throttle so that it lasts while
+/// the test watches its progress.
+fn spawn_slow_backup(
+    repo: &TestRepo,
+    mut options: haulage::engine::backup::BackupOptions,
+    progress: &std::sync::Arc<haulage::engine::progress::Progress>,
+) -> tokio::task::JoinHandle<
+    Result<haulage::engine::backup::BackupOutcome, haulage::engine::EngineError>,
+> {
+    use haulage::engine::throttle::{ByteRate, Throttle};
+    options.read_throttle = Throttle::new(Some(ByteRate(1 << 20)));
+    let (repository, progress) = (repo.repository.clone(), progress.clone());
+    tokio::spawn(async move {
+        haulage::engine::backup::backup(
+            &repository,
+            options,
+            progress,
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .await
+    })
+}
+
 /// A backup after another starts its progress totals from the parent
 /// snapshot's (an ETA at once, and no second stat of every file on the
 /// source's storage) and ends with the totals of what it walked. The
@@ -718,43 +754,20 @@ async fn small_files_are_charged_their_size_against_the_read_throttle_not_a_read
 async fn a_backup_after_another_starts_from_its_parents_totals_and_ends_with_its_own() {
     use std::sync::Arc;
 
-    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::backup::BackupOptions;
     use haulage::engine::progress::Progress;
-    use haulage::engine::throttle::{ByteRate, Throttle};
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
     std::fs::create_dir(&source).unwrap();
-    let write_small_files = |indexes: std::ops::Range<u64>| {
-        for index in indexes {
-            std::fs::write(
-                source.join(format!("f{index:02}")),
-                random_bytes(index, 1000),
-            )
-            .unwrap();
-        }
-    };
-    write_small_files(0..20);
+    write_small_files(&source, 0..20);
     std::fs::write(source.join("slow.bin"), random_bytes(100, 2 << 20)).unwrap();
     let first = repo.backup(&source).await;
     assert_eq!(first.snapshot.summary.files, 21);
 
-    write_small_files(20..25);
+    write_small_files(&source, 20..25);
     std::fs::write(source.join("slow.bin"), random_bytes(101, 2 << 20)).unwrap();
     let progress = Arc::new(Progress::default());
-    let mut options = BackupOptions::new(&source);
-    options.read_throttle = Throttle::new(Some(ByteRate(1 << 20)));
-    let running = {
-        let (repository, progress) = (repo.repository.clone(), progress.clone());
-        tokio::spawn(async move {
-            backup(
-                &repository,
-                options,
-                progress,
-                tokio_util::sync::CancellationToken::new(),
-            )
-            .await
-        })
-    };
+    let running = spawn_slow_backup(&repo, BackupOptions::new(&source), &progress);
     let first_known = loop {
         let now = progress.snapshot();
         if now.totals_known {
@@ -791,38 +804,19 @@ async fn a_backup_after_another_starts_from_its_parents_totals_and_ends_with_its
 async fn a_first_backup_scans_for_its_totals_only_when_they_are_shown() {
     use std::sync::Arc;
 
-    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::backup::BackupOptions;
     use haulage::engine::progress::Progress;
-    use haulage::engine::throttle::{ByteRate, Throttle};
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
     std::fs::create_dir(&source).unwrap();
-    for index in 0..20u64 {
-        std::fs::write(
-            source.join(format!("f{index:02}")),
-            random_bytes(index, 1000),
-        )
-        .unwrap();
-    }
+    write_small_files(&source, 0..20);
     std::fs::write(source.join("slow.bin"), random_bytes(100, 2 << 20)).unwrap();
     for scan_for_totals in [true, false] {
         let progress = Arc::new(Progress::default());
         let mut options = BackupOptions::new(&source);
         options.parent = ParentPolicy::None;
-        options.read_throttle = Throttle::new(Some(ByteRate(1 << 20)));
         options.scan_for_totals = scan_for_totals;
-        let running = {
-            let (repository, progress) = (repo.repository.clone(), progress.clone());
-            tokio::spawn(async move {
-                backup(
-                    &repository,
-                    options,
-                    progress,
-                    tokio_util::sync::CancellationToken::new(),
-                )
-                .await
-            })
-        };
+        let running = spawn_slow_backup(&repo, options, &progress);
         let mut known_before_the_walk_ended = false;
         while !running.is_finished() {
             let now = progress.snapshot();
