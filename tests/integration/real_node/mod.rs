@@ -208,18 +208,22 @@ async fn completed(
                 .await
                 .ok()
                 .and_then(|backup| backup.status);
+            // The diagnostics first, the status on one line: a long
+            // failure message is cut in its middle.
             bail!(
-                "{error}: status {status:#?}\n{}",
-                node.controller_logs().await
+                "{error}\n{}\nstatus: {}",
+                node.controller_logs().await,
+                serde_json::to_string(&status)?
             )
         }
     };
     let status = backup.status.as_ref().context("status")?;
     if status.phase != Some(VolumeBackupPhase::Completed) {
         bail!(
-            "VolumeBackup {name} ended {:?}: {status:#?}\n{}",
+            "VolumeBackup {name} ended {:?}\n{}\nstatus: {}",
             status.phase,
-            node.controller_logs().await
+            node.controller_logs().await,
+            serde_json::to_string(status)?
         );
     }
     Ok(backup)

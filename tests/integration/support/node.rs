@@ -293,8 +293,9 @@ impl RealNode {
         }
     }
 
-    /// The controller pods (with their restarts) and the last lines of
-    /// each one's log (for a failing test's message).
+    /// The controller pods (with their restarts), the last lines of each
+    /// one's log, the node's conditions and the last events (for a failing
+    /// test's message).
     pub async fn controller_logs(&self) -> String {
         let pods = self
             .kubectl_ok(
@@ -325,8 +326,32 @@ impl RealNode {
             )
             .await
             .unwrap_or_else(|error| format!("(no controller logs: {error:#})"));
+        // Why a pod ended or waits: the node's conditions and taints
+        // (pressure), and the recent events of every namespace (evictions,
+        // scheduling failures, kills).
+        let node = self
+            .kubectl_ok(
+                &[
+                    "get",
+                    "nodes",
+                    "-o",
+                    "jsonpath={range .items[*]}{.metadata.name}: taints {.spec.taints}; \
+                     {range .status.conditions[*]}{.type}={.status} ({.reason}) {end}{end}",
+                ],
+                None,
+            )
+            .await
+            .unwrap_or_else(|error| format!("(no node: {error:#})"));
+        let events = self
+            .kubectl_ok(&["get", "events", "-A", "--sort-by=.lastTimestamp"], None)
+            .await
+            .map(|events| {
+                let lines: Vec<&str> = events.lines().collect();
+                lines[lines.len().saturating_sub(40)..].join("\n")
+            })
+            .unwrap_or_else(|error| format!("(no events: {error:#})"));
         format!(
-            "{pods}\n{logs}\n(every component's log: {}/*.log)",
+            "{pods}\n{logs}\nnode {node}\nlast events:\n{events}\n(every component's log: {}/*.log)",
             self.dir.display()
         )
     }
