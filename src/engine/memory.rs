@@ -23,7 +23,7 @@ use haulage_api::transfer::{DEFAULT_VOLUME_SHARE_BYTES, SMALLEST_VOLUME_SHARE_BY
 
 use super::restore::{
     BATCH_BOOKKEEPING_BYTES, DECODE_BUFFER_BYTES, MAX_BATCH_CHUNKS, MAX_BATCH_FILES,
-    MAX_PACK_READ_BYTES, PACK_BYTES_IN_FLIGHT,
+    MAX_PACK_READ_BYTES, PACK_BYTES_IN_FLIGHT, TREE_LOOKAHEAD_BYTES,
 };
 use super::tree_cache::VERIFY_TREE_CACHE_BYTES;
 use super::verify_tree::{PARALLEL_FILE_CHECKS, READ_BYTES};
@@ -47,6 +47,8 @@ const SMALLEST_TREE_PACK_TARGET_BYTES: u64 = MIB;
 const SMALLEST_BATCH_FILES: u64 = 512;
 /// The least trees kept for a verification.
 const SMALLEST_VERIFY_TREE_CACHE_BYTES: u64 = MIB;
+/// The least raw bytes of subtree windows a restore loads ahead.
+const SMALLEST_TREE_LOOKAHEAD_BYTES: u64 = 256 * 1024;
 
 /// Bytes of buffers one engine may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,6 +94,8 @@ pub(crate) struct RestoreBuffers {
     pub batch_files: usize,
     /// Chunks of one batch.
     pub batch_chunks: usize,
+    /// Raw bytes of the subtree windows loaded ahead of the walk.
+    pub tree_lookahead_bytes: u64,
 }
 
 /// Room in a pack's buffer for its trailer (a pack's trailer is a few
@@ -174,11 +178,13 @@ impl EngineMemory {
     /// `max_blob_read` bytes. The default share gives whole-pack reads of
     /// 21 MiB, two of them in flight, 16 MiB for the scatter workers,
     /// batches of 4,096 files and 16,384 chunks (24 MiB of bookkeeping)
-    /// and (see [`EngineMemory::verify_tree_cache_bytes`]) 8 MiB of trees
-    /// kept for the verification: 90 MiB. A smaller
+    /// (see [`EngineMemory::verify_tree_cache_bytes`]) 8 MiB of trees
+    /// kept for the verification and 2 MiB of subtree windows loaded ahead
+    /// of the walk: 92 MiB. A smaller
     /// share reads packs in several ranges of at least a largest blob,
     /// writes with fewer workers (at least one), batches fewer files (at
-    /// least 512) and keeps fewer trees (at least 1 MiB).
+    /// least 512), keeps fewer trees (at least 1 MiB) and loads fewer
+    /// ahead (at least 256 KiB).
     pub(crate) fn restore(&self, max_chunk: u64, max_blob_read: u64) -> RestoreBuffers {
         let reads = PACK_BYTES_IN_FLIGHT / MAX_PACK_READ_BYTES;
         let max_pack_read_bytes = (self.part(PACK_BYTES_IN_FLIGHT) / reads)
@@ -186,10 +192,17 @@ impl EngineMemory {
         let decode_buffer_bytes = self
             .part(DECODE_BUFFER_BYTES)
             .clamp(max_chunk, DECODE_BUFFER_BYTES.max(max_chunk));
+        let tree_lookahead_bytes = self
+            .part(TREE_LOOKAHEAD_BYTES)
+            .clamp(SMALLEST_TREE_LOOKAHEAD_BYTES, TREE_LOOKAHEAD_BYTES);
         // The batches get what the reads, the workers and the trees kept
-        // leave (a worker holds a largest chunk however small the share).
+        // and loaded ahead leave (a worker holds a largest chunk however
+        // small the share).
         let batch_bytes = self.bytes.saturating_sub(
-            reads * max_pack_read_bytes + decode_buffer_bytes + self.verify_tree_cache_bytes(),
+            reads * max_pack_read_bytes
+                + decode_buffer_bytes
+                + self.verify_tree_cache_bytes()
+                + tree_lookahead_bytes,
         );
         let batch_files = (batch_bytes * MAX_BATCH_FILES as u64 / BATCH_BOOKKEEPING_BYTES)
             .clamp(SMALLEST_BATCH_FILES, MAX_BATCH_FILES as u64) as usize;
@@ -199,6 +212,7 @@ impl EngineMemory {
             decode_buffer_bytes,
             batch_files,
             batch_chunks: batch_files * (MAX_BATCH_CHUNKS / MAX_BATCH_FILES),
+            tree_lookahead_bytes,
         }
     }
 
@@ -244,6 +258,7 @@ mod tests {
         assert_eq!(restore.pack_bytes_in_flight, 42 * MIB);
         assert_eq!(restore.decode_buffer_bytes, 16 * MIB);
         assert_eq!((restore.batch_files, restore.batch_chunks), (4_096, 16_384));
+        assert_eq!(restore.tree_lookahead_bytes, 2 * MIB);
         assert_eq!(EngineMemory::default().verify_tree_cache_bytes(), 8 * MIB);
         assert_eq!(EngineMemory::default().verify_parallel_checks(), 4);
     }
@@ -251,7 +266,7 @@ mod tests {
     /// What the buffers of one engine add up to: the walker's buffer and a
     /// compression output, both data packs, the tree pack, the chunks in
     /// flight and kept; the reads, the workers'
-    /// buffers, the batches and the trees kept.
+    /// buffers, the batches, the trees kept and those loaded ahead.
     fn backup_total(buffers: &BackupBuffers, max_chunk_buffer: usize) -> u64 {
         2 * max_chunk_buffer as u64
             + 2 * buffers.data_pack_buffer_bytes as u64
@@ -265,6 +280,7 @@ mod tests {
             + buffers.decode_buffer_bytes
             + buffers.batch_files as u64 * BATCH_BOOKKEEPING_BYTES / MAX_BATCH_FILES as u64
             + memory.verify_tree_cache_bytes()
+            + buffers.tree_lookahead_bytes
     }
 
     #[test]
@@ -288,6 +304,7 @@ mod tests {
                 restore_total(&restore, &memory)
             );
             assert!(restore.max_pack_read_bytes >= MAX_CHUNK_BUFFER as u64);
+            assert!(restore.tree_lookahead_bytes >= SMALLEST_TREE_LOOKAHEAD_BYTES);
             let verification = memory.verify_parallel_checks() as u64 * READ_BYTES as u64
                 + memory.verify_tree_cache_bytes();
             assert!(
