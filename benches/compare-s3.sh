@@ -16,6 +16,10 @@
 # missing ones are reported, not faked. TOOLS="haulage restic" runs only those.
 # HAULAGE=/path/to/haulage measures that binary instead of building this tree
 # (to compare two builds, run the script with each in turn, interleaved).
+# LATENCY_MS=10 puts benches/latency-proxy.py between the tools and MinIO,
+# 10 ms each way (20 ms a round trip), as a store in another zone would be.
+# A WORKDIR that already holds data/ is measured as it is (e.g. the tree of
+# benches/deep-tree.py) and SIZE is not used.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-1GiB}"
@@ -53,16 +57,29 @@ CONSOLE_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1"
 unset AWS_CA_BUNDLE
 export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
 export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
+SERVER_URL=$AWS_ENDPOINT_URL   # the server itself, for its metrics
 MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \
     MINIO_PROMETHEUS_AUTH_TYPE=public \
     "$MINIO" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$CONSOLE_PORT" "$WORK/minio" \
     >"$WORK/state/minio.log" 2>&1 &
 MINIO_PID=$!
-trap 'kill "$MINIO_PID" 2>/dev/null; wait "$MINIO_PID" 2>/dev/null || true' EXIT
+PROXY_PID=
+trap 'kill "$MINIO_PID" $PROXY_PID 2>/dev/null; wait "$MINIO_PID" 2>/dev/null || true' EXIT
 for _ in $(seq 100); do
     curl -sf "http://127.0.0.1:$PORT/minio/health/ready" >/dev/null 2>&1 && break
     sleep 0.1
 done
+if [ -n "${LATENCY_MS:-}" ]; then
+    SERVER_PORT=$PORT
+    PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    python3 benches/latency-proxy.py "$PORT" "$SERVER_PORT" "$LATENCY_MS" &
+    PROXY_PID=$!
+    export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
+    for _ in $(seq 100); do
+        curl -sf "$AWS_ENDPOINT_URL/minio/health/ready" >/dev/null 2>&1 && break
+        sleep 0.1
+    done
+fi
 # rclone reaches the server through an env-configured remote named "minio".
 export RCLONE_CONFIG_MINIO_TYPE=s3 RCLONE_CONFIG_MINIO_PROVIDER=Minio \
     RCLONE_CONFIG_MINIO_ENDPOINT="$AWS_ENDPOINT_URL" RCLONE_CONFIG_MINIO_REGION=us-east-1 \
@@ -75,7 +92,7 @@ server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MI
 # GET requests the server has served so far (the v3 metrics are not cached,
 # unlike v2's, so a reading right after a step counts all of its requests).
 server_gets() {
-    curl -sf "$AWS_ENDPOINT_URL/minio/metrics/v3/api/requests" |
+    curl -sf "$SERVER_URL/minio/metrics/v3/api/requests" |
         awk '/^minio_api_requests_total\{/ && /name="GetObject"/ { n += $NF } END { printf "%d", n }'
 }
 
@@ -111,7 +128,7 @@ measure() {
     rm -f "$log"
 }
 
-echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)"
+echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)${LATENCY_MS:+, ${LATENCY_MS} ms each way through benches/latency-proxy.py}"
 echo
 echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | server CPU s/GiB | GETs | GETs/GiB | client peak RSS MiB |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
