@@ -20,7 +20,11 @@
 //! finds missing when it gets there, as it did without this). A window is
 //! found by the exact ids it loads, so a window the walker cuts
 //! differently (a tree with refused names) is never mistaken for one
-//! loaded ahead; it only costs its load.
+//! loaded ahead; it only costs its load, and is dropped, bytes and all,
+//! once the walk has passed its place.
+//!
+//! The bookkeeping ([`Windows`]) is apart from the loads it starts, and
+//! tested on its own.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -44,29 +48,147 @@ const MAX_KNOWN_IDS: usize = 65_536;
 /// The windows known and loaded ahead of the walk (see the module
 /// documentation).
 pub(super) struct Lookahead {
-    /// Raw tree bytes of the windows started and not taken, at most.
+    windows: Mutex<Windows<WindowLoad>>,
+}
+
+/// A window started: where its directory comes in the walk and its raw
+/// tree bytes.
+struct Window {
+    place: Place,
+    bytes: u64,
+}
+
+/// Which windows are known, which are started with their loads `L`, and
+/// the bounds on them; no I/O (the loads are started by the caller).
+struct Windows<L> {
+    /// Raw tree bytes of the started windows, at most.
     budget: u64,
     /// Loads ahead at once, at most.
     requests: usize,
-    state: Mutex<State>,
-}
-
-#[derive(Default)]
-struct State {
     /// No load starts any more.
     closed: bool,
     /// Raw tree bytes of the windows in `started`.
     bytes: u64,
     /// Loads ahead running now.
     running: usize,
-    /// Windows known and not started, by the place of their directory.
-    known: BTreeMap<Place, Vec<BlobId>>,
+    /// Windows known and not started, by the place of their directory:
+    /// their ids and raw tree bytes.
+    known: BTreeMap<Place, (Vec<BlobId>, u64)>,
     /// Ids in `known`.
     known_ids: usize,
-    /// The place of each window in `known` or `started`.
-    places: HashMap<Vec<BlobId>, Place>,
-    /// Windows started ahead and not taken, with their raw bytes.
-    started: HashMap<Vec<BlobId>, (u64, WindowLoad)>,
+    /// The place of each window in `known`, by its ids.
+    known_places: HashMap<Vec<BlobId>, Place>,
+    /// Windows started and not taken, by their ids, with their loads.
+    started: HashMap<Vec<BlobId>, (Window, L)>,
+}
+
+impl<L> Windows<L> {
+    fn new(budget: u64, requests: usize) -> Self {
+        Windows {
+            budget,
+            requests,
+            closed: false,
+            bytes: 0,
+            running: 0,
+            known: BTreeMap::new(),
+            known_ids: 0,
+            known_places: HashMap::new(),
+            started: HashMap::new(),
+        }
+    }
+
+    /// Make known the window of `ids` (`bytes` raw bytes) of the directory
+    /// at `place`, unless its ids or its place are known already (a window
+    /// the walker cut differently gave its place to another: the first one
+    /// stays). Beyond [`MAX_KNOWN_IDS`], the windows the walk reaches last
+    /// are forgotten.
+    fn know(&mut self, place: Place, ids: Vec<BlobId>, bytes: u64) {
+        if self.closed
+            || self.known_places.contains_key(&ids)
+            || self.started.contains_key(&ids)
+            || self.known.contains_key(&place)
+        {
+            return;
+        }
+        self.known_ids += ids.len();
+        self.known_places.insert(ids.clone(), place.clone());
+        self.known.insert(place, (ids, bytes));
+        while self.known_ids > MAX_KNOWN_IDS {
+            let Some((_, (ids, _))) = self.known.pop_last() else {
+                break;
+            };
+            self.known_ids -= ids.len();
+            self.known_places.remove(&ids);
+        }
+    }
+
+    /// The walk has reached the window of `ids`: its load if it was
+    /// started (its bytes leave the bound: the walker holds it now). The
+    /// windows before its place are behind the walk: forgotten, and the
+    /// loads of those started returned in the second place, to be stopped.
+    fn take(&mut self, ids: &[BlobId]) -> (Option<L>, Vec<L>) {
+        let (place, taken) = if let Some((window, load)) = self.started.remove(ids) {
+            self.bytes -= window.bytes;
+            (window.place, Some(load))
+        } else if let Some(place) = self.known_places.remove(ids) {
+            // Known, not started: the walker loads it itself.
+            self.known.remove(&place);
+            self.known_ids -= ids.len();
+            (place, None)
+        } else {
+            return (None, Vec::new());
+        };
+        let ahead = self.known.split_off(&place);
+        for (behind, _) in std::mem::replace(&mut self.known, ahead).into_values() {
+            self.known_ids -= behind.len();
+            self.known_places.remove(&behind);
+        }
+        let behind: Vec<L> = self
+            .started
+            .extract_if(|_, (window, _)| window.place < place)
+            .map(|(_, (window, load))| {
+                self.bytes -= window.bytes;
+                load
+            })
+            .collect();
+        (taken, behind)
+    }
+
+    /// Start, by `start`, the known windows the walk enters first, while
+    /// the bounds allow.
+    fn start_known(&mut self, mut start: impl FnMut(Place, Vec<BlobId>) -> L) {
+        while !self.closed && self.running < self.requests {
+            let Some(entry) = self.known.first_entry() else {
+                return;
+            };
+            if self.bytes + entry.get().1 > self.budget {
+                return;
+            }
+            let (place, (ids, bytes)) = entry.remove_entry();
+            self.known_places.remove(&ids);
+            self.known_ids -= ids.len();
+            self.bytes += bytes;
+            self.running += 1;
+            let load = start(place.clone(), ids.clone());
+            self.started.insert(ids, (Window { place, bytes }, load));
+        }
+    }
+
+    /// A load started here has ended.
+    fn finished(&mut self) {
+        self.running -= 1;
+    }
+
+    /// Stop: nothing starts after; the loads not taken are returned, to be
+    /// stopped.
+    fn close(&mut self) -> Vec<L> {
+        self.closed = true;
+        self.known.clear();
+        self.known_places.clear();
+        self.known_ids = 0;
+        self.bytes = 0;
+        self.started.drain().map(|(_, (_, load))| load).collect()
+    }
 }
 
 impl Lookahead {
@@ -74,44 +196,26 @@ impl Lookahead {
     /// at once.
     pub(super) fn new(budget: u64, requests: usize) -> Self {
         Lookahead {
-            budget,
-            requests,
-            state: Mutex::default(),
+            windows: Mutex::new(Windows::new(budget, requests)),
         }
     }
 
-    /// The load of the window of `ids`, if it was started ahead; its bytes
-    /// leave the bound (the walker holds it now). Whatever the walk has
-    /// passed is forgotten, and more windows start in the room freed.
+    /// The load of the window of `ids`, if it was started ahead. Whatever
+    /// the walk has passed is forgotten, and more windows start in the
+    /// room freed.
     pub(super) fn take(
         shared: &Arc<Shared>,
         index: &Arc<BlobIndex>,
         ids: &[BlobId],
     ) -> Option<WindowLoad> {
-        let mut state = shared.lookahead.state.lock().expect("lookahead");
-        let place = state.places.remove(ids)?;
-        // The walk is at `place`: the windows before it are behind.
-        let ahead = state.known.split_off(&place);
-        for behind in std::mem::replace(&mut state.known, ahead).into_values() {
-            state.known_ids -= behind.len();
-            state.places.remove(&behind);
+        let mut windows = shared.lookahead.windows.lock().expect("lookahead");
+        let (taken, behind) = windows.take(ids);
+        windows.start_known(|place, ids| start_ahead(shared, index, place, ids));
+        // Stopped with the lock released: a stopped load frees its slot.
+        drop(windows);
+        for load in behind {
+            load.abort();
         }
-        let taken = match state.started.remove(ids) {
-            Some((bytes, load)) => {
-                state.bytes -= bytes;
-                Some(load)
-            }
-            None => {
-                // Known, not started: the walker loads it itself.
-                let ids = state
-                    .known
-                    .remove(&place)
-                    .expect("a place is known or started");
-                state.known_ids -= ids.len();
-                None
-            }
-        };
-        shared.lookahead.start_known(&mut state, shared, index);
         taken
     }
 
@@ -125,10 +229,10 @@ impl Lookahead {
         first: usize,
         trees: &[Result<Tree, EngineError>],
     ) {
-        let mut state = shared.lookahead.state.lock().expect("lookahead");
-        if state.closed || shared.cancel.is_cancelled() {
+        if shared.cancel.is_cancelled() {
             return;
         }
+        let mut windows = shared.lookahead.windows.lock().expect("lookahead");
         for (position, tree) in trees.iter().enumerate() {
             let Ok(tree) = tree else { continue };
             let mut ids: Vec<BlobId> = tree
@@ -140,66 +244,31 @@ impl Lookahead {
             if ids.is_empty() {
                 continue;
             }
-            let (end, _) = window_end(index, &ids, 0);
+            let (end, bytes) = window_end(index, &ids, 0);
             ids.truncate(end);
-            if state.places.contains_key(&ids) {
-                continue;
-            }
             let mut child = place.clone();
             child.push(u32::try_from(first + position).unwrap_or(u32::MAX));
-            state.known_ids += ids.len();
-            state.places.insert(ids.clone(), child.clone());
-            state.known.insert(child, ids);
+            windows.know(child, ids, bytes);
         }
-        // Forget the windows the walk reaches last beyond the bound.
-        while state.known_ids > MAX_KNOWN_IDS {
-            let Some((_, ids)) = state.known.pop_last() else {
-                break;
-            };
-            state.known_ids -= ids.len();
-            state.places.remove(&ids);
-        }
-        shared.lookahead.start_known(&mut state, shared, index);
-    }
-
-    /// Start the known windows the walk enters first, while the bounds
-    /// allow.
-    fn start_known(&self, state: &mut State, shared: &Arc<Shared>, index: &Arc<BlobIndex>) {
-        while !state.closed && state.running < self.requests {
-            let Some(entry) = state.known.first_entry() else {
-                return;
-            };
-            let bytes = window_bytes(index, entry.get());
-            if state.bytes + bytes > self.budget {
-                return;
-            }
-            let (place, ids) = entry.remove_entry();
-            state.known_ids -= ids.len();
-            state.bytes += bytes;
-            state.running += 1;
-            let load = spawn_window_load(
-                shared.clone(),
-                index.clone(),
-                ids.clone(),
-                Some((place, 0)),
-                true,
-            );
-            state.started.insert(ids, (bytes, load));
-        }
+        windows.start_known(|place, ids| start_ahead(shared, index, place, ids));
     }
 
     /// Stop: the loads not taken are aborted and none starts after.
     pub(super) fn close(&self) {
-        let mut state = self.state.lock().expect("lookahead");
-        state.closed = true;
-        for (_, (_, load)) in state.started.drain() {
+        let started = self.windows.lock().expect("lookahead").close();
+        for load in started {
             load.abort();
         }
-        state.known.clear();
-        state.places.clear();
-        state.bytes = 0;
-        state.known_ids = 0;
     }
+}
+
+fn start_ahead(
+    shared: &Arc<Shared>,
+    index: &Arc<BlobIndex>,
+    place: Place,
+    ids: Vec<BlobId>,
+) -> WindowLoad {
+    spawn_window_load(shared.clone(), index.clone(), ids, Some((place, 0)), true)
 }
 
 /// Where the window of `ids` starting at `start` ends, and its raw bytes:
@@ -212,10 +281,6 @@ pub(super) fn window_end(index: &BlobIndex, ids: &[BlobId], start: usize) -> (us
         end += 1;
     }
     (end, bytes)
-}
-
-fn window_bytes(index: &BlobIndex, ids: &[BlobId]) -> u64 {
-    ids.iter().map(|id| raw_length(index, id)).sum()
 }
 
 fn raw_length(index: &BlobIndex, id: &BlobId) -> u64 {
@@ -237,17 +302,149 @@ pub(super) fn spawn_window_load(
     window: Option<(Place, usize)>,
     ahead: bool,
 ) -> WindowLoad {
+    // Frees the load's slot when it ends, stopped or not (even before it
+    // began: the task's future owns it).
+    let slot = ahead.then(|| AheadSlot(shared.clone()));
     tokio::spawn(async move {
         let trees = shared
             .trees
             .load_and_keep(&shared.repository, &index, &ids)
             .await;
-        if ahead {
-            shared.lookahead.state.lock().expect("lookahead").running -= 1;
-        }
+        drop(slot);
         if let Some((place, first)) = window {
             Lookahead::know_below(&shared, &index, &place, first, &trees);
         }
         trees
     })
+}
+
+/// The slot of a load ahead, freed when dropped: when the load ends, or
+/// when it is stopped (its task dropped).
+struct AheadSlot(Arc<Shared>);
+
+impl Drop for AheadSlot {
+    fn drop(&mut self) {
+        self.0
+            .lookahead
+            .windows
+            .lock()
+            .expect("lookahead")
+            .finished();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(seed: u8, count: u8) -> Vec<BlobId> {
+        (0..count)
+            .map(|n| BlobId([seed.wrapping_add(n); 32]))
+            .collect()
+    }
+
+    /// Windows of 100 bytes, up to 300 bytes and `requests` loads ahead;
+    /// a load is the number of the window started.
+    fn windows(requests: usize) -> (Windows<u32>, Vec<Place>) {
+        (Windows::new(300, requests), Vec::new())
+    }
+
+    fn start(windows: &mut Windows<u32>, started: &mut Vec<Place>) {
+        windows.start_known(|place, _| {
+            started.push(place);
+            started.len() as u32
+        });
+    }
+
+    #[test]
+    fn windows_start_in_walk_order_within_the_bounds_and_a_taken_one_frees_its_room() {
+        let (mut windows, mut started) = windows(2);
+        windows.know(vec![1], ids(10, 2), 100);
+        windows.know(vec![0, 3], ids(20, 1), 100);
+        windows.know(vec![0], ids(30, 1), 100);
+        start(&mut windows, &mut started);
+        assert_eq!(started, [vec![0], vec![0, 3]], "two loads at once");
+        windows.finished();
+        windows.finished();
+        start(&mut windows, &mut started);
+        assert_eq!(started.len(), 3, "300 bytes: the third fits");
+        windows.know(vec![2], ids(40, 1), 100);
+        start(&mut windows, &mut started);
+        assert_eq!(
+            started.len(),
+            3,
+            "the bytes are spent until a window is taken"
+        );
+        assert_eq!(windows.take(&ids(30, 1)), (Some(1), Vec::new()));
+        start(&mut windows, &mut started);
+        assert_eq!(started.last(), Some(&vec![2]));
+        assert_eq!(windows.take(&ids(99, 1)), (None, Vec::new()), "never known");
+    }
+
+    #[test]
+    fn the_windows_the_walk_has_passed_are_forgotten_and_their_loads_returned() {
+        let (mut windows, mut started) = windows(2);
+        windows.know(vec![0], ids(10, 1), 100);
+        windows.know(vec![2], ids(20, 1), 100);
+        start(&mut windows, &mut started);
+        windows.know(vec![1], ids(30, 1), 100);
+        windows.know(vec![3], ids(40, 1), 100);
+        // The walk enters [0] with other ids than those started for it (a
+        // tree with refused names), then reaches the window of [1], known
+        // and not started: [0] is behind, [2] and [3] ahead.
+        assert_eq!(windows.take(&ids(30, 1)), (None, vec![1]));
+        assert_eq!(windows.bytes, 100, "only [2] holds its bytes");
+        assert_eq!(windows.known.keys().collect::<Vec<_>>(), [&vec![3]]);
+        assert_eq!(windows.take(&ids(10, 1)), (None, Vec::new()), "forgotten");
+        assert_eq!(windows.take(&ids(20, 1)), (Some(2), Vec::new()));
+        assert_eq!(windows.bytes, 0);
+    }
+
+    #[test]
+    fn a_place_known_keeps_its_first_window_and_the_second_is_never_taken() {
+        let (mut windows, mut started) = windows(4);
+        windows.know(vec![0, 0], ids(10, 1), 100);
+        // The same place from a window the walker cut differently.
+        windows.know(vec![0, 0], ids(20, 1), 100);
+        start(&mut windows, &mut started);
+        assert_eq!(started, [vec![0, 0]], "one window per place");
+        assert_eq!(windows.take(&ids(10, 1)), (Some(1), Vec::new()));
+        assert_eq!(windows.take(&ids(20, 1)), (None, Vec::new()));
+        assert!(windows.known.is_empty() && windows.known_places.is_empty());
+        assert!(windows.started.is_empty());
+        assert_eq!((windows.known_ids, windows.bytes), (0, 0));
+    }
+
+    #[test]
+    fn beyond_the_known_bound_the_windows_the_walk_reaches_last_are_forgotten() {
+        let (mut windows, _) = windows(0);
+        let per_window = 255u8;
+        let count = MAX_KNOWN_IDS / usize::from(per_window) + 1;
+        for n in 0..count {
+            let place = vec![u32::try_from(n).expect("small")];
+            let mut window = ids(0, per_window);
+            window[0].0[1] = (n % 256) as u8;
+            window[0].0[2] = (n / 256) as u8;
+            windows.know(place, window, 100);
+        }
+        assert!(windows.known_ids <= MAX_KNOWN_IDS);
+        assert_eq!(windows.known.len(), count - 1);
+        assert!(
+            !windows
+                .known
+                .contains_key(&vec![u32::try_from(count - 1).expect("small")])
+        );
+    }
+
+    #[test]
+    fn after_close_nothing_is_known_or_started() {
+        let (mut windows, mut started) = windows(4);
+        windows.know(vec![0], ids(10, 1), 100);
+        start(&mut windows, &mut started);
+        assert_eq!(windows.close(), vec![1]);
+        windows.know(vec![1], ids(20, 1), 100);
+        assert!(windows.known.is_empty(), "nothing known after close");
+        start(&mut windows, &mut started);
+        assert_eq!(started.len(), 1);
+    }
 }

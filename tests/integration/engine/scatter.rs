@@ -14,24 +14,37 @@ use haulage::repo::index::BlobIndex;
 use haulage::repo::tree::{EntryKind, Extent};
 use haulage::repo::{BlobId, ObjectId};
 use haulage::store::DynStore;
+use haulage::store::layer::{Layer, Layered};
 use haulage::store::local::LocalStore;
 
 use super::support::{
-    CountingStore, TestRepo, assert_same_tree, counting_store, data_reads_per_pack, pack_entries,
+    CountingStore, ReadLog, TestRepo, assert_same_tree, data_reads_per_pack, pack_entries,
     packs_with_data, random_bytes, tree_reads, write_sparse_file,
 };
 
 /// The repository of `repo`, opened again through a [`CountingStore`].
 async fn counted(repo: &TestRepo) -> (Arc<CountingStore>, Repository) {
-    let store: DynStore = Arc::new(LocalStore::new(repo.root()));
-    let counter = counting_store(store);
+    open_through(local_store(repo), ReadLog::default()).await
+}
+
+/// The store of `repo`, a directory.
+fn local_store(repo: &TestRepo) -> DynStore {
+    Arc::new(LocalStore::new(repo.root()))
+}
+
+/// The repository in `store`, opened through `layer`.
+async fn open_through<L: Layer + 'static>(
+    store: DynStore,
+    layer: L,
+) -> (Arc<Layered<L>>, Repository) {
+    let layered = Arc::new(Layered::wrap(store, layer));
     let repository = Repository::open(
-        counter.clone(),
+        layered.clone(),
         &haulage::engine::KeySource::password(super::support::TEST_PASSWORD),
     )
     .await
     .expect("open");
-    (counter, repository)
+    (layered, repository)
 }
 
 async fn restore_with(
@@ -48,6 +61,21 @@ async fn restore_with(
     )
     .await
     .expect("restore")
+}
+
+/// Restore by `options` and check that it reported no problem and that
+/// its target holds the same tree as `source`.
+async fn restore_intact(
+    repository: &Repository,
+    snapshot: &ObjectId,
+    options: RestoreOptions,
+    source: &Path,
+) -> RestoreOutcome {
+    let target = options.target.clone();
+    let outcome = restore_with(repository, snapshot, options).await;
+    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+    assert_same_tree(source, &target);
+    outcome
 }
 
 /// Every regular file of a snapshot (relative path) with its chunks.
@@ -122,14 +150,13 @@ async fn a_restore_reads_each_pack_once_however_many_files_and_offsets_share_its
     let packs = pack_entries(&repository).await;
     counter.layer().take_reads();
     let target = repo.dir.path().join("restored");
-    let outcome = restore_with(
+    restore_intact(
         &repository,
         &backup.snapshot_id,
         RestoreOptions::new(&target),
+        &source,
     )
     .await;
-    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
-    assert_same_tree(&source, &target);
     let restored_sparse = std::fs::metadata(target.join("sparse.img")).expect("sparse");
     assert!(
         restored_sparse.blocks() * 512 < 4 << 20,
@@ -297,14 +324,13 @@ async fn the_subtrees_of_a_directory_are_loaded_in_one_read_however_much_data_li
     assert_eq!(tree_packs, 1, "the trees have a pack of their own");
     counter.layer().take_reads();
     let target = repo.dir.path().join("restored");
-    let outcome = restore_with(
+    restore_intact(
         &repository,
         &backup.snapshot_id,
         RestoreOptions::new(&target),
+        &source,
     )
     .await;
-    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
-    assert_same_tree(&source, &target);
     // The root's tree, then its 24 subtrees together.
     assert_eq!(tree_reads(&counter.layer().take_reads(), &packs), 2);
 }
@@ -328,9 +354,7 @@ async fn a_sync_restore_reads_only_the_chunks_that_differ() {
     counter.layer().take_reads();
     let mut options = RestoreOptions::new(&target);
     options.sync = true;
-    let outcome = restore_with(&repository, &first.snapshot_id, options).await;
-    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
-    assert_same_tree(&source, &target);
+    let outcome = restore_intact(&repository, &first.snapshot_id, options, &source).await;
     assert!(outcome.bytes_written > 0 && outcome.bytes_written <= 4 << 20);
     let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
     let (reads, bytes) = per_pack
@@ -596,71 +620,84 @@ impl haulage::store::layer::Layer for SlowTreeReads {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once() {
-    // 156 directories, 31 of them with subdirectories, a small file in
-    // each. Entering a directory loads its subtrees in one read; walked
-    // one directory after the other, that was 31 round trips to the store
-    // one after the other (over 20 s for 11,111 directories 20 ms away).
-    let repo = TestRepo::new().await;
-    let source = repo.dir.path().join("source");
+/// 156 directories under `source`, five wide and four deep, a small file
+/// in each; returns how many have subdirectories (31).
+fn write_directories_five_wide(source: &Path) -> usize {
+    let mut directories = 0;
     let mut with_subdirectories = 0;
-    let mut level = vec![source.clone()];
-    for _depth in 0..3 {
+    let mut level = vec![source.to_path_buf()];
+    for depth in 0..4 {
+        for directory in &level {
+            std::fs::create_dir_all(directory).expect("mkdir");
+            std::fs::write(directory.join("file"), format!("directory {directories}\n"))
+                .expect("file");
+            directories += 1;
+        }
+        if depth == 3 {
+            break;
+        }
         with_subdirectories += level.len();
         level = level
             .iter()
             .flat_map(|directory| (0..5).map(move |child| directory.join(format!("d{child}"))))
             .collect();
-        for directory in &level {
-            std::fs::create_dir_all(directory).expect("mkdir");
-        }
     }
-    let all = walkdir(&source);
-    for (n, directory) in all.iter().enumerate() {
-        std::fs::write(directory.join("file"), format!("directory {n}\n")).expect("file");
-    }
-    assert_eq!(all.len(), 156);
+    assert_eq!(directories, 156);
     assert_eq!(with_subdirectories, 31);
-    let backup = repo.backup(&source).await;
+    with_subdirectories
+}
 
-    let store: DynStore = Arc::new(LocalStore::new(repo.root()));
-    let packs = pack_entries(&repo.repository).await;
-    let tree_packs: BTreeSet<ObjectId> = packs
-        .iter()
+/// Where the blobs of each pack of trees only end.
+async fn tree_pack_ends(repository: &Repository) -> BTreeMap<ObjectId, u64> {
+    pack_entries(repository)
+        .await
+        .into_iter()
         .filter(|(_, entries)| {
             entries
                 .iter()
                 .all(|entry| entry.kind == haulage::repo::BlobKind::Tree)
         })
-        .map(|(pack, _)| *pack)
-        .collect();
+        .map(|(pack, entries)| {
+            let end = entries
+                .iter()
+                .map(|entry| u64::from(entry.offset) + u64::from(entry.stored_length))
+                .max()
+                .unwrap_or(0);
+            (pack, end)
+        })
+        .collect()
+}
+
+fn slow_tree_reads(tree_packs: &BTreeMap<ObjectId, u64>) -> SlowTreeReads {
+    SlowTreeReads {
+        tree_packs: tree_packs.keys().copied().collect(),
+        delay: std::time::Duration::from_millis(20),
+        in_flight: Arc::default(),
+        most_in_flight: Default::default(),
+        reads: Default::default(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once() {
+    // Entering a directory loads its subtrees in one read; walked one
+    // directory after the other, that was 31 round trips to the store one
+    // after the other (over 20 s for 11,111 directories 20 ms away).
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    let with_subdirectories = write_directories_five_wide(&source);
+    let backup = repo.backup(&source).await;
+    let tree_packs = tree_pack_ends(&repo.repository).await;
     assert_eq!(tree_packs.len(), 1, "the trees have a pack of their own");
-    let slow = Arc::new(haulage::store::layer::Layered::wrap(
-        store,
-        SlowTreeReads {
-            tree_packs,
-            delay: std::time::Duration::from_millis(20),
-            in_flight: Arc::default(),
-            most_in_flight: Default::default(),
-            reads: Default::default(),
-        },
-    ));
-    let repository = Repository::open(
-        slow.clone(),
-        &haulage::engine::KeySource::password(super::support::TEST_PASSWORD),
-    )
-    .await
-    .expect("open");
+    let (slow, repository) = open_through(local_store(&repo), slow_tree_reads(&tree_packs)).await;
     let target = repo.dir.path().join("restored");
-    let outcome = restore_with(
+    restore_intact(
         &repository,
         &backup.snapshot_id,
         RestoreOptions::new(&target),
+        &source,
     )
     .await;
-    assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
-    assert_same_tree(&source, &target);
     let layer = slow.layer();
     use std::sync::atomic::Ordering::SeqCst;
     // Each directory's subtrees in one read, and none twice: the root's
@@ -672,21 +709,4 @@ async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once(
          others: at most {} tree read(s) ran at once",
         layer.most_in_flight.load(SeqCst)
     );
-}
-
-/// Every directory under `root`, `root` first.
-fn walkdir(root: &Path) -> Vec<std::path::PathBuf> {
-    let mut directories = vec![root.to_path_buf()];
-    let mut next = 0;
-    while next < directories.len() {
-        let mut children: Vec<_> = std::fs::read_dir(&directories[next])
-            .expect("read dir")
-            .map(|entry| entry.expect("entry").path())
-            .filter(|path| path.is_dir())
-            .collect();
-        children.sort();
-        directories.extend(children);
-        next += 1;
-    }
-    directories
 }
