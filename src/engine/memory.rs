@@ -26,6 +26,7 @@ use super::restore::{
     MAX_PACK_READ_BYTES, PACK_BYTES_IN_FLIGHT, TREE_LOOKAHEAD_BYTES,
 };
 use super::tree_cache::VERIFY_TREE_CACHE_BYTES;
+use super::tree_packs::TREE_PACKS_HELD_BYTES;
 use super::verify_tree::{PARALLEL_FILE_CHECKS, READ_BYTES};
 
 const MIB: u64 = 1024 * 1024;
@@ -49,6 +50,9 @@ const SMALLEST_BATCH_FILES: u64 = 512;
 const SMALLEST_VERIFY_TREE_CACHE_BYTES: u64 = MIB;
 /// The least raw bytes of subtree windows a restore loads ahead.
 const SMALLEST_TREE_LOOKAHEAD_BYTES: u64 = 256 * 1024;
+/// The least bytes of tree packs a restore holds: a pack of trees as the
+/// smallest share writes it (1 MiB, and the blob that passed that).
+const SMALLEST_TREE_PACKS_HELD_BYTES: u64 = 2 * MIB;
 
 /// Bytes of buffers one engine may hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +100,8 @@ pub(crate) struct RestoreBuffers {
     pub batch_chunks: usize,
     /// Raw bytes of the subtree windows loaded ahead of the walk.
     pub tree_lookahead_bytes: u64,
+    /// Bytes of packs of trees read whole and held.
+    pub tree_packs_held_bytes: u64,
 }
 
 /// Room in a pack's buffer for its trailer (a pack's trailer is a few
@@ -178,13 +184,13 @@ impl EngineMemory {
     /// `max_blob_read` bytes. The default share gives whole-pack reads of
     /// 21 MiB, two of them in flight, 16 MiB for the scatter workers,
     /// batches of 4,096 files and 16,384 chunks (24 MiB of bookkeeping)
-    /// (see [`EngineMemory::verify_tree_cache_bytes`]) 8 MiB of trees
-    /// kept for the verification and 2 MiB of subtree windows loaded ahead
-    /// of the walk: 92 MiB. A smaller
+    /// (see [`EngineMemory::verify_tree_cache_bytes`]) 5 MiB of trees
+    /// kept for the verification, 2 MiB of subtree windows loaded ahead
+    /// of the walk and 5 MiB of tree packs held whole: 94 MiB. A smaller
     /// share reads packs in several ranges of at least a largest blob,
     /// writes with fewer workers (at least one), batches fewer files (at
-    /// least 512), keeps fewer trees (at least 1 MiB) and loads fewer
-    /// ahead (at least 256 KiB).
+    /// least 512), keeps fewer trees (at least 1 MiB), loads fewer ahead
+    /// (at least 256 KiB) and holds fewer tree packs (at least 2 MiB).
     pub(crate) fn restore(&self, max_chunk: u64, max_blob_read: u64) -> RestoreBuffers {
         let reads = PACK_BYTES_IN_FLIGHT / MAX_PACK_READ_BYTES;
         let max_pack_read_bytes = (self.part(PACK_BYTES_IN_FLIGHT) / reads)
@@ -195,14 +201,18 @@ impl EngineMemory {
         let tree_lookahead_bytes = self
             .part(TREE_LOOKAHEAD_BYTES)
             .clamp(SMALLEST_TREE_LOOKAHEAD_BYTES, TREE_LOOKAHEAD_BYTES);
-        // The batches get what the reads, the workers and the trees kept
-        // and loaded ahead leave (a worker holds a largest chunk however
-        // small the share).
+        let tree_packs_held_bytes = self
+            .part(TREE_PACKS_HELD_BYTES)
+            .clamp(SMALLEST_TREE_PACKS_HELD_BYTES, TREE_PACKS_HELD_BYTES);
+        // The batches get what the reads, the workers and the trees kept,
+        // loaded ahead and held leave (a worker holds a largest chunk
+        // however small the share).
         let batch_bytes = self.bytes.saturating_sub(
             reads * max_pack_read_bytes
                 + decode_buffer_bytes
                 + self.verify_tree_cache_bytes()
-                + tree_lookahead_bytes,
+                + tree_lookahead_bytes
+                + tree_packs_held_bytes,
         );
         let batch_files = (batch_bytes * MAX_BATCH_FILES as u64 / BATCH_BOOKKEEPING_BYTES)
             .clamp(SMALLEST_BATCH_FILES, MAX_BATCH_FILES as u64) as usize;
@@ -213,6 +223,7 @@ impl EngineMemory {
             batch_files,
             batch_chunks: batch_files * (MAX_BATCH_CHUNKS / MAX_BATCH_FILES),
             tree_lookahead_bytes,
+            tree_packs_held_bytes,
         }
     }
 
@@ -224,8 +235,8 @@ impl EngineMemory {
             .clamp(1, PARALLEL_FILE_CHECKS as u64) as usize
     }
 
-    /// Raw tree bytes a restore keeps for the verification after it: 8
-    /// MiB with the default share (the trees of about 40,000 files), at
+    /// Raw tree bytes a restore keeps for the verification after it: 5
+    /// MiB with the default share (the trees of about 25,000 files), at
     /// least 1 MiB.
     pub fn verify_tree_cache_bytes(&self) -> u64 {
         self.part(VERIFY_TREE_CACHE_BYTES)
@@ -259,14 +270,16 @@ mod tests {
         assert_eq!(restore.decode_buffer_bytes, 16 * MIB);
         assert_eq!((restore.batch_files, restore.batch_chunks), (4_096, 16_384));
         assert_eq!(restore.tree_lookahead_bytes, 2 * MIB);
-        assert_eq!(EngineMemory::default().verify_tree_cache_bytes(), 8 * MIB);
+        assert_eq!(restore.tree_packs_held_bytes, 5 * MIB);
+        assert_eq!(EngineMemory::default().verify_tree_cache_bytes(), 5 * MIB);
         assert_eq!(EngineMemory::default().verify_parallel_checks(), 4);
     }
 
     /// What the buffers of one engine add up to: the walker's buffer and a
     /// compression output, both data packs, the tree pack, the chunks in
     /// flight and kept; the reads, the workers'
-    /// buffers, the batches, the trees kept and those loaded ahead.
+    /// buffers, the batches, the trees kept, those loaded ahead and the
+    /// tree packs held.
     fn backup_total(buffers: &BackupBuffers, max_chunk_buffer: usize) -> u64 {
         2 * max_chunk_buffer as u64
             + 2 * buffers.data_pack_buffer_bytes as u64
@@ -281,6 +294,7 @@ mod tests {
             + buffers.batch_files as u64 * BATCH_BOOKKEEPING_BYTES / MAX_BATCH_FILES as u64
             + memory.verify_tree_cache_bytes()
             + buffers.tree_lookahead_bytes
+            + buffers.tree_packs_held_bytes
     }
 
     #[test]
@@ -305,6 +319,7 @@ mod tests {
             );
             assert!(restore.max_pack_read_bytes >= MAX_CHUNK_BUFFER as u64);
             assert!(restore.tree_lookahead_bytes >= SMALLEST_TREE_LOOKAHEAD_BYTES);
+            assert!(restore.tree_packs_held_bytes >= SMALLEST_TREE_PACKS_HELD_BYTES);
             let verification = memory.verify_parallel_checks() as u64 * READ_BYTES as u64
                 + memory.verify_tree_cache_bytes();
             assert!(

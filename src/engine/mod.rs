@@ -31,6 +31,7 @@ pub mod restore;
 pub mod scan;
 pub mod since;
 pub mod tree_cache;
+pub mod tree_packs;
 pub mod verify;
 pub mod verify_tree;
 

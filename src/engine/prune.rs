@@ -245,7 +245,7 @@ async fn add_reachable(
     while !pending.is_empty() {
         let take = pending.len().min(TREES_PER_BATCH);
         let batch: Vec<BlobId> = pending.drain(pending.len() - take..).collect();
-        let trees = repository.load_trees(index, &batch).await;
+        let trees = repository.load_trees(index, &batch, None).await;
         for (tree, id) in trees.into_iter().zip(&batch) {
             let tree = match (tree, reach) {
                 (Ok(tree), _) => tree,

@@ -20,6 +20,7 @@ use futures::StreamExt;
 use zeroize::Zeroizing;
 
 use super::EngineError;
+use super::tree_packs::TreePacks;
 use crate::repo::chunker::Chunker;
 use crate::repo::codec::{ObjectCodec, RecordKind};
 use crate::repo::config::{RepoConfig, RepoKeys};
@@ -870,14 +871,16 @@ impl Repository {
     /// reads again for the files: on 200,000 small files in 1,000
     /// directories that is about 120 MB more read, against 1,000 fewer
     /// requests (docs/benchmarks.md: each costs MinIO more CPU than a MiB).
-    /// Returns one result per id, in order; a tree whose merged read failed
-    /// is loaded alone by [`Repository::load_tree`], which says exactly
-    /// what is wrong. Callers bound the memory by the trees they ask for at
-    /// once.
+    /// With `held`, a pack of trees only is read whole once and the trees
+    /// cut from it ([`TreePacks`]). Returns one result per id, in order; a
+    /// tree whose merged read failed is loaded alone by
+    /// [`Repository::load_tree`], which says exactly what is wrong.
+    /// Callers bound the memory by the trees they ask for at once.
     pub async fn load_trees(
         &self,
         index: &BlobIndex,
         ids: &[BlobId],
+        held: Option<&TreePacks>,
     ) -> Vec<Result<Tree, EngineError>> {
         let mut by_pack: BTreeMap<ObjectId, Vec<(usize, BlobLocation)>> = BTreeMap::new();
         for (position, id) in ids.iter().enumerate() {
@@ -892,6 +895,20 @@ impl Repository {
         }
         let mut stored: Vec<Option<(ObjectId, BlobLocation, Bytes)>> = vec![None; ids.len()];
         for (pack, blobs) in by_pack {
+            let whole = match held {
+                Some(held) => held.whole(self.store.as_ref(), index, &pack).await,
+                None => None,
+            };
+            if let Some(whole) = whole {
+                for (position, location) in blobs {
+                    let start = location.offset as usize;
+                    let end = start + location.stored_length as usize;
+                    if end <= whole.len() {
+                        stored[position] = Some((pack, location, whole.slice(start..end)));
+                    }
+                }
+                continue;
+            }
             let ranges: Vec<_> = blobs
                 .iter()
                 .map(|(_, location)| {

@@ -29,10 +29,12 @@
 //! closes it. So a pack is read once whether its blobs belong to one file or
 //! to a thousand, and small files cost the same per byte as large ones:
 //! neither a request nor a task per file. The walker gets each
-//! directory's subtrees in windows of neighbouring trees, one read each,
-//! and the windows of the directories it will enter next are loaded ahead
-//! of it, several at once ([`lookahead`]), so that a tree of many small
-//! directories does not wait a round trip to the store per directory.
+//! directory's subtrees in windows of neighbouring trees, cut from a pack
+//! of trees read whole once ([`TreePacks`]) or read in ranges where it
+//! cannot be held, and the windows of the directories it will enter next
+//! are loaded ahead of it, several at once ([`lookahead`]), so that a tree
+//! of many small directories does not wait a round trip to the store per
+//! directory.
 //! Memory stays within the engine's share ([`EngineMemory`]) whatever the
 //! snapshot's size.
 
@@ -66,6 +68,7 @@ use super::since::{
 };
 use super::throttle::Throttle;
 use super::tree_cache::TreeCache;
+use super::tree_packs::TreePacks;
 use crate::repo::index::BlobIndex;
 use crate::repo::snapshot::Snapshot;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
@@ -155,6 +158,7 @@ const _: () = assert!(
         + BATCH_BOOKKEEPING_BYTES
         + super::tree_cache::VERIFY_TREE_CACHE_BYTES
         + TREE_LOOKAHEAD_BYTES
+        + super::tree_packs::TREE_PACKS_HELD_BYTES
         <= haulage_api::transfer::DEFAULT_VOLUME_SHARE_BYTES,
     "the restore's buffers do not fit an engine's default memory share"
 );
@@ -427,7 +431,8 @@ pub async fn restore_loaded(
         u64::from(config.chunker.max_bytes),
         repository.largest_stored_blob_bytes() as u64,
     );
-    let tree_lookahead_bytes = sizes.tree_lookahead_bytes;
+    let (tree_lookahead_bytes, tree_packs_held_bytes) =
+        (sizes.tree_lookahead_bytes, sizes.tree_packs_held_bytes);
     let shared = Arc::new(Shared {
         repository: repository.clone(),
         sizes,
@@ -454,6 +459,7 @@ pub async fn restore_loaded(
         open_files: AtomicUsize::new(0),
         handle: tokio::runtime::Handle::current(),
         trees,
+        tree_packs: TreePacks::new(tree_packs_held_bytes),
         lookahead: lookahead::Lookahead::new(tree_lookahead_bytes, TREE_LOOKAHEAD_REQUESTS),
     });
     let (batches, queued_batches) = mpsc::channel(BATCHES_AHEAD);
@@ -587,6 +593,8 @@ struct Shared {
     handle: tokio::runtime::Handle,
     /// Where the trees are loaded through (kept for a verification).
     trees: Arc<TreeCache>,
+    /// The packs of trees read whole, that the trees are cut from.
+    tree_packs: TreePacks,
     /// The subtree windows loaded ahead of the walk.
     lookahead: lookahead::Lookahead,
     /// Sizes from the memory share.

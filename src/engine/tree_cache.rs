@@ -16,14 +16,15 @@ use std::sync::Mutex;
 
 use super::EngineError;
 use super::repository::Repository;
+use super::tree_packs::TreePacks;
 use crate::repo::BlobId;
 use crate::repo::index::BlobIndex;
 use crate::repo::tree::Tree;
 
 /// Raw tree bytes a restore keeps for its verification: the trees of
-/// about 40,000 files (a 1 GiB claim of the reference kind has 3 MiB);
+/// about 25,000 files (a 1 GiB claim of the reference kind has 3 MiB);
 /// the rest is loaded again.
-pub const VERIFY_TREE_CACHE_BYTES: u64 = 8 << 20;
+pub const VERIFY_TREE_CACHE_BYTES: u64 = 5 << 20;
 
 /// Decoded trees by id, at most `budget` raw bytes of them.
 #[derive(Debug, Default)]
@@ -79,15 +80,17 @@ impl TreeCache {
         self.len() == 0
     }
 
-    /// Load trees for the restore ([`Repository::load_trees`]), keeping a
-    /// copy of each while the bound allows.
+    /// Load trees for the restore ([`Repository::load_trees`], cut from
+    /// the tree packs it holds), keeping a copy of each while the bound
+    /// allows.
     pub async fn load_and_keep(
         &self,
         repository: &Repository,
         index: &BlobIndex,
         ids: &[BlobId],
+        held: &TreePacks,
     ) -> Vec<Result<Tree, EngineError>> {
-        let trees = repository.load_trees(index, ids).await;
+        let trees = repository.load_trees(index, ids, Some(held)).await;
         for (id, tree) in ids.iter().zip(&trees) {
             if let Ok(tree) = tree {
                 self.keep(*id, tree, raw_length(index, id));
@@ -125,7 +128,10 @@ impl TreeCache {
             .map(|(id, _)| *id)
             .collect();
         if !missing.is_empty() {
-            let mut loaded = repository.load_trees(index, &missing).await.into_iter();
+            let mut loaded = repository
+                .load_trees(index, &missing, None)
+                .await
+                .into_iter();
             for result in results.iter_mut().filter(|result| result.is_none()) {
                 *result = loaded.next();
             }

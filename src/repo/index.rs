@@ -162,7 +162,16 @@ pub struct BlobIndex {
     pack_ids: Vec<ObjectId>,
     pack_positions: HashMap<ObjectId, u32>,
     leaving: Vec<bool>,
+    /// Per pack: where its last blob ends, and whether it holds data.
+    pack_extents: Vec<PackExtent>,
     blobs: HashMap<BlobId, BlobLocation>,
+}
+
+/// Where a pack's blobs end, and whether any of them is data.
+#[derive(Debug, Default, Clone, Copy)]
+struct PackExtent {
+    end: u64,
+    holds_data: bool,
 }
 
 impl BlobIndex {
@@ -189,12 +198,20 @@ impl BlobIndex {
             None => {
                 self.pack_ids.push(pack);
                 self.leaving.push(leaving);
+                self.pack_extents.push(PackExtent::default());
                 let position = (self.pack_ids.len() - 1) as u32;
                 self.pack_positions.insert(pack, position);
                 position
             }
         };
         let leaving = self.leaving[position as usize];
+        let extent = &mut self.pack_extents[position as usize];
+        for entry in entries {
+            extent.end = extent
+                .end
+                .max(u64::from(entry.offset) + u64::from(entry.stored_length));
+            extent.holds_data |= entry.kind == BlobKind::Data;
+        }
         self.blobs.reserve(entries.len());
         for entry in entries {
             let location = BlobLocation {
@@ -242,6 +259,13 @@ impl BlobIndex {
     /// The pack a location points into.
     pub fn pack_of(&self, location: &BlobLocation) -> ObjectId {
         self.pack_ids[location.pack as usize]
+    }
+
+    /// Where the blobs of `pack` end, if it is known and holds trees only:
+    /// the bytes a read of the whole tree pack takes (from its start).
+    pub fn tree_pack_end(&self, pack: &ObjectId) -> Option<u64> {
+        let extent = self.pack_extents[*self.pack_positions.get(pack)? as usize];
+        (!extent.holds_data).then_some(extent.end)
     }
 
     /// True when some index names this pack.
@@ -316,5 +340,38 @@ mod tests {
         assert!(index.contains(&BlobId([2; 32])));
         assert_eq!(index.pack_of(index.get(&BlobId([2; 32])).unwrap()), kept);
         assert!(index.is_leaving(&leaving) && !index.is_leaving(&kept));
+    }
+
+    #[test]
+    fn a_pack_of_trees_only_tells_where_its_blobs_end() {
+        let entry = |id: u8, kind, offset, stored_length| PackEntry {
+            id: BlobId([id; 32]),
+            kind,
+            compression: Compression::Zstd,
+            offset,
+            stored_length,
+            raw_length: 1,
+        };
+        let (trees, mixed) = (ObjectId([1; 32]), ObjectId([2; 32]));
+        let mut index = BlobIndex::new();
+        index.add_pack(
+            trees,
+            &[
+                entry(1, BlobKind::Tree, 500, 20),
+                entry(2, BlobKind::Tree, 8, 40),
+            ],
+        );
+        // Listed again by a second index: the blob already known counts.
+        index.add_pack(trees, &[entry(1, BlobKind::Tree, 500, 20)]);
+        index.add_pack(
+            mixed,
+            &[
+                entry(3, BlobKind::Tree, 8, 10),
+                entry(4, BlobKind::Data, 18, 10),
+            ],
+        );
+        assert_eq!(index.tree_pack_end(&trees), Some(520));
+        assert_eq!(index.tree_pack_end(&mixed), None, "holds data");
+        assert_eq!(index.tree_pack_end(&ObjectId([3; 32])), None, "unknown");
     }
 }

@@ -308,7 +308,7 @@ pub(super) fn spawn_window_load(
     tokio::spawn(async move {
         let trees = shared
             .trees
-            .load_and_keep(&shared.repository, &index, &ids)
+            .load_and_keep(&shared.repository, &index, &ids, &shared.tree_packs)
             .await;
         drop(slot);
         if let Some((place, first)) = window {

@@ -8,14 +8,15 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use haulage::engine::Repository;
 use haulage::engine::restore::{RestoreOptions, RestoreOutcome, restore};
 use haulage::repo::index::BlobIndex;
 use haulage::repo::tree::{EntryKind, Extent};
 use haulage::repo::{BlobId, ObjectId};
-use haulage::store::DynStore;
 use haulage::store::layer::{Layer, Layered};
 use haulage::store::local::LocalStore;
+use haulage::store::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError};
 
 use super::support::{
     CountingStore, ReadLog, TestRepo, assert_same_tree, data_reads_per_pack, pack_entries,
@@ -620,6 +621,76 @@ impl haulage::store::layer::Layer for SlowTreeReads {
     }
 }
 
+/// A store that refuses to read a pack of trees whole (from its start to
+/// the end of its last blob), as one whose packs of trees are too large to
+/// hold would never ask: the restore reads their trees in windows.
+#[derive(Debug)]
+struct WholeTreePacksRefused {
+    inner: DynStore,
+    /// Where the blobs of each pack of trees end.
+    tree_pack_ends: BTreeMap<ObjectId, u64>,
+}
+
+impl WholeTreePacksRefused {
+    fn check(&self, key: &str, range: Option<&std::ops::Range<u64>>) -> Result<(), StoreError> {
+        let whole = haulage::repo::id_from_key(key, haulage::repo::DATA_PREFIX)
+            .and_then(|pack| self.tree_pack_ends.get(&pack))
+            .is_some_and(|end| range.is_none_or(|range| range.start == 0 && range.end >= *end));
+        if whole {
+            return Err(StoreError::Permanent {
+                location: self.location(),
+                operation: "get",
+                key: key.to_string(),
+                message: "whole tree packs refused by this test".into(),
+                cause: Default::default(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for WholeTreePacksRefused {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        self.inner.put(key, data, mode).await
+    }
+
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, StoreError> {
+        self.check(key, range.as_ref())?;
+        self.inner.get(key, range).await
+    }
+
+    async fn get_range_into(
+        &self,
+        key: &str,
+        range: std::ops::Range<u64>,
+        buffer: Vec<u8>,
+    ) -> Result<Vec<u8>, StoreError> {
+        self.check(key, Some(&range))?;
+        self.inner.get_range_into(key, range, buffer).await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        self.inner.head(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.inner.list(prefix).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.inner.delete(key).await
+    }
+
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+}
+
 /// 156 directories under `source`, five wide and four deep, a small file
 /// in each; returns how many have subdirectories (31).
 fn write_directories_five_wide(source: &Path) -> usize {
@@ -679,13 +750,10 @@ fn slow_tree_reads(tree_packs: &BTreeMap<ObjectId, u64>) -> SlowTreeReads {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once() {
-    // Entering a directory loads its subtrees in one read; walked one
-    // directory after the other, that was 31 round trips to the store one
-    // after the other (over 20 s for 11,111 directories 20 ms away).
+async fn a_pack_of_trees_is_read_whole_once_however_many_windows_it_serves() {
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
-    let with_subdirectories = write_directories_five_wide(&source);
+    write_directories_five_wide(&source);
     let backup = repo.backup(&source).await;
     let tree_packs = tree_pack_ends(&repo.repository).await;
     assert_eq!(tree_packs.len(), 1, "the trees have a pack of their own");
@@ -698,11 +766,43 @@ async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once(
         &source,
     )
     .await;
+    // The root's tree, then the pack whole: 31 windows cut from it.
+    let reads = slow.layer().reads.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(reads, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once() {
+    // Entering a directory loads its subtrees in one read, from the pack
+    // of trees held, or, where it cannot be held, from the store; walked
+    // one directory after the other, the latter was 31 round trips to the
+    // store one after the other here (over 20 s for 11,111 directories
+    // 20 ms away).
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    let with_subdirectories = write_directories_five_wide(&source);
+    let backup = repo.backup(&source).await;
+    let tree_packs = tree_pack_ends(&repo.repository).await;
+    assert_eq!(tree_packs.len(), 1, "the trees have a pack of their own");
+    let refusing: DynStore = Arc::new(WholeTreePacksRefused {
+        inner: local_store(&repo),
+        tree_pack_ends: tree_packs.clone(),
+    });
+    let (slow, repository) = open_through(refusing, slow_tree_reads(&tree_packs)).await;
+    let target = repo.dir.path().join("restored");
+    restore_intact(
+        &repository,
+        &backup.snapshot_id,
+        RestoreOptions::new(&target),
+        &source,
+    )
+    .await;
     let layer = slow.layer();
     use std::sync::atomic::Ordering::SeqCst;
     // Each directory's subtrees in one read, and none twice: the root's
-    // tree, then one read per directory with subdirectories.
-    assert_eq!(layer.reads.load(SeqCst), 1 + with_subdirectories);
+    // tree, the pack asked whole (refused), then one read per directory
+    // with subdirectories.
+    assert_eq!(layer.reads.load(SeqCst), 2 + with_subdirectories);
     assert!(
         layer.most_in_flight.load(SeqCst) > 1,
         "the subtrees of directories not yet entered were loaded while the walk waited for \

@@ -476,7 +476,8 @@ pub fn data_reads_per_pack(
     per_pack
 }
 
-/// Reads that started at a tree blob: the restore's tree loads.
+/// Reads that started at a tree blob, or at the start of a pack of trees
+/// only (read whole): the restore's tree loads.
 pub fn tree_reads(
     reads: &[Read],
     packs: &BTreeMap<ObjectId, Vec<haulage::repo::pack::PackEntry>>,
@@ -489,9 +490,14 @@ pub fn tree_reads(
                 return false;
             };
             let start = read.range.as_ref().map_or(0, |range| range.start);
-            packs[&pack].iter().any(|entry| {
-                entry.kind == haulage::repo::BlobKind::Tree && u64::from(entry.offset) == start
-            })
+            let entries = &packs[&pack];
+            let trees_only = entries
+                .iter()
+                .all(|entry| entry.kind == haulage::repo::BlobKind::Tree);
+            (trees_only && start == 0)
+                || entries.iter().any(|entry| {
+                    entry.kind == haulage::repo::BlobKind::Tree && u64::from(entry.offset) == start
+                })
         })
         .count()
 }
