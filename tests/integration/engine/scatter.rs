@@ -20,7 +20,7 @@ use haulage::store::{DynStore, ObjectMeta, ObjectStore, PutMode, StoreError};
 
 use super::support::{
     CountingStore, ReadLog, TestRepo, assert_same_tree, data_reads_per_pack, pack_entries,
-    packs_with_data, random_bytes, tree_reads, write_sparse_file,
+    packs_with_data, random_bytes, tree_reads, trees_only, write_sparse_file,
 };
 
 /// The repository of `repo`, opened again through a [`CountingStore`].
@@ -723,11 +723,7 @@ async fn tree_pack_ends(repository: &Repository) -> BTreeMap<ObjectId, u64> {
     pack_entries(repository)
         .await
         .into_iter()
-        .filter(|(_, entries)| {
-            entries
-                .iter()
-                .all(|entry| entry.kind == haulage::repo::BlobKind::Tree)
-        })
+        .filter(|(_, entries)| trees_only(entries))
         .map(|(pack, entries)| {
             let end = entries
                 .iter()
@@ -739,33 +735,59 @@ async fn tree_pack_ends(repository: &Repository) -> BTreeMap<ObjectId, u64> {
         .collect()
 }
 
-fn slow_tree_reads(tree_packs: &BTreeMap<ObjectId, u64>) -> SlowTreeReads {
-    SlowTreeReads {
-        tree_packs: tree_packs.keys().copied().collect(),
-        delay: std::time::Duration::from_millis(20),
-        in_flight: Arc::default(),
-        most_in_flight: Default::default(),
-        reads: Default::default(),
+/// The five-wide directories backed up, their trees in one pack.
+struct FiveWide {
+    repo: TestRepo,
+    source: std::path::PathBuf,
+    snapshot: ObjectId,
+    /// Where the blobs of the pack of trees end.
+    tree_packs: BTreeMap<ObjectId, u64>,
+    with_subdirectories: usize,
+}
+
+impl FiveWide {
+    async fn backed_up() -> Self {
+        let repo = TestRepo::new().await;
+        let source = repo.dir.path().join("source");
+        let with_subdirectories = write_directories_five_wide(&source);
+        let snapshot = repo.backup(&source).await.snapshot_id;
+        let tree_packs = tree_pack_ends(&repo.repository).await;
+        assert_eq!(tree_packs.len(), 1, "the trees have a pack of their own");
+        FiveWide {
+            repo,
+            source,
+            snapshot,
+            tree_packs,
+            with_subdirectories,
+        }
+    }
+
+    /// Restore it from `store` with its tree-pack reads held 20 ms each;
+    /// the reads, counted.
+    async fn restore_from(&self, store: DynStore) -> Arc<Layered<SlowTreeReads>> {
+        let slow = SlowTreeReads {
+            tree_packs: self.tree_packs.keys().copied().collect(),
+            delay: std::time::Duration::from_millis(20),
+            in_flight: Arc::default(),
+            most_in_flight: Default::default(),
+            reads: Default::default(),
+        };
+        let (slow, repository) = open_through(store, slow).await;
+        restore_intact(
+            &repository,
+            &self.snapshot,
+            RestoreOptions::new(self.repo.dir.path().join("restored")),
+            &self.source,
+        )
+        .await;
+        slow
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pack_of_trees_is_read_whole_once_however_many_windows_it_serves() {
-    let repo = TestRepo::new().await;
-    let source = repo.dir.path().join("source");
-    write_directories_five_wide(&source);
-    let backup = repo.backup(&source).await;
-    let tree_packs = tree_pack_ends(&repo.repository).await;
-    assert_eq!(tree_packs.len(), 1, "the trees have a pack of their own");
-    let (slow, repository) = open_through(local_store(&repo), slow_tree_reads(&tree_packs)).await;
-    let target = repo.dir.path().join("restored");
-    restore_intact(
-        &repository,
-        &backup.snapshot_id,
-        RestoreOptions::new(&target),
-        &source,
-    )
-    .await;
+    let tree = FiveWide::backed_up().await;
+    let slow = tree.restore_from(local_store(&tree.repo)).await;
     // The root's tree, then the pack whole: 31 windows cut from it.
     let reads = slow.layer().reads.load(std::sync::atomic::Ordering::SeqCst);
     assert_eq!(reads, 2);
@@ -778,25 +800,14 @@ async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once(
     // one directory after the other, the latter was 31 round trips to the
     // store one after the other here (over 20 s for 11,111 directories
     // 20 ms away).
-    let repo = TestRepo::new().await;
-    let source = repo.dir.path().join("source");
-    let with_subdirectories = write_directories_five_wide(&source);
-    let backup = repo.backup(&source).await;
-    let tree_packs = tree_pack_ends(&repo.repository).await;
-    assert_eq!(tree_packs.len(), 1, "the trees have a pack of their own");
-    let refusing: DynStore = Arc::new(WholeTreePacksRefused {
-        inner: local_store(&repo),
-        tree_pack_ends: tree_packs.clone(),
-    });
-    let (slow, repository) = open_through(refusing, slow_tree_reads(&tree_packs)).await;
-    let target = repo.dir.path().join("restored");
-    restore_intact(
-        &repository,
-        &backup.snapshot_id,
-        RestoreOptions::new(&target),
-        &source,
-    )
-    .await;
+    let tree = FiveWide::backed_up().await;
+    let with_subdirectories = tree.with_subdirectories;
+    let slow = tree
+        .restore_from(Arc::new(WholeTreePacksRefused {
+            inner: local_store(&tree.repo),
+            tree_pack_ends: tree.tree_packs.clone(),
+        }))
+        .await;
     let layer = slow.layer();
     use std::sync::atomic::Ordering::SeqCst;
     // Each directory's subtrees in one read, and none twice: the root's

@@ -491,10 +491,7 @@ pub fn tree_reads(
             };
             let start = read.range.as_ref().map_or(0, |range| range.start);
             let entries = &packs[&pack];
-            let trees_only = entries
-                .iter()
-                .all(|entry| entry.kind == haulage::repo::BlobKind::Tree);
-            (trees_only && start == 0)
+            (trees_only(entries) && start == 0)
                 || entries.iter().any(|entry| {
                     entry.kind == haulage::repo::BlobKind::Tree && u64::from(entry.offset) == start
                 })
@@ -506,12 +503,15 @@ pub fn tree_reads(
 pub fn packs_with_data(packs: &BTreeMap<ObjectId, Vec<haulage::repo::pack::PackEntry>>) -> usize {
     packs
         .values()
-        .filter(|entries| {
-            entries
-                .iter()
-                .any(|entry| entry.kind == haulage::repo::BlobKind::Data)
-        })
+        .filter(|entries| !trees_only(entries))
         .count()
+}
+
+/// Whether a pack of these entries holds trees only.
+pub fn trees_only(entries: &[haulage::repo::pack::PackEntry]) -> bool {
+    entries
+        .iter()
+        .all(|entry| entry.kind == haulage::repo::BlobKind::Tree)
 }
 
 /// Every pack of `repository` with its entries, read from the trailers.
