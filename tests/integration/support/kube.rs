@@ -151,6 +151,8 @@ pub struct KubeCluster {
     /// processes (controllers, agents) when they go through a proxy
     /// ([`KubeCluster::route_processes_through`]).
     routed: Option<(String, PathBuf)>,
+    /// While the apiserver is stopped: its port, kept for its restart.
+    held_port: Option<super::minio::HeldPort>,
 }
 
 /// Files of the throwaway PKI.
@@ -337,6 +339,7 @@ impl KubeCluster {
             audit_log: None,
             apiserver_start: None,
             routed: None,
+            held_port: None,
             dir,
         };
         if audit {
@@ -435,6 +438,7 @@ impl KubeCluster {
         pki: &Pki,
         tokens: &Path,
     ) -> anyhow::Result<()> {
+        self.held_port = None;
         let log_path = self.dir.path().join("kube-apiserver.log");
         // Appended to: a restarted apiserver keeps the earlier log.
         let log = std::fs::OpenOptions::new()
@@ -623,6 +627,13 @@ impl KubeCluster {
         if let Some(mut apiserver) = self.apiserver.take() {
             let _ = apiserver.kill();
             let _ = apiserver.wait();
+            self.held_port = self
+                .apiserver_address()
+                .and_then(super::minio::HeldPort::hold)
+                .map_err(|error| {
+                    eprintln!("kube-apiserver's port may be taken while it is stopped: {error:#}")
+                })
+                .ok();
         }
     }
 

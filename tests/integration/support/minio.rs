@@ -89,6 +89,31 @@ pub fn free_port() -> anyhow::Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
+/// The port of a stopped server, kept from everything else on the
+/// machine until it starts again: bound, never listening, so connections
+/// to it are refused as they are by a stopped server, while neither
+/// another test's [`free_port`] nor an outgoing connection's local port
+/// can take it. Without it, a port left free for a minute or more (the
+/// listener's TIME_WAIT sockets kept it for the first one) is taken by
+/// the many connections the other tests open, and the server cannot come
+/// back on the port its clients know. Drop it right before the server
+/// binds the port again.
+pub struct HeldPort(#[allow(dead_code)] tokio::net::TcpSocket);
+
+impl HeldPort {
+    /// Hold `address`'s port (SO_REUSEADDR, so that the stopped server's
+    /// TIME_WAIT sockets do not refuse it, and so that the server binds it
+    /// again once this is dropped).
+    pub fn hold(address: std::net::SocketAddr) -> anyhow::Result<Self> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.set_reuseaddr(true)?;
+        socket
+            .bind(address)
+            .with_context(|| format!("hold {address} while its server is stopped"))?;
+        Ok(HeldPort(socket))
+    }
+}
+
 /// Starts of a server whose port was taken before it bound it.
 pub const PORT_ATTEMPTS: u32 = 5;
 
@@ -108,6 +133,8 @@ pub struct MinioServer {
     address: Ipv4Addr,
     port: u16,
     child: Option<Child>,
+    /// While stopped: its port, kept for its restart.
+    held_port: Option<HeldPort>,
     starts: u32,
     /// With TLS: the directory MinIO reads `public.crt`/`private.key` from,
     /// and the CA's PEM file.
@@ -175,6 +202,7 @@ impl MinioServer {
             address,
             port: free_port()?,
             child: None,
+            held_port: None,
             starts: 0,
             tls,
         };
@@ -201,6 +229,7 @@ impl MinioServer {
     }
 
     async fn spawn_and_wait(&mut self) -> anyhow::Result<()> {
+        self.held_port = None;
         self.starts += 1;
         let log_path = self
             .log_dir
@@ -289,6 +318,11 @@ impl MinioServer {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+            self.held_port = HeldPort::hold((self.address, self.port).into())
+                .map_err(|error| {
+                    eprintln!("MinIO's port may be taken while it is stopped: {error:#}")
+                })
+                .ok();
         }
     }
 
