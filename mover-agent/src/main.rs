@@ -185,6 +185,8 @@ struct Arguments {
 
 fn main() -> ExitCode {
     haulage::allocator::keep_freed_memory_small();
+    // As the Go runtime does: restores hold a batch's directories open.
+    haulage::engine::descriptors::raise_open_file_limit();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

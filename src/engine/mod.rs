@@ -16,11 +16,14 @@
 //!   entry by entry and chunk by chunk (what a restore is proven with).
 //! - [`throttle`]: smooth bytes-per-second limits.
 //! - [`buffers`]: reusable large buffers for the pipeline.
+//! - [`descriptors`]: the open-file limit, and the share of it restores
+//!   hold for their batches' directories.
 //! - [`progress`]: counters shared with whoever displays progress.
 
 pub use crate::throttle;
 pub mod backup;
 pub mod buffers;
+pub mod descriptors;
 pub mod forget;
 pub mod lock;
 pub mod memory;

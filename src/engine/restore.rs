@@ -17,14 +17,15 @@
 //! How the data moves. A walker goes through the snapshot's trees in order,
 //! creates directories (and FIFOs, devices), defers symlinks and hard links,
 //! and collects regular files into batches (at most [`MAX_BATCH_FILES`]
-//! files, [`MAX_BATCH_CHUNKS`] chunks, [`MAX_BATCH_DIRECTORIES`]
-//! directories). For each batch, the chunks its files need are found (in
-//! `sync` mode by comparing each existing file with the snapshot, in
-//! parallel), and [`plan::plan_pack_reads`] turns them into pack reads:
-//! each pack once, in few large ranges, each blob once with every file
-//! offset it goes to. The reads are fetched a few at a time within
-//! [`PACK_BYTES_IN_FLIGHT`], and scatter workers (one per core) decode and
-//! check each blob once and write it to every offset that needs it; the
+//! files, [`MAX_BATCH_CHUNKS`] chunks, and as many directories as the
+//! open-file limit lets it hold open, [`BatchDirectories`]). For each
+//! batch, the chunks its files need are found (in `sync` mode by comparing
+//! each existing file with the snapshot, in parallel), and
+//! [`plan::plan_pack_reads`] turns them into pack reads: each pack once, in
+//! few large ranges, each blob once with every file offset it goes to. The
+//! reads are fetched a few at a time within [`PACK_BYTES_IN_FLIGHT`], and
+//! scatter workers (one per core) decode and check each blob once and write
+//! it to every offset that needs it; the
 //! worker that writes a file's last chunk sets its size and attributes and
 //! closes it. So a pack is read once whether its blobs belong to one file or
 //! to a thousand, and small files cost the same per byte as large ones:
@@ -59,6 +60,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::plan::{ChunkNeed, PackRead, PlanLimits, PlannedBlob, Target, Unrestorable};
 use super::EngineError;
+use super::descriptors::{self, DescriptorBudget, MIN_BATCH_DIRECTORIES};
 use super::memory::{EngineMemory, RestoreBuffers};
 use super::progress::Progress;
 use super::repository::Repository;
@@ -122,9 +124,13 @@ const SCATTER_JOBS_QUEUED: usize = 4;
 pub(crate) const MAX_BATCH_FILES: usize = 4_096;
 /// See [`MAX_BATCH_FILES`].
 pub(crate) const MAX_BATCH_CHUNKS: usize = 16_384;
-/// See [`MAX_BATCH_FILES`]: four batches' 512 directory descriptors, with
-/// [`MAX_OPEN_FILES`], stay under the usual limit of 1,024 open files.
-const MAX_BATCH_DIRECTORIES: usize = 128;
+/// Most directories of one batch, as a share of its files: one per four.
+/// Each costs a descriptor and its path (about 300 bytes for a path five
+/// deep), which the estimate of [`BATCH_BOOKKEEPING_BYTES`] leaves room
+/// for at this share. A deep tree of 11,111 directories and 30,000 files
+/// then comes in about 11 batches of 1,024 directories rather than 87 of
+/// 128, each reading its own ranges of the same packs (docs/benchmarks.md).
+const FILES_PER_BATCH_DIRECTORY: usize = 4;
 /// Memory of the batches alive at once (see [`MAX_BATCH_FILES`]).
 pub(crate) const BATCH_BOOKKEEPING_BYTES: u64 = 24 * MIB;
 /// Encoded bytes of the subtrees one directory level loads at once (at
@@ -621,9 +627,68 @@ impl Shared {
 struct Batch {
     /// Directories holding the batch's files (a directory may appear more
     /// than once, when a subdirectory's files came between its own).
-    directories: Vec<BatchDirectory>,
+    directories: BatchDirectories,
     files: Vec<BatchFile>,
     chunks: usize,
+}
+
+/// The directories of one batch's files, each held open until the batch is
+/// written: [`MIN_BATCH_DIRECTORIES`] of them whatever the open-file limit,
+/// the rest taken from the process's budget for them
+/// ([`descriptors::batch_directories`]) and given back when the batch is
+/// dropped.
+struct BatchDirectories {
+    held: Vec<BatchDirectory>,
+    /// Where the directories beyond the first are taken from.
+    budget: &'static DescriptorBudget,
+    /// How many were taken from it.
+    taken: usize,
+}
+
+impl Default for BatchDirectories {
+    fn default() -> Self {
+        BatchDirectories::taking_from(descriptors::batch_directories())
+    }
+}
+
+impl BatchDirectories {
+    fn taking_from(budget: &'static DescriptorBudget) -> Self {
+        BatchDirectories {
+            held: Vec::new(),
+            budget,
+            taken: 0,
+        }
+    }
+
+    /// Whether one more directory may be held, at most `most`: beyond the
+    /// first [`MIN_BATCH_DIRECTORIES`], if one can be taken from the budget
+    /// within `limit`.
+    fn room_for_one_more(&mut self, most: usize, limit: impl FnOnce() -> usize) -> bool {
+        let held = self.held.len();
+        if held >= most {
+            return false;
+        }
+        if held < MIN_BATCH_DIRECTORIES + self.taken {
+            return true;
+        }
+        let taken = self.budget.try_take(limit());
+        self.taken += usize::from(taken);
+        taken
+    }
+}
+
+impl std::ops::Deref for BatchDirectories {
+    type Target = [BatchDirectory];
+
+    fn deref(&self) -> &[BatchDirectory] {
+        &self.held
+    }
+}
+
+impl Drop for BatchDirectories {
+    fn drop(&mut self) {
+        self.budget.give_back(self.taken);
+    }
 }
 
 struct BatchDirectory {
@@ -640,10 +705,16 @@ struct BatchFile {
 }
 
 impl Batch {
-    fn is_full(&self, sizes: &RestoreBuffers) -> bool {
+    /// Whether the batch takes no more files: its files, its chunks, or
+    /// its directories at their limit (a directory of room is taken for
+    /// the next file, whose directory may be a new one).
+    fn is_full(&mut self, sizes: &RestoreBuffers) -> bool {
         self.files.len() >= sizes.batch_files
             || self.chunks >= sizes.batch_chunks
-            || self.directories.len() >= MAX_BATCH_DIRECTORIES
+            || !self.directories.room_for_one_more(
+                (sizes.batch_files / FILES_PER_BATCH_DIRECTORY).max(MIN_BATCH_DIRECTORIES),
+                descriptors::batch_directories_limit_now,
+            )
     }
 
     fn add(
@@ -658,7 +729,7 @@ impl Batch {
             .last()
             .is_some_and(|last| Arc::ptr_eq(&last.fd, directory_fd));
         if !same_directory {
-            self.directories.push(BatchDirectory {
+            self.directories.held.push(BatchDirectory {
                 fd: directory_fd.clone(),
                 path: directory.to_vec(),
             });
@@ -1785,7 +1856,7 @@ fn needs_of_content(file: u32, content: &[Extent], needs: &mut Vec<ChunkNeed>) -
 /// [`FILES_PER_JOB`] files per blocking job, `workers` jobs at once.
 async fn compare_existing_files(
     shared: &Arc<Shared>,
-    directories: &Arc<Vec<BatchDirectory>>,
+    directories: &Arc<BatchDirectories>,
     files: Vec<BatchFile>,
     workers: usize,
 ) -> (Vec<FileSlot>, Vec<ChunkNeed>) {
@@ -1964,7 +2035,7 @@ fn compare_with_target(
 /// A batch being written: its directories and the state of each file.
 struct BatchState {
     shared: Arc<Shared>,
-    directories: Arc<Vec<BatchDirectory>>,
+    directories: Arc<BatchDirectories>,
     files: Vec<FileSlot>,
 }
 
@@ -2300,6 +2371,47 @@ mod tests {
             data,
             pool: Some(pool.clone()),
         }
+    }
+
+    #[test]
+    fn a_batch_holds_its_first_directories_freely_and_takes_the_rest_from_the_budget_giving_them_back()
+     {
+        let fd = Arc::new(
+            rustix::fs::open(".", OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
+                .expect("open ."),
+        );
+        let budget: &'static DescriptorBudget = Box::leak(Box::new(DescriptorBudget::new()));
+        let hold = |directories: &mut BatchDirectories, most: usize, limit: usize| {
+            let room = directories.room_for_one_more(most, || limit);
+            if room {
+                directories.held.push(BatchDirectory {
+                    fd: fd.clone(),
+                    path: Vec::new(),
+                });
+            }
+            room
+        };
+        let mut directories = BatchDirectories::taking_from(budget);
+        // The first ones cost nothing from the budget.
+        assert!((0..MIN_BATCH_DIRECTORIES).all(|_| hold(&mut directories, 1_024, 0)));
+        assert_eq!(budget.taken(), 0);
+        // Then each one more is taken, until the budget is spent...
+        assert!((0..3).all(|_| hold(&mut directories, 1_024, 3)));
+        assert!(!hold(&mut directories, 1_024, 3));
+        assert_eq!(directories.len(), MIN_BATCH_DIRECTORIES + 3);
+        assert_eq!(budget.taken(), 3);
+        // ... or the batch holds its most.
+        let mut small = BatchDirectories::taking_from(budget);
+        assert!((0..10).all(|_| hold(&mut small, 10, 0)));
+        assert!(!hold(&mut small, 10, 100));
+        assert_eq!(budget.taken(), 3);
+        // Another batch takes what the first gives back.
+        let mut next = BatchDirectories::taking_from(budget);
+        assert!((0..MIN_BATCH_DIRECTORIES).all(|_| hold(&mut next, 1_024, 3)));
+        assert!(!hold(&mut next, 1_024, 3));
+        drop(directories);
+        assert_eq!(budget.taken(), 0);
+        assert!(hold(&mut next, 1_024, 3));
     }
 
     #[tokio::test]

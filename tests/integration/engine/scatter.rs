@@ -373,8 +373,9 @@ async fn a_sync_restore_reads_only_the_chunks_that_differ() {
 async fn a_snapshot_of_more_files_than_one_batch_restores_with_links_across_batches() {
     let repo = TestRepo::new().await;
     let source = repo.dir.path().join("source");
-    // 5,200 files in 130 directories: more than one batch's files (4,096)
-    // and directories (128).
+    // 5,200 files in 130 directories: more than one batch's files (4,096),
+    // and more directories than a batch holds under a soft limit of 1,024
+    // open files (128).
     for directory in 0..130 {
         let path = source.join(format!("d{directory:03}"));
         std::fs::create_dir_all(&path).expect("mkdir");
@@ -393,6 +394,53 @@ async fn a_snapshot_of_more_files_than_one_batch_restores_with_links_across_batc
     assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
     assert_eq!(outcome.files, 5_200);
     assert_same_tree(&source, &target);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tree_of_many_small_directories_reads_each_data_pack_once() {
+    // As the binaries do: a batch holds more than 128 directories only
+    // when the open-file limit leaves room for them.
+    haulage::engine::descriptors::raise_open_file_limit();
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    // 700 directories of three small files each: one batch's worth of
+    // files, and far more directories than the 128 a batch held whatever
+    // the limit, which cut it into six batches reading the same packs.
+    for directory in 0..700u64 {
+        let path = source.join(format!("d{:02}/d{directory:03}", directory % 10));
+        std::fs::create_dir_all(&path).expect("mkdir");
+        for file in 0..3u64 {
+            let seed = directory * 3 + file;
+            std::fs::write(
+                path.join(format!("f{file}")),
+                random_bytes(seed, 4_096 + (seed as usize * 131) % 8_192),
+            )
+            .expect("write");
+        }
+    }
+    let backup = repo.backup(&source).await;
+    let (counter, repository) = counted(&repo).await;
+    let packs = pack_entries(&repository).await;
+    assert!(packs_with_data(&packs) >= 2, "{} packs", packs.len());
+    counter.layer().take_reads();
+    let target = repo.dir.path().join("restored");
+    let outcome = restore_intact(
+        &repository,
+        &backup.snapshot_id,
+        RestoreOptions::new(&target),
+        &source,
+    )
+    .await;
+    assert_eq!(outcome.files, 2_100);
+    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
+    assert_eq!(per_pack.len(), packs_with_data(&packs));
+    for (pack, (count, bytes)) in &per_pack {
+        assert_eq!(
+            *count, 1,
+            "pack {pack} was read {count} times ({bytes} bytes): the directories were cut into \
+             batches each reading it again"
+        );
+    }
 }
 
 /// Restore `snapshot` into `target`: the outcome and the paths that failed.

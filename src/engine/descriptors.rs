@@ -1,0 +1,153 @@
+//! Open file descriptors: the process's limit, raised once at the start of
+//! each binary, and the share of it that restores may hold for their
+//! batches' directories.
+//!
+//! A restore keeps each directory of a batch of files open (its files are
+//! created and reopened relative to it, never through a path), so a batch
+//! holds a descriptor per directory. With the usual soft limit of 1,024 a
+//! batch holds at most 128 ([`MIN_BATCH_DIRECTORIES`]), and a tree of many
+//! small directories was cut into a batch every 128 directories, each
+//! reading its own ranges of the same data packs: 87 batches and 102 GETs
+//! for the 11,111 directories and 30,000 files of the deep tree of
+//! docs/benchmarks.md, where about 11 batches (25 GETs) do.
+//!
+//! The hard limit is usually far higher (524,288 for a container under
+//! containerd 2 and systemd; the soft limit stays 1,024 for programs that
+//! use `select`). The binaries raise the soft limit towards the hard one,
+//! as the Go runtime does for every Go program, and batches then take
+//! directories beyond their first 128 from [`batch_directories`], a budget
+//! of what the limit leaves once everything else the process may hold is
+//! set aside.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+
+/// Directories one batch may hold open whatever the limit: four batches
+/// alive at once hold 512, which with a restore's 256 open files stays
+/// under a soft limit of 1,024.
+pub const MIN_BATCH_DIRECTORIES: usize = 128;
+
+/// Descriptors kept for everything but the extra directories of batches:
+/// four engines' first [`MIN_BATCH_DIRECTORIES`] of four batches each
+/// (2,048), their open files (4 × 256), the directories their walks are
+/// in, a verification's files, the store's and the API server's
+/// connections, the runtime's own.
+const RESERVED_DESCRIPTORS: u64 = 4_096;
+
+/// The soft limit [`raise_open_file_limit`] asks for at most: room for
+/// four engines' batches of 1,024 directories and the reserve (about
+/// 20,500), and no more, since some programs close every descriptor up to
+/// the limit before they execute another (containerd's reasons for a soft
+/// limit of 1,024, containerd/containerd#8924).
+const RAISED_SOFT_LIMIT: u64 = 65_536;
+
+/// Raise the soft limit of open files towards the hard limit (at most
+/// [`RAISED_SOFT_LIMIT`]), once at the start of a binary; returns the soft
+/// limit now in force. A limit that cannot be raised is kept: restores then
+/// batch [`MIN_BATCH_DIRECTORIES`] directories at most, as before.
+pub fn raise_open_file_limit() -> u64 {
+    let limit = getrlimit(Resource::Nofile);
+    let soft = limit.current.unwrap_or(u64::MAX);
+    let wanted = limit.maximum.unwrap_or(u64::MAX).min(RAISED_SOFT_LIMIT);
+    if soft < wanted
+        && setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(wanted),
+                maximum: limit.maximum,
+            },
+        )
+        .is_ok()
+    {
+        return wanted;
+    }
+    soft
+}
+
+/// Descriptors taken by everyone who shares a limit.
+#[derive(Debug, Default)]
+pub struct DescriptorBudget {
+    taken: AtomicUsize,
+}
+
+impl DescriptorBudget {
+    /// A budget none of which is taken.
+    pub const fn new() -> Self {
+        DescriptorBudget {
+            taken: AtomicUsize::new(0),
+        }
+    }
+
+    /// Take one descriptor unless `limit` are taken already.
+    pub fn try_take(&self, limit: usize) -> bool {
+        self.taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |taken| {
+                (taken < limit).then_some(taken + 1)
+            })
+            .is_ok()
+    }
+
+    /// Give back `count` taken descriptors.
+    pub fn give_back(&self, count: usize) {
+        self.taken.fetch_sub(count, Ordering::AcqRel);
+    }
+
+    /// Descriptors taken now.
+    pub fn taken(&self) -> usize {
+        self.taken.load(Ordering::Acquire)
+    }
+}
+
+/// What a soft limit of `soft_limit` open files leaves for the extra
+/// directories of batches.
+pub fn batch_directories_limit(soft_limit: u64) -> usize {
+    usize::try_from(soft_limit.saturating_sub(RESERVED_DESCRIPTORS)).unwrap_or(usize::MAX)
+}
+
+/// The extra directories (beyond [`MIN_BATCH_DIRECTORIES`] each) that the
+/// batches of every restore in the process hold open.
+pub fn batch_directories() -> &'static DescriptorBudget {
+    static BUDGET: DescriptorBudget = DescriptorBudget::new();
+    &BUDGET
+}
+
+/// [`batch_directories_limit`] of the soft limit in force now.
+pub fn batch_directories_limit_now() -> usize {
+    batch_directories_limit(getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_usual_soft_limit_leaves_no_extra_directories_and_a_raised_one_leaves_the_rest() {
+        assert_eq!(batch_directories_limit(1_024), 0);
+        assert_eq!(batch_directories_limit(4_096), 0);
+        assert_eq!(batch_directories_limit(20_000), 15_904);
+        assert!(!DescriptorBudget::new().try_take(batch_directories_limit(1_024)));
+    }
+
+    #[test]
+    fn a_budget_gives_out_no_more_than_its_limit_and_takes_back_what_is_given_back() {
+        let budget = DescriptorBudget::new();
+        assert!((0..3).all(|_| budget.try_take(3)));
+        assert!(!budget.try_take(3));
+        assert_eq!(budget.taken(), 3);
+        budget.give_back(2);
+        assert!(budget.try_take(3));
+        assert_eq!(budget.taken(), 2);
+    }
+
+    #[test]
+    fn raising_the_limit_leaves_a_soft_limit_no_lower_than_before_and_no_higher_than_the_hard_one()
+    {
+        let before = getrlimit(Resource::Nofile);
+        let soft = raise_open_file_limit();
+        let after = getrlimit(Resource::Nofile);
+        assert_eq!(after.current, Some(soft));
+        assert!(after.current >= before.current);
+        assert!(after.current <= after.maximum.or(Some(u64::MAX)));
+    }
+}
