@@ -16,8 +16,8 @@
 //! use `select`). The binaries raise the soft limit towards the hard one,
 //! as the Go runtime does for every Go program, and batches then take
 //! directories beyond their first 128 from [`batch_directories`], a budget
-//! of what the limit leaves once everything else the process may hold is
-//! set aside.
+//! of what the limit leaves once each running restore's own descriptors
+//! and the rest of the process's are set aside.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -28,16 +28,18 @@ use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 /// under a soft limit of 1,024.
 pub const MIN_BATCH_DIRECTORIES: usize = 128;
 
-/// Descriptors kept for everything but the extra directories of batches:
-/// four engines' first [`MIN_BATCH_DIRECTORIES`] of four batches each
-/// (2,048), their open files (4 × 256), the directories their walks are
-/// in, a verification's files, the store's and the API server's
-/// connections, the runtime's own.
-const RESERVED_DESCRIPTORS: u64 = 4_096;
+/// Descriptors one running restore holds besides its batches' extra
+/// directories: the first [`MIN_BATCH_DIRECTORIES`] of its four batches
+/// alive at once (512), its open files (256), the directories its walk is
+/// in and a verification's files.
+const DESCRIPTORS_PER_RESTORE: u64 = 1_024;
+/// Descriptors kept for the rest of the process: the store's and the API
+/// server's connections, the runtime's own, a backup's open files.
+const DESCRIPTORS_OF_THE_PROCESS: u64 = 2_048;
 
 /// The soft limit [`raise_open_file_limit`] asks for at most: room for
-/// four engines' batches of 1,024 directories and the reserve (about
-/// 20,500), and no more, since some programs close every descriptor up to
+/// four restores with batches of 1,024 directories (about 22,500 with
+/// what is set aside), and no more, since some programs close every descriptor up to
 /// the limit before they execute another (containerd's reasons for a soft
 /// limit of 1,024, containerd/containerd#8924).
 const RAISED_SOFT_LIMIT: u64 = 65_536;
@@ -65,18 +67,32 @@ pub fn raise_open_file_limit() -> u64 {
     soft
 }
 
-/// Descriptors taken by everyone who shares a limit.
+/// Descriptors taken by everyone who shares a limit, and the restores
+/// running meanwhile (whose own descriptors the limit must leave room for).
 #[derive(Debug, Default)]
 pub struct DescriptorBudget {
     taken: AtomicUsize,
+    restores: AtomicUsize,
 }
 
 impl DescriptorBudget {
-    /// A budget none of which is taken.
+    /// A budget none of which is taken, with no restore running.
     pub const fn new() -> Self {
         DescriptorBudget {
             taken: AtomicUsize::new(0),
+            restores: AtomicUsize::new(0),
         }
+    }
+
+    /// Count a restore as running until the guard is dropped.
+    pub fn restore_running(&'static self) -> RunningRestore {
+        self.restores.fetch_add(1, Ordering::AcqRel);
+        RunningRestore(self)
+    }
+
+    /// Restores running now.
+    pub fn restores(&self) -> usize {
+        self.restores.load(Ordering::Acquire)
     }
 
     /// Take one descriptor unless `limit` are taken already.
@@ -99,10 +115,22 @@ impl DescriptorBudget {
     }
 }
 
+/// A restore counted as running by its [`DescriptorBudget`].
+#[derive(Debug)]
+pub struct RunningRestore(&'static DescriptorBudget);
+
+impl Drop for RunningRestore {
+    fn drop(&mut self) {
+        self.0.restores.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// What a soft limit of `soft_limit` open files leaves for the extra
-/// directories of batches.
-pub fn batch_directories_limit(soft_limit: u64) -> usize {
-    usize::try_from(soft_limit.saturating_sub(RESERVED_DESCRIPTORS)).unwrap_or(usize::MAX)
+/// directories of batches while `restores` restores run (at least one is
+/// counted: the one asking).
+pub fn batch_directories_limit(soft_limit: u64, restores: usize) -> usize {
+    let set_aside = DESCRIPTORS_OF_THE_PROCESS + DESCRIPTORS_PER_RESTORE * restores.max(1) as u64;
+    usize::try_from(soft_limit.saturating_sub(set_aside)).unwrap_or(usize::MAX)
 }
 
 /// The extra directories (beyond [`MIN_BATCH_DIRECTORIES`] each) that the
@@ -112,9 +140,13 @@ pub fn batch_directories() -> &'static DescriptorBudget {
     &BUDGET
 }
 
-/// [`batch_directories_limit`] of the soft limit in force now.
+/// [`batch_directories_limit`] of the soft limit in force now and the
+/// restores running now.
 pub fn batch_directories_limit_now() -> usize {
-    batch_directories_limit(getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX))
+    batch_directories_limit(
+        getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX),
+        batch_directories().restores(),
+    )
 }
 
 #[cfg(test)]
@@ -123,10 +155,34 @@ mod tests {
 
     #[test]
     fn the_usual_soft_limit_leaves_no_extra_directories_and_a_raised_one_leaves_the_rest() {
-        assert_eq!(batch_directories_limit(1_024), 0);
-        assert_eq!(batch_directories_limit(4_096), 0);
-        assert_eq!(batch_directories_limit(20_000), 15_904);
-        assert!(!DescriptorBudget::new().try_take(batch_directories_limit(1_024)));
+        assert_eq!(batch_directories_limit(1_024, 1), 0);
+        assert_eq!(batch_directories_limit(3_072, 1), 0);
+        assert_eq!(batch_directories_limit(20_000, 0), 16_928);
+        assert_eq!(batch_directories_limit(20_000, 1), 16_928);
+        assert!(!DescriptorBudget::new().try_take(batch_directories_limit(1_024, 1)));
+    }
+
+    #[test]
+    fn each_running_restore_sets_its_own_descriptors_aside() {
+        // Ten restores under a hard limit of 20,000: what their batches may
+        // take beyond their first directories, with their own and the
+        // process's, stays within the limit.
+        assert_eq!(batch_directories_limit(20_000, 10), 7_712);
+        assert_eq!(
+            batch_directories_limit(20_000, 10) as u64
+                + 10 * DESCRIPTORS_PER_RESTORE
+                + DESCRIPTORS_OF_THE_PROCESS,
+            20_000
+        );
+        assert_eq!(batch_directories_limit(20_000, 20), 0);
+        let budget: &'static DescriptorBudget = Box::leak(Box::new(DescriptorBudget::new()));
+        let first = budget.restore_running();
+        let second = budget.restore_running();
+        assert_eq!(budget.restores(), 2);
+        drop(first);
+        assert_eq!(budget.restores(), 1);
+        drop(second);
+        assert_eq!(budget.restores(), 0);
     }
 
     #[test]

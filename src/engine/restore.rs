@@ -466,6 +466,7 @@ pub async fn restore_loaded(
         handle: tokio::runtime::Handle::current(),
         trees,
         tree_packs: TreePacks::new(tree_packs_held_bytes),
+        _running: descriptors::batch_directories().restore_running(),
         lookahead: lookahead::Lookahead::new(tree_lookahead_bytes, TREE_LOOKAHEAD_REQUESTS),
     });
     let (batches, queued_batches) = mpsc::channel(BATCHES_AHEAD);
@@ -605,6 +606,9 @@ struct Shared {
     lookahead: lookahead::Lookahead,
     /// Sizes from the memory share.
     sizes: RestoreBuffers,
+    /// Counted among the restores whose own descriptors the batches'
+    /// budget sets aside ([`descriptors::batch_directories_limit`]).
+    _running: descriptors::RunningRestore,
 }
 
 impl Shared {

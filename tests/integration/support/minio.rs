@@ -98,7 +98,9 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// the many connections the other tests open, and the server cannot come
 /// back on the port its clients know. Drop it right before the server
 /// binds the port again.
-pub struct HeldPort(#[allow(dead_code)] tokio::net::TcpSocket);
+pub struct HeldPort {
+    _socket: tokio::net::TcpSocket,
+}
 
 impl HeldPort {
     /// Hold `address`'s port (SO_REUSEADDR, so that the stopped server's
@@ -110,7 +112,7 @@ impl HeldPort {
         socket
             .bind(address)
             .with_context(|| format!("hold {address} while its server is stopped"))?;
-        Ok(HeldPort(socket))
+        Ok(HeldPort { _socket: socket })
     }
 }
 
