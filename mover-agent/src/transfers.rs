@@ -674,6 +674,27 @@ const FINAL_STATUS_PATIENCE: Duration = Duration::from_secs(10 * 60);
 /// after an outage that long the outcome must land within seconds of the
 /// server's return (it is one request per agent every 5 s at most).
 const FINAL_STATUS_MAX_BACKOFF: Duration = Duration::from_secs(5);
+/// How long the final status is tried again while the API server refuses
+/// it (401, 403), counted from the first refusal. This agent claimed the
+/// transfer and reported on it, so its rights were proven: a refusal now
+/// comes from a server just restarted whose authentication and RBAC caches
+/// are not filled yet (seconds), or from a token being rotated. Exiting on
+/// it would throw away the outcome of a whole volume.
+const FINAL_STATUS_REFUSAL_PATIENCE: Duration = Duration::from_secs(120);
+
+/// Whether a final status write that failed with `error` is tried again
+/// after `backoff`: `elapsed` since the first try, `refused_for` since the
+/// first of the refusals in a row (when this is one).
+fn final_status_retried(
+    error: &AgentError,
+    elapsed: Duration,
+    refused_for: Option<Duration>,
+    backoff: Duration,
+) -> bool {
+    let worth_it = error.is_transient()
+        || refused_for.is_some_and(|refused| refused + backoff <= FINAL_STATUS_REFUSAL_PATIENCE);
+    worth_it && elapsed + backoff <= FINAL_STATUS_PATIENCE
+}
 
 /// Write the final status of a transfer, trying again with backoff (1 s,
 /// doubling to 5 s) for [`FINAL_STATUS_PATIENCE`] while the API server's
@@ -689,6 +710,7 @@ async fn write_final_status(
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
     let patch = haulage::api::status_apply::<VolumeTransfer>(status);
     let started = Instant::now();
+    let mut first_refusal: Option<Instant> = None;
     let mut backoff = Duration::from_secs(1);
     loop {
         let source = match api.patch_status(name, &apply, &Patch::Apply(&patch)).await {
@@ -711,7 +733,17 @@ async fn write_final_status(
             transfer: name.to_string(),
             source,
         };
-        if !error.is_transient() || started.elapsed() + backoff > FINAL_STATUS_PATIENCE {
+        first_refusal = match &error {
+            AgentError::Api {
+                source: kube::Error::Api(status),
+                ..
+            } if status.code == 401 || status.code == 403 => {
+                Some(first_refusal.unwrap_or_else(Instant::now))
+            }
+            _ => None,
+        };
+        let refused_for = first_refusal.map(|first| first.elapsed());
+        if !final_status_retried(&error, started.elapsed(), refused_for, backoff) {
             return Err(error);
         }
         warn!(
@@ -1476,6 +1508,59 @@ mod tests {
             .await
             .expect("a deletion stops the volume");
         supervisor.await.expect("the supervisor ends");
+    }
+
+    #[test]
+    fn a_final_status_refused_by_a_server_just_back_is_tried_again_for_a_while() {
+        let error = |code: u16| AgentError::Api {
+            action: "write the final status of",
+            transfer: "shop/t".to_string(),
+            source: kube::Error::Api(
+                kube::core::Status::failure("no", "Reason")
+                    .with_code(code)
+                    .boxed(),
+            ),
+        };
+        let second = Duration::from_secs(1);
+        let five = Duration::from_secs(5);
+        // After a two-minute outage, the restarted server refuses at first.
+        let outage = Duration::from_secs(125);
+        for code in [401, 403] {
+            assert!(final_status_retried(
+                &error(code),
+                outage,
+                Some(Duration::ZERO),
+                five
+            ));
+            assert!(final_status_retried(
+                &error(code),
+                outage,
+                Some(Duration::from_secs(110)),
+                five
+            ));
+            assert!(!final_status_retried(
+                &error(code),
+                outage,
+                Some(Duration::from_secs(118)),
+                five
+            ));
+        }
+        // Other refusals are final at once; unreachable servers are waited
+        // for, all within the overall patience.
+        assert!(!final_status_retried(&error(422), outage, None, five));
+        assert!(final_status_retried(&error(503), outage, None, five));
+        assert!(!final_status_retried(
+            &error(503),
+            FINAL_STATUS_PATIENCE,
+            None,
+            second
+        ));
+        assert!(!final_status_retried(
+            &error(403),
+            FINAL_STATUS_PATIENCE,
+            Some(Duration::ZERO),
+            second
+        ));
     }
 
     #[test]
