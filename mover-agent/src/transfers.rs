@@ -128,6 +128,16 @@ pub enum AgentError {
 }
 
 impl AgentError {
+    /// Whether the API server refused who the agent is or what it may do
+    /// (401, 403).
+    pub fn is_refused_access(&self) -> bool {
+        matches!(
+            self,
+            AgentError::Api { source: kube::Error::Api(status), .. }
+                if status.code == 401 || status.code == 403
+        )
+    }
+
     /// Whether a restarted agent may succeed without anyone changing
     /// anything: an unreachable, overloaded or conflicting API server is
     /// transient; a refusal (forbidden, invalid) is permanent, and the
@@ -733,15 +743,9 @@ async fn write_final_status(
             transfer: name.to_string(),
             source,
         };
-        first_refusal = match &error {
-            AgentError::Api {
-                source: kube::Error::Api(status),
-                ..
-            } if status.code == 401 || status.code == 403 => {
-                Some(first_refusal.unwrap_or_else(Instant::now))
-            }
-            _ => None,
-        };
+        first_refusal = error
+            .is_refused_access()
+            .then(|| first_refusal.unwrap_or_else(Instant::now));
         let refused_for = first_refusal.map(|first| first.elapsed());
         if !final_status_retried(&error, started.elapsed(), refused_for, backoff) {
             return Err(error);
@@ -1510,19 +1514,27 @@ mod tests {
         supervisor.await.expect("the supervisor ends");
     }
 
-    #[test]
-    fn a_final_status_refused_by_a_server_just_back_is_tried_again_for_a_while() {
-        let error = |code: u16| AgentError::Api {
-            action: "write the final status of",
+    /// The API server's answer `code` to `action` on a transfer.
+    fn api_error(action: &'static str, code: u16) -> AgentError {
+        AgentError::Api {
+            action,
             transfer: "shop/t".to_string(),
             source: kube::Error::Api(
                 kube::core::Status::failure("no", "Reason")
                     .with_code(code)
                     .boxed(),
             ),
-        };
+        }
+    }
+
+    #[test]
+    fn a_final_status_refused_by_a_server_just_back_is_tried_again_for_a_while() {
+        let error = |code: u16| api_error("write the final status of", code);
         let second = Duration::from_secs(1);
         let five = Duration::from_secs(5);
+        // Refusals are told apart from other answers.
+        assert!(error(401).is_refused_access() && error(403).is_refused_access());
+        assert!(!error(422).is_refused_access() && !error(503).is_refused_access());
         // After a two-minute outage, the restarted server refuses at first.
         let outage = Duration::from_secs(125);
         for code in [401, 403] {
@@ -1565,15 +1577,7 @@ mod tests {
 
     #[test]
     fn api_errors_are_transient_unless_the_server_refused_the_request() {
-        let error = |code: u16| AgentError::Api {
-            action: "claim",
-            transfer: "shop/t".to_string(),
-            source: kube::Error::Api(
-                kube::core::Status::failure("no", "Reason")
-                    .with_code(code)
-                    .boxed(),
-            ),
-        };
+        let error = |code: u16| api_error("claim", code);
         assert!(error(503).is_transient());
         assert!(error(409).is_transient());
         assert!(error(429).is_transient());
