@@ -13,6 +13,7 @@
 
 mod memory;
 mod metrics;
+mod patience;
 mod report;
 mod transfers;
 

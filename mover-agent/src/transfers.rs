@@ -48,6 +48,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::metrics::AgentMetrics;
+use crate::patience::Tries;
 use crate::report::{
     BackupFigures, Ending, RestoreFigures, RestoreVerdict, StorageSeen, agent_claim, claim_status,
     completed_status, failed_status, measured_status, moved_forward, next_progress,
@@ -329,11 +330,12 @@ async fn wait_for_admission(
     identity: &str,
     cancel: &CancellationToken,
 ) -> Result<bool, AgentError> {
+    let mut said_waiting = false;
     loop {
-        let decision = match &*watched.borrow_and_update() {
-            Watched::Unknown => None,
-            Watched::Deleted => Some(false),
-            Watched::Seen(transfer) => admission_decision(transfer, identity),
+        let (decision, seen) = match &*watched.borrow_and_update() {
+            Watched::Unknown => (None, false),
+            Watched::Deleted => (Some(false), true),
+            Watched::Seen(transfer) => (admission_decision(transfer, identity), true),
         };
         match decision {
             Some(true) => return Ok(true),
@@ -343,6 +345,10 @@ async fn wait_for_admission(
                     "nothing to do: final, deleted or another agent's"
                 );
                 return Ok(false);
+            }
+            None if seen && !said_waiting => {
+                info!(transfer = name, "waiting to be admitted under the caps");
+                said_waiting = true;
             }
             None => {}
         }
@@ -415,7 +421,9 @@ fn supervise_volume(
 
 /// Claim an admitted transfer, starting from the watched object (a
 /// resourceVersion-checked merge patch). `None` when there is nothing to
-/// do (final already, or claimed by another live agent).
+/// do (final already, deleted, or claimed by another live agent). A read
+/// or write the API server does not answer or refuses is tried again, as
+/// [`crate::patience`] says: the transfer waits for this agent meanwhile.
 async fn claim(
     api: &Api<VolumeTransfer>,
     name: &str,
@@ -423,15 +431,22 @@ async fn claim(
     watched: &mut watch::Receiver<Watched>,
     cancel: &CancellationToken,
 ) -> Result<Option<VolumeTransfer>, AgentError> {
+    let mut tries = Tries::start();
     loop {
         let transfer = match api.get(name).await {
             Ok(transfer) => transfer,
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                info!(transfer = name, "nothing to do: deleted before its claim");
+                return Ok(None);
+            }
             Err(source) => {
-                return Err(AgentError::Api {
+                let error = AgentError::Api {
                     action: "get",
                     transfer: name.to_string(),
                     source,
-                });
+                };
+                tries.wait_after(error, name, CLAIM_KEPT, cancel).await?;
+                continue;
             }
         };
         match admission_decision(&transfer, identity) {
@@ -461,12 +476,17 @@ async fn claim(
             Err(kube::Error::Api(status)) if status.code == 409 => {
                 info!(transfer = name, "changed while claiming; looking again");
             }
+            Err(kube::Error::Api(status)) if status.code == 404 => {
+                info!(transfer = name, "nothing to do: deleted before its claim");
+                return Ok(None);
+            }
             Err(source) => {
-                return Err(AgentError::Api {
+                let error = AgentError::Api {
                     action: "claim",
                     transfer: name.to_string(),
                     source,
-                });
+                };
+                tries.wait_after(error, name, CLAIM_KEPT, cancel).await?;
             }
         }
     }
@@ -673,44 +693,18 @@ impl VolumeRun {
     }
 }
 
-/// How long the agent keeps trying to write a transfer's final status
-/// while the API server does not answer (restarting, overloaded, away):
-/// the outcome is kept in memory meanwhile, so an API server outage at
-/// the end of a volume costs no second pass over it.
-const FINAL_STATUS_PATIENCE: Duration = Duration::from_secs(10 * 60);
-/// Longest pause between two tries of the final status. Short: no
-/// heartbeat is written meanwhile, and once the API server is back the
-/// controller judges an agent silent for `--agent-lost-seconds` lost, so
-/// after an outage that long the outcome must land within seconds of the
-/// server's return (it is one request per agent every 5 s at most).
-const FINAL_STATUS_MAX_BACKOFF: Duration = Duration::from_secs(5);
-/// How long the final status is tried again while the API server refuses
-/// it (401, 403), counted from the first refusal. This agent claimed the
-/// transfer and reported on it, so its rights were proven: a refusal now
-/// comes from a server just restarted whose authentication and RBAC caches
-/// are not filled yet (seconds), or from a token being rotated. Exiting on
-/// it would throw away the outcome of a whole volume.
-const FINAL_STATUS_REFUSAL_PATIENCE: Duration = Duration::from_secs(120);
+/// What a failed claim leaves, as the log says while it is tried again.
+const CLAIM_KEPT: &str = "the claim is tried again once the API server answers";
+/// What a failed final status leaves, as the log says while it is tried
+/// again.
+const OUTCOME_KEPT: &str = "the outcome is kept and written once the API server answers";
 
-/// Whether a final status write that failed with `error` is tried again
-/// after `backoff`: `elapsed` since the first try, `refused_for` since the
-/// first of the refusals in a row (when this is one).
-fn final_status_retried(
-    error: &AgentError,
-    elapsed: Duration,
-    refused_for: Option<Duration>,
-    backoff: Duration,
-) -> bool {
-    let worth_it = error.is_transient()
-        || refused_for.is_some_and(|refused| refused + backoff <= FINAL_STATUS_REFUSAL_PATIENCE);
-    worth_it && elapsed + backoff <= FINAL_STATUS_PATIENCE
-}
-
-/// Write the final status of a transfer, trying again with backoff (1 s,
-/// doubling to 5 s) for [`FINAL_STATUS_PATIENCE`] while the API server's
-/// failures are transient, until `cancel` (SIGTERM). Server-side apply
-/// drops fields this manager applied before and leaves out now, so
-/// `status` carries the claim again.
+/// Write the final status of a transfer, trying again while the API
+/// server does not answer or refuses for a while ([`crate::patience`]),
+/// until `cancel` (SIGTERM): the outcome is kept in memory meanwhile, so
+/// an API server outage at the end of a volume costs no second pass over
+/// it. Server-side apply drops fields this manager applied before and
+/// leaves out now, so `status` carries the claim again.
 async fn write_final_status(
     api: &Api<VolumeTransfer>,
     name: &str,
@@ -719,9 +713,7 @@ async fn write_final_status(
 ) -> Result<(), AgentError> {
     let apply = PatchParams::apply(AGENT_FIELD_MANAGER).force();
     let patch = haulage::api::status_apply::<VolumeTransfer>(status);
-    let started = Instant::now();
-    let mut first_refusal: Option<Instant> = None;
-    let mut backoff = Duration::from_secs(1);
+    let mut tries = Tries::start();
     loop {
         let source = match api.patch_status(name, &apply, &Patch::Apply(&patch)).await {
             Ok(_) => return Ok(()),
@@ -743,24 +735,7 @@ async fn write_final_status(
             transfer: name.to_string(),
             source,
         };
-        first_refusal = error
-            .is_refused_access()
-            .then(|| first_refusal.unwrap_or_else(Instant::now));
-        let refused_for = first_refusal.map(|first| first.elapsed());
-        if !final_status_retried(&error, started.elapsed(), refused_for, backoff) {
-            return Err(error);
-        }
-        warn!(
-            transfer = name,
-            retry_in_seconds = backoff.as_secs(),
-            "{}; the outcome is kept and written once the API server answers",
-            haulage::error_chain(&error)
-        );
-        tokio::select! {
-            _ = cancel.cancelled() => return Err(error),
-            _ = tokio::time::sleep(backoff) => {}
-        }
-        backoff = (backoff * 2).min(FINAL_STATUS_MAX_BACKOFF);
+        tries.wait_after(error, name, OUTCOME_KEPT, cancel).await?;
     }
 }
 
@@ -1327,7 +1302,7 @@ fn spawn_reporter(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[tokio::test]
@@ -1515,7 +1490,7 @@ mod tests {
     }
 
     /// The API server's answer `code` to `action` on a transfer.
-    fn api_error(action: &'static str, code: u16) -> AgentError {
+    pub(crate) fn api_error(action: &'static str, code: u16) -> AgentError {
         AgentError::Api {
             action,
             transfer: "shop/t".to_string(),
@@ -1525,54 +1500,6 @@ mod tests {
                     .boxed(),
             ),
         }
-    }
-
-    #[test]
-    fn a_final_status_refused_by_a_server_just_back_is_tried_again_for_a_while() {
-        let error = |code: u16| api_error("write the final status of", code);
-        let second = Duration::from_secs(1);
-        let five = Duration::from_secs(5);
-        // Refusals are told apart from other answers.
-        assert!(error(401).is_refused_access() && error(403).is_refused_access());
-        assert!(!error(422).is_refused_access() && !error(503).is_refused_access());
-        // After a two-minute outage, the restarted server refuses at first.
-        let outage = Duration::from_secs(125);
-        for code in [401, 403] {
-            assert!(final_status_retried(
-                &error(code),
-                outage,
-                Some(Duration::ZERO),
-                five
-            ));
-            assert!(final_status_retried(
-                &error(code),
-                outage,
-                Some(Duration::from_secs(110)),
-                five
-            ));
-            assert!(!final_status_retried(
-                &error(code),
-                outage,
-                Some(Duration::from_secs(118)),
-                five
-            ));
-        }
-        // Other refusals are final at once; unreachable servers are waited
-        // for, all within the overall patience.
-        assert!(!final_status_retried(&error(422), outage, None, five));
-        assert!(final_status_retried(&error(503), outage, None, five));
-        assert!(!final_status_retried(
-            &error(503),
-            FINAL_STATUS_PATIENCE,
-            None,
-            second
-        ));
-        assert!(!final_status_retried(
-            &error(403),
-            FINAL_STATUS_PATIENCE,
-            Some(Duration::ZERO),
-            second
-        ));
     }
 
     #[test]

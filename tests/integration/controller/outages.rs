@@ -15,6 +15,9 @@
 //! kube-apiserver, or across a 2-minute outage of it, completes with its
 //! progress never going back, its agent never restarted; and an outage of
 //! it longer than `--agent-lost-seconds` does not make the agent lost.
+//! Agents refused by the API server for a while (403, as a restarted
+//! server refuses until its RBAC caches are filled) keep the claim they
+//! were making and the outcome they were writing, and are never restarted.
 
 use std::time::{Duration, Instant};
 
@@ -24,14 +27,16 @@ use haulage::api::condition::{ConditionStatus, condition_type, find_condition, r
 use haulage::api::labels::SYSTEM_NAMESPACE;
 use haulage::api::location::BackupStorageLocationPhase;
 use haulage::api::{BackupStorageLocation, VolumeBackup, VolumeTransfer, VolumeTransferPhase};
-use kube::api::Api;
+use k8s_openapi::api::rbac::v1::RoleBinding;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
 use crate::engine::support::{assert_same_tree, assert_snapshot_restores_as};
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, PROVISIONER, create_backup_of_claim, create_backup_with_spec,
-    create_restore_of_backup, create_storage_policy, eventually, final_phase, transfer_of,
-    watch_transfers,
+    BACKUP_DEADLINE, Fixture, PROVISIONER, create_backup_of, create_backup_of_claim,
+    create_backup_with_spec, create_restore_of_backup, create_storage_policy, eventually,
+    final_phase, transfer_of, watch_transfers,
 };
 use crate::support::scrape::scrape;
 
@@ -710,6 +715,160 @@ async fn a_location_throttling_a_fifth_of_the_requests_slows_a_backup_that_compl
         &fixture.work.path().join("restored-archive"),
     )
     .await?;
+    fixture.stop().await;
+    Ok(())
+}
+
+/// The RoleBinding of the stage pod `pod` in `namespace`, deleted: the
+/// binding as it was, for [`bind_again`]. Its agent's requests are then
+/// refused (403) as a restarted API server refuses them until its RBAC
+/// caches are filled; a watch it had open goes on.
+async fn unbind(client: &kube::Client, namespace: &str, pod: &str) -> anyhow::Result<RoleBinding> {
+    let bindings: Api<RoleBinding> = Api::namespaced(client.clone(), namespace);
+    let binding = bindings
+        .get(pod)
+        .await
+        .with_context(|| format!("the RoleBinding of stage pod {namespace}/{pod}"))?;
+    bindings.delete(pod, &DeleteParams::default()).await?;
+    Ok(binding)
+}
+
+/// Create `binding` again (as [`unbind`] left it).
+async fn bind_again(client: &kube::Client, binding: &RoleBinding) -> anyhow::Result<()> {
+    let mut binding = binding.clone();
+    let metadata = &mut binding.metadata;
+    metadata.resource_version = None;
+    metadata.uid = None;
+    metadata.creation_timestamp = None;
+    metadata.managed_fields = None;
+    let namespace = metadata.namespace.clone().context("namespace")?;
+    Api::<RoleBinding>::namespaced(client.clone(), &namespace)
+        .create(&PostParams::default(), &binding)
+        .await?;
+    Ok(())
+}
+
+/// Wait up to a minute for an agent's log line holding every one of
+/// `parts`; a timeout names the `what`, with every agent's log.
+async fn agent_said(fixture: &Fixture, parts: &[&str], what: &str) -> anyhow::Result<String> {
+    eventually(Duration::from_secs(60), || async {
+        Ok(fixture
+            .kubelet
+            .agent_log_lines_containing(parts[0])
+            .into_iter()
+            .find(|line| parts.iter().all(|part| line.contains(part))))
+    })
+    .await
+    .with_context(|| format!("no agent {what}:\n{}", fixture.kubelet.all_agent_logs()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn agents_refused_by_the_api_server_for_a_while_keep_their_claim_and_outcome_and_are_never_restarted()
+-> anyhow::Result<()> {
+    // Two claims in two namespaces (two stage pods), one volume at a time:
+    // one moves, the other's agent waits to be admitted. Both agents then
+    // lose their RBAC, as after a restart of the API server before its
+    // caches are filled: the moving one until its final status has been
+    // refused, the waiting one until its claim has been. Neither exits
+    // (a restart costs a pass over the volume, or the kubelet's backoff).
+    let fixture = Fixture::builder().long_running_transfers().start().await?;
+    let client = &fixture.client;
+    create_storage_policy(
+        client,
+        "one-at-a-time",
+        json!({"provisioners": [PROVISIONER], "maxConcurrentVolumes": 1}),
+    )
+    .await?;
+    create_backup_of(
+        client,
+        "refused-for-a-while",
+        json!({"matchExpressions": [
+            {"key": "claim", "operator": "In", "values": ["archive", "content"]}]}),
+    )
+    .await?;
+    let transfers: Api<VolumeTransfer> = Api::all(client.clone());
+    let (moving, waiting) = eventually(Duration::from_secs(120), || async {
+        let list = transfers.list(&ListParams::default()).await?.items;
+        let moving = list.iter().find(|transfer| {
+            transfer.phase() == VolumeTransferPhase::InProgress
+                && transfer
+                    .status
+                    .as_ref()
+                    .and_then(|status| status.progress.as_ref())
+                    .is_some_and(|progress| progress.bytes_done > 0)
+        });
+        let waiting = list
+            .iter()
+            .find(|transfer| transfer.phase() < VolumeTransferPhase::Admitted);
+        let (Some(moving), Some(waiting)) = (moving, waiting) else {
+            return Ok(None);
+        };
+        // Its agent's watch has shown it the transfer.
+        let seen = fixture
+            .kubelet
+            .agent_log_lines_containing("waiting to be admitted")
+            .iter()
+            .any(|line| line.contains(&waiting.name_any()));
+        Ok(seen.then(|| (moving.clone(), waiting.clone())))
+    })
+    .await
+    .with_context(|| {
+        format!(
+            "no volume moved while the other waited:\n{}",
+            fixture.kubelet.all_agent_logs()
+        )
+    })?;
+    let starts = fixture.kubelet.starts();
+    let pod_of = |transfer: &VolumeTransfer| -> anyhow::Result<(String, String)> {
+        let namespace = transfer.namespace().context("namespace")?;
+        Ok((namespace, transfer.spec.stage_pod.clone()))
+    };
+    let (moving_namespace, moving_pod) = pod_of(&moving)?;
+    let (waiting_namespace, waiting_pod) = pod_of(&waiting)?;
+    let moving_binding = unbind(client, &moving_namespace, &moving_pod).await?;
+    let waiting_binding = unbind(client, &waiting_namespace, &waiting_pod).await?;
+
+    let moving_name = moving.name_any();
+    agent_said(
+        &fixture,
+        &["write the final status of", &moving_name, "forbidden"],
+        "was refused the final status of the moving volume",
+    )
+    .await?;
+    bind_again(client, &moving_binding).await?;
+    let waiting_name = waiting.name_any();
+    agent_said(
+        &fixture,
+        &["failed to get VolumeTransfer", &waiting_name, "forbidden"],
+        "was refused the claim of the waiting volume",
+    )
+    .await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    bind_again(client, &waiting_binding).await?;
+
+    fixture
+        .completed_backup("refused-for-a-while", BACKUP_DEADLINE)
+        .await?;
+    let logs = fixture.kubelet.all_agent_logs();
+    assert_eq!(
+        fixture.kubelet.starts(),
+        starts,
+        "an agent exited on a refusal and was restarted\n{logs}"
+    );
+    for name in [&moving_name, &waiting_name] {
+        let transfer = transfers
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find(|transfer| &transfer.name_any() == name)
+            .context("transfer")?;
+        let attempts = transfer.status.and_then(|status| status.attempts);
+        assert!(
+            attempts.unwrap_or(1) <= 1,
+            "{name} took {attempts:?} stage pods"
+        );
+    }
     fixture.stop().await;
     Ok(())
 }
