@@ -5,7 +5,8 @@
 # step: wall time, throughput, the client's CPU (user+sys, /usr/bin/time -v),
 # the server's CPU (utime+stime from /proc/<minio pid>/stat before and after;
 # the server shares the machine's cores), the GET requests the server served
-# (MinIO's own counter, /minio/metrics/v3/api/requests) and the client's peak RSS.
+# and the bytes it sent (MinIO's own counters, /minio/metrics/v3/api/requests)
+# and the client's peak RSS.
 # Prints a Markdown table; docs/benchmarks.md records runs.
 #
 # Usage: benches/compare-s3.sh [SIZE] [WORKDIR]   (default 1GiB, /tmp/haulage-compare-s3)
@@ -65,10 +66,13 @@ MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MI
 MINIO_PID=$!
 PROXY_PID=
 trap 'kill "$MINIO_PID" $PROXY_PID 2>/dev/null; wait "$MINIO_PID" 2>/dev/null || true' EXIT
-for _ in $(seq 100); do
-    curl -sf "http://127.0.0.1:$PORT/minio/health/ready" >/dev/null 2>&1 && break
+# A cold start (binary and data not in the page cache) can take over 10 s.
+ready=
+for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$PORT/minio/health/ready" >/dev/null 2>&1 && { ready=1; break; }
     sleep 0.1
 done
+[ -n "$ready" ] || { echo "compare-s3.sh: MinIO was not ready within 60 s; its log:" >&2; tail -20 "$WORK/state/minio.log" >&2; exit 1; }
 if [ -n "${LATENCY_MS:-}" ]; then
     SERVER_PORT=$PORT
     PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
@@ -89,11 +93,14 @@ curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$AWS_ACCESS_KEY_ID:$AWS_SECR
 
 TICKS=$(getconf CLK_TCK)
 server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
-# GET requests the server has served so far (the v3 metrics are not cached,
-# unlike v2's, so a reading right after a step counts all of its requests).
+# GET requests the server has served so far, and the bytes it has sent (the
+# v3 metrics are not cached, unlike v2's, so a reading right after a step
+# counts all of its requests). %.0f: awk's %d stops at 2^31 - 1.
 server_gets() {
     curl -sf "$SERVER_URL/minio/metrics/v3/api/requests" |
-        awk '/^minio_api_requests_total\{/ && /name="GetObject"/ { n += $NF } END { printf "%d", n }'
+        awk '/^minio_api_requests_total\{/ && /name="GetObject"/ { n += $NF }
+             /^minio_api_requests_traffic_sent_bytes\{/ { b += $NF }
+             END { printf "%d %.0f", n, b }'
 }
 
 # checked TOOL: the restore into $RESTORE_ROOT/TOOL has every file (content is
@@ -113,25 +120,27 @@ measure() {
     before=$(server_cpu)
     gets_before=$(server_gets)
     if ! /usr/bin/time -v "$@" >/dev/null 2>"$log"; then
-        echo "| $tool | $step | failed | | | | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
+        echo "| $tool | $step | failed | | | | | | | | |"; tail -5 "$log" >&2; rm -f "$log"; return
     fi
     after=$(server_cpu)
     gets_after=$(server_gets)
+    read -r gets_before sent_before <<<"$gets_before"
+    read -r gets_after sent_after <<<"$gets_after"
     awk -F': ' -v t="$tool" -v s="$step" -v b="$DATA_BYTES" -v sb="$before" -v sa="$after" \
-        -v gb="$gets_before" -v ga="$gets_after" '
+        -v gb="$gets_before" -v ga="$gets_after" -v xb="$sent_before" -v xa="$sent_after" '
         /Elapsed \(wall clock\)/ { n = split($2, p, ":"); w = (n == 3) ? p[1]*3600 + p[2]*60 + p[3] : p[1]*60 + p[2] }
         /User time \(seconds\)/ { u = $2 }
         /System time \(seconds\)/ { y = $2 }
         /Maximum resident set size/ { r = $2 }
         END { gib = b / 1073741824
-              printf "| %s | %s | %.2f | %.0f | %.2f | %.2f | %.2f | %d | %.0f | %.0f |\n", t, s, w, (b/1048576)/w, u + y, sa - sb, (sa - sb) / gib, ga - gb, (ga - gb) / gib, r/1024 }' "$log"
+              printf "| %s | %s | %.2f | %.0f | %.2f | %.2f | %.2f | %d | %.0f | %.0f | %.0f |\n", t, s, w, (b/1048576)/w, u + y, sa - sb, (sa - sb) / gib, ga - gb, (ga - gb) / gib, (xa - xb) / 1048576, r/1024 }' "$log"
     rm -f "$log"
 }
 
 echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)${LATENCY_MS:+, ${LATENCY_MS} ms each way through benches/latency-proxy.py}"
 echo
-echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | server CPU s/GiB | GETs | GETs/GiB | client peak RSS MiB |"
-echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | server CPU s/GiB | GETs | GETs/GiB | server sent MiB | client peak RSS MiB |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 
 if wanted haulage; then
     "$HAULAGE" repo init --repo s3://bench/haulage >/dev/null
@@ -149,7 +158,7 @@ elif [ -n "$RESTIC" ]; then
     measure restic restore "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
     checked restic
 else
-    echo "| restic | not installed | | | | | | | | |"
+    echo "| restic | not installed | | | | | | | | | |"
 fi
 if ! wanted rustic; then
     :
@@ -176,7 +185,7 @@ TOML
     )
     checked rustic
 else
-    echo "| rustic | not available | | | | | | | | |"
+    echo "| rustic | not available | | | | | | | | | |"
 fi
 if ! wanted kopia; then
     :
@@ -188,7 +197,7 @@ elif [ -n "$KOPIA" ]; then
     measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE_ROOT/kopia"
     checked kopia
 else
-    echo "| kopia | not available (bash benches/build-kopia.sh builds it) | | | | | | | | |"
+    echo "| kopia | not available (bash benches/build-kopia.sh builds it) | | | | | | | | | |"
 fi
 if ! wanted rclone; then
     :
@@ -197,7 +206,7 @@ elif [ -n "$RCLONE" ]; then
     measure "rclone (raw copy)" download "$RCLONE" copy --links minio:bench/rclone "$RESTORE_ROOT/rclone"
     checked rclone
 else
-    echo "| rclone | not installed | | | | | | | | |"
+    echo "| rclone | not installed | | | | | | | | | |"
 fi
 # What `haulage bench` predicts for the same data and server, to set beside the
 # measured first backup above.
