@@ -529,12 +529,12 @@ fn wait_bounded(child: &mut std::process::Child, deadline: Duration) -> std::pro
 #[test]
 fn backups_racing_a_prune_with_either_side_killed_lose_nothing_that_is_not_forgotten() {
     let rounds = round_count();
-    let mut random = rand::rngs::StdRng::seed_from_u64(
-        std::env::var("HAULAGE_PRUNE_RACE_SEED")
-            .ok()
-            .and_then(|text| text.parse().ok())
-            .unwrap_or_else(rand::random),
-    );
+    let seed = std::env::var("HAULAGE_PRUNE_RACE_SEED")
+        .ok()
+        .and_then(|text| text.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("prune race: HAULAGE_PRUNE_RACE_SEED={seed} repeats this run");
+    let mut random = rand::rngs::StdRng::seed_from_u64(seed);
     let (work, repo_path) = init_repository();
     let repo = repo_path.to_str().unwrap();
     let source = work.path().join("source");
@@ -647,7 +647,17 @@ fn backups_racing_a_prune_with_either_side_killed_lose_nothing_that_is_not_forgo
     ))
     .unwrap();
     let snapshots = listed.as_array().unwrap();
-    assert!(!snapshots.is_empty());
+    // `--keep-last 3` never forgets the newest snapshot, so one backup
+    // that completed leaves at least one. Every backup killed (one run in
+    // 27 or so with three rounds) may leave none, and nothing was lost.
+    let completed = outcomes
+        .iter()
+        .filter(|(_, backup_ok, _)| *backup_ok)
+        .count();
+    assert!(
+        completed == 0 || !snapshots.is_empty(),
+        "{completed} backups completed and no snapshot is left (seed {seed}, {outcomes:?})"
+    );
     let verified = run(haulage().args(["verify", "--repo", repo]), "verify");
     assert!(verified.contains("no problems found"), "{verified}");
     for snapshot in snapshots {
