@@ -34,7 +34,7 @@ use serde_json::json;
 
 use crate::engine::support::{assert_same_tree, assert_snapshot_restores_as};
 use crate::support::fixture::{
-    BACKUP_DEADLINE, Fixture, PROVISIONER, create_backup_of, create_backup_of_claim,
+    BACKUP_DEADLINE, Fixture, PROVISIONER, bytes_done, create_backup_of, create_backup_of_claim,
     create_backup_with_spec, create_restore_of_backup, create_storage_policy, eventually,
     final_phase, transfer_of, watch_transfers,
 };
@@ -582,12 +582,7 @@ async fn an_apiserver_outage_longer_than_agent_lost_seconds_does_not_make_the_ru
         starts,
         "the agent was judged lost after the outage and its stage pod recreated\n{logs}"
     );
-    let finished = transfer_of(&transfers, "archive").await?;
-    let attempts = finished.status.and_then(|status| status.attempts);
-    assert!(
-        attempts.unwrap_or(1) <= 1,
-        "the transfer took {attempts:?} stage pods"
-    );
+    assert_one_stage_pod(&transfer_of(&transfers, "archive").await?);
     fixture.stop().await;
     Ok(())
 }
@@ -719,6 +714,17 @@ async fn a_location_throttling_a_fifth_of_the_requests_slows_a_backup_that_compl
     Ok(())
 }
 
+/// Assert `transfer` took one stage pod (its first attempt, or none
+/// counted).
+fn assert_one_stage_pod(transfer: &VolumeTransfer) {
+    let attempts = transfer.status.as_ref().and_then(|status| status.attempts);
+    assert!(
+        attempts.unwrap_or(1) <= 1,
+        "{} took {attempts:?} stage pods",
+        transfer.name_any()
+    );
+}
+
 /// The RoleBinding of the stage pod `pod` in `namespace`, deleted: the
 /// binding as it was, for [`bind_again`]. Its agent's requests are then
 /// refused (403) as a restarted API server refuses them until its RBAC
@@ -790,12 +796,7 @@ async fn agents_refused_by_the_api_server_for_a_while_keep_their_claim_and_outco
     let (moving, waiting) = eventually(Duration::from_secs(120), || async {
         let list = transfers.list(&ListParams::default()).await?.items;
         let moving = list.iter().find(|transfer| {
-            transfer.phase() == VolumeTransferPhase::InProgress
-                && transfer
-                    .status
-                    .as_ref()
-                    .and_then(|status| status.progress.as_ref())
-                    .is_some_and(|progress| progress.bytes_done > 0)
+            transfer.phase() == VolumeTransferPhase::InProgress && bytes_done(transfer) > 0
         });
         let waiting = list
             .iter()
@@ -855,19 +856,12 @@ async fn agents_refused_by_the_api_server_for_a_while_keep_their_claim_and_outco
         starts,
         "an agent exited on a refusal and was restarted\n{logs}"
     );
-    for name in [&moving_name, &waiting_name] {
-        let transfer = transfers
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .find(|transfer| &transfer.name_any() == name)
-            .context("transfer")?;
-        let attempts = transfer.status.and_then(|status| status.attempts);
-        assert!(
-            attempts.unwrap_or(1) <= 1,
-            "{name} took {attempts:?} stage pods"
-        );
+    for (namespace, name) in [
+        (&moving_namespace, &moving_name),
+        (&waiting_namespace, &waiting_name),
+    ] {
+        let namespaced: Api<VolumeTransfer> = Api::namespaced(client.clone(), namespace);
+        assert_one_stage_pod(&namespaced.get(name).await?);
     }
     fixture.stop().await;
     Ok(())

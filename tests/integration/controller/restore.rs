@@ -30,7 +30,7 @@ use crate::engine::support::{
 };
 use crate::support::audit;
 use crate::support::fixture::{
-    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, create, create_backup,
+    BACKUP_DEADLINE, BUCKET, Fixture, PREFIX, PROVISIONER, bytes_done, create, create_backup,
     create_backup_of_claim, create_restore_of_backup, create_storage_policy, eventually,
     final_phase, no_leftovers, nothing_left_of_deleted,
 };
@@ -490,12 +490,7 @@ async fn a_storage_policy_caps_restores_and_a_restore_deleted_mid_way_leaves_not
             .collect();
         record(&holding);
         let moving = transfers.iter().any(|transfer| {
-            transfer.phase() == VolumeTransferPhase::InProgress
-                && transfer
-                    .status
-                    .as_ref()
-                    .and_then(|status| status.progress.as_ref())
-                    .is_some_and(|progress| progress.bytes_done >= 1 << 20)
+            transfer.phase() == VolumeTransferPhase::InProgress && bytes_done(transfer) >= 1 << 20
         });
         let queued = transfers
             .iter()

@@ -1244,6 +1244,15 @@ pub async fn create_backup_with_spec(
     Ok(())
 }
 
+/// The bytes `transfer` reports done (0 before its first report).
+pub fn bytes_done(transfer: &VolumeTransfer) -> i64 {
+    transfer
+        .status
+        .as_ref()
+        .and_then(|status| status.progress.as_ref())
+        .map_or(0, |progress| progress.bytes_done)
+}
+
 /// The VolumeTransfer of the claim `pvc` among those `transfers` lists.
 pub async fn transfer_of(
     transfers: &Api<VolumeTransfer>,
