@@ -5,11 +5,11 @@
 //! A restore keeps each directory of a batch of files open (its files are
 //! created and reopened relative to it, never through a path), so a batch
 //! holds a descriptor per directory. With the usual soft limit of 1,024 a
-//! batch holds at most 128 ([`MIN_BATCH_DIRECTORIES`]), and a tree of many
-//! small directories was cut into a batch every 128 directories, each
-//! reading its own ranges of the same data packs: 87 batches and 102 GETs
-//! for the 11,111 directories and 30,000 files of the deep tree of
-//! docs/benchmarks.md, where about 11 batches (25 GETs) do.
+//! batch holds at most 80 ([`MIN_BATCH_DIRECTORIES`]; it was 128 when
+//! fewer batches were alive at once), and a tree of many small directories
+//! was cut into a batch every 128 directories: 87 batches and 102 GETs for
+//! the 11,111 directories and 30,000 files of the deep tree of
+//! docs/benchmarks.md, where about 11 batches (25 GETs then) do.
 //!
 //! The hard limit is usually far higher (524,288 for a container under
 //! containerd 2 and systemd; the soft limit stays 1,024 for programs that
@@ -23,15 +23,21 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 
-/// Directories one batch may hold open whatever the limit: four batches
-/// alive at once hold 512, which with a restore's 256 open files stays
-/// under a soft limit of 1,024.
-pub const MIN_BATCH_DIRECTORIES: usize = 128;
+/// Batches of one restore alive at once, at most: one filled by the walk,
+/// one queued, one planned and fetched, two whose last reads were held
+/// back to be fetched with it (`restore::plan::MAX_BATCHES_PER_READ`), and
+/// one whose last blobs are being written.
+pub const MAX_BATCHES_ALIVE: usize = 6;
+
+/// Directories one batch may hold open whatever the limit: the
+/// [`MAX_BATCHES_ALIVE`] batches hold 480, which with a restore's 256 open
+/// files stays under a soft limit of 1,024.
+pub const MIN_BATCH_DIRECTORIES: usize = 80;
 
 /// Descriptors one running restore holds besides its batches' extra
-/// directories: the first [`MIN_BATCH_DIRECTORIES`] of its four batches
-/// alive at once (512), its open files (256), the directories its walk is
-/// in and a verification's files.
+/// directories: the first [`MIN_BATCH_DIRECTORIES`] of its batches alive
+/// at once (480), its open files (256), the directories its walk is in and
+/// a verification's files.
 const DESCRIPTORS_PER_RESTORE: u64 = 1_024;
 /// Descriptors kept for the rest of the process: the store's and the API
 /// server's connections, the runtime's own, a backup's open files.

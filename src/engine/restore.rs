@@ -58,7 +58,9 @@ use serde_bytes::ByteBuf;
 use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
-use self::plan::{ChunkNeed, PackRead, PlanLimits, PlannedBlob, Target, Unrestorable};
+use self::plan::{
+    BatchedRead, ChunkNeed, PlanLimits, PlannedBlob, ReadPlan, ScheduledReads, Target, Unrestorable,
+};
 use super::EngineError;
 use super::descriptors::{self, DescriptorBudget, MIN_BATCH_DIRECTORIES};
 use super::memory::{EngineMemory, RestoreBuffers};
@@ -115,9 +117,8 @@ const SCATTER_JOBS_QUEUED: usize = 4;
 /// smaller one batches fewer files and chunks). A batch costs about 350
 /// bytes per file (its entry and write state) and 300 per chunk while it is
 /// planned (the plan's maps), and keeps a descriptor open per directory;
-/// up to four batches are alive at once (one filled by the walker, one
-/// queued, one planned and fetched, one whose last blobs are being
-/// written), together within [`BATCH_BOOKKEEPING_BYTES`]. Larger batches
+/// up to [`descriptors::MAX_BATCHES_ALIVE`] batches are alive at once, one
+/// of them planned at a time, together within [`BATCH_BOOKKEEPING_BYTES`]. Larger batches
 /// split fewer packs between two of them but cost more than they save: at
 /// 16,384 files a restore of 200,000 small files peaked at 171-187 MiB, at
 /// 4,096 at 93 MiB (docs/benchmarks.md).
@@ -148,6 +149,14 @@ pub(crate) const TREE_LOOKAHEAD_BYTES: u64 = 2 * MIB;
 const TREE_LOOKAHEAD_REQUESTS: usize = 16;
 /// Batches the walker fills ahead of the one being written.
 const BATCHES_AHEAD: usize = 1;
+// Two batches (the one the walk fills and the one whose last blobs are
+// being written), those queued, and those one read serves (the one planned
+// and fetched and those held back for it) hold their directories open
+// together.
+const _: () = assert!(
+    2 + BATCHES_AHEAD + plan::MAX_BATCHES_PER_READ <= descriptors::MAX_BATCHES_ALIVE,
+    "more restore batches are alive at once than the descriptors set aside allow"
+);
 /// Files kept open between two of their writes; beyond this a file is
 /// closed after each write and opened again for the next.
 const MAX_OPEN_FILES: usize = 256;
@@ -1398,11 +1407,25 @@ async fn write_batches(
         sizes.pack_bytes_in_flight,
         sizes.max_pack_read_bytes,
     ));
+    // Reads of the last batch held back to be fetched with the next one's
+    // (plan::schedule_reads).
+    let mut held = Vec::new();
     while let Some(batch) = batches.recv().await {
         if shared.cancel.is_cancelled() {
             break;
         }
-        write_batch(&shared, &index, &limits, batch, workers, &jobs, &buffers).await;
+        let context = WriteContext {
+            shared: &shared,
+            index: &index,
+            limits: &limits,
+            workers,
+            jobs: &jobs,
+            buffers: &buffers,
+        };
+        held = write_batch(&context, batch, held).await;
+    }
+    if !shared.cancel.is_cancelled() {
+        fetch_and_scatter(&shared, &jobs, &buffers, held).await;
     }
     // Dropping the receiver makes a walker still sending see the end.
     drop(batches);
@@ -1516,18 +1539,33 @@ impl ScatterJob {
     }
 }
 
-/// Find what a batch's files need, plan the pack reads, fetch them and
-/// queue their blobs for the scatter workers. Returns once every read is
-/// queued (the workers may still be writing).
-async fn write_batch(
-    shared: &Arc<Shared>,
-    index: &Arc<BlobIndex>,
-    limits: &PlanLimits,
-    batch: Batch,
+/// What the writer of batches works with.
+struct WriteContext<'a> {
+    shared: &'a Arc<Shared>,
+    index: &'a Arc<BlobIndex>,
+    limits: &'a PlanLimits,
     workers: usize,
-    jobs: &mpsc::Sender<Job>,
-    buffers: &Arc<ReadBuffers>,
-) {
+    jobs: &'a mpsc::Sender<Job>,
+    buffers: &'a Arc<ReadBuffers>,
+}
+
+/// A read of the batches being written.
+type Read = BatchedRead<Arc<BatchState>>;
+
+/// Find what a batch's files need, plan the pack reads, fetch them (with
+/// the reads `held` back from the previous batch) and queue their blobs
+/// for the scatter workers. Returns once every read is queued (the
+/// workers may still be writing), with the reads held back for the next
+/// batch.
+async fn write_batch(context: &WriteContext<'_>, batch: Batch, held: Vec<Read>) -> Vec<Read> {
+    let WriteContext {
+        shared,
+        index,
+        limits,
+        workers,
+        jobs,
+        buffers,
+    } = *context;
     let Batch {
         directories, files, ..
     } = batch;
@@ -1555,11 +1593,16 @@ async fn write_batch(
         })
         .await
     };
+    let ReadPlan {
+        reads,
+        writes_per_file,
+        unrestorable,
+    } = plan;
     let mut slots = slots;
-    for (file, remaining) in plan.writes_per_file.iter().enumerate() {
+    for (file, remaining) in writes_per_file.iter().enumerate() {
         slots[file].state.get_mut().expect("file state").remaining = *remaining;
     }
-    for (file, problem) in plan.unrestorable {
+    for (file, problem) in unrestorable {
         let error = match problem {
             Unrestorable::Missing { blob } => EngineError::BlobMissing {
                 blob,
@@ -1593,14 +1636,27 @@ async fn write_batch(
             files: files.to_vec(),
         };
         if jobs.send(job).await.is_err() {
-            return;
+            return Vec::new();
         }
     }
 
+    let ScheduledReads { fetch, hold } =
+        plan::schedule_reads(held, batch, reads, |pack| index.blobs_end(pack), limits);
+    fetch_and_scatter(shared, jobs, buffers, fetch).await;
+    hold
+}
+
+/// Fetch `reads` and queue their blobs for the scatter workers.
+async fn fetch_and_scatter(
+    shared: &Shared,
+    jobs: &mpsc::Sender<Job>,
+    buffers: &Arc<ReadBuffers>,
+    reads: Vec<Read>,
+) {
     // Unordered: a read that has its bytes is handed on at once. (In order,
     // the first read could wait for a buffer that later reads hold while
     // they wait to be handed on after it.)
-    let mut fetched = futures::stream::iter(plan.reads)
+    let mut fetched = futures::stream::iter(reads)
         .map(|read| fetch_read(shared, buffers, read))
         .buffer_unordered(PACK_READS_IN_FLIGHT);
     while let Some((read, result)) = fetched.next().await {
@@ -1608,8 +1664,8 @@ async fn write_batch(
             return;
         }
         let queued = match result {
-            Ok(bytes) => queue_scatter_jobs(jobs, &batch, read, bytes).await,
-            Err(error) => read_blob_by_blob(shared, jobs, &batch, read, error).await,
+            Ok(bytes) => queue_scatter_jobs(jobs, read, bytes).await,
+            Err(error) => read_blob_by_blob(shared, jobs, read, error).await,
         };
         if queued.is_err() {
             return;
@@ -1621,8 +1677,8 @@ async fn write_batch(
 async fn fetch_read(
     shared: &Shared,
     buffers: &Arc<ReadBuffers>,
-    read: PackRead,
-) -> (PackRead, Result<ReadBuffer, StoreError>) {
+    read: Read,
+) -> (Read, Result<ReadBuffer, StoreError>) {
     let result = read_into_buffer(shared, buffers, &read.pack, read.range.clone()).await;
     (read, result)
 }
@@ -1650,27 +1706,28 @@ async fn read_into_buffer(
 /// that every worker takes a share of one pack.
 async fn queue_scatter_jobs(
     jobs: &mpsc::Sender<Job>,
-    batch: &Arc<BatchState>,
-    read: PackRead,
+    read: Read,
     bytes: ReadBuffer,
 ) -> Result<(), mpsc::error::SendError<Job>> {
     let bytes = Arc::new(bytes);
-    let mut blobs = Vec::new();
-    let mut job_bytes = 0;
-    let total = read.blobs.len();
-    for (position, blob) in read.blobs.into_iter().enumerate() {
-        job_bytes += blob.written_bytes();
-        blobs.push(blob);
-        if job_bytes >= SCATTER_JOB_BYTES || position + 1 == total {
-            jobs.send(Job::Scatter(ScatterJob {
-                batch: batch.clone(),
-                pack: read.pack,
-                read_start: read.range.start,
-                bytes: bytes.clone(),
-                blobs: std::mem::take(&mut blobs),
-            }))
-            .await?;
-            job_bytes = 0;
+    for (batch, part) in read.parts {
+        let mut blobs = Vec::new();
+        let mut job_bytes = 0;
+        let total = part.len();
+        for (position, blob) in part.into_iter().enumerate() {
+            job_bytes += blob.written_bytes();
+            blobs.push(blob);
+            if job_bytes >= SCATTER_JOB_BYTES || position + 1 == total {
+                jobs.send(Job::Scatter(ScatterJob {
+                    batch: batch.clone(),
+                    pack: read.pack,
+                    read_start: read.range.start,
+                    bytes: bytes.clone(),
+                    blobs: std::mem::take(&mut blobs),
+                }))
+                .await?;
+                job_bytes = 0;
+            }
         }
     }
     Ok(())
@@ -1684,12 +1741,15 @@ async fn queue_scatter_jobs(
 async fn read_blob_by_blob(
     shared: &Shared,
     jobs: &mpsc::Sender<Job>,
-    batch: &Arc<BatchState>,
-    read: PackRead,
+    read: Read,
     error: StoreError,
 ) -> Result<(), mpsc::error::SendError<Job>> {
     tracing::debug!(pack = %read.pack, error = %error, "pack read failed, reading its blobs one by one");
-    for blob in read.blobs {
+    let blobs = read
+        .parts
+        .into_iter()
+        .flat_map(|(batch, blobs)| blobs.into_iter().map(move |blob| (batch.clone(), blob)));
+    for (batch, blob) in blobs {
         let range = blob.stored_range();
         let result = if error.is_not_found() {
             Err(error.to_string())
@@ -1704,14 +1764,14 @@ async fn read_blob_by_blob(
         };
         let job = match result {
             Ok(bytes) => Job::Scatter(ScatterJob {
-                batch: batch.clone(),
+                batch,
                 pack: read.pack,
                 read_start: range.start,
                 bytes: Arc::new(bytes),
                 blobs: vec![blob],
             }),
             Err(message) => Job::Fail {
-                batch: batch.clone(),
+                batch,
                 message: format!(
                     "not restored, its data could not be read: failed to read blob {} from pack {}: {message}",
                     blob.id, read.pack

@@ -268,6 +268,12 @@ impl BlobIndex {
         (!extent.holds_data).then_some(extent.end)
     }
 
+    /// Where the last blob of `pack` known to the index ends, if the pack
+    /// is known.
+    pub fn blobs_end(&self, pack: &ObjectId) -> Option<u64> {
+        Some(self.pack_extents[*self.pack_positions.get(pack)? as usize].end)
+    }
+
     /// True when some index names this pack.
     pub fn knows_pack(&self, pack: &ObjectId) -> bool {
         self.pack_positions.contains_key(pack)

@@ -9,7 +9,10 @@
 //! whole comes in one request when it fits [`PlanLimits::max_read_bytes`];
 //! no read is longer than that, so the bytes a restore holds are bounded by
 //! the reads it lets be in flight; and a file with a blob that is missing or
-//! whose index entry cannot be right gets no reads at all.
+//! whose index entry cannot be right gets no reads at all. Across batches,
+//! [`schedule_reads`] holds back the read that ends a pack's part in one
+//! batch and joins it with the next batch's reads of that pack, so a pack
+//! split between two batches still comes in one request.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -231,6 +234,157 @@ pub fn plan_pack_reads(
         writes_per_file,
         unrestorable: unrestorable.into_iter().collect(),
     }
+}
+
+/// A read of one pack serving the blobs of one batch, or of two: one held
+/// back from the previous batch and joined with the next batch's reads of
+/// the same pack ([`schedule_reads`]). `B` is what stands for a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchedRead<B> {
+    /// The pack.
+    pub pack: ObjectId,
+    /// The bytes read.
+    pub range: Range<u64>,
+    /// The blobs inside `range`, by the batch whose files they go to,
+    /// earlier batch first.
+    pub parts: Vec<(B, Vec<PlannedBlob>)>,
+}
+
+impl<B> BatchedRead<B> {
+    /// A read of one batch.
+    pub fn alone(batch: B, read: PackRead) -> Self {
+        BatchedRead {
+            pack: read.pack,
+            range: read.range,
+            parts: vec![(batch, read.blobs)],
+        }
+    }
+}
+
+/// Most batches one read serves: a read held back and joined with the
+/// next batch's is held again, for the batch after, while it serves
+/// fewer. A pack of small files spans a few batches (a deep tree of
+/// 30,000 files of about 9 KiB: up to three), and a batch whose last read
+/// is held waits for at most this many minus one batches (each keeps its
+/// files' bookkeeping and directories open meanwhile).
+pub const MAX_BATCHES_PER_READ: usize = 3;
+
+/// What to fetch now for a batch, and what to hold back for the next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ScheduledReads<B> {
+    /// Reads to fetch now, in order: the reads held back from the previous
+    /// batch (joined with this batch's where they could be), then this
+    /// batch's.
+    pub fetch: Vec<BatchedRead<B>>,
+    /// Reads to fetch with the next batch: each serves this batch, and
+    /// perhaps earlier ones.
+    pub hold: Vec<BatchedRead<B>>,
+}
+
+/// Schedule the planned `reads` of `batch`, with the reads `held` back
+/// from the previous batch.
+///
+/// A batch ends where its limits say, not where a pack ends, so the last
+/// files of one batch and the first of the next are often stored in the
+/// same pack, and each batch would read its own range of it: two requests
+/// for one pack, and a range starting inside an object makes the server
+/// read and check the block around its start again (docs/benchmarks.md).
+/// So each held read is joined with this batch's reads of the same pack
+/// that can share its request (the two overlap, or are at most
+/// [`PlanLimits::max_gap_bytes`] apart, and together within
+/// [`PlanLimits::max_read_bytes`]); and the last read of each pack that
+/// serves this batch is held back when the pack's blobs go on past its end
+/// (`blobs_end`: where a pack's last blob ends, from the index) and it
+/// serves fewer than [`MAX_BATCHES_PER_READ`] batches: the next batch most
+/// likely needs what follows, since a backup packs files in the order it
+/// walks them and a restore walks in the same order. Every other read is
+/// fetched now, held ones first.
+pub fn schedule_reads<B: Clone>(
+    held: Vec<BatchedRead<B>>,
+    batch: B,
+    reads: Vec<PackRead>,
+    blobs_end: impl Fn(&ObjectId) -> Option<u64>,
+    limits: &PlanLimits,
+) -> ScheduledReads<B> {
+    let mut reads_of_pack: HashMap<ObjectId, Vec<usize>> = HashMap::new();
+    for (position, read) in reads.iter().enumerate() {
+        reads_of_pack.entry(read.pack).or_default().push(position);
+    }
+    let mut reads: Vec<Option<PackRead>> = reads.into_iter().map(Some).collect();
+    let mut scheduled: Vec<BatchedRead<B>> = Vec::with_capacity(held.len() + reads.len());
+    // Whether each of `scheduled` serves this batch.
+    let mut serves_this_batch = Vec::with_capacity(held.len() + reads.len());
+    for mut joined in held {
+        let mut joined_blobs = Vec::new();
+        let candidates = reads_of_pack
+            .get(&joined.pack)
+            .map_or(&[][..], Vec::as_slice);
+        // Joining one read can bring another within reach: go on until
+        // none joins.
+        while let Some(position) = candidates.iter().copied().find(|position| {
+            reads[*position]
+                .as_ref()
+                .is_some_and(|read| can_share_a_request(&joined.range, &read.range, limits))
+        }) {
+            let read = reads[position].take().expect("a read not yet joined");
+            joined.range =
+                joined.range.start.min(read.range.start)..joined.range.end.max(read.range.end);
+            joined_blobs.extend(read.blobs);
+        }
+        serves_this_batch.push(!joined_blobs.is_empty());
+        if !joined_blobs.is_empty() {
+            joined_blobs.sort_unstable_by_key(|blob| (blob.stored_range().start, blob.id));
+            joined.parts.push((batch.clone(), joined_blobs));
+        }
+        scheduled.push(joined);
+    }
+    scheduled.extend(
+        reads
+            .into_iter()
+            .flatten()
+            .map(|read| BatchedRead::alone(batch.clone(), read)),
+    );
+
+    // Of each pack, the read serving this batch that starts last (a held
+    // read joined to nothing does not serve it).
+    let mut last_of_pack: HashMap<ObjectId, usize> = HashMap::new();
+    serves_this_batch.resize(scheduled.len(), true);
+    for (position, read) in scheduled.iter().enumerate() {
+        if !serves_this_batch[position] {
+            continue;
+        }
+        let last = last_of_pack.entry(read.pack).or_insert(position);
+        if scheduled[*last].range.start < read.range.start {
+            *last = position;
+        }
+    }
+    let mut to_hold = vec![false; scheduled.len()];
+    for (pack, position) in &last_of_pack {
+        let read = &scheduled[*position];
+        to_hold[*position] = read.parts.len() < MAX_BATCHES_PER_READ
+            && read.range.end < blobs_end(pack).unwrap_or(0);
+    }
+    let (mut fetch, mut hold) = (Vec::new(), Vec::new());
+    for (read, to_hold) in scheduled.into_iter().zip(to_hold) {
+        if to_hold {
+            hold.push(read)
+        } else {
+            fetch.push(read)
+        }
+    }
+    ScheduledReads { fetch, hold }
+}
+
+/// Whether two ranges of one pack can be read in one request: they
+/// overlap, or the gap between them is at most the plan's, and the whole
+/// is within its longest read.
+fn can_share_a_request(one: &Range<u64>, other: &Range<u64>, limits: &PlanLimits) -> bool {
+    let gap = other
+        .start
+        .saturating_sub(one.end)
+        .max(one.start.saturating_sub(other.end));
+    let whole = one.end.max(other.end) - one.start.min(other.start);
+    gap <= limits.max_gap_bytes && whole <= limits.max_read_bytes
 }
 
 /// Blobs whose stored bytes overlap those of another blob of the same pack
@@ -651,5 +805,229 @@ mod tests {
             }
             prop_assert!(reads_per_pack.values().all(|count| *count == 1), "{:?}", reads_per_pack);
         }
+
+        /// Batches after batches, each planned and scheduled with what the
+        /// one before held back: every blob a batch plans is fetched once
+        /// for that batch, inside its read, and no read is longer than the
+        /// cap, whatever is held and joined.
+        #[test]
+        fn scheduled_reads_fetch_every_planned_blob_once_for_its_batch(
+            (packs, files) in batch(),
+            cuts in prop::collection::vec(0usize..20, 0..4),
+        ) {
+            let index = index(&packs);
+            let limits = PlanLimits { max_read_bytes: 1000, max_gap_bytes: 50, max_chunk_bytes: 400 };
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|cut| cut.min(files.len())).collect();
+            cuts.push(0);
+            cuts.push(files.len());
+            cuts.sort_unstable();
+            let mut planned = Vec::new();
+            let mut fetched = Vec::new();
+            let mut held = Vec::new();
+            for (batch, window) in cuts.windows(2).enumerate() {
+                let batch_files = &files[window[0]..window[1]];
+                let needs = needs_of(&index, batch_files);
+                let plan = plan_pack_reads(batch_files.len() as u32, &needs, locate(&index), &limits);
+                for read in &plan.reads {
+                    for blob in &read.blobs {
+                        planned.push((batch, blob.id, blob.targets.clone()));
+                    }
+                }
+                let scheduled = schedule_reads(held, batch, plan.reads, |pack| index.blobs_end(pack), &limits);
+                for read in &scheduled.hold {
+                    prop_assert!(read.parts.len() <= MAX_BATCHES_PER_READ, "{read:?}");
+                    prop_assert_eq!(read.parts.last().map(|(held, _)| *held), Some(batch));
+                }
+                fetched.extend(scheduled.fetch);
+                held = scheduled.hold;
+            }
+            fetched.extend(held);
+
+            let mut got = Vec::new();
+            for read in &fetched {
+                prop_assert!(read.range.end - read.range.start <= limits.max_read_bytes, "{read:?}");
+                for (batch, blobs) in &read.parts {
+                    for blob in blobs {
+                        let stored = blob.stored_range();
+                        prop_assert!(read.range.start <= stored.start && stored.end <= read.range.end, "{read:?}");
+                        got.push((*batch, blob.id, blob.targets.clone()));
+                    }
+                }
+            }
+            planned.sort();
+            got.sort();
+            prop_assert_eq!(got, planned);
+        }
+    }
+
+    /// A pack whose blobs are split between two batches, `first` needing
+    /// `first_blobs` and the next the rest.
+    fn split_pack(first_blobs: u32) -> (BlobIndex, ScheduledReads<&'static str>, Vec<PackRead>) {
+        let index = index(&[(1, (1..=4).map(|number| (number, 100, 100)).collect())]);
+        let needs: Vec<_> = (1..=first_blobs)
+            .map(|number| need(0, u64::from(number) * 100, number, 100))
+            .collect();
+        let first = plan_pack_reads(1, &needs, locate(&index), &LIMITS);
+        let first = schedule_reads(
+            Vec::new(),
+            "first",
+            first.reads,
+            |pack| index.blobs_end(pack),
+            &LIMITS,
+        );
+        let needs: Vec<_> = (first_blobs + 1..=4)
+            .map(|number| need(0, u64::from(number) * 100, number, 100))
+            .collect();
+        let next = plan_pack_reads(1, &needs, locate(&index), &LIMITS).reads;
+        (index, first, next)
+    }
+
+    #[test]
+    fn a_pack_split_between_two_batches_is_read_in_one_request() {
+        let (index, first, next) = split_pack(2);
+        assert!(first.fetch.is_empty(), "{first:?}");
+        assert_eq!(first.hold.len(), 1);
+        assert_eq!(first.hold[0].range, 8..208);
+        let next = schedule_reads(
+            first.hold,
+            "next",
+            next,
+            |pack| index.blobs_end(pack),
+            &LIMITS,
+        );
+        assert!(next.hold.is_empty(), "{next:?}");
+        assert_eq!(next.fetch.len(), 1, "{next:?}");
+        let read = &next.fetch[0];
+        assert_eq!(read.range, 8..408);
+        let parts: Vec<(&str, Vec<BlobId>)> = read
+            .parts
+            .iter()
+            .map(|(batch, blobs)| (*batch, blobs.iter().map(|blob| blob.id).collect()))
+            .collect();
+        assert_eq!(
+            parts,
+            [
+                ("first", vec![blob(1), blob(2)]),
+                ("next", vec![blob(3), blob(4)])
+            ]
+        );
+    }
+
+    #[test]
+    fn a_read_that_ends_its_pack_is_fetched_at_once() {
+        let index = index(&[
+            (1, vec![(1, 100, 100), (2, 100, 100)]),
+            (2, vec![(3, 100, 100), (4, 100, 100)]),
+        ]);
+        // Pack 1 is needed to its end, pack 2 only for its first blob.
+        let needs = [need(0, 0, 1, 100), need(0, 100, 2, 100), need(1, 0, 3, 100)];
+        let plan = plan_pack_reads(2, &needs, locate(&index), &LIMITS);
+        let scheduled = schedule_reads(
+            Vec::new(),
+            0,
+            plan.reads,
+            |pack| index.blobs_end(pack),
+            &LIMITS,
+        );
+        let fetched: Vec<_> = scheduled
+            .fetch
+            .iter()
+            .map(|read| (read.pack, read.range.clone()))
+            .collect();
+        assert_eq!(fetched, [(pack(1), 8..208)]);
+        let held: Vec<_> = scheduled
+            .hold
+            .iter()
+            .map(|read| (read.pack, read.range.clone()))
+            .collect();
+        assert_eq!(held, [(pack(2), 8..108)]);
+    }
+
+    #[test]
+    fn a_held_read_the_next_batch_cannot_join_is_fetched_first_on_its_own() {
+        // Too long together: the first batch's 100 bytes and the next
+        // batch's 300 would make a read of 400 under a cap of 350.
+        let (index, first, next) = split_pack(1);
+        let limits = PlanLimits {
+            max_read_bytes: 350,
+            ..LIMITS
+        };
+        let next = schedule_reads(
+            first.hold,
+            "next",
+            next,
+            |pack| index.blobs_end(pack),
+            &limits,
+        );
+        let fetched: Vec<_> = next
+            .fetch
+            .iter()
+            .map(|read| {
+                (
+                    read.range.clone(),
+                    read.parts
+                        .iter()
+                        .map(|(batch, _)| *batch)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        assert_eq!(fetched, [(8..108, vec!["first"]), (108..408, vec!["next"])]);
+        // Nor when a pack the next batch does not need comes between: it
+        // is not the same pack.
+        let other = index_with_two_packs();
+        let first = schedule_reads(
+            Vec::new(),
+            "first",
+            plan_pack_reads(1, &[need(0, 0, 1, 100)], locate(&other), &LIMITS).reads,
+            |pack| other.blobs_end(pack),
+            &LIMITS,
+        );
+        let next = schedule_reads(
+            first.hold,
+            "next",
+            plan_pack_reads(1, &[need(0, 0, 3, 100)], locate(&other), &LIMITS).reads,
+            |pack| other.blobs_end(pack),
+            &LIMITS,
+        );
+        let fetched: Vec<_> = next
+            .fetch
+            .iter()
+            .map(|read| (read.pack, read.range.clone()))
+            .collect();
+        assert_eq!(fetched, [(pack(1), 8..108), (pack(2), 8..108)]);
+    }
+
+    fn index_with_two_packs() -> BlobIndex {
+        index(&[
+            (1, vec![(1, 100, 100), (2, 100, 100)]),
+            (2, vec![(3, 100, 100)]),
+        ])
+    }
+
+    #[test]
+    fn a_read_is_held_from_batch_to_batch_until_it_serves_the_most_batches() {
+        // One batch per blob of one pack of four blobs: the first three
+        // batches share one request, the fourth reads the rest alone.
+        assert_eq!(MAX_BATCHES_PER_READ, 3);
+        let index = index(&[(1, (1..=4).map(|number| (number, 100, 100)).collect())]);
+        let plan_of =
+            |number| plan_pack_reads(1, &[need(0, 0, number, 100)], locate(&index), &LIMITS).reads;
+        let blobs_end = |pack: &ObjectId| index.blobs_end(pack);
+        let mut held = Vec::new();
+        let mut fetched = Vec::new();
+        for batch in 1..=4 {
+            let scheduled = schedule_reads(held, batch, plan_of(batch), blobs_end, &LIMITS);
+            for read in &scheduled.fetch {
+                let batches: Vec<u32> = read.parts.iter().map(|(batch, _)| *batch).collect();
+                fetched.push((batch, read.range.clone(), batches));
+            }
+            held = scheduled.hold;
+        }
+        assert!(held.is_empty(), "{held:?}");
+        assert_eq!(
+            fetched,
+            [(3, 8..308, vec![1, 2, 3]), (4, 308..408, vec![4])]
+        );
     }
 }

@@ -375,7 +375,7 @@ async fn a_snapshot_of_more_files_than_one_batch_restores_with_links_across_batc
     let source = repo.dir.path().join("source");
     // 5,200 files in 130 directories: more than one batch's files (4,096),
     // and more directories than a batch holds under a soft limit of 1,024
-    // open files (128).
+    // open files (80).
     for directory in 0..130 {
         let path = source.join(format!("d{directory:03}"));
         std::fs::create_dir_all(&path).expect("mkdir");
@@ -439,6 +439,50 @@ async fn a_tree_of_many_small_directories_reads_each_data_pack_once() {
             *count, 1,
             "pack {pack} was read {count} times ({bytes} bytes): the directories were cut into \
              batches each reading it again"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pack_whose_files_span_three_batches_is_read_in_one_request() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    // 9,000 files of 1-1.5 KiB of random bytes: three batches of files
+    // (4,096 each at most), about 11 MiB stored, so one data pack of the
+    // default size holds the files of all three, and each batch alone
+    // would read its own range of it.
+    for directory in 0..30u64 {
+        let path = source.join(format!("d{directory:02}"));
+        std::fs::create_dir_all(&path).expect("mkdir");
+        for file in 0..300u64 {
+            let seed = directory * 300 + file;
+            std::fs::write(
+                path.join(format!("f{file:03}")),
+                random_bytes(seed, 1_024 + (seed as usize * 37) % 512),
+            )
+            .expect("write");
+        }
+    }
+    let backup = repo.backup(&source).await;
+    let (counter, repository) = counted(&repo).await;
+    let packs = pack_entries(&repository).await;
+    counter.layer().take_reads();
+    let target = repo.dir.path().join("restored");
+    let outcome = restore_intact(
+        &repository,
+        &backup.snapshot_id,
+        RestoreOptions::new(&target),
+        &source,
+    )
+    .await;
+    assert_eq!(outcome.files, 9_000);
+    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
+    assert_eq!(per_pack.len(), packs_with_data(&packs));
+    for (pack, (count, bytes)) in &per_pack {
+        assert_eq!(
+            *count, 1,
+            "pack {pack} was read in {count} requests ({bytes} bytes): each batch read its own \
+             range of it"
         );
     }
 }
