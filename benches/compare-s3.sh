@@ -17,6 +17,7 @@
 # missing ones are reported, not faked. TOOLS="haulage restic" runs only those.
 # HAULAGE=/path/to/haulage measures that binary instead of building this tree
 # (to compare two builds, run the script with each in turn, interleaved).
+# RESTORE_ROUNDS=7 repeats the restores of haulage and restic, interleaved.
 # LATENCY_MS=10 puts benches/latency-proxy.py between the tools and MinIO,
 # 10 ms each way (20 ms a round trip), as a store in another zone would be.
 # A WORKDIR that already holds data/ is measured as it is (e.g. the tree of
@@ -208,6 +209,18 @@ elif [ -n "$RCLONE" ]; then
 else
     echo "| rclone | not installed | | | | | | | | | |"
 fi
+# RESTORE_ROUNDS=N: haulage and restic restore N - 1 more times, interleaved,
+# for medians (a restore's server CPU varies by a tenth from run to run).
+for round in $(seq 2 "${RESTORE_ROUNDS:-1}"); do
+    if wanted haulage; then
+        measure haulage "restore $round" "$HAULAGE" restore latest "$RESTORE_ROOT/haulage" --no-progress --repo s3://bench/haulage
+        checked haulage
+    fi
+    if wanted restic && [ -n "$RESTIC" ]; then
+        measure restic "restore $round" "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
+        checked restic
+    fi
+done
 # What `haulage bench` predicts for the same data and server, to set beside the
 # measured first backup above.
 if wanted sizing; then

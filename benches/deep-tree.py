@@ -10,6 +10,8 @@ import os
 import random
 import sys
 
+if len(sys.argv) not in (2, 3) or sys.argv[1].startswith("-"):
+    sys.exit(__doc__.strip())
 root = sys.argv[1]
 files = int(sys.argv[2]) if len(sys.argv) > 2 else 30_000
 random.seed(7)
