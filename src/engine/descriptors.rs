@@ -26,7 +26,11 @@ use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 /// Batches of one restore alive at once, at most: one filled by the walk,
 /// one queued, one planned and fetched, two whose last reads were held
 /// back to be fetched with it (`restore::plan::MAX_BATCHES_PER_READ`), and
-/// one whose last blobs are being written.
+/// one whose last blobs are being written. A batch lives until the last
+/// scatter job writing to it is done, and up to eight jobs can be pending,
+/// so with a slow target the batches whose jobs are pending could add up:
+/// the walk waits for a place before it starts a batch, and there are this
+/// many places.
 pub const MAX_BATCHES_ALIVE: usize = 6;
 
 /// Directories one batch may hold open whatever the limit: the

@@ -476,6 +476,7 @@ pub async fn restore_loaded(
         trees,
         tree_packs: TreePacks::new(tree_packs_held_bytes),
         _running: descriptors::batch_directories().restore_running(),
+        batches_alive: Arc::new(tokio::sync::Semaphore::new(descriptors::MAX_BATCHES_ALIVE)),
         lookahead: lookahead::Lookahead::new(tree_lookahead_bytes, TREE_LOOKAHEAD_REQUESTS),
     });
     let (batches, queued_batches) = mpsc::channel(BATCHES_AHEAD);
@@ -618,6 +619,9 @@ struct Shared {
     /// Counted among the restores whose own descriptors the batches'
     /// budget sets aside ([`descriptors::batch_directories_limit`]).
     _running: descriptors::RunningRestore,
+    /// Places of the batches alive at once
+    /// ([`Walker::take_a_place_for_the_batch`]).
+    batches_alive: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
@@ -652,6 +656,10 @@ struct Batch {
 /// dropped.
 struct BatchDirectories {
     held: Vec<BatchDirectory>,
+    /// The batch's place among those alive at once
+    /// ([`descriptors::MAX_BATCHES_ALIVE`]), taken before its first file
+    /// and given back when its directories are closed.
+    alive: Option<tokio::sync::OwnedSemaphorePermit>,
     /// Where the directories beyond the first are taken from.
     budget: &'static DescriptorBudget,
     /// How many were taken from it.
@@ -668,6 +676,7 @@ impl BatchDirectories {
     fn taking_from(budget: &'static DescriptorBudget) -> Self {
         BatchDirectories {
             held: Vec::new(),
+            alive: None,
             budget,
             taken: 0,
         }
@@ -930,6 +939,27 @@ impl Walker {
 
     /// Hand the current batch to the writer (waiting while it is busy with
     /// [`BATCHES_AHEAD`] others).
+    /// Wait, before a batch's first file, until fewer than
+    /// [`descriptors::MAX_BATCHES_ALIVE`] batches are alive: one lives
+    /// until the last scatter job writing to it is done, so with a slow
+    /// target the batches whose jobs are pending would otherwise add up,
+    /// each holding its directories open. It cannot wait for ever: the
+    /// batches that wait for the walk (the one queued and those whose
+    /// reads are held back) are fewer than the places, and the others only
+    /// wait for their jobs.
+    async fn take_a_place_for_the_batch(&mut self) {
+        if self.batch.directories.alive.is_none() {
+            let place = self
+                .shared
+                .batches_alive
+                .clone()
+                .acquire_owned()
+                .await
+                .expect("the places of batches alive are never closed");
+            self.batch.directories.alive = Some(place);
+        }
+    }
+
     async fn send_batch(&mut self) -> Result<(), EngineError> {
         if self.batch.files.is_empty() {
             return Ok(());
@@ -1062,6 +1092,7 @@ impl Walker {
                         }
                         let unchanged_since =
                             since.as_ref().is_some_and(|since| since.file_unchanged(&entry));
+                        self.take_a_place_for_the_batch().await;
                         self.batch
                             .add(&directory_fd, &components, entry, unchanged_since);
                         if self.batch.is_full(&self.shared.sizes) {

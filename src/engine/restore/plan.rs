@@ -236,9 +236,10 @@ pub fn plan_pack_reads(
     }
 }
 
-/// A read of one pack serving the blobs of one batch, or of two: one held
-/// back from the previous batch and joined with the next batch's reads of
-/// the same pack ([`schedule_reads`]). `B` is what stands for a batch.
+/// A read of one pack serving the blobs of one batch, or of up to
+/// [`MAX_BATCHES_PER_READ`]: a read held back from earlier batches and
+/// joined with the next batch's reads of the same pack
+/// ([`schedule_reads`]). `B` is what stands for a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchedRead<B> {
     /// The pack.
@@ -834,8 +835,9 @@ mod tests {
                     }
                 }
                 let scheduled = schedule_reads(held, batch, plan.reads, |pack| index.blobs_end(pack), &limits);
+                // A held read can still serve one more batch.
                 for read in &scheduled.hold {
-                    prop_assert!(read.parts.len() <= MAX_BATCHES_PER_READ, "{read:?}");
+                    prop_assert!(read.parts.len() < MAX_BATCHES_PER_READ, "{read:?}");
                     prop_assert_eq!(read.parts.last().map(|(held, _)| *held), Some(batch));
                 }
                 fetched.extend(scheduled.fetch);
@@ -846,6 +848,11 @@ mod tests {
             let mut got = Vec::new();
             for read in &fetched {
                 prop_assert!(read.range.end - read.range.start <= limits.max_read_bytes, "{read:?}");
+                // At most the most batches, each once, earlier first, none
+                // without blobs.
+                prop_assert!(read.parts.len() <= MAX_BATCHES_PER_READ, "{read:?}");
+                prop_assert!(read.parts.windows(2).all(|pair| pair[0].0 < pair[1].0), "{read:?}");
+                prop_assert!(read.parts.iter().all(|(_, blobs)| !blobs.is_empty()), "{read:?}");
                 for (batch, blobs) in &read.parts {
                     for blob in blobs {
                         let stored = blob.stored_range();
