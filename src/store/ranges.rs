@@ -22,6 +22,18 @@ pub const MAX_COALESCED_READ_BYTES: u64 = 64 * 1024 * 1024;
 /// Merged reads of one call in flight at once.
 const READS_IN_FLIGHT: usize = 4;
 
+/// Whether two ranges of one object are worth one read rather than two:
+/// the gap between them (if any) is at most `max_gap` bytes and the read
+/// covering both stays within `max_read` bytes.
+pub fn fit_one_read(one: &Range<u64>, other: &Range<u64>, max_gap: u64, max_read: u64) -> bool {
+    let gap = other
+        .start
+        .saturating_sub(one.end)
+        .max(one.start.saturating_sub(other.end));
+    let whole = one.end.max(other.end) - one.start.min(other.start);
+    gap <= max_gap && whole <= max_read
+}
+
 /// Merge `ranges` into as few reads as possible: sorted, non-overlapping,
 /// each covering one or more of the inputs, merging two neighbours when the
 /// gap between them is at most `max_gap` bytes and the merged read stays
@@ -38,12 +50,10 @@ pub fn coalesce_ranges(ranges: &[Range<u64>], max_gap: u64, max_read: u64) -> Ve
     let mut merged: Vec<Range<u64>> = Vec::with_capacity(sorted.len());
     for range in sorted {
         if let Some(last) = merged.last_mut() {
-            let end = last.end.max(range.end);
-            let close_enough = range.start <= last.end.saturating_add(max_gap);
             // Overlapping ranges must share a read; touching or nearby ones
             // only while the read stays within `max_read`.
-            if range.start < last.end || (close_enough && end - last.start <= max_read) {
-                last.end = end;
+            if range.start < last.end || fit_one_read(last, &range, max_gap, max_read) {
+                last.end = last.end.max(range.end);
                 continue;
             }
         }

@@ -19,7 +19,7 @@ use std::ops::Range;
 
 use crate::repo::index::BlobLocation;
 use crate::repo::{BlobId, ObjectId};
-use crate::store::ranges::coalesce_ranges;
+use crate::store::ranges::{coalesce_ranges, fit_one_read};
 
 /// One chunk one file needs: the blob's plaintext goes at `offset`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -323,9 +323,14 @@ pub fn schedule_reads<B: Clone>(
         // Joining one read can bring another within reach: go on until
         // none joins.
         while let Some(position) = candidates.iter().copied().find(|position| {
-            reads[*position]
-                .as_ref()
-                .is_some_and(|read| can_share_a_request(&joined.range, &read.range, limits))
+            reads[*position].as_ref().is_some_and(|read| {
+                fit_one_read(
+                    &joined.range,
+                    &read.range,
+                    limits.max_gap_bytes,
+                    limits.max_read_bytes,
+                )
+            })
         }) {
             let read = reads[position].take().expect("a read not yet joined");
             joined.range =
@@ -334,7 +339,6 @@ pub fn schedule_reads<B: Clone>(
         }
         serves_this_batch.push(!joined_blobs.is_empty());
         if !joined_blobs.is_empty() {
-            joined_blobs.sort_unstable_by_key(|blob| (blob.stored_range().start, blob.id));
             joined.parts.push((batch.clone(), joined_blobs));
         }
         scheduled.push(joined);
@@ -374,18 +378,6 @@ pub fn schedule_reads<B: Clone>(
         }
     }
     ScheduledReads { fetch, hold }
-}
-
-/// Whether two ranges of one pack can be read in one request: they
-/// overlap, or the gap between them is at most the plan's, and the whole
-/// is within its longest read.
-fn can_share_a_request(one: &Range<u64>, other: &Range<u64>, limits: &PlanLimits) -> bool {
-    let gap = other
-        .start
-        .saturating_sub(one.end)
-        .max(one.start.saturating_sub(other.end));
-    let whole = one.end.max(other.end) - one.start.min(other.start);
-    gap <= limits.max_gap_bytes && whole <= limits.max_read_bytes
 }
 
 /// Blobs whose stored bytes overlap those of another blob of the same pack
@@ -834,7 +826,7 @@ mod tests {
                         planned.push((batch, blob.id, blob.targets.clone()));
                     }
                 }
-                let scheduled = schedule_reads(held, batch, plan.reads, |pack| index.blobs_end(pack), &limits);
+                let scheduled = schedule(&index, held, batch, plan.reads, &limits);
                 // A held read can still serve one more batch.
                 for read in &scheduled.hold {
                     prop_assert!(read.parts.len() < MAX_BATCHES_PER_READ, "{read:?}");
@@ -867,6 +859,25 @@ mod tests {
         }
     }
 
+    /// [`schedule_reads`] with where `index` says each pack's blobs end.
+    fn schedule<B: Clone>(
+        index: &BlobIndex,
+        held: Vec<BatchedRead<B>>,
+        batch: B,
+        reads: Vec<PackRead>,
+        limits: &PlanLimits,
+    ) -> ScheduledReads<B> {
+        schedule_reads(held, batch, reads, |pack| index.blobs_end(pack), limits)
+    }
+
+    /// The pack and range of each read.
+    fn places<B>(reads: &[BatchedRead<B>]) -> Vec<(ObjectId, Range<u64>)> {
+        reads
+            .iter()
+            .map(|read| (read.pack, read.range.clone()))
+            .collect()
+    }
+
     /// A pack whose blobs are split between two batches, `first` needing
     /// `first_blobs` and the next the rest.
     fn split_pack(first_blobs: u32) -> (BlobIndex, ScheduledReads<&'static str>, Vec<PackRead>) {
@@ -875,13 +886,7 @@ mod tests {
             .map(|number| need(0, u64::from(number) * 100, number, 100))
             .collect();
         let first = plan_pack_reads(1, &needs, locate(&index), &LIMITS);
-        let first = schedule_reads(
-            Vec::new(),
-            "first",
-            first.reads,
-            |pack| index.blobs_end(pack),
-            &LIMITS,
-        );
+        let first = schedule(&index, Vec::new(), "first", first.reads, &LIMITS);
         let needs: Vec<_> = (first_blobs + 1..=4)
             .map(|number| need(0, u64::from(number) * 100, number, 100))
             .collect();
@@ -895,13 +900,7 @@ mod tests {
         assert!(first.fetch.is_empty(), "{first:?}");
         assert_eq!(first.hold.len(), 1);
         assert_eq!(first.hold[0].range, 8..208);
-        let next = schedule_reads(
-            first.hold,
-            "next",
-            next,
-            |pack| index.blobs_end(pack),
-            &LIMITS,
-        );
+        let next = schedule(&index, first.hold, "next", next, &LIMITS);
         assert!(next.hold.is_empty(), "{next:?}");
         assert_eq!(next.fetch.len(), 1, "{next:?}");
         let read = &next.fetch[0];
@@ -929,25 +928,9 @@ mod tests {
         // Pack 1 is needed to its end, pack 2 only for its first blob.
         let needs = [need(0, 0, 1, 100), need(0, 100, 2, 100), need(1, 0, 3, 100)];
         let plan = plan_pack_reads(2, &needs, locate(&index), &LIMITS);
-        let scheduled = schedule_reads(
-            Vec::new(),
-            0,
-            plan.reads,
-            |pack| index.blobs_end(pack),
-            &LIMITS,
-        );
-        let fetched: Vec<_> = scheduled
-            .fetch
-            .iter()
-            .map(|read| (read.pack, read.range.clone()))
-            .collect();
-        assert_eq!(fetched, [(pack(1), 8..208)]);
-        let held: Vec<_> = scheduled
-            .hold
-            .iter()
-            .map(|read| (read.pack, read.range.clone()))
-            .collect();
-        assert_eq!(held, [(pack(2), 8..108)]);
+        let scheduled = schedule(&index, Vec::new(), 0, plan.reads, &LIMITS);
+        assert_eq!(places(&scheduled.fetch), [(pack(1), 8..208)]);
+        assert_eq!(places(&scheduled.hold), [(pack(2), 8..108)]);
     }
 
     #[test]
@@ -959,13 +942,7 @@ mod tests {
             max_read_bytes: 350,
             ..LIMITS
         };
-        let next = schedule_reads(
-            first.hold,
-            "next",
-            next,
-            |pack| index.blobs_end(pack),
-            &limits,
-        );
+        let next = schedule(&index, first.hold, "next", next, &limits);
         let fetched: Vec<_> = next
             .fetch
             .iter()
@@ -983,26 +960,11 @@ mod tests {
         // Nor when a pack the next batch does not need comes between: it
         // is not the same pack.
         let other = index_with_two_packs();
-        let first = schedule_reads(
-            Vec::new(),
-            "first",
-            plan_pack_reads(1, &[need(0, 0, 1, 100)], locate(&other), &LIMITS).reads,
-            |pack| other.blobs_end(pack),
-            &LIMITS,
-        );
-        let next = schedule_reads(
-            first.hold,
-            "next",
-            plan_pack_reads(1, &[need(0, 0, 3, 100)], locate(&other), &LIMITS).reads,
-            |pack| other.blobs_end(pack),
-            &LIMITS,
-        );
-        let fetched: Vec<_> = next
-            .fetch
-            .iter()
-            .map(|read| (read.pack, read.range.clone()))
-            .collect();
-        assert_eq!(fetched, [(pack(1), 8..108), (pack(2), 8..108)]);
+        let plan_of =
+            |number| plan_pack_reads(1, &[need(0, 0, number, 100)], locate(&other), &LIMITS).reads;
+        let first = schedule(&other, Vec::new(), "first", plan_of(1), &LIMITS);
+        let next = schedule(&other, first.hold, "next", plan_of(3), &LIMITS);
+        assert_eq!(places(&next.fetch), [(pack(1), 8..108), (pack(2), 8..108)]);
     }
 
     fn index_with_two_packs() -> BlobIndex {
@@ -1020,11 +982,10 @@ mod tests {
         let index = index(&[(1, (1..=4).map(|number| (number, 100, 100)).collect())]);
         let plan_of =
             |number| plan_pack_reads(1, &[need(0, 0, number, 100)], locate(&index), &LIMITS).reads;
-        let blobs_end = |pack: &ObjectId| index.blobs_end(pack);
         let mut held = Vec::new();
         let mut fetched = Vec::new();
         for batch in 1..=4 {
-            let scheduled = schedule_reads(held, batch, plan_of(batch), blobs_end, &LIMITS);
+            let scheduled = schedule(&index, held, batch, plan_of(batch), &LIMITS);
             for read in &scheduled.fetch {
                 let batches: Vec<u32> = read.parts.iter().map(|(batch, _)| *batch).collect();
                 fetched.push((batch, read.range.clone(), batches));

@@ -419,21 +419,10 @@ async fn a_tree_of_many_small_directories_reads_each_data_pack_once() {
         }
     }
     let backup = repo.backup(&source).await;
-    let (counter, repository) = counted(&repo).await;
-    let packs = pack_entries(&repository).await;
-    assert!(packs_with_data(&packs) >= 2, "{} packs", packs.len());
-    counter.layer().take_reads();
-    let target = repo.dir.path().join("restored");
-    let outcome = restore_intact(
-        &repository,
-        &backup.snapshot_id,
-        RestoreOptions::new(&target),
-        &source,
-    )
-    .await;
+    let (packs, outcome, per_pack) =
+        restore_counting_data_pack_reads(&repo, &backup.snapshot_id, &source).await;
+    assert!(packs >= 2, "{packs} packs of data");
     assert_eq!(outcome.files, 2_100);
-    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
-    assert_eq!(per_pack.len(), packs_with_data(&packs));
     for (pack, (count, bytes)) in &per_pack {
         assert_eq!(
             *count, 1,
@@ -464,20 +453,9 @@ async fn a_pack_whose_files_span_three_batches_is_read_in_one_request() {
         }
     }
     let backup = repo.backup(&source).await;
-    let (counter, repository) = counted(&repo).await;
-    let packs = pack_entries(&repository).await;
-    counter.layer().take_reads();
-    let target = repo.dir.path().join("restored");
-    let outcome = restore_intact(
-        &repository,
-        &backup.snapshot_id,
-        RestoreOptions::new(&target),
-        &source,
-    )
-    .await;
+    let (_, outcome, per_pack) =
+        restore_counting_data_pack_reads(&repo, &backup.snapshot_id, &source).await;
     assert_eq!(outcome.files, 9_000);
-    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
-    assert_eq!(per_pack.len(), packs_with_data(&packs));
     for (pack, (count, bytes)) in &per_pack {
         assert_eq!(
             *count, 1,
@@ -485,6 +463,24 @@ async fn a_pack_whose_files_span_three_batches_is_read_in_one_request() {
              range of it"
         );
     }
+}
+
+/// Restore `snapshot` of `source` intact through a [`CountingStore`]: the
+/// repository's packs holding data, the outcome, and for each of those
+/// packs (every one is read) the requests that read it and their bytes.
+async fn restore_counting_data_pack_reads(
+    repo: &TestRepo,
+    snapshot: &ObjectId,
+    source: &Path,
+) -> (usize, RestoreOutcome, BTreeMap<ObjectId, (usize, u64)>) {
+    let (counter, repository) = counted(repo).await;
+    let packs = pack_entries(&repository).await;
+    counter.layer().take_reads();
+    let target = repo.dir.path().join("restored");
+    let outcome = restore_intact(&repository, snapshot, RestoreOptions::new(&target), source).await;
+    let per_pack = data_reads_per_pack(&counter.layer().take_reads(), &packs);
+    assert_eq!(per_pack.len(), packs_with_data(&packs));
+    (packs_with_data(&packs), outcome, per_pack)
 }
 
 /// Restore `snapshot` into `target`: the outcome and the paths that failed.
