@@ -43,8 +43,9 @@ use super::repository::Repository;
 use super::throttle::Throttle;
 use super::verify_tree;
 use super::{EngineError, run_blocking};
+use crate::repo::blob_table::BlobSet;
 use crate::repo::chunker::Chunker;
-use crate::repo::index::BlobIndex;
+use crate::repo::index::{BlobIndex, MAX_BLOBS_PER_INDEX_FILE};
 use crate::repo::pack::{PackEntry, PackWriter};
 use crate::repo::snapshot::{
     FileWarning, MAX_RECORDED_WARNINGS, RootAttributes, Snapshot, SnapshotSummary,
@@ -81,8 +82,9 @@ const OPEN_FILE_PLACES_AT_ONCE: u32 = 8;
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
 /// Packs being uploaded at once; each holds its full pack in memory.
 const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 1;
-/// Write an index checkpoint after this many packs, so an interrupted
-/// backup's packs are found by their index and not by reading trailers.
+/// Write an index checkpoint after this many packs (or sooner, when they
+/// hold [`MAX_BLOBS_PER_INDEX_FILE`] blobs), so an interrupted backup's
+/// packs are found by their index and not by reading trailers.
 const INDEX_CHECKPOINT_PACKS: usize = 32;
 /// Bytes per read(2) call from the source.
 const READ_BLOCK_BYTES: usize = 256 * 1024;
@@ -376,8 +378,10 @@ struct Shared {
     repository: Repository,
     index: Arc<BlobIndex>,
     /// Blobs claimed by this backup, so two identical new chunks in flight
-    /// are stored once.
-    claimed: Mutex<HashSet<BlobId>>,
+    /// are stored once: every new blob of the backup, so 32 bytes each
+    /// ([`BlobSet`]; a hash set took up to 70, 69 MiB for the million
+    /// small files of docs/benchmarks.md).
+    claimed: Mutex<BlobSet>,
     /// Claimed blobs the assembler has not put into a pack yet: a job
     /// claims a blob when it hashes it, and jobs run ahead of the
     /// assembly, so an earlier file may name a blob a later one stores.
@@ -500,7 +504,7 @@ pub async fn backup(
     let shared = Arc::new(Shared {
         repository: repository.clone(),
         index: index.clone(),
-        claimed: Mutex::new(HashSet::new()),
+        claimed: Mutex::new(BlobSet::new()),
         pending: (checkpointed && options.checkpoint_every.is_some())
             .then(|| Mutex::new(HashSet::new())),
         progress: progress.clone(),
@@ -2633,7 +2637,12 @@ impl Packer {
         tracing::debug!(pack = %id, blobs = entries.len(), "pack uploaded");
         self.packs_written += 1;
         self.unindexed.push((id, entries));
-        if self.unindexed.len() >= INDEX_CHECKPOINT_PACKS {
+        let blobs: usize = self
+            .unindexed
+            .iter()
+            .map(|(_, entries)| entries.len())
+            .sum();
+        if self.unindexed.len() >= INDEX_CHECKPOINT_PACKS || blobs >= MAX_BLOBS_PER_INDEX_FILE {
             let packs = std::mem::take(&mut self.unindexed);
             self.repository.write_index(packs).await?;
         }

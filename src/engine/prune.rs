@@ -36,8 +36,6 @@ use crate::repo::prune::{
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
 
-/// Packs per index file written by prune (about 1 MiB of index each).
-const PACKS_PER_INDEX_FILE: usize = 1024;
 /// Tree blobs fetched per batch while finding what snapshots reference.
 const TREES_PER_BATCH: usize = 256;
 /// The lock purpose prune records, and looks for to refuse a second prune.
@@ -79,6 +77,7 @@ impl Inventory {
                 index.add_pack(pack.id, &pack.entries);
             }
         }
+        index.compact();
         index
     }
 
@@ -614,12 +613,12 @@ async fn second_phase(
         .map(|pack| (pack.id, pack.entries.clone()))
         .collect();
     let mut new_index_files = HashSet::new();
-    for chunk in staying.chunks(PACKS_PER_INDEX_FILE) {
+    for group in repo::index::index_file_groups(staying) {
         if cancel.is_cancelled() {
             return Err(EngineError::Cancelled);
         }
         lock.check()?;
-        new_index_files.insert(repository.write_index(chunk.to_vec()).await?);
+        new_index_files.extend(repository.write_index(group).await?);
     }
     // 2. The old index files (those this phase read; one written since by
     // a backup without a lock names only its own packs, which stay).

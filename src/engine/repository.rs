@@ -662,6 +662,13 @@ impl Repository {
             }
         }
         loaded.unindexed_packs.sort_by_key(|(id, _)| *id);
+        index.compact();
+        tracing::debug!(
+            blobs = index.len(),
+            packs = index.pack_count(),
+            bytes = index.memory_bytes(),
+            "loaded the repository's index"
+        );
         loaded.index = Arc::new(index);
         Ok(loaded)
     }
@@ -957,20 +964,25 @@ impl Repository {
         trees
     }
 
-    /// Write an index file for `packs`.
+    /// Write the index files of `packs`: one per
+    /// [`repo::index::MAX_BLOBS_PER_INDEX_FILE`] blobs. Returns their ids.
     pub async fn write_index(
         &self,
         packs: Vec<(ObjectId, Vec<PackEntry>)>,
-    ) -> Result<ObjectId, EngineError> {
-        let file = IndexFile { packs };
-        let codec = self.codec.clone();
-        let (id, bytes) =
-            super::run_blocking(move || codec.encode_index(&file, &mut rand::rng())).await;
-        put_object(&self.store, &repo::index_key(&id), bytes, || {
-            format!("write index file {id}")
-        })
-        .await?;
-        Ok(id)
+    ) -> Result<Vec<ObjectId>, EngineError> {
+        let mut written = Vec::new();
+        for packs in repo::index::index_file_groups(packs) {
+            let file = IndexFile { packs };
+            let codec = self.codec.clone();
+            let (id, bytes) =
+                super::run_blocking(move || codec.encode_index(&file, &mut rand::rng())).await;
+            put_object(&self.store, &repo::index_key(&id), bytes, || {
+                format!("write index file {id}")
+            })
+            .await?;
+            written.push(id);
+        }
+        Ok(written)
     }
 
     /// Seal the blobs of `writer` into a pack (on the blocking pool) and

@@ -8,13 +8,12 @@
 //! what it is. Names stay the BLAKE3 of the stored (sealed) bytes.
 
 use std::borrow::Cow;
-use std::io::Read;
 use std::sync::Arc;
 
 use rand_core::CryptoRng;
 
 use super::crypto::{NONCE_BYTES, ObjectKey, OpenError, SEAL_OVERHEAD, Sealed};
-use super::index::{IndexError, IndexFile, MAX_INDEX_DECOMPRESSED_BYTES};
+use super::index::{IndexError, IndexFile};
 use super::pack::{self, PackEntry, PackError, PackFormat, PackWriter};
 use super::snapshot::{Snapshot, SnapshotError};
 use super::{BlobId, BlobKind, ObjectId};
@@ -213,12 +212,7 @@ impl ObjectCodec {
         let compressed = key
             .open(Sealed::Index, &[], sealed)
             .map_err(|error| damaged(error.to_string()))?;
-        let mut body = Vec::new();
-        zstd::stream::read::Decoder::new(compressed.as_slice())
-            .map_err(|error| damaged(format!("cannot decompress: {error}")))?
-            .take(MAX_INDEX_DECOMPRESSED_BYTES)
-            .read_to_end(&mut body)
-            .map_err(|error| damaged(format!("cannot decompress: {error}")))?;
+        let body = super::index::decompress_body(&compressed).map_err(damaged)?;
         IndexFile::decode_body(&body, index)
     }
 

@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::io::Read;
 
+use super::blob_table::BlobTable;
 use super::pack::{MAX_BLOBS_PER_PACK, PackEntry};
 use super::{BlobId, BlobKind, Compression, ID_LENGTH, ObjectId};
 
@@ -25,6 +26,14 @@ const INDEX_ENTRY_BYTES: usize = ID_LENGTH + 1 + 1 + 4 + 4 + 4;
 /// An index file never decompresses to more than this; larger is corrupt or
 /// hostile.
 pub(crate) const MAX_INDEX_DECOMPRESSED_BYTES: u64 = 1 << 30;
+/// The most blobs a writer puts in one index file (a pack with more has a
+/// file of its own): 3 MiB of records, so a load decodes a few MiB at a
+/// time however large the repository. restic's index files hold at most
+/// 50,000. Before 2026-12-06 a backup wrote one index file per 32 packs
+/// and prune one per 1,024, so a repository of small files had index
+/// files of 500,000 blobs and more, each decoded whole (23 MiB of records,
+/// twice that while decompressing).
+pub const MAX_BLOBS_PER_INDEX_FILE: usize = 65_536;
 
 /// The blobs of some packs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,7 +63,12 @@ impl IndexFile {
 
     /// The uncompressed records (what both formats compress).
     pub fn encode_body(&self) -> Vec<u8> {
-        let mut body = Vec::new();
+        let records = self
+            .packs
+            .iter()
+            .map(|(_, entries)| ID_LENGTH + 4 + entries.len() * INDEX_ENTRY_BYTES)
+            .sum();
+        let mut body = Vec::with_capacity(records);
         for (pack, entries) in &self.packs {
             body.extend_from_slice(&pack.0);
             body.extend_from_slice(&(entries.len() as u32).to_le_bytes());
@@ -79,12 +93,7 @@ impl IndexFile {
         let compressed = bytes
             .strip_prefix(INDEX_MAGIC.as_slice())
             .ok_or_else(|| damaged("start marker missing".into()))?;
-        let mut body = Vec::new();
-        zstd::stream::read::Decoder::new(compressed)
-            .map_err(|error| damaged(format!("cannot decompress: {error}")))?
-            .take(MAX_INDEX_DECOMPRESSED_BYTES)
-            .read_to_end(&mut body)
-            .map_err(|error| damaged(format!("cannot decompress: {error}")))?;
+        let body = decompress_body(compressed).map_err(damaged)?;
         Self::decode_body(&body, index)
     }
 
@@ -132,6 +141,52 @@ impl IndexFile {
     }
 }
 
+/// The records of an index file from its zstd frame, at most
+/// [`MAX_INDEX_DECOMPRESSED_BYTES`]. The buffer is sized from the size the
+/// frame declares (a buffer grown by doubling held up to twice the
+/// records), but never above 64 bytes a compressed byte and 4 MiB, so a
+/// hostile declaration allocates no more than the data could fill.
+pub(crate) fn decompress_body(compressed: &[u8]) -> Result<Vec<u8>, String> {
+    let declared = zstd::zstd_safe::get_frame_content_size(compressed)
+        .ok()
+        .flatten()
+        .unwrap_or(0);
+    let most = (compressed.len() as u64)
+        .saturating_mul(64)
+        .saturating_add(4 << 20)
+        .min(MAX_INDEX_DECOMPRESSED_BYTES);
+    let mut body = Vec::with_capacity(declared.min(most) as usize);
+    zstd::stream::read::Decoder::new(compressed)
+        .map_err(|error| format!("cannot decompress: {error}"))?
+        .take(MAX_INDEX_DECOMPRESSED_BYTES)
+        .read_to_end(&mut body)
+        .map_err(|error| format!("cannot decompress: {error}"))?;
+    Ok(body)
+}
+
+/// Packs grouped into index files of at most [`MAX_BLOBS_PER_INDEX_FILE`]
+/// blobs each (a pack with more alone), in the order given.
+pub fn index_file_groups(
+    packs: Vec<(ObjectId, Vec<PackEntry>)>,
+) -> Vec<Vec<(ObjectId, Vec<PackEntry>)>> {
+    let mut groups: Vec<Vec<(ObjectId, Vec<PackEntry>)>> = Vec::new();
+    let mut blobs_in_last = 0;
+    for (pack, entries) in packs {
+        let blobs = entries.len();
+        match groups.last_mut() {
+            Some(last) if blobs_in_last + blobs <= MAX_BLOBS_PER_INDEX_FILE => {
+                last.push((pack, entries));
+                blobs_in_last += blobs;
+            }
+            _ => {
+                groups.push(vec![(pack, entries)]);
+                blobs_in_last = blobs;
+            }
+        }
+    }
+    groups
+}
+
 /// Where one blob is stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlobLocation {
@@ -149,8 +204,9 @@ pub struct BlobLocation {
     pub compression: Compression,
 }
 
-/// All known blobs, for dedup and for reading. Packs are interned so an
-/// entry costs about 50 bytes.
+/// All known blobs, for dedup and for reading: a location each, in 52
+/// bytes a blob ([`BlobTable`]; a load compacts it once it has added every
+/// pack). Packs are interned: a blob names its pack by position.
 ///
 /// A pack can be marked *leaving* (prune has recorded it for deletion): its
 /// blobs are still readable ([`BlobIndex::get`] falls back to them), but a
@@ -164,7 +220,7 @@ pub struct BlobIndex {
     leaving: Vec<bool>,
     /// Per pack: where its last blob ends, and whether it holds data.
     pack_extents: Vec<PackExtent>,
-    blobs: HashMap<BlobId, BlobLocation>,
+    blobs: BlobTable<BlobLocation>,
 }
 
 /// Where a pack's blobs end, and whether any of them is data.
@@ -212,7 +268,6 @@ impl BlobIndex {
                 .max(u64::from(entry.offset) + u64::from(entry.stored_length));
             extent.holds_data |= entry.kind == BlobKind::Data;
         }
-        self.blobs.reserve(entries.len());
         for entry in entries {
             let location = BlobLocation {
                 pack: position,
@@ -222,17 +277,20 @@ impl BlobIndex {
                 kind: entry.kind,
                 compression: entry.compression,
             };
-            match self.blobs.entry(entry.id) {
-                std::collections::hash_map::Entry::Vacant(slot) => {
-                    slot.insert(location);
-                }
-                std::collections::hash_map::Entry::Occupied(mut slot) => {
-                    if !leaving && self.leaving[slot.get().pack as usize] {
-                        slot.insert(location);
-                    }
-                }
+            if let Some(known) = self.blobs.insert_or_get(entry.id, location)
+                && !leaving
+                && self.leaving[known.pack as usize]
+            {
+                *known = location;
             }
         }
+    }
+
+    /// Merge what was added into the sorted blobs, so that the index holds
+    /// 52 bytes a blob and nothing spare ([`BlobTable::compact`]). A load
+    /// calls it once it has added every pack; lookups are right either way.
+    pub fn compact(&mut self) {
+        self.blobs.compact();
     }
 
     /// Where a blob is, if known (in a pack that is not leaving, if any
@@ -244,8 +302,7 @@ impl BlobIndex {
     /// True when the blob is stored in a pack that is not leaving: a
     /// backup may reference it without storing it again.
     pub fn contains(&self, id: &BlobId) -> bool {
-        self.blobs
-            .get(id)
+        self.get(id)
             .is_some_and(|location| !self.leaving[location.pack as usize])
     }
 
@@ -292,6 +349,18 @@ impl BlobIndex {
     /// Number of packs known.
     pub fn pack_count(&self) -> usize {
         self.pack_ids.len()
+    }
+
+    /// The bytes the index holds, about: its blobs (52 bytes each once
+    /// compacted) and its packs.
+    pub fn memory_bytes(&self) -> usize {
+        use std::mem::size_of;
+        let pack = size_of::<ObjectId>() + size_of::<bool>() + size_of::<PackExtent>();
+        // A hash map's bucket: the entry and one control byte.
+        let pack_bucket = size_of::<(ObjectId, u32)>() + 1;
+        self.blobs.memory_bytes()
+            + self.pack_ids.capacity() * pack
+            + self.pack_positions.capacity() * pack_bucket
     }
 }
 
@@ -346,6 +415,141 @@ mod tests {
         assert!(index.contains(&BlobId([2; 32])));
         assert_eq!(index.pack_of(index.get(&BlobId([2; 32])).unwrap()), kept);
         assert!(index.is_leaving(&leaving) && !index.is_leaving(&kept));
+    }
+
+    /// Blob `k` of the model: ids spread over every prefix, so lookups go
+    /// through the prefix table once enough are sorted.
+    fn model_id(k: u16) -> BlobId {
+        let mut id = [0u8; 32];
+        id[..8].copy_from_slice(&(u64::from(k).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_be_bytes());
+        id[31] = k as u8;
+        BlobId(id)
+    }
+
+    proptest::proptest! {
+        /// Whatever packs come in, kept or leaving, and wherever merges
+        /// happen, every lookup answers what a plain map with the same rule
+        /// answers (the first location of a blob, unless that is in a
+        /// leaving pack and a later one is not).
+        #[test]
+        fn lookups_answer_what_a_map_of_every_blob_answers(
+            packs in proptest::collection::vec(
+                (
+                    0u8..40,
+                    proptest::bool::weighted(0.2),
+                    proptest::collection::vec(0u16..3000, 0..400),
+                    proptest::bool::weighted(0.3),
+                ),
+                1..30,
+            ),
+        ) {
+            let mut index = BlobIndex::new();
+            let mut model: HashMap<BlobId, (ObjectId, u32)> = HashMap::new();
+            let mut leaving_packs: HashMap<ObjectId, bool> = HashMap::new();
+            for (number, (pack, leaving, blobs, compact_after)) in packs.iter().enumerate() {
+                let pack = ObjectId([*pack; 32]);
+                let leaving = *leaving_packs.entry(pack).or_insert(*leaving);
+                let entries: Vec<PackEntry> = blobs
+                    .iter()
+                    .map(|k| PackEntry {
+                        id: model_id(*k),
+                        kind: BlobKind::Data,
+                        compression: Compression::Zstd,
+                        offset: number as u32,
+                        stored_length: u32::from(*k),
+                        raw_length: 1,
+                    })
+                    .collect();
+                if leaving {
+                    index.add_leaving_pack(pack, &entries);
+                } else {
+                    index.add_pack(pack, &entries);
+                }
+                for entry in &entries {
+                    let replace = match model.get(&entry.id) {
+                        None => true,
+                        Some((known, _)) => !leaving && leaving_packs[known],
+                    };
+                    if replace {
+                        model.insert(entry.id, (pack, entry.offset));
+                    }
+                }
+                if *compact_after {
+                    index.compact();
+                }
+                proptest::prop_assert_eq!(index.len(), model.len());
+            }
+            for k in 0..3000u16 {
+                let id = model_id(k);
+                let found = index.get(&id).map(|location| (index.pack_of(location), location.offset));
+                proptest::prop_assert_eq!(found, model.get(&id).copied(), "blob {}", k);
+                let stored = model.get(&id).is_some_and(|(pack, _)| !leaving_packs[pack]);
+                proptest::prop_assert_eq!(index.contains(&id), stored, "blob {}", k);
+            }
+        }
+    }
+
+    #[test]
+    fn an_index_grown_and_compacted_finds_every_blob_in_52_bytes_each() {
+        let entries: Vec<PackEntry> = (0..20_000u32)
+            .map(|k| {
+                let mut id = [0u8; 32];
+                id[..4].copy_from_slice(&k.wrapping_mul(2_654_435_761).to_be_bytes());
+                id[4..8].copy_from_slice(&k.to_le_bytes());
+                PackEntry {
+                    id: BlobId(id),
+                    kind: BlobKind::Data,
+                    compression: Compression::None,
+                    offset: k,
+                    stored_length: 1,
+                    raw_length: 1,
+                }
+            })
+            .collect();
+        let mut index = BlobIndex::new();
+        for (number, pack) in entries.chunks(300).enumerate() {
+            index.add_pack(ObjectId([number as u8; 32]), pack);
+        }
+        index.compact();
+        assert!(index.blobs.is_compact());
+        for entry in &entries {
+            assert_eq!(
+                index.get(&entry.id).map(|location| location.offset),
+                Some(entry.offset)
+            );
+        }
+        assert_eq!(index.len(), entries.len());
+        assert_eq!(std::mem::size_of::<(BlobId, BlobLocation)>(), 52);
+    }
+
+    #[test]
+    fn packs_are_grouped_into_index_files_of_at_most_the_bound_in_their_order() {
+        let pack = |number: u8, blobs: usize| {
+            let entry = PackEntry {
+                id: BlobId([number; 32]),
+                kind: BlobKind::Data,
+                compression: Compression::None,
+                offset: 8,
+                stored_length: 1,
+                raw_length: 1,
+            };
+            (ObjectId([number; 32]), vec![entry; blobs])
+        };
+        let most = MAX_BLOBS_PER_INDEX_FILE;
+        let groups = index_file_groups(vec![
+            pack(1, most / 2),
+            pack(2, most / 2),
+            pack(3, 1),
+            pack(4, most + 1),
+            pack(5, 0),
+            pack(6, most),
+        ]);
+        let numbers: Vec<Vec<u8>> = groups
+            .iter()
+            .map(|group| group.iter().map(|(pack, _)| pack.0[0]).collect())
+            .collect();
+        assert_eq!(numbers, [vec![1, 2], vec![3], vec![4], vec![5, 6]]);
+        assert!(index_file_groups(Vec::new()).is_empty());
     }
 
     #[test]

@@ -23,6 +23,7 @@
 //! packs, indexes and snapshots by the unkeyed BLAKE3 hash of their bytes
 //! ([`ObjectId`]), so every object can be checked against its own name.
 
+pub mod blob_table;
 pub mod chunker;
 pub mod codec;
 pub mod config;
