@@ -15,11 +15,12 @@ const MIB: u64 = 1024 * 1024;
 
 /// What a mover agent holds besides its engines' buffers: the async
 /// runtime and its blocking threads, the S3 client, the binary's pages,
-/// the repository's blob index (one copy, which the agent's engines share:
-/// 60–100 bytes a blob, 7 MiB for the 90,000 blobs of five 1 GiB sample
-/// claims), each thread's zstd context and the allocator's slack (small
-/// with the agent's allocator settings, `haulage::allocator`; about 20 MiB
-/// more without them). A restore of one small file peaks at 25 MiB. Four
+/// the repository's blob index (one copy, which the agent's engines
+/// share: 52 bytes a blob, 4.5 MiB for the 90,000 blobs of five 1 GiB
+/// sample claims; 60–100 bytes and 7 MiB when this baseline was
+/// measured, and it was not lowered since), each thread's zstd context
+/// and the allocator's slack (small with the agent's allocator settings,
+/// `haulage::allocator`; about 20 MiB more without them). A restore of one small file peaks at 25 MiB. Four
 /// engines at once restoring 1 GiB claims peak at 111–113 MiB (135 MiB
 /// while each loaded its own copy of the index; docs/benchmarks.md,
 /// "Several volumes in one stage pod"). A repository of millions of blobs

@@ -65,7 +65,8 @@ pub struct Repository {
 /// An index loaded for one engine, kept for the next while the first
 /// still holds it: the volumes one agent moves at once each need the
 /// repository's index, which is the largest thing an engine holds in a
-/// large repository (60–100 bytes a blob), and four copies of it took
+/// large repository (52 bytes a blob, 60–100 before it was a sorted
+/// table, `repo::blob_table`), and four copies of it took
 /// the agent past its memory request. Given again only while the index
 /// files and prune's deletion candidates are the ones it was loaded from,
 /// so it says what a fresh load would, but for packs stored since that no

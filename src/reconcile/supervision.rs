@@ -419,9 +419,9 @@ fn describe_termination(state: &ContainerStateTerminated) -> String {
 }
 
 /// Said of an agent killed for its memory: what its stage pod's request
-/// must hold grows with the repository's index (60–100 bytes a blob),
-/// which the agent's baseline covers only up to a few hundred thousand
-/// blobs.
+/// must hold grows with the repository's index (52 bytes a blob, 50 MiB
+/// a million), which the agent's baseline covers only up to a few
+/// hundred thousand blobs.
 const OUT_OF_MEMORY_ADVICE: &str = " (the stage pod's memory is too small for this repository's index or its volumes at once: give the stage pods of these claims more memory with a StoragePolicy's spec.stagePodResources)";
 
 /// The transfers of one stage pod.

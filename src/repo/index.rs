@@ -29,10 +29,10 @@ pub(crate) const MAX_INDEX_DECOMPRESSED_BYTES: u64 = 1 << 30;
 /// The most blobs a writer puts in one index file (a pack with more has a
 /// file of its own): 3 MiB of records, so a load decodes a few MiB at a
 /// time however large the repository. restic's index files hold at most
-/// 50,000. Before 2026-12-06 a backup wrote one index file per 32 packs
-/// and prune one per 1,024, so a repository of small files had index
-/// files of 500,000 blobs and more, each decoded whole (23 MiB of records,
-/// twice that while decompressing).
+/// 50,000 (150,000 in its compressed format). Before 2026-12-06 a backup
+/// wrote one index file per 32 packs and prune one per 1,024, so a
+/// repository of small files had index files of 500,000 blobs and more,
+/// each decoded whole (23 MiB of records, twice that while decompressing).
 pub const MAX_BLOBS_PER_INDEX_FILE: usize = 65_536;
 
 /// The blobs of some packs.
