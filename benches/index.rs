@@ -8,8 +8,8 @@
 //! `cargo bench --bench index` (`-- 100000 1000000` for other sizes);
 //! figures in docs/benchmarks.md ("The blob index's memory").
 //!
-//! The blobs are built as a load builds them: one `add_pack` a pack, in
-//! the order the index files list them, with random ids (a keyed BLAKE3
+//! The blobs are built as a load builds them (`BlobIndexBuilder`): one
+//! `add_pack` a pack, in the order the index files list them, with random ids (a keyed BLAKE3
 //! is uniformly distributed). The bytes are counted by an allocator
 //! that tracks the peak since a reset, so the figures are the index's own,
 //! exact and the same on every run: the peak while loading, and what a
@@ -18,7 +18,7 @@
 use std::alloc::System;
 use std::time::Instant;
 
-use haulage::repo::index::BlobIndex;
+use haulage::repo::index::BlobIndexBuilder;
 use haulage::repo::pack::PackEntry;
 use haulage::repo::{BlobId, BlobKind, Compression, ObjectId};
 use peakmem_alloc::{PeakMemAlloc, PeakMemAllocTrait};
@@ -69,11 +69,11 @@ fn measure(blobs: usize) {
     let packs = packs(blobs, blobs as u64);
     ALLOCATOR.reset_peak_memory();
     let started = Instant::now();
-    let mut index = BlobIndex::new();
+    let mut builder = BlobIndexBuilder::new();
     for (pack, entries) in &packs {
-        index.add_pack(*pack, entries);
+        builder.add_pack(*pack, entries);
     }
-    index.compact();
+    let index = builder.finish();
     let load = started.elapsed();
     let peak = ALLOCATOR.get_peak_memory();
     ALLOCATOR.reset_peak_memory();

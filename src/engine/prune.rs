@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::lock::{RepositoryLock, list_locks, unix_now};
 use super::{EngineError, Repository, run_blocking};
-use crate::repo::index::BlobIndex;
+use crate::repo::index::{BlobIndex, BlobIndexBuilder};
 use crate::repo::lock::LockKind;
 use crate::repo::pack::PackEntry;
 pub use crate::repo::prune::PruneReport;
@@ -69,7 +69,7 @@ struct Inventory {
 impl Inventory {
     fn blob_index(&self, candidates: &[Candidate]) -> BlobIndex {
         let leaving: HashSet<ObjectId> = candidates.iter().map(|c| c.pack).collect();
-        let mut index = BlobIndex::new();
+        let mut index = BlobIndexBuilder::new();
         for pack in &self.packs {
             if leaving.contains(&pack.id) {
                 index.add_leaving_pack(pack.id, &pack.entries);
@@ -77,8 +77,7 @@ impl Inventory {
                 index.add_pack(pack.id, &pack.entries);
             }
         }
-        index.compact();
-        index
+        index.finish()
     }
 
     fn sizes(&self) -> HashMap<ObjectId, u64> {

@@ -25,7 +25,7 @@ use crate::repo::chunker::Chunker;
 use crate::repo::codec::{ObjectCodec, RecordKind};
 use crate::repo::config::{RepoConfig, RepoKeys};
 use crate::repo::crypto::MasterKey;
-use crate::repo::index::{BlobIndex, BlobLocation, IndexFile};
+use crate::repo::index::{BlobIndex, BlobIndexBuilder, BlobLocation, IndexFile};
 use crate::repo::keyfile::{
     self, KEYS_PREFIX, KdfParameters, KeyFile, KeyFileError, KeyFileOrigin, SALT_BYTES,
 };
@@ -591,7 +591,7 @@ impl Repository {
             .iter()
             .map(|candidate| candidate.pack)
             .collect();
-        let mut index = BlobIndex::new();
+        let mut index = BlobIndexBuilder::new();
         let mut loaded = LoadedIndex {
             deletion_candidates,
             ..LoadedIndex::default()
@@ -663,7 +663,7 @@ impl Repository {
             }
         }
         loaded.unindexed_packs.sort_by_key(|(id, _)| *id);
-        index.compact();
+        let index = index.finish();
         tracing::debug!(
             blobs = index.len(),
             packs = index.pack_count(),

@@ -74,6 +74,19 @@ impl<V: Copy> BlobTable<V> {
         Self::default()
     }
 
+    /// A table of `blobs`, which are sorted by id with no id twice (what a
+    /// load builds at once, [`super::index::BlobIndexBuilder`]).
+    pub fn from_sorted(mut blobs: Vec<(BlobId, V)>) -> Self {
+        debug_assert!(blobs.windows(2).all(|pair| pair[0].0.0 < pair[1].0.0));
+        blobs.shrink_to_fit();
+        let mut table = BlobTable {
+            sorted: blobs,
+            ..BlobTable::default()
+        };
+        table.index_prefixes();
+        table
+    }
+
     /// The value of `id`, if held.
     pub fn get(&self, id: &BlobId) -> Option<&V> {
         match self.sorted_position(id) {
