@@ -219,8 +219,9 @@ impl BlobLocation {
 }
 
 /// All known blobs, for dedup and for reading: a location each, in 52
-/// bytes a blob ([`BlobTable`]; a load compacts it once it has added every
-/// pack). Packs are interned: a blob names its pack by position.
+/// bytes a blob ([`BlobTable`]; a load builds it at once with a
+/// [`BlobIndexBuilder`], and [`BlobIndex::add_pack`] adds to it one pack at
+/// a time). Packs are interned: a blob names its pack by position.
 ///
 /// A pack can be marked *leaving* (prune has recorded it for deletion): its
 /// blobs are still readable ([`BlobIndex::get`] falls back to them), but a
@@ -300,8 +301,8 @@ impl BlobIndex {
     }
 
     /// Merge what was added into the sorted blobs, so that the index holds
-    /// 52 bytes a blob and nothing spare ([`BlobTable::compact`]). A load
-    /// calls it once it has added every pack; lookups are right either way.
+    /// 52 bytes a blob and nothing spare ([`BlobTable::compact`]); lookups
+    /// are right either way.
     pub fn compact(&mut self) {
         self.blobs.compact();
     }
