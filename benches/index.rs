@@ -71,7 +71,7 @@ fn measure(blobs: usize) {
     let started = Instant::now();
     let mut builder = BlobIndexBuilder::new();
     for (pack, entries) in &packs {
-        builder.add_pack(*pack, entries);
+        builder.add_pack(*pack, entries, false);
     }
     let index = builder.finish();
     let load = started.elapsed();

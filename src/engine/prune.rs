@@ -71,11 +71,7 @@ impl Inventory {
         let leaving: HashSet<ObjectId> = candidates.iter().map(|c| c.pack).collect();
         let mut index = BlobIndexBuilder::new();
         for pack in &self.packs {
-            if leaving.contains(&pack.id) {
-                index.add_leaving_pack(pack.id, &pack.entries);
-            } else {
-                index.add_pack(pack.id, &pack.entries);
-            }
+            index.add_pack(pack.id, &pack.entries, leaving.contains(&pack.id));
         }
         index.finish()
     }

@@ -622,11 +622,7 @@ impl Repository {
             match decoded {
                 Ok(file) => {
                     for (pack, entries) in &file.packs {
-                        if leaving.contains(pack) {
-                            index.add_leaving_pack(*pack, entries);
-                        } else {
-                            index.add_pack(*pack, entries);
-                        }
+                        index.add_pack(*pack, entries, leaving.contains(pack));
                     }
                 }
                 Err(error) => loaded.damaged_indexes.push(error.to_string()),
@@ -652,10 +648,10 @@ impl Repository {
         while let Some((id, result)) = trailers.next().await {
             match result {
                 Ok(entries) if leaving.contains(&id) => {
-                    index.add_leaving_pack(id, &entries);
+                    index.add_pack(id, &entries, true);
                 }
                 Ok(entries) => {
-                    index.add_pack(id, &entries);
+                    index.add_pack(id, &entries, false);
                     loaded.unindexed_packs.push((id, entries));
                 }
                 Err(EngineError::Store { source, .. }) if source.is_not_found() => {}

@@ -399,18 +399,9 @@ impl BlobIndexBuilder {
         Self::default()
     }
 
-    /// Note a pack's blobs ([`BlobIndex::add_pack`]).
-    pub fn add_pack(&mut self, pack: ObjectId, entries: &[PackEntry]) {
-        self.add_pack_marked(pack, entries, false);
-    }
-
-    /// Note the blobs of a pack prune has marked for deletion
-    /// ([`BlobIndex::add_leaving_pack`]).
-    pub fn add_leaving_pack(&mut self, pack: ObjectId, entries: &[PackEntry]) {
-        self.add_pack_marked(pack, entries, true);
-    }
-
-    fn add_pack_marked(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
+    /// Note a pack's blobs; `leaving` when prune has marked the pack for
+    /// deletion ([`BlobIndex::add_pack`], [`BlobIndex::add_leaving_pack`]).
+    pub fn add_pack(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
         let (position, _) = self.index.intern_pack(pack, entries, leaving);
         self.blobs.extend(
             entries
@@ -557,11 +548,10 @@ mod tests {
                     .collect();
                 if leaving {
                     index.add_leaving_pack(pack, &entries);
-                    builder.add_leaving_pack(pack, &entries);
                 } else {
                     index.add_pack(pack, &entries);
-                    builder.add_pack(pack, &entries);
                 }
+                builder.add_pack(pack, &entries, leaving);
                 let order = noted.len();
                 noted.entry(pack).or_insert(order);
                 for entry in &entries {
