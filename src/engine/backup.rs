@@ -39,7 +39,7 @@ use tokio_util::sync::CancellationToken;
 use super::buffers::BufferPool;
 use super::memory::{BackupBuffers, EngineMemory, PACK_TRAILER_ROOM};
 use super::progress::Progress;
-use super::repository::Repository;
+use super::repository::{Repository, SourceHeads};
 use super::throttle::Throttle;
 use super::verify_tree;
 use super::{EngineError, run_blocking};
@@ -450,7 +450,10 @@ pub async fn backup(
 
     let loaded = repository.load_index().await?;
     let index = loaded.index;
-    let parent = find_parent(repository, &options, &label).await?;
+    let SourceHeads {
+        newest: parent,
+        listed: heads,
+    } = find_parent(repository, &options, &label).await?;
     let parent_root = match &parent {
         Some((_, snapshot)) => Some(repository.load_tree(&index, &snapshot.tree).await?),
         None => None,
@@ -724,6 +727,14 @@ pub async fn backup(
         },
     };
     let snapshot_id = repository.write_snapshot(&snapshot).await?;
+    // The next backup of this source finds its parent by this head.
+    if options.only.is_none()
+        && let Err(error) = repository
+            .replace_heads(&snapshot.source, &snapshot.hostname, &snapshot_id, &heads)
+            .await
+    {
+        tracing::warn!(snapshot = %snapshot_id, %error, "the source's head not written; the next backup of this source reads every snapshot for its parent");
+    }
     // The snapshot holds everything the checkpoints did.
     let mut done: Vec<ObjectId> = checkpoints.iter().map(|(id, _)| *id).collect();
     done.extend(
@@ -787,19 +798,33 @@ fn tokio_stream_from<T: Send + 'static>(
     futures::stream::poll_fn(move |context| receiver.poll_recv(context))
 }
 
+/// The parent snapshot the options ask for, and the heads of the source
+/// that this backup's snapshot replaces (docs/format.md, "Heads"; none
+/// for a backup of part of the source, which writes no head).
 async fn find_parent(
     repository: &Repository,
     options: &BackupOptions,
     label: &str,
-) -> Result<Option<(ObjectId, Snapshot)>, EngineError> {
+) -> Result<SourceHeads, EngineError> {
+    let heads = || async {
+        match options.only {
+            Some(_) => Vec::new(),
+            None => repository.heads_of(label, &options.hostname).await,
+        }
+    };
     match &options.parent {
-        ParentPolicy::None => Ok(None),
-        ParentPolicy::Snapshot(id) => Ok(Some((*id, repository.load_snapshot(id).await?))),
+        ParentPolicy::None => Ok(SourceHeads {
+            newest: None,
+            listed: heads().await,
+        }),
+        ParentPolicy::Snapshot(id) => Ok(SourceHeads {
+            newest: Some((*id, repository.load_snapshot(id).await?)),
+            listed: heads().await,
+        }),
         ParentPolicy::LatestForSource => {
-            let (snapshots, _) = repository.list_snapshots().await?;
-            Ok(snapshots.into_iter().rev().find(|(_, snapshot)| {
-                snapshot.source == label && snapshot.hostname == options.hostname
-            }))
+            repository
+                .newest_snapshot_of(label, &options.hostname)
+                .await
         }
     }
 }

@@ -1075,7 +1075,7 @@ impl Repository {
     /// snapshot's whose tree holds what the backup has stored so far. Every
     /// pack and index it needs must be stored first.
     pub async fn write_checkpoint(&self, checkpoint: &Snapshot) -> Result<ObjectId, EngineError> {
-        let group = self.checkpoint_group(&checkpoint.source, &checkpoint.hostname);
+        let group = self.source_group(&checkpoint.source, &checkpoint.hostname);
         self.write_manifest(checkpoint, "checkpoint", |id| {
             repo::checkpoint_key(&group, id)
         })
@@ -1083,8 +1083,9 @@ impl Repository {
     }
 
     /// The folder of the checkpoints of `source` from `hostname` under
-    /// `checkpoints/`: a keyed hash of the two, so it names neither.
-    fn checkpoint_group(&self, source: &str, hostname: &str) -> String {
+    /// `checkpoints/`, and of its heads under `heads/`: a keyed hash of the
+    /// two, so it names neither.
+    fn source_group(&self, source: &str, hostname: &str) -> String {
         let mut text = b"haulage checkpoint group\0".to_vec();
         text.extend_from_slice(source.as_bytes());
         text.push(0);
@@ -1100,7 +1101,7 @@ impl Repository {
         source: &str,
         hostname: &str,
     ) -> Result<Vec<(ObjectId, Snapshot)>, EngineError> {
-        let group = self.checkpoint_group(source, hostname);
+        let group = self.source_group(source, hostname);
         let stored = self
             .checkpoints_under(&format!("{}{group}/", repo::CHECKPOINT_PREFIX))
             .await?;
@@ -1155,7 +1156,7 @@ impl Repository {
         hostname: &str,
         id: &ObjectId,
     ) -> Result<(), EngineError> {
-        let group = self.checkpoint_group(source, hostname);
+        let group = self.source_group(source, hostname);
         self.delete_checkpoint_at(&repo::checkpoint_key(&group, id), id)
             .await
     }
@@ -1167,6 +1168,113 @@ impl Repository {
             Err(error) if error.is_not_found() => Ok(()),
             Err(error) => Err(EngineError::store(format!("delete checkpoint {id}"), error)),
         }
+    }
+
+    /// The newest snapshot of `source` from `hostname` (a backup's parent),
+    /// and the heads listed on the way, which the backup's own head
+    /// replaces ([`Repository::replace_heads`]).
+    ///
+    /// From the source's heads (`heads/<group>/<id>`, one LIST and a read
+    /// of the snapshot each names), so a backup in a repository of
+    /// thousands of snapshots does not read all of them; only when no head
+    /// names a readable snapshot of the source (a repository written before
+    /// heads, a head whose snapshot was forgotten, a head not written) from
+    /// every snapshot, keeping only the newest while they are read. A head
+    /// is a hint: what it names is read and checked like any snapshot.
+    pub async fn newest_snapshot_of(
+        &self,
+        source: &str,
+        hostname: &str,
+    ) -> Result<SourceHeads, EngineError> {
+        let listed = self.heads_of(source, hostname).await;
+        let mut newest = None;
+        for id in &listed {
+            match self.load_snapshot(id).await {
+                Ok(snapshot) => keep_newest(&mut newest, *id, snapshot, source, hostname),
+                // Forgotten since, or damaged: the scan below decides.
+                Err(error) => {
+                    tracing::debug!(head = %id, %error, "a head's snapshot cannot be read")
+                }
+            }
+        }
+        if newest.is_none() {
+            newest = self.scan_newest_snapshot_of(source, hostname).await?;
+        }
+        Ok(SourceHeads { newest, listed })
+    }
+
+    /// The snapshots the heads of `source` from `hostname` name; none when
+    /// they cannot be listed (a head only spares reads: without one every
+    /// snapshot is read for the parent, and the new head replaces none).
+    pub async fn heads_of(&self, source: &str, hostname: &str) -> Vec<ObjectId> {
+        let prefix = format!(
+            "{}{}/",
+            repo::HEAD_PREFIX,
+            self.source_group(source, hostname)
+        );
+        match self.store.list(&prefix).await {
+            Ok(objects) => objects
+                .iter()
+                .filter_map(|meta| repo::id_from_key(&meta.key, &prefix))
+                .collect(),
+            Err(error) => {
+                tracing::warn!(%error, "the heads of {source} cannot be listed");
+                Vec::new()
+            }
+        }
+    }
+
+    /// The newest snapshot of `source` from `hostname` from every
+    /// snapshot, holding only the newest so far (snapshots that cannot be
+    /// read are passed over, as in [`Repository::list_snapshots`]).
+    async fn scan_newest_snapshot_of(
+        &self,
+        source: &str,
+        hostname: &str,
+    ) -> Result<Option<(ObjectId, Snapshot)>, EngineError> {
+        let ids = self.snapshot_ids().await?;
+        let mut loads = futures::stream::iter(ids)
+            .map(|id| async move { (id, self.load_snapshot(&id).await) })
+            .buffer_unordered(LOAD_CONCURRENCY);
+        let mut newest = None;
+        while let Some((id, result)) = loads.next().await {
+            if let Ok(snapshot) = result {
+                keep_newest(&mut newest, id, snapshot, source, hostname);
+            }
+        }
+        Ok(newest)
+    }
+
+    /// Make `id` the head of `source` from `hostname`, and delete the heads
+    /// it replaces: those its backup listed before it started
+    /// ([`SourceHeads::listed`]), all of snapshots written before. A head
+    /// written meanwhile by another backup of the same source is left: the
+    /// next reader takes the newer of the two.
+    pub async fn replace_heads(
+        &self,
+        source: &str,
+        hostname: &str,
+        id: &ObjectId,
+        replaced: &[ObjectId],
+    ) -> Result<(), EngineError> {
+        let group = self.source_group(source, hostname);
+        put_object(&self.store, &repo::head_key(&group, id), Vec::new(), || {
+            format!("write the head of snapshot {id}")
+        })
+        .await?;
+        for old in replaced.iter().filter(|old| *old != id) {
+            match self.store.delete(&repo::head_key(&group, old)).await {
+                Ok(()) => {}
+                Err(error) if error.is_not_found() => {}
+                Err(error) => {
+                    return Err(EngineError::store(
+                        format!("delete the head of snapshot {old}"),
+                        error,
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Ids of all snapshots.
@@ -1243,6 +1351,35 @@ impl Repository {
                     .join(", "),
             }),
         }
+    }
+}
+
+/// What [`Repository::newest_snapshot_of`] found.
+#[derive(Debug, Default)]
+pub struct SourceHeads {
+    /// The source's newest snapshot, if it has one.
+    pub newest: Option<(ObjectId, Snapshot)>,
+    /// The heads listed (readable or not), which a new head replaces.
+    pub listed: Vec<ObjectId>,
+}
+
+/// Keep `snapshot` in `newest` when it is of `source` from `hostname` and
+/// newer (by time, then id, the order of [`Repository::list_snapshots`]).
+fn keep_newest(
+    newest: &mut Option<(ObjectId, Snapshot)>,
+    id: ObjectId,
+    snapshot: Snapshot,
+    source: &str,
+    hostname: &str,
+) {
+    if snapshot.source != source || snapshot.hostname != hostname {
+        return;
+    }
+    let newer = newest
+        .as_ref()
+        .is_none_or(|(kept_id, kept)| (&snapshot.time, &id) > (&kept.time, kept_id));
+    if newer {
+        *newest = Some((id, snapshot));
     }
 }
 

@@ -219,6 +219,13 @@ pub fn checkpoint_key(group: &str, id: &ObjectId) -> String {
     format!("checkpoints/{group}/{}", id.to_hex())
 }
 
+/// Key of a head: an empty object whose name says that snapshot `id` is
+/// the newest of the source and host of `group` (the checkpoints' group),
+/// so a backup finds its parent without reading every snapshot.
+pub fn head_key(group: &str, id: &ObjectId) -> String {
+    format!("{HEAD_PREFIX}{group}/{}", id.to_hex())
+}
+
 /// Key of the repository config object.
 pub const CONFIG_KEY: &str = "config";
 /// Prefix under which packs live.
@@ -229,6 +236,8 @@ pub const INDEX_PREFIX: &str = "index/";
 pub const SNAPSHOT_PREFIX: &str = "snapshots/";
 /// Prefix under which the checkpoints of unfinished backups live.
 pub const CHECKPOINT_PREFIX: &str = "checkpoints/";
+/// Prefix under which the heads of the sources live ([`head_key`]).
+pub const HEAD_PREFIX: &str = "heads/";
 
 /// Parse the id out of an object key under `prefix`, ignoring anything that
 /// is not a well-formed id (foreign files, temporary names).

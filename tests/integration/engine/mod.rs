@@ -7,6 +7,7 @@ mod checkpoints;
 mod corruption;
 mod encryption;
 mod faults;
+mod heads;
 mod index_files;
 mod malicious;
 mod roundtrip;
