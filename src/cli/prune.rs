@@ -120,6 +120,14 @@ pub async fn run(args: PruneArgs, cancel: CancellationToken) -> anyhow::Result<O
             String::new()
         }
     );
+    if report.index_files_written > 0 && report.deleted_packs == 0 {
+        println!(
+            "  {} {} index files into {} (every backup writes its own; fewer make every backup, restore and prune start with fewer reads)",
+            would("gathered", "would gather"),
+            report.index_files,
+            report.index_files_written
+        );
+    }
     if report.checkpoints_kept + report.checkpoints_deleted > 0 {
         println!(
             "  kept {} checkpoints of unfinished backups written within {} (and their data), {} {} older ones",

@@ -17,11 +17,15 @@
 //!    plan again from scratch; delete only candidates marked at least the
 //!    safety margin ago that are still not needed: first write index files
 //!    for every pack that stays, then delete the old index files, then the
-//!    packs, then update the candidates record.
+//!    packs, then update the candidates record. The index files are
+//!    rewritten the same way, deleting nothing, when there are far more of
+//!    them than the index needs (every backup writes its own:
+//!    [`crate::repo::prune::index_worth_gathering`]).
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::lock::{RepositoryLock, list_locks, unix_now};
@@ -31,11 +35,14 @@ use crate::repo::lock::LockKind;
 use crate::repo::pack::PackEntry;
 pub use crate::repo::prune::PruneReport;
 use crate::repo::prune::{
-    Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, checkpoint_kept, plan_prune,
+    Candidate, MarkReason, PackFacts, PrunePlan, PruneSettings, checkpoint_kept,
+    index_worth_gathering, plan_prune,
 };
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
 
+/// Index files read at once while taking the inventory.
+const INDEX_READS_AT_ONCE: usize = 8;
 /// Tree blobs fetched per batch while finding what snapshots reference.
 const TREES_PER_BATCH: usize = 256;
 /// The lock purpose prune records, and looks for to refuse a second prune.
@@ -76,6 +83,16 @@ impl Inventory {
         index.finish()
     }
 
+    /// Index files a rewrite of the packs but `leaving` writes.
+    fn index_files_needed(&self, leaving: &HashSet<ObjectId>) -> usize {
+        repo::index::index_files_needed(
+            self.packs
+                .iter()
+                .filter(|pack| !leaving.contains(&pack.id))
+                .map(|pack| pack.entries.len()),
+        )
+    }
+
     fn sizes(&self) -> HashMap<ObjectId, u64> {
         self.packs.iter().map(|pack| (pack.id, pack.size)).collect()
     }
@@ -89,17 +106,25 @@ async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineErro
         .list(INDEX_PREFIX)
         .await
         .map_err(|error| EngineError::store("list index files", error))?;
-    for meta in index_objects {
-        let Some(id) = repo::id_from_key(&meta.key, INDEX_PREFIX) else {
-            continue;
-        };
-        inventory.index_files.push(id);
-        let bytes = match store.get(&meta.key, None).await {
-            Ok(bytes) => bytes,
-            Err(error) if error.is_not_found() => continue,
-            Err(error) => {
-                return Err(EngineError::store(format!("read index file {id}"), error));
+    let ids: Vec<(ObjectId, String)> = index_objects
+        .into_iter()
+        .filter_map(|meta| Some((repo::id_from_key(&meta.key, INDEX_PREFIX)?, meta.key)))
+        .collect();
+    inventory.index_files = ids.iter().map(|(id, _)| *id).collect();
+    // Read a few at once (a location of many backups holds hundreds of
+    // small index files), decoded in the order listed.
+    let mut reads = futures::stream::iter(ids)
+        .map(|(id, key)| async move {
+            match store.get(&key, None).await {
+                Ok(bytes) => Ok(Some((id, bytes))),
+                Err(error) if error.is_not_found() => Ok(None),
+                Err(error) => Err(EngineError::store(format!("read index file {id}"), error)),
             }
+        })
+        .buffered(INDEX_READS_AT_ONCE);
+    while let Some(read) = reads.next().await {
+        let Some((id, bytes)) = read? else {
+            continue;
         };
         if ObjectId::of(&bytes) != id {
             continue;
@@ -331,7 +356,7 @@ pub async fn prune(
     )
     .await?;
     let result = first_phase(repository, options, &shared, cancel).await;
-    let (mut report, deletion_due) = match result {
+    let (mut report, deletion_due, gather) = match result {
         Ok(outcome) => outcome,
         Err(error) => {
             let _ = shared.release().await;
@@ -339,7 +364,7 @@ pub async fn prune(
         }
     };
     shared.release().await?;
-    if options.dry_run || !deletion_due {
+    if options.dry_run || !(deletion_due || gather) {
         return Ok(report);
     }
     let exclusive = match RepositoryLock::acquire(
@@ -352,8 +377,13 @@ pub async fn prune(
     {
         Ok(lock) => lock,
         Err(EngineError::Locked { holders, .. }) => {
+            let later = match (deletion_due, gather) {
+                (true, true) => "the marked packs are deleted, and the index files gathered,",
+                (true, false) => "the marked packs are deleted",
+                _ => "the index files are gathered",
+            };
             report.deletion_deferred = Some(format!(
-                "the repository is in use ({holders}); the marked packs are deleted by a later prune"
+                "the repository is in use ({holders}); {later} by a later prune"
             ));
             return Ok(report);
         }
@@ -366,14 +396,14 @@ pub async fn prune(
     Ok(report)
 }
 
-/// Plan, repack and mark. Returns the report and whether a deletion phase
-/// has anything to do.
+/// Plan, repack and mark. Returns the report, whether a deletion phase
+/// has packs to delete and whether it is to gather the index files.
 async fn first_phase(
     repository: &Repository,
     options: &PruneOptions,
     lock: &RepositoryLock,
     cancel: &CancellationToken,
-) -> Result<(PruneReport, bool), EngineError> {
+) -> Result<(PruneReport, bool, bool), EngineError> {
     let others = list_locks(repository).await?;
     if let Some(other) = others.iter().find(|other| {
         other.key != lock.key()
@@ -425,15 +455,24 @@ async fn first_phase(
             .sum(),
         unmarked_packs: plan.unmark.len(),
         damaged_packs: inventory.damaged_packs.clone(),
+        index_files: inventory.index_files.len(),
         ..PruneReport::default()
     };
+    // Many small index files (each backup writes its own) are gathered
+    // into as few as the index needs, under the exclusive lock, as the
+    // deletion phase rewrites them.
+    let index_files_needed = inventory.index_files_needed(&HashSet::new());
+    let gather = index_worth_gathering(inventory.index_files.len(), index_files_needed);
     if options.dry_run {
+        if gather {
+            report.index_files_written = index_files_needed;
+        }
         if options.settings.safety_margin_seconds <= 0 {
             // This run would delete what it marks, too.
             report.deleted_packs += report.marked_packs;
             report.deleted_bytes += report.marked_bytes;
         }
-        return Ok((report, false));
+        return Ok((report, false, false));
     }
     // Uploads a writer began and never finished (a stage pod killed, or
     // stopped while the location was away) cost storage until aborted:
@@ -491,7 +530,7 @@ async fn first_phase(
     // The counts of the deletion phase replace the first plan's.
     report.deleted_packs = 0;
     report.deleted_bytes = 0;
-    Ok((report, due))
+    Ok((report, due, gather))
 }
 
 /// Copy the needed blobs of the packs to repack into new packs and index
@@ -593,13 +632,18 @@ async fn second_phase(
         .iter()
         .map(|candidate| sizes.get(&candidate.pack).copied().unwrap_or(0))
         .sum();
-    if plan.delete.is_empty() {
+    let deleting: HashSet<ObjectId> = plan.delete.iter().map(|(pack, _)| *pack).collect();
+    report.index_files = inventory.index_files.len();
+    let gather = index_worth_gathering(
+        inventory.index_files.len(),
+        inventory.index_files_needed(&deleting),
+    );
+    if plan.delete.is_empty() && !gather {
         lock.check()?;
         return repository
             .write_deletion_candidates(&plan.remaining_candidates())
             .await;
     }
-    let deleting: HashSet<ObjectId> = plan.delete.iter().map(|(pack, _)| *pack).collect();
     // 1. Index files for every pack that stays.
     let staying: Vec<(ObjectId, Vec<PackEntry>)> = inventory
         .packs
@@ -615,6 +659,7 @@ async fn second_phase(
         lock.check()?;
         new_index_files.extend(repository.write_index(group).await?);
     }
+    report.index_files_written = new_index_files.len();
     // 2. The old index files (those this phase read; one written since by
     // a backup without a lock names only its own packs, which stay).
     for id in &inventory.index_files {

@@ -175,6 +175,12 @@ pub fn finished_status(
     if report.repacked_packs > 0 {
         message.push_str(&format!(", repacked {} packs", report.repacked_packs));
     }
+    if report.index_files_written > 0 && report.deleted_packs == 0 {
+        message.push_str(&format!(
+            ", gathered {} index files into {}",
+            report.index_files, report.index_files_written
+        ));
+    }
     if report.checkpoints_kept + report.checkpoints_deleted > 0 {
         message.push_str(&format!(
             "; kept {} checkpoints of unfinished backups, deleted {} older than keepCheckpointsWithin",
@@ -466,6 +472,18 @@ mod tests {
                 .unwrap_or_default()
                 .contains("removed 2 incomplete uploads"),
             "the uploads aborted are counted"
+        );
+        let gathered = PruneReport {
+            index_files: 400,
+            index_files_written: 2,
+            ..PruneReport::default()
+        };
+        let message = finished_status(&running, Ok(&gathered), &[], at(1_010)).message;
+        assert!(
+            message
+                .unwrap_or_default()
+                .contains("gathered 400 index files into 2"),
+            "the index files gathered are counted"
         );
         let refused = PruneReport {
             abandoned_uploads_problem: Some("ListMultipartUploads: AccessDenied".into()),

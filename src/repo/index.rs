@@ -170,21 +170,50 @@ pub fn index_file_groups(
     packs: Vec<(ObjectId, Vec<PackEntry>)>,
 ) -> Vec<Vec<(ObjectId, Vec<PackEntry>)>> {
     let mut groups: Vec<Vec<(ObjectId, Vec<PackEntry>)>> = Vec::new();
-    let mut blobs_in_last = 0;
+    let mut filling = IndexFileFilling::default();
     for (pack, entries) in packs {
-        let blobs = entries.len();
+        let starts_a_file = filling.starts_a_file(entries.len());
         match groups.last_mut() {
-            Some(last) if blobs_in_last + blobs <= MAX_BLOBS_PER_INDEX_FILE => {
-                last.push((pack, entries));
-                blobs_in_last += blobs;
-            }
-            _ => {
-                groups.push(vec![(pack, entries)]);
-                blobs_in_last = blobs;
-            }
+            Some(last) if !starts_a_file => last.push((pack, entries)),
+            _ => groups.push(vec![(pack, entries)]),
         }
     }
     groups
+}
+
+/// How many index files [`index_file_groups`] makes of packs holding
+/// `blob_counts` blobs.
+pub fn index_files_needed(blob_counts: impl IntoIterator<Item = usize>) -> usize {
+    let mut filling = IndexFileFilling::default();
+    blob_counts
+        .into_iter()
+        .filter(|blobs| filling.starts_a_file(*blobs))
+        .count()
+}
+
+/// The blobs of the index file being filled, packs added in turn.
+#[derive(Debug, Default)]
+struct IndexFileFilling {
+    /// `None` before the first pack.
+    blobs: Option<usize>,
+}
+
+impl IndexFileFilling {
+    /// Add a pack of `blobs` blobs: whether it starts a new index file (the
+    /// first pack, or one that would take the file past
+    /// [`MAX_BLOBS_PER_INDEX_FILE`]).
+    fn starts_a_file(&mut self, blobs: usize) -> bool {
+        match self.blobs {
+            Some(filled) if filled + blobs <= MAX_BLOBS_PER_INDEX_FILE => {
+                self.blobs = Some(filled + blobs);
+                false
+            }
+            _ => {
+                self.blobs = Some(blobs);
+                true
+            }
+        }
+    }
 }
 
 /// Where one blob is stored.
@@ -660,6 +689,12 @@ mod tests {
             .collect();
         assert_eq!(numbers, [vec![1, 2], vec![3], vec![4], vec![5, 6]]);
         assert!(index_file_groups(Vec::new()).is_empty());
+        assert_eq!(
+            index_files_needed([most / 2, most / 2, 1, most + 1, 0, most]),
+            4,
+            "as many as the groups"
+        );
+        assert_eq!(index_files_needed([]), 0);
     }
 
     #[test]

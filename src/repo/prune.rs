@@ -120,6 +120,22 @@ pub fn checkpoint_kept(checkpoint: &Snapshot, now: i64, settings: PruneSettings)
         .is_some_and(|written| now.saturating_sub(written) <= settings.checkpoint_max_age_seconds)
 }
 
+/// The index files past what a rewrite needs from which prune gathers them
+/// ([`index_worth_gathering`]).
+pub const EXTRA_INDEX_FILES_GATHERED: usize = 32;
+
+/// Whether prune gathers `existing` index files into the `needed` a
+/// rewrite would write ([`crate::index::index_files_needed`]): when there
+/// are more than twice as many and more than
+/// [`EXTRA_INDEX_FILES_GATHERED`] too many. Every backup writes index
+/// files of its own, so a location that hundreds of claims back up into
+/// holds hundreds, and every backup, restore and prune reads all of them
+/// before it starts (one GET each); rewriting them costs one upload of the
+/// whole index, so a few files too many are left.
+pub fn index_worth_gathering(existing: usize, needed: usize) -> bool {
+    existing > 2 * needed && existing - needed > EXTRA_INDEX_FILES_GATHERED
+}
+
 /// What prune found and did.
 #[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -156,6 +172,12 @@ pub struct PruneReport {
     pub deleted_bytes: u64,
     /// Index files replaced.
     pub index_files_replaced: usize,
+    /// Index files in the store before.
+    pub index_files: usize,
+    /// Index files written in their place (or, dry run, to write): when
+    /// packs are deleted, or when the index files were gathered into fewer
+    /// ([`index_worth_gathering`]).
+    pub index_files_written: usize,
     /// Marked packs still within the margin.
     pub waiting_packs: usize,
     /// Their bytes.
@@ -376,6 +398,19 @@ mod tests {
     use super::*;
     use crate::{BlobKind, Compression};
     use proptest::prelude::*;
+
+    #[test]
+    fn index_files_are_gathered_only_when_far_more_than_needed() {
+        // A location of one index file's worth of blobs, written by many
+        // backups: gathered once 33 files too many.
+        assert!(!index_worth_gathering(33, 1));
+        assert!(index_worth_gathering(34, 1));
+        // A large index: more than twice what it needs, too.
+        assert!(!index_worth_gathering(60, 30));
+        assert!(index_worth_gathering(63, 30));
+        assert!(!index_worth_gathering(0, 0));
+        assert!(!index_worth_gathering(1, 1));
+    }
 
     fn entry(blob: u8, offset: u32) -> PackEntry {
         PackEntry {

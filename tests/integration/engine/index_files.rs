@@ -2,11 +2,19 @@
 //! more than `MAX_BLOBS_PER_INDEX_FILE` blobs, and a load finds every blob
 //! of every file.
 
+use super::support::haulage;
 use haulage::repo::index::{IndexFile, MAX_BLOBS_PER_INDEX_FILE};
 use haulage::repo::pack::PackEntry;
 use haulage::repo::{BlobId, BlobKind, Compression, ObjectId};
 
-use super::support::TestRepo;
+use std::sync::Arc;
+
+use haulage::engine::{KeySource, Repository};
+use haulage::store::DynStore;
+use haulage::store::local::LocalStore;
+
+use super::support::{TEST_PASSWORD, TestRepo, random_bytes};
+use crate::support::expect_success;
 
 /// A pack numbered `number` listing `blobs` blobs, each with an id of its
 /// own.
@@ -72,4 +80,63 @@ async fn index_files_hold_at_most_65536_blobs_each_and_a_load_finds_every_blob()
             assert_eq!(location.offset, entry.offset);
         }
     }
+}
+
+/// Every backup writes index files of its own; prune gathers the many small
+/// files of a location that many backups wrote into as few as the index
+/// needs, loses no blob, and leaves them alone the next time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_gathers_the_index_files_of_many_backups_into_as_few_as_needed() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    for round in 0..40u64 {
+        std::fs::write(source.join(format!("f{round}")), random_bytes(round, 4096)).unwrap();
+        repo.backup(&source).await;
+    }
+    let index_dir = repo.root().join("index");
+    let index_files = || std::fs::read_dir(&index_dir).unwrap().count();
+    let written = index_files();
+    assert!(written >= 40, "{written} index files after 40 backups");
+    let blobs = repo.repository.load_index().await.unwrap().index.len();
+
+    let prune = |dry_run: bool| {
+        let mut command = haulage();
+        command.args(["prune", "--repo", &repo.url()]);
+        if dry_run {
+            command.arg("--dry-run");
+        }
+        let output = command.output().expect("run haulage prune");
+        expect_success(&output, "haulage prune");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    };
+    let planned = prune(true);
+    assert!(
+        planned.contains(&format!("would gather {written} index files into 1")),
+        "{planned}"
+    );
+    assert_eq!(index_files(), written, "a dry run writes nothing");
+
+    let pruned = prune(false);
+    assert!(
+        pruned.contains(&format!("gathered {written} index files into 1")),
+        "{pruned}"
+    );
+    assert_eq!(index_files(), 1);
+    let reopened = Repository::open(
+        Arc::new(LocalStore::new(repo.root())) as DynStore,
+        &KeySource::password(TEST_PASSWORD),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        reopened.load_index().await.unwrap().index.len(),
+        blobs,
+        "every blob still indexed"
+    );
+    repo.assert_cli_verifies();
+
+    let again = prune(false);
+    assert!(!again.contains("gather"), "{again}");
+    assert_eq!(index_files(), 1);
 }
