@@ -41,8 +41,13 @@ use crate::repo::prune::{
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
 
-/// Index files read at once while taking the inventory.
+/// Index files read (and, replaced, deleted) at once.
 const INDEX_READS_AT_ONCE: usize = 8;
+/// Packs read at once while finding what snapshots reference: every
+/// backup stores its trees in a pack of its own, so the trees of a batch lie
+/// in as many packs as it has snapshots (at most 4 MiB a read,
+/// `MAX_TREE_READ_BYTES`: 32 MiB at most in flight).
+const TREE_PACKS_READ_AT_ONCE: usize = 8;
 /// Tree blobs fetched per batch while finding what snapshots reference.
 const TREES_PER_BATCH: usize = 256;
 /// The lock purpose prune records, and looks for to refuse a second prune.
@@ -264,7 +269,9 @@ async fn add_reachable(
     while !pending.is_empty() {
         let take = pending.len().min(TREES_PER_BATCH);
         let batch: Vec<BlobId> = pending.drain(pending.len() - take..).collect();
-        let trees = repository.load_trees(index, &batch, None).await;
+        let trees = repository
+            .load_trees(index, &batch, None, TREE_PACKS_READ_AT_ONCE)
+            .await;
         for (tree, id) in trees.into_iter().zip(&batch) {
             let tree = match (tree, reach) {
                 (Ok(tree), _) => tree,
@@ -662,16 +669,24 @@ async fn second_phase(
     report.index_files_written = new_index_files.len();
     // 2. The old index files (those this phase read; one written since by
     // a backup without a lock names only its own packs, which stay).
-    for id in &inventory.index_files {
-        if new_index_files.contains(id) {
-            continue;
-        }
-        lock.check()?;
-        repository
-            .store()
-            .delete(&repo::index_key(id))
-            .await
-            .map_err(|error| EngineError::store(format!("delete index file {id}"), error))?;
+    let replaced: Vec<ObjectId> = inventory
+        .index_files
+        .iter()
+        .filter(|id| !new_index_files.contains(*id))
+        .copied()
+        .collect();
+    let mut deletions = futures::stream::iter(replaced)
+        .map(|id| async move {
+            lock.check()?;
+            repository
+                .store()
+                .delete(&repo::index_key(&id))
+                .await
+                .map_err(|error| EngineError::store(format!("delete index file {id}"), error))
+        })
+        .buffer_unordered(INDEX_READS_AT_ONCE);
+    while let Some(deleted) = deletions.next().await {
+        deleted?;
         report.index_files_replaced += 1;
     }
     // 3. The packs.

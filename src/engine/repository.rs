@@ -879,12 +879,15 @@ impl Repository {
     /// cut from it ([`TreePacks`]). Returns one result per id, in order; a
     /// tree whose merged read failed is loaded alone by
     /// [`Repository::load_tree`], which says exactly what is wrong.
-    /// Callers bound the memory by the trees they ask for at once.
+    /// Callers bound the memory by the trees they ask for at once, and by
+    /// `packs_at_once`, the packs read at the same time (each read up to
+    /// [`MAX_TREE_READ_BYTES`]).
     pub async fn load_trees(
         &self,
         index: &BlobIndex,
         ids: &[BlobId],
         held: Option<&TreePacks>,
+        packs_at_once: usize,
     ) -> Vec<Result<Tree, EngineError>> {
         let mut by_pack: BTreeMap<ObjectId, Vec<(usize, BlobLocation)>> = BTreeMap::new();
         for (position, id) in ids.iter().enumerate() {
@@ -898,45 +901,54 @@ impl Repository {
             }
         }
         let mut stored: Vec<Option<(ObjectId, BlobLocation, Bytes)>> = vec![None; ids.len()];
-        for (pack, blobs) in by_pack {
-            let whole = match held {
-                Some(held) => held.whole(self.store.as_ref(), index, &pack).await,
-                None => None,
-            };
-            if let Some(whole) = whole {
-                for (position, location) in blobs {
-                    let start = location.offset as usize;
-                    let end = start + location.stored_length as usize;
-                    if end <= whole.len() {
-                        stored[position] = Some((pack, location, whole.slice(start..end)));
+        let mut reads = futures::stream::iter(by_pack)
+            .map(|(pack, blobs)| async move {
+                let whole = match held {
+                    Some(held) => held.whole(self.store.as_ref(), index, &pack).await,
+                    None => None,
+                };
+                if let Some(whole) = whole {
+                    return blobs
+                        .into_iter()
+                        .filter_map(|(position, location)| {
+                            let start = location.offset as usize;
+                            let end = start + location.stored_length as usize;
+                            (end <= whole.len())
+                                .then(|| (position, (pack, location, whole.slice(start..end))))
+                        })
+                        .collect::<Vec<_>>();
+                }
+                let ranges: Vec<_> = blobs
+                    .iter()
+                    .map(|(_, location)| {
+                        let start = u64::from(location.offset);
+                        start..start + u64::from(location.stored_length)
+                    })
+                    .collect();
+                match get_ranges_capped(
+                    self.store.as_ref(),
+                    &repo::pack_key(&pack),
+                    &ranges,
+                    DEFAULT_COALESCE_GAP_BYTES,
+                    MAX_TREE_READ_BYTES,
+                )
+                .await
+                {
+                    Ok(pieces) => blobs
+                        .into_iter()
+                        .zip(pieces)
+                        .map(|((position, location), bytes)| (position, (pack, location, bytes)))
+                        .collect(),
+                    Err(error) => {
+                        tracing::debug!(pack = %pack, error = %error, "merged tree read failed, reading trees one by one");
+                        Vec::new()
                     }
                 }
-                continue;
-            }
-            let ranges: Vec<_> = blobs
-                .iter()
-                .map(|(_, location)| {
-                    let start = u64::from(location.offset);
-                    start..start + u64::from(location.stored_length)
-                })
-                .collect();
-            match get_ranges_capped(
-                self.store.as_ref(),
-                &repo::pack_key(&pack),
-                &ranges,
-                DEFAULT_COALESCE_GAP_BYTES,
-                MAX_TREE_READ_BYTES,
-            )
-            .await
-            {
-                Ok(pieces) => {
-                    for ((position, location), bytes) in blobs.into_iter().zip(pieces) {
-                        stored[position] = Some((pack, location, bytes));
-                    }
-                }
-                Err(error) => {
-                    tracing::debug!(pack = %pack, error = %error, "merged tree read failed, reading trees one by one");
-                }
+            })
+            .buffer_unordered(packs_at_once.max(1));
+        while let Some(found) = reads.next().await {
+            for (position, read) in found {
+                stored[position] = Some(read);
             }
         }
         let mut trees = Vec::with_capacity(ids.len());

@@ -90,7 +90,7 @@ impl TreeCache {
         ids: &[BlobId],
         held: &TreePacks,
     ) -> Vec<Result<Tree, EngineError>> {
-        let trees = repository.load_trees(index, ids, Some(held)).await;
+        let trees = repository.load_trees(index, ids, Some(held), 1).await;
         for (id, tree) in ids.iter().zip(&trees) {
             if let Ok(tree) = tree {
                 self.keep(*id, tree, raw_length(index, id));
@@ -129,7 +129,7 @@ impl TreeCache {
             .collect();
         if !missing.is_empty() {
             let mut loaded = repository
-                .load_trees(index, &missing, None)
+                .load_trees(index, &missing, None, 1)
                 .await
                 .into_iter();
             for result in results.iter_mut().filter(|result| result.is_none()) {
