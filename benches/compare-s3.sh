@@ -40,8 +40,8 @@ if [ -z "${HAULAGE:-}" ]; then
     HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
 fi
 [ -x /usr/bin/time ] || { echo "compare-s3.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
-MINIO=$(ls -d "$HOME"/.cache/haulage-infra/minio-*/bin/minio 2>/dev/null | tail -1)
-[ -x "$MINIO" ] || { echo "compare-s3.sh: no MinIO; run: bash tests/infra/build.sh minio" >&2; exit 1; }
+. benches/minio.sh
+minio_binary >/dev/null
 
 RESTORE_ROOT="${RESTORE_ROOT:-$WORK/restore}"
 rm -rf "$WORK/minio" "$RESTORE_ROOT" "$WORK/state"
@@ -53,56 +53,24 @@ DATA_BYTES=$(du -sb --apparent-size "$WORK/data" | cut -f1)
 FILES=$(find "$WORK/data" -type f | wc -l)
 find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null   # hot cache
 
-PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-CONSOLE_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-# Plain HTTP to 127.0.0.1: a CA bundle from the environment only trips rclone.
-unset AWS_CA_BUNDLE
-export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
-export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
-SERVER_URL=$AWS_ENDPOINT_URL   # the server itself, for its metrics
-MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \
-    MINIO_PROMETHEUS_AUTH_TYPE=public \
-    "$MINIO" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$CONSOLE_PORT" "$WORK/minio" \
-    >"$WORK/state/minio.log" 2>&1 &
-MINIO_PID=$!
-PROXY_PID=
-trap 'kill "$MINIO_PID" $PROXY_PID 2>/dev/null; wait "$MINIO_PID" 2>/dev/null || true' EXIT
-# A cold start (binary and data not in the page cache) can take over 10 s.
-ready=
-for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$PORT/minio/health/ready" >/dev/null 2>&1 && { ready=1; break; }
-    sleep 0.1
-done
-[ -n "$ready" ] || { echo "compare-s3.sh: MinIO was not ready within 60 s; its log:" >&2; tail -20 "$WORK/state/minio.log" >&2; exit 1; }
+minio_start "$WORK/minio" "$WORK/state/minio.log"
+trap minio_stop EXIT
+export AWS_ENDPOINT_URL=$SERVER_URL
 if [ -n "${LATENCY_MS:-}" ]; then
-    SERVER_PORT=$PORT
-    PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-    python3 benches/latency-proxy.py "$PORT" "$SERVER_PORT" "$LATENCY_MS" &
-    PROXY_PID=$!
-    export AWS_ENDPOINT_URL="http://127.0.0.1:$PORT"
-    for _ in $(seq 100); do
-        curl -sf "$AWS_ENDPOINT_URL/minio/health/ready" >/dev/null 2>&1 && break
-        sleep 0.1
-    done
+    latency_proxy_start "$LATENCY_MS"
+    PORT=$PROXY_PORT
+    export AWS_ENDPOINT_URL=$PROXY_URL
 fi
 # rclone reaches the server through an env-configured remote named "minio".
 export RCLONE_CONFIG_MINIO_TYPE=s3 RCLONE_CONFIG_MINIO_PROVIDER=Minio \
     RCLONE_CONFIG_MINIO_ENDPOINT="$AWS_ENDPOINT_URL" RCLONE_CONFIG_MINIO_REGION=us-east-1 \
     RCLONE_CONFIG_MINIO_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" RCLONE_CONFIG_MINIO_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY"
-curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" \
-    -X PUT "$AWS_ENDPOINT_URL/bench" >/dev/null || { echo "compare-s3.sh: cannot create the bucket" >&2; exit 1; }
+bucket_create bench
 
 TICKS=$(getconf CLK_TCK)
 server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
-# GET requests the server has served so far, and the bytes it has sent (the
-# v3 metrics are not cached, unlike v2's, so a reading right after a step
-# counts all of its requests). %.0f: awk's %d stops at 2^31 - 1.
-server_gets() {
-    curl -sf "$SERVER_URL/minio/metrics/v3/api/requests" |
-        awk '/^minio_api_requests_total\{/ && /name="GetObject"/ { n += $NF }
-             /^minio_api_requests_traffic_sent_bytes\{/ { b += $NF }
-             END { printf "%d %.0f", n, b }'
-}
+# GET requests the server has served so far, and the bytes it has sent.
+server_gets() { server_requests | awk '{ printf "%d %s", $1, $3 }'; }
 
 # checked TOOL: the restore into $RESTORE_ROOT/TOOL has every file (content is
 # the tools' business; the engine tests check haulage's); then remove it.

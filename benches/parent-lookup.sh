@@ -29,51 +29,21 @@ if [ -z "${HAULAGE:-}" ]; then
     HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
 fi
 [ -x /usr/bin/time ] || { echo "parent-lookup.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
-MINIO=$(ls -d "$HOME"/.cache/haulage-infra/minio-*/bin/minio 2>/dev/null | tail -1)
-[ -x "$MINIO" ] || { echo "parent-lookup.sh: no MinIO; run: bash tests/infra/build.sh minio" >&2; exit 1; }
+. benches/minio.sh
+minio_binary >/dev/null
 
 rm -rf "$WORK"
 mkdir -p "$WORK/minio" "$WORK/source"
 echo "one small file" >"$WORK/source/file"
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-PORT=$(free_port)
-unset AWS_CA_BUNDLE
-export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
-SERVER="http://127.0.0.1:$PORT"
-MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \
-    MINIO_PROMETHEUS_AUTH_TYPE=public \
-    "$MINIO" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$(free_port)" "$WORK/minio" \
-    >"$WORK/minio.log" 2>&1 &
-PIDS=$!
-trap 'kill $PIDS 2>/dev/null || true' EXIT
-for _ in $(seq 1 60); do curl -sf "$SERVER/minio/health/ready" >/dev/null 2>&1 && break; sleep 1; done
-curl -sf --aws-sigv4 "aws:amz:us-east-1:s3" --user "$AWS_ACCESS_KEY_ID:$AWS_SECRET_ACCESS_KEY" \
-    -X PUT "$SERVER/bench" >/dev/null || { echo "parent-lookup.sh: cannot create the bucket" >&2; exit 1; }
+minio_start "$WORK/minio" "$WORK/minio.log"
+trap minio_stop EXIT
+bucket_create bench
+SERVER=$SERVER_URL
 ENDPOINTS="$SERVER"
 if [ -n "${LATENCY_MS:-}" ]; then
-    PROXY_PORT=$(free_port)
-    python3 benches/latency-proxy.py "$PROXY_PORT" "$PORT" "$LATENCY_MS" &
-    PIDS="$PIDS $!"
-    ENDPOINTS="$ENDPOINTS http://127.0.0.1:$PROXY_PORT"
+    latency_proxy_start "$LATENCY_MS"
+    ENDPOINTS="$ENDPOINTS $PROXY_URL"
 fi
-
-# GetObject and ListObjectsV2 requests served so far.
-counts() {
-    curl -sf "$SERVER/minio/metrics/v3/api/requests" | awk '
-        /^minio_api_requests_total\{/ && /name="GetObject"/ { g += $NF }
-        /^minio_api_requests_total\{/ && /name="ListObjectsV2"/ { l += $NF }
-        END { print g + 0, l + 0 }'
-}
-# measure NAME COMMAND...: one timed run, one line of figures.
-measure() {
-    local name=$1 g0 l0 g1 l1
-    shift
-    read -r g0 l0 < <(counts)
-    /usr/bin/time -f "%e %M" -o "$WORK/time" "$@" >"$WORK/out" 2>&1 || { cat "$WORK/out" >&2; exit 1; }
-    read -r g1 l1 < <(counts)
-    read -r wall rss <"$WORK/time"
-    printf '| %s | %s | %s | %d | %d |\n' "$name" "$wall" "$((rss / 1024))" "$((g1 - g0))" "$((l1 - l0))"
-}
 
 echo "making $COUNT sources' snapshots..." >&2
 export AWS_ENDPOINT_URL=$SERVER
@@ -101,16 +71,16 @@ for endpoint in $ENDPOINTS; do
     [ -z "$RESTIC" ] || "$RESTIC" backup -q --host "claim-$next" --repo "s3:$endpoint/bench/restic" "$WORK/source" >/dev/null
     for round in $(seq 1 "$ROUNDS"); do
         source=$((next + round))
-        measure "haulage$where" "$HAULAGE" backup "$WORK/source" --label "claim-$source" \
+        measure_row "haulage$where" "$HAULAGE" backup "$WORK/source" --label "claim-$source" \
             --no-progress --repo s3://bench/haulage
         if [ -n "${HAULAGE_BEFORE:-}" ]; then
-            measure "haulage before$where" "$HAULAGE_BEFORE" backup "$WORK/source" \
+            measure_row "haulage before$where" "$HAULAGE_BEFORE" backup "$WORK/source" \
                 --label "claim-$((source + ROUNDS))" --no-progress --repo s3://bench/haulage
         fi
         if [ -n "$RESTIC" ]; then
-            measure "restic --no-cache$where" "$RESTIC" backup -q --no-cache --host "claim-$source" \
+            measure_row "restic --no-cache$where" "$RESTIC" backup -q --no-cache --host "claim-$source" \
                 --repo "s3:$endpoint/bench/restic" "$WORK/source"
-            measure "restic, warm cache$where" "$RESTIC" backup -q --host "claim-$next" \
+            measure_row "restic, warm cache$where" "$RESTIC" backup -q --host "claim-$next" \
                 --repo "s3:$endpoint/bench/restic" "$WORK/source"
         fi
     done

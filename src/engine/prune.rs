@@ -29,6 +29,7 @@ use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
 use super::lock::{RepositoryLock, list_locks, unix_now};
+use super::repository::LOAD_CONCURRENCY;
 use super::{EngineError, Repository, run_blocking};
 use crate::repo::index::{BlobIndex, BlobIndexBuilder};
 use crate::repo::lock::LockKind;
@@ -41,8 +42,6 @@ use crate::repo::prune::{
 use crate::repo::tree::{EntryKind, Extent};
 use crate::repo::{self, BlobId, DATA_PREFIX, INDEX_PREFIX, ObjectId};
 
-/// Index files read (and, replaced, deleted) at once.
-const INDEX_READS_AT_ONCE: usize = 8;
 /// Packs read at once while finding what snapshots reference: every
 /// backup stores its trees in a pack of its own, so the trees of a batch lie
 /// in as many packs as it has snapshots (at most 4 MiB a read,
@@ -126,7 +125,7 @@ async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineErro
                 Err(error) => Err(EngineError::store(format!("read index file {id}"), error)),
             }
         })
-        .buffered(INDEX_READS_AT_ONCE);
+        .buffered(LOAD_CONCURRENCY);
     while let Some(read) = reads.next().await {
         let Some((id, bytes)) = read? else {
             continue;
@@ -684,7 +683,7 @@ async fn second_phase(
                 .await
                 .map_err(|error| EngineError::store(format!("delete index file {id}"), error))
         })
-        .buffer_unordered(INDEX_READS_AT_ONCE);
+        .buffer_unordered(LOAD_CONCURRENCY);
     while let Some(deleted) = deletions.next().await {
         deleted?;
         report.index_files_replaced += 1;

@@ -45,8 +45,10 @@ const MAX_TREE_BYTES: u32 = 512 * 1024 * 1024;
 /// [`get_ranges_capped`] has in flight, loading trees holds at most a few
 /// times this.
 pub const MAX_TREE_READ_BYTES: u64 = 4 * 1024 * 1024;
-/// Concurrent requests while loading indexes and pack trailers.
-const LOAD_CONCURRENCY: usize = 8;
+/// Concurrent requests while loading small objects: index files, pack
+/// trailers, snapshots (prune's inventory reads and deletes index files as
+/// many at once).
+pub(crate) const LOAD_CONCURRENCY: usize = 8;
 
 /// A repository ready for use.
 #[derive(Debug, Clone)]
@@ -1244,16 +1246,13 @@ impl Repository {
         source: &str,
         hostname: &str,
     ) -> Result<Option<(ObjectId, Snapshot)>, EngineError> {
-        let ids = self.snapshot_ids().await?;
-        let mut loads = futures::stream::iter(ids)
-            .map(|id| async move { (id, self.load_snapshot(&id).await) })
-            .buffer_unordered(LOAD_CONCURRENCY);
         let mut newest = None;
-        while let Some((id, result)) = loads.next().await {
+        self.each_snapshot(|id, result| {
             if let Ok(snapshot) = result {
                 keep_newest(&mut newest, id, snapshot, source, hostname);
             }
-        }
+        })
+        .await?;
         Ok(newest)
     }
 
@@ -1309,20 +1308,31 @@ impl Repository {
     pub async fn list_snapshots(
         &self,
     ) -> Result<(Vec<(ObjectId, Snapshot)>, Vec<EngineError>), EngineError> {
-        let ids = self.snapshot_ids().await?;
         let mut good = Vec::new();
         let mut bad = Vec::new();
+        self.each_snapshot(|id, result| match result {
+            Ok(snapshot) => good.push((id, snapshot)),
+            Err(error) => bad.push(error),
+        })
+        .await?;
+        good.sort_by(|(a_id, a), (b_id, b)| snapshot_order(a_id, a).cmp(&snapshot_order(b_id, b)));
+        Ok((good, bad))
+    }
+
+    /// Read every snapshot, a few at once, and hand each to `visit` as it
+    /// comes: its id, and the snapshot or why it cannot be read.
+    async fn each_snapshot(
+        &self,
+        mut visit: impl FnMut(ObjectId, Result<Snapshot, EngineError>),
+    ) -> Result<(), EngineError> {
+        let ids = self.snapshot_ids().await?;
         let mut loads = futures::stream::iter(ids)
             .map(|id| async move { (id, self.load_snapshot(&id).await) })
             .buffer_unordered(LOAD_CONCURRENCY);
         while let Some((id, result)) = loads.next().await {
-            match result {
-                Ok(snapshot) => good.push((id, snapshot)),
-                Err(error) => bad.push(error),
-            }
+            visit(id, result);
         }
-        good.sort_by(|a, b| a.1.time.cmp(&b.1.time).then(a.0.cmp(&b.0)));
-        Ok((good, bad))
+        Ok(())
     }
 
     /// Resolve a full id or a unique prefix (at least 4 hex characters), or
@@ -1375,8 +1385,13 @@ pub struct SourceHeads {
     pub listed: Vec<ObjectId>,
 }
 
+/// The order of snapshots, oldest first: by time, then id.
+fn snapshot_order<'a>(id: &'a ObjectId, snapshot: &'a Snapshot) -> (&'a str, &'a ObjectId) {
+    (&snapshot.time, id)
+}
+
 /// Keep `snapshot` in `newest` when it is of `source` from `hostname` and
-/// newer (by time, then id, the order of [`Repository::list_snapshots`]).
+/// newer ([`snapshot_order`]).
 fn keep_newest(
     newest: &mut Option<(ObjectId, Snapshot)>,
     id: ObjectId,
@@ -1387,9 +1402,9 @@ fn keep_newest(
     if snapshot.source != source || snapshot.hostname != hostname {
         return;
     }
-    let newer = newest
-        .as_ref()
-        .is_none_or(|(kept_id, kept)| (&snapshot.time, &id) > (&kept.time, kept_id));
+    let newer = newest.as_ref().is_none_or(|(kept_id, kept)| {
+        snapshot_order(&id, &snapshot) > snapshot_order(kept_id, kept)
+    });
     if newer {
         *newest = Some((id, snapshot));
     }
