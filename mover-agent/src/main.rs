@@ -133,6 +133,13 @@ struct TransfersArguments {
     /// (its cgroup's), else 128Mi.
     #[arg(long, env = "HAULAGE_MEMORY_BUDGET", value_parser = memory::parse_budget)]
     memory_budget: Option<u64>,
+    /// Bytes of the repository's index files, whose loaded index the
+    /// volumes share and which takes its part of the budget. The stage pod
+    /// gives what its location's last probe listed (so that the agent and
+    /// the controller's admission count on the same volumes at once);
+    /// without it the agent lists the index files itself.
+    #[arg(long, env = "HAULAGE_INDEX_BYTES")]
+    index_bytes: Option<u64>,
     /// Volumes moved at once instead of as many as the memory budget holds
     /// (each then gets an equal part of it). The controller does not set
     /// it: its admission counts on what the budget holds.
@@ -319,13 +326,24 @@ async fn run_transfers(arguments: TransfersArguments) -> anyhow::Result<ExitCode
         .memory_budget
         .or_else(memory::cgroup_memory_limit)
         .unwrap_or(memory::DEFAULT_BUDGET_BYTES);
+    let index_file_bytes = match arguments.index_bytes {
+        Some(bytes) => bytes,
+        None => repository
+            .index_file_bytes()
+            .await
+            .context("cannot list the repository's index files to plan the memory")?,
+    };
     let plan = memory::VolumePlan::new(
-        budget,
+        haulage::api::transfer::AgentMemory {
+            budget_bytes: budget,
+            index_file_bytes,
+        },
         arguments.parallel_volumes.map(|volumes| volumes as usize),
         arguments.transfers.len(),
     );
     tracing::info!(
         memory_budget = budget,
+        index_file_bytes,
         volumes_at_once = plan.at_once,
         memory_per_volume = plan.memory.bytes(),
         "volumes planned within the memory budget"

@@ -2,12 +2,14 @@
 //! at once, and the share each engine sizes its buffers from.
 //!
 //! In a stage pod the controller gives the budget (`HAULAGE_MEMORY_BUDGET`,
-//! the container's memory request through the downward API) and its
-//! admission counts on the same number of volumes at once
-//! ([`haulage::api::transfer::volumes_at_once`] of that request). Run by
-//! hand, the agent takes its container's memory limit from its cgroup.
+//! the container's memory request through the downward API) and the bytes
+//! of the repository's index files its location's probe listed
+//! (`HAULAGE_INDEX_BYTES`), and its admission counts on the same number of
+//! volumes at once ([`haulage::api::transfer::AgentMemory`] of those two).
+//! Run by hand, the agent takes its container's memory limit from its
+//! cgroup and lists the index files itself.
 
-use haulage::api::transfer::{volume_share_bytes, volumes_at_once};
+use haulage::api::transfer::AgentMemory;
 use haulage::engine::memory::EngineMemory;
 
 /// A cgroup limit at or above this is no limit (cgroup v1 writes "no
@@ -52,10 +54,11 @@ fn parse_cgroup_limit(text: &str) -> Option<u64> {
         .filter(|bytes| *bytes < UNLIMITED_BYTES)
 }
 
-/// How an agent with `budget_bytes` moves `transfers` volumes: at once as
-/// many as the budget holds (or `parallel_volumes` when given, the
-/// `--parallel-volumes` of someone trying the agent by hand), and no more
-/// than it has; each engine gets an equal share.
+/// How an agent with `memory` moves `transfers` volumes: at once as many
+/// as its budget holds beside the repository's index (or
+/// `parallel_volumes` when given, the `--parallel-volumes` of someone
+/// trying the agent by hand), and no more than it has; each engine gets an
+/// equal share.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct VolumePlan {
     /// Volumes moved at once.
@@ -65,16 +68,15 @@ pub struct VolumePlan {
 }
 
 impl VolumePlan {
-    /// The plan for `transfers` volumes within `budget_bytes`.
-    pub fn new(budget_bytes: u64, parallel_volumes: Option<usize>, transfers: usize) -> Self {
-        let fits = volumes_at_once(budget_bytes) as usize;
+    /// The plan for `transfers` volumes within `memory`.
+    pub fn new(memory: AgentMemory, parallel_volumes: Option<usize>, transfers: usize) -> Self {
+        let fits = memory.volumes_at_once() as usize;
         let at_once = parallel_volumes.unwrap_or(fits).min(transfers).max(1);
         VolumePlan {
             at_once,
-            memory: EngineMemory::new(volume_share_bytes(
-                budget_bytes,
-                u32::try_from(at_once).unwrap_or(u32::MAX),
-            )),
+            memory: EngineMemory::new(
+                memory.volume_share_bytes(u32::try_from(at_once).unwrap_or(u32::MAX)),
+            ),
         }
     }
 }
@@ -104,23 +106,40 @@ mod tests {
 
     #[test]
     fn a_stage_pod_of_128mi_moves_four_volumes_in_four_shares() {
-        let plan = VolumePlan::new(128 * MIB, None, 10);
+        let plan = VolumePlan::new(AgentMemory::of_budget(128 * MIB), None, 10);
         assert_eq!(plan.at_once, 4);
         assert_eq!(plan.memory.bytes(), 23 * MIB);
         // Two claims: two at once, each with half.
-        let plan = VolumePlan::new(128 * MIB, None, 2);
+        let plan = VolumePlan::new(AgentMemory::of_budget(128 * MIB), None, 2);
         assert_eq!((plan.at_once, plan.memory.bytes()), (2, 46 * MIB));
         // One claim: what the baseline leaves.
-        let plan = VolumePlan::new(128 * MIB, None, 1);
+        let plan = VolumePlan::new(AgentMemory::of_budget(128 * MIB), None, 1);
         assert_eq!((plan.at_once, plan.memory.bytes()), (1, 92 * MIB));
         // By hand: one at a time.
-        let plan = VolumePlan::new(128 * MIB, Some(1), 10);
+        let plan = VolumePlan::new(AgentMemory::of_budget(128 * MIB), Some(1), 10);
         assert_eq!((plan.at_once, plan.memory.bytes()), (1, 92 * MIB));
         // A larger budget: at most a whole engine each.
-        let plan = VolumePlan::new(512 * MIB, None, 1);
+        let plan = VolumePlan::new(AgentMemory::of_budget(512 * MIB), None, 1);
         assert_eq!(
             (plan.at_once, plan.memory.bytes()),
             (1, DEFAULT_VOLUME_SHARE_BYTES)
         );
+    }
+
+    #[test]
+    fn a_large_index_leaves_fewer_volumes_at_once_in_the_same_budget() {
+        // The index files of about half a million blobs.
+        let memory = AgentMemory {
+            budget_bytes: 128 * MIB,
+            index_file_bytes: 21_250_000,
+        };
+        let plan = VolumePlan::new(memory, None, 10);
+        assert_eq!(plan.at_once, 2);
+        // 92 MiB beside the baseline, less the index's 26 MiB beyond it.
+        assert_eq!(plan.memory.bytes() / MIB, 33);
+        // Alone, a volume gets what the baseline and the index leave.
+        let plan = VolumePlan::new(memory, None, 1);
+        assert_eq!(plan.at_once, 1);
+        assert!(plan.memory.bytes() < 92 * MIB, "{}", plan.memory.bytes());
     }
 }

@@ -294,6 +294,14 @@ pub struct BackupStorageLocationStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0))]
     pub last_probe_latency_milliseconds: Option<i64>,
+    /// The bytes of the repository's index files when the last probe
+    /// listed them. Every mover agent holds the index they describe in
+    /// memory, so stage pods plan with it: a large index leaves room for
+    /// fewer volumes at once, and raises a stage pod's memory request when
+    /// one volume would not fit beside it (docs/controller.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0))]
+    pub index_bytes: Option<i64>,
     /// Why the location is Unavailable; never carries credentials.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]

@@ -15,18 +15,30 @@ const MIB: u64 = 1024 * 1024;
 
 /// What a mover agent holds besides its engines' buffers: the async
 /// runtime and its blocking threads, the S3 client, the binary's pages,
-/// the repository's blob index (one copy, which the agent's engines
-/// share: 52 bytes a blob, 4.5 MiB for the 90,000 blobs of five 1 GiB
-/// sample claims; 60–100 bytes and 7 MiB when this baseline was
-/// measured, and it was not lowered since), each thread's zstd context
-/// and the allocator's slack (small with the agent's allocator settings,
-/// `haulage::allocator`; about 20 MiB more without them). A restore of one small file peaks at 25 MiB. Four
-/// engines at once restoring 1 GiB claims peak at 111–113 MiB (135 MiB
-/// while each loaded its own copy of the index; docs/benchmarks.md,
-/// "Several volumes in one stage pod"). A repository of millions of blobs
-/// needs stage pods with more memory (a StoragePolicy's
-/// `stagePodResources`).
+/// the repository's blob index up to [`INDEX_MEMORY_IN_BASELINE_BYTES`]
+/// (one copy, which the agent's engines share; a larger one is counted on
+/// its own, [`AgentMemory`]), each thread's zstd context and the
+/// allocator's slack (small with the agent's allocator settings,
+/// `haulage::allocator`; about 20 MiB more without them). A restore of one
+/// small file peaks at 25 MiB. Four engines at once restoring 1 GiB claims
+/// peak at 111–113 MiB (135 MiB while each loaded its own copy of the
+/// index; docs/benchmarks.md, "Several volumes in one stage pod").
 pub const AGENT_BASELINE_BYTES: u64 = 36 * MIB;
+/// The blob index [`AGENT_BASELINE_BYTES`] holds: 7 MiB when the baseline
+/// was measured (60–100 bytes a blob then; 52 since, 4.5 MiB for the
+/// 90,000 blobs of five 1 GiB sample claims). An index above this takes
+/// its excess from the volumes' memory.
+pub const INDEX_MEMORY_IN_BASELINE_BYTES: u64 = 7 * MIB;
+/// The fewest bytes an index file holds a blob in: its 32-byte id, which
+/// does not compress, and a byte for its kind, offset and lengths, which
+/// do (46 bytes before compression; 33.5 a blob for 20,000 files of 4 KiB
+/// each, their lengths all alike; 42.3 over the 27 files of a million
+/// small files of 256–4,096 bytes, docs/benchmarks.md, "The blob index's
+/// memory").
+pub const INDEX_FILE_BYTES_PER_BLOB: u64 = 33;
+/// The most bytes the loaded index holds a blob in (`repo::blob_table`:
+/// 52.8 at a million blobs with its prefix table).
+pub const INDEX_MEMORY_BYTES_PER_BLOB: u64 = 53;
 /// The memory of one volume's engine at most, what one engine always had
 /// (a backup's 16 MiB packs and chunks in flight, a restore's whole-pack
 /// reads, its verification's trees). More buys an engine nothing
@@ -40,29 +52,81 @@ pub const DEFAULT_VOLUME_SHARE_BYTES: u64 = 94 * MIB;
 /// fewer volumes at once rather than starve each.
 pub const SMALLEST_VOLUME_SHARE_BYTES: u64 = 23 * MIB;
 
-/// Volumes a stage pod's agent moves at once, given the memory it may use
-/// (its `--memory-budget`: the stage pod's memory request): as many as
-/// leave each at least [`SMALLEST_VOLUME_SHARE_BYTES`] besides
-/// [`AGENT_BASELINE_BYTES`], and at least one. Four in the default 128Mi.
-/// The controller's admission grants a stage pod no more running
-/// transfers than this (from the pod's request, with the same function),
-/// so a cap slot, and its share of the bandwidth, never goes to a transfer
-/// its agent cannot begin now.
-pub fn volumes_at_once(memory_bytes: u64) -> u32 {
-    let room = memory_bytes.saturating_sub(AGENT_BASELINE_BYTES);
-    u32::try_from(room / SMALLEST_VOLUME_SHARE_BYTES)
-        .unwrap_or(u32::MAX)
-        .max(1)
+/// The memory a loaded index takes at most for a repository whose index
+/// files hold `index_file_bytes` (as many blobs as those bytes can hold,
+/// [`INDEX_FILE_BYTES_PER_BLOB`] each, at [`INDEX_MEMORY_BYTES_PER_BLOB`]).
+/// An estimate from above: a million small files' blobs, 42.5 MB of index
+/// files, are counted as 68 MB where their index took 52.8.
+pub fn index_memory_bytes(index_file_bytes: u64) -> u64 {
+    (index_file_bytes / INDEX_FILE_BYTES_PER_BLOB).saturating_mul(INDEX_MEMORY_BYTES_PER_BLOB)
 }
 
-/// The memory each of `volumes` engines moving at once gets from an agent
-/// that may use `memory_bytes`: an equal part of what the baseline leaves,
-/// at most [`DEFAULT_VOLUME_SHARE_BYTES`] (more buys an engine nothing
-/// measurable) and at least [`SMALLEST_VOLUME_SHARE_BYTES`].
-pub fn volume_share_bytes(memory_bytes: u64, volumes: u32) -> u64 {
-    let room = memory_bytes.saturating_sub(AGENT_BASELINE_BYTES);
-    (room / u64::from(volumes.max(1)))
-        .clamp(SMALLEST_VOLUME_SHARE_BYTES, DEFAULT_VOLUME_SHARE_BYTES)
+/// The memory a mover agent plans its volumes in: its budget (its
+/// `--memory-budget`, the stage pod's memory request) and the index of
+/// the repository it moves them to or from, which its engines share and
+/// which grows with the repository rather than with the claims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AgentMemory {
+    /// What the agent may use.
+    pub budget_bytes: u64,
+    /// The bytes of the repository's index files
+    /// (`BackupStorageLocationStatus::index_bytes` in a stage pod).
+    pub index_file_bytes: u64,
+}
+
+impl AgentMemory {
+    /// A budget with an index no larger than the baseline's.
+    pub fn of_budget(budget_bytes: u64) -> Self {
+        AgentMemory {
+            budget_bytes,
+            index_file_bytes: 0,
+        }
+    }
+
+    /// The index's memory beyond what the baseline holds.
+    fn index_excess_bytes(self) -> u64 {
+        index_memory_bytes(self.index_file_bytes).saturating_sub(INDEX_MEMORY_IN_BASELINE_BYTES)
+    }
+
+    /// What the baseline and the index leave to the engines.
+    fn room_bytes(self) -> u64 {
+        self.budget_bytes
+            .saturating_sub(AGENT_BASELINE_BYTES)
+            .saturating_sub(self.index_excess_bytes())
+    }
+
+    /// Volumes the agent moves at once: as many as leave each at least
+    /// [`SMALLEST_VOLUME_SHARE_BYTES`] besides [`AGENT_BASELINE_BYTES`]
+    /// and the index's excess, and at least one. Four in the default
+    /// 128Mi with a small index; two with half a million blobs, one with
+    /// a million (counted as 68 MB where it takes 53: an estimate from
+    /// above, [`index_memory_bytes`]). The
+    /// controller's admission grants a stage pod no more running transfers
+    /// than this (from the pod's request and the index bytes it gives the
+    /// agent, with the same function), so a cap slot, and its share of the
+    /// bandwidth, never goes to a transfer its agent cannot begin now.
+    pub fn volumes_at_once(self) -> u32 {
+        u32::try_from(self.room_bytes() / SMALLEST_VOLUME_SHARE_BYTES)
+            .unwrap_or(u32::MAX)
+            .max(1)
+    }
+
+    /// The memory each of `volumes` engines moving at once gets: an equal
+    /// part of what the baseline and the index leave, at most
+    /// [`DEFAULT_VOLUME_SHARE_BYTES`] (more buys an engine nothing
+    /// measurable) and at least [`SMALLEST_VOLUME_SHARE_BYTES`].
+    pub fn volume_share_bytes(self, volumes: u32) -> u64 {
+        (self.room_bytes() / u64::from(volumes.max(1)))
+            .clamp(SMALLEST_VOLUME_SHARE_BYTES, DEFAULT_VOLUME_SHARE_BYTES)
+    }
+
+    /// The least budget in which one volume fits beside the baseline and
+    /// this index: a stage pod's memory request is raised to it.
+    pub fn least_budget_bytes(self) -> u64 {
+        AGENT_BASELINE_BYTES
+            .saturating_add(self.index_excess_bytes())
+            .saturating_add(SMALLEST_VOLUME_SHARE_BYTES)
+    }
 }
 
 /// One claim's data on its way to or from a storage location.
@@ -411,42 +475,96 @@ mod tests {
 
     #[test]
     fn a_stage_pod_moves_as_many_volumes_as_its_memory_holds() {
-        assert_eq!(volumes_at_once(128 * MIB), 4, "the default stage pod");
-        assert_eq!(volumes_at_once(0), 1, "always one");
+        let budget = |bytes| AgentMemory::of_budget(bytes);
         assert_eq!(
-            volumes_at_once(AGENT_BASELINE_BYTES + SMALLEST_VOLUME_SHARE_BYTES - 1),
+            budget(128 * MIB).volumes_at_once(),
+            4,
+            "the default stage pod"
+        );
+        assert_eq!(budget(0).volumes_at_once(), 1, "always one");
+        assert_eq!(
+            budget(AGENT_BASELINE_BYTES + SMALLEST_VOLUME_SHARE_BYTES - 1).volumes_at_once(),
             1
         );
         assert_eq!(
-            volumes_at_once(AGENT_BASELINE_BYTES + 2 * SMALLEST_VOLUME_SHARE_BYTES),
+            budget(AGENT_BASELINE_BYTES + 2 * SMALLEST_VOLUME_SHARE_BYTES).volumes_at_once(),
             2
         );
-        assert_eq!(volumes_at_once(1 << 30), 42);
-        // A budget below one smallest engine still moves one volume, in
-        // the smallest share; from there on, the volumes fit.
-        for memory in [
-            AGENT_BASELINE_BYTES + SMALLEST_VOLUME_SHARE_BYTES,
-            128 * MIB,
-            256 * MIB,
-            1 << 30,
-        ] {
-            let volumes = volumes_at_once(memory);
-            let share = volume_share_bytes(memory, volumes);
-            assert!(
-                AGENT_BASELINE_BYTES + u64::from(volumes) * share <= memory,
-                "{volumes} volumes of {share} bytes in {memory}"
-            );
-        }
-        assert_eq!(volume_share_bytes(128 * MIB, 1), 92 * MIB);
-        assert_eq!(volume_share_bytes(128 * MIB, 4), 23 * MIB);
-        assert_eq!(volume_share_bytes(128 * MIB, 3), 92 * MIB / 3);
-        assert_eq!(volume_share_bytes(256 * MIB, 1), DEFAULT_VOLUME_SHARE_BYTES);
+        assert_eq!(budget(1 << 30).volumes_at_once(), 42);
+        assert_eq!(budget(128 * MIB).volume_share_bytes(1), 92 * MIB);
+        assert_eq!(budget(128 * MIB).volume_share_bytes(4), 23 * MIB);
+        assert_eq!(budget(128 * MIB).volume_share_bytes(3), 92 * MIB / 3);
         assert_eq!(
-            volume_share_bytes(1 << 30, 1),
+            budget(256 * MIB).volume_share_bytes(1),
+            DEFAULT_VOLUME_SHARE_BYTES
+        );
+        assert_eq!(
+            budget(1 << 30).volume_share_bytes(1),
             DEFAULT_VOLUME_SHARE_BYTES,
             "no more than a whole engine"
         );
-        assert_eq!(volume_share_bytes(0, 3), SMALLEST_VOLUME_SHARE_BYTES);
+        assert_eq!(budget(0).volume_share_bytes(3), SMALLEST_VOLUME_SHARE_BYTES);
+    }
+
+    #[test]
+    fn an_index_beyond_the_baseline_takes_its_memory_from_the_volumes() {
+        // A million blobs: 42.5 MB of index files (measured), counted as
+        // 68 MB in memory (52.8 MB measured).
+        let million = 42_500_000;
+        let estimate = index_memory_bytes(million);
+        assert!((52_800_000..70_000_000).contains(&estimate), "{estimate}");
+        let with_index = |budget_bytes| AgentMemory {
+            budget_bytes,
+            index_file_bytes: million,
+        };
+        assert_eq!(with_index(128 * MIB).volumes_at_once(), 1);
+        assert_eq!(with_index(192 * MIB).volumes_at_once(), 4);
+        let half = AgentMemory {
+            budget_bytes: 128 * MIB,
+            index_file_bytes: million / 2,
+        };
+        assert_eq!(half.volumes_at_once(), 2);
+        // An index within the baseline changes nothing.
+        let small = AgentMemory {
+            budget_bytes: 128 * MIB,
+            index_file_bytes: 4 * MIB,
+        };
+        assert_eq!(small.volumes_at_once(), 4);
+        assert_eq!(small.volume_share_bytes(4), 23 * MIB);
+        assert_eq!(small.least_budget_bytes(), 59 * MIB);
+        // Four million blobs: one volume does not fit in 128Mi; the least
+        // budget holds it.
+        let huge = with_index(128 * MIB);
+        let huge = AgentMemory {
+            index_file_bytes: 4 * million,
+            ..huge
+        };
+        assert_eq!(huge.volumes_at_once(), 1);
+        assert!(huge.least_budget_bytes() > 128 * MIB);
+        // Whatever the budget and the index, the volumes at once, each in
+        // its share, fit beside the baseline and the index's excess once
+        // the budget is at least the least one.
+        for budget_bytes in [0, 64 * MIB, 128 * MIB, 256 * MIB, 1 << 30] {
+            for index_file_bytes in [0, MIB, 10 * MIB, million, 4 * million] {
+                let memory = AgentMemory {
+                    budget_bytes,
+                    index_file_bytes,
+                };
+                let memory = AgentMemory {
+                    budget_bytes: budget_bytes.max(memory.least_budget_bytes()),
+                    ..memory
+                };
+                let volumes = memory.volumes_at_once();
+                let share = memory.volume_share_bytes(volumes);
+                let index = index_memory_bytes(index_file_bytes)
+                    .saturating_sub(INDEX_MEMORY_IN_BASELINE_BYTES);
+                assert!(
+                    AGENT_BASELINE_BYTES + index + u64::from(volumes) * share
+                        <= memory.budget_bytes,
+                    "{volumes} volumes of {share} bytes in {memory:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -980,6 +980,7 @@ mod tests {
             phase: Some(phase),
             last_validation_time: Some(at(30)),
             last_probe_latency_milliseconds: Some(7),
+            index_bytes: None,
             message: Some(format!("{name} message")),
             conditions: vec![crate::api::Condition::new(
                 condition_type::AVAILABLE,

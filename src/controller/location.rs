@@ -297,12 +297,20 @@ pub async fn probe_location(
         if !report.is_ok() {
             return ProbeOutcome::failed(ProbeProblem::Other, "the probe did not run every step");
         }
-        match check_repository(store, spec, password).await {
-            Ok(initialized) => ProbeOutcome::Succeeded {
+        let initialized = match check_repository(store.clone(), spec, password).await {
+            Ok(initialized) => initialized,
+            Err(outcome) => return outcome,
+        };
+        match crate::engine::repository::index_file_bytes(store.as_ref()).await {
+            Ok(index_bytes) => ProbeOutcome::Succeeded {
                 latency_milliseconds,
                 initialized,
+                index_bytes,
             },
-            Err(outcome) => outcome,
+            Err(error) => ProbeOutcome::failed(
+                problem_of(error.cause()),
+                format!("cannot list the repository's index files: {error}"),
+            ),
         }
     };
     match tokio::time::timeout(timeout, probe).await {

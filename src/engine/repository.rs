@@ -552,6 +552,15 @@ impl Repository {
         Chunker::new(self.config.chunker, self.keys.gear_seed)
     }
 
+    /// The bytes of the repository's index files, as listed: what a
+    /// mover agent's memory plan counts the loaded index by
+    /// ([`index_file_bytes`]).
+    pub async fn index_file_bytes(&self) -> Result<u64, EngineError> {
+        index_file_bytes(self.store.as_ref())
+            .await
+            .map_err(|error| EngineError::store("list index files", error))
+    }
+
     /// Load every index file, then adopt packs that no index names by
     /// reading their trailers, so blobs stored by an interrupted backup are
     /// found and not uploaded again.
@@ -1374,6 +1383,20 @@ impl Repository {
             }),
         }
     }
+}
+
+/// The bytes of the index files in `store` (one listing of `index/`):
+/// the stage pods' memory plan counts the index every agent loads by them
+/// (`api::transfer::AgentMemory`).
+pub async fn index_file_bytes(
+    store: &dyn crate::store::ObjectStore,
+) -> Result<u64, crate::store::StoreError> {
+    Ok(store
+        .list(INDEX_PREFIX)
+        .await?
+        .iter()
+        .map(|meta| meta.size)
+        .sum())
 }
 
 /// What [`Repository::newest_snapshot_of`] found.

@@ -124,8 +124,8 @@ pub struct Limits {
     /// BackupStorageLocations by `namespace/name`.
     pub locations: BTreeMap<String, LocationLimits>,
     /// Volumes each stage pod's agent moves at once, by `namespace/name`
-    /// (what its memory request holds:
-    /// [`haulage_api::transfer::volumes_at_once`]); one for a pod not
+    /// (what its memory request holds beside the repository's index:
+    /// [`haulage_api::transfer::AgentMemory::volumes_at_once`]); one for a pod not
     /// listed.
     pub stage_pods: BTreeMap<String, u32>,
 }
@@ -232,7 +232,7 @@ impl fmt::Display for Hold {
                 running,
             } => write!(
                 formatter,
-                "stage pod {pod}: its agent moves {limit} volume{} at a time (what its memory request holds) and is moving {running} now; starts when one of them ends (or give the pod more memory through a StoragePolicy's spec.stagePodResources)",
+                "stage pod {pod}: its agent moves {limit} volume{} at a time (what its memory request holds beside the repository's index) and is moving {running} now; starts when one of them ends (or give the pod more memory through a StoragePolicy's spec.stagePodResources)",
                 if *limit == 1 { "" } else { "s" }
             ),
             Hold::Volumes {

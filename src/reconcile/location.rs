@@ -109,6 +109,8 @@ pub enum ProbeOutcome {
         latency_milliseconds: i64,
         /// The controller created the repository in this probe.
         initialized: bool,
+        /// The bytes of the repository's index files.
+        index_bytes: u64,
     },
     /// The location cannot be used.
     Failed {
@@ -145,8 +147,10 @@ pub fn next_location_status(
         ProbeOutcome::Succeeded {
             latency_milliseconds,
             initialized,
+            index_bytes,
         } => {
             status.last_probe_latency_milliseconds = Some(*latency_milliseconds);
+            status.index_bytes = Some(i64::try_from(*index_bytes).unwrap_or(i64::MAX));
             if *initialized {
                 (
                     BackupStorageLocationPhase::Available,
@@ -724,6 +728,7 @@ mod tests {
             &ProbeOutcome::Succeeded {
                 latency_milliseconds: 12,
                 initialized: false,
+                index_bytes: 4096,
             },
             &[],
             Some(3),
@@ -731,6 +736,7 @@ mod tests {
         );
         assert_eq!(status.phase, Some(BackupStorageLocationPhase::Available));
         assert_eq!(status.last_probe_latency_milliseconds, Some(12));
+        assert_eq!(status.index_bytes, Some(4096));
         assert_eq!(status.observed_generation, Some(3));
         let condition = find_condition(&status.conditions, condition_type::AVAILABLE).expect("set");
         assert_eq!(condition.reason, reason::PROBE_SUCCEEDED);
@@ -910,6 +916,7 @@ mod tests {
                 outcome: &ProbeOutcome::Succeeded {
                     latency_milliseconds: 3,
                     initialized: false,
+                    index_bytes: 0,
                 },
                 secrets: &[],
             },
@@ -933,6 +940,7 @@ mod tests {
         let succeeded = ProbeOutcome::Succeeded {
             latency_milliseconds: 3,
             initialized: false,
+            index_bytes: 0,
         };
         let probed = Validation::Probed {
             outcome: &succeeded,
@@ -989,6 +997,7 @@ mod tests {
                 outcome: &ProbeOutcome::Succeeded {
                     latency_milliseconds: 5,
                     initialized: false,
+                    index_bytes: 0,
                 },
                 secrets: &[],
             },

@@ -22,7 +22,7 @@ use haulage_api::labels::{
 };
 use haulage_api::location::BackupStorageLocationSpec;
 use haulage_api::names::{MAX_LABEL_LENGTH, bounded_label_value, hashed_dns_label};
-use haulage_api::transfer::{OwnerReference, StorageLocationReference, volumes_at_once};
+use haulage_api::transfer::{AgentMemory, OwnerReference, StorageLocationReference};
 use haulage_api::{TransferDirection, VolumeTransfer, VolumeTransferSpec};
 use haulage_plan::StagePod;
 use haulage_plan::facts::{NodeFacts, ResourceMinimum, TaintEffect};
@@ -38,6 +38,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::rbac::v1::{PolicyRule, Role, RoleBinding, RoleRef, Subject};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{self as meta, ObjectMeta};
+use kube::ResourceExt;
 
 /// CPU a stage pod requests unless a LimitRange or StoragePolicy says
 /// otherwise.
@@ -48,6 +49,10 @@ pub const DEFAULT_MEMORY_REQUEST_BYTES: u64 = 128 << 20;
 /// The variable that gives the agent its memory budget, in bytes: the
 /// container's memory request, through the downward API.
 pub const MEMORY_BUDGET_ENV: &str = "HAULAGE_MEMORY_BUDGET";
+/// The variable that gives the agent the bytes of its repository's index
+/// files, from the location's status: the agent and admission plan its
+/// volumes with the same figure ([`AgentMemory`]).
+pub const INDEX_BYTES_ENV: &str = "HAULAGE_INDEX_BYTES";
 /// The stage pod's memory limit, as a multiple of its request.
 pub const MEMORY_LIMIT_FACTOR: u64 = 2;
 /// Where each claim is mounted: `/data/<claim name>`.
@@ -229,6 +234,28 @@ pub struct LocationSettings {
     pub reference: StorageLocationReference,
     /// Its spec (bucket, endpoint, caps: the agent's arguments).
     pub spec: BackupStorageLocationSpec,
+    /// The bytes of its repository's index files at its last probe
+    /// (`status.indexBytes`; 0 before the first): the agents' memory plan
+    /// counts the index they load by them.
+    pub index_file_bytes: u64,
+}
+
+impl LocationSettings {
+    /// The settings of `location`, as its spec and status say now.
+    pub fn of(location: &haulage_api::BackupStorageLocation) -> Self {
+        LocationSettings {
+            reference: StorageLocationReference {
+                namespace: location.namespace().unwrap_or_default(),
+                name: location.name_any(),
+            },
+            spec: location.spec.clone(),
+            index_file_bytes: location
+                .status
+                .as_ref()
+                .and_then(|status| status.index_bytes)
+                .map_or(0, |bytes| u64::try_from(bytes).unwrap_or(0)),
+        }
+    }
 }
 
 /// What every stage pod of one backup or restore shares.
@@ -342,10 +369,14 @@ pub fn resources_for(
 
 /// The requests a stage pod gets: the StoragePolicy's override or the
 /// default, raised to the namespace's LimitRange minimum (a pod below it
-/// would be refused at admission).
+/// would be refused at admission), and its memory to what one volume
+/// needs beside the repository's index (`index_file_bytes` of index
+/// files; [`AgentMemory::least_budget_bytes`]), so that the agent's peak
+/// stays under its request however large the repository.
 pub fn effective_requests(
     resources: ResourceOverride,
     minimum: Option<ResourceMinimum>,
+    index_file_bytes: u64,
 ) -> (u64, u64) {
     let minimum = minimum.unwrap_or_default();
     let cpu = resources
@@ -355,7 +386,14 @@ pub fn effective_requests(
     let memory = resources
         .memory_bytes
         .unwrap_or(DEFAULT_MEMORY_REQUEST_BYTES)
-        .max(minimum.memory_bytes.unwrap_or(0));
+        .max(minimum.memory_bytes.unwrap_or(0))
+        .max(
+            AgentMemory {
+                budget_bytes: 0,
+                index_file_bytes,
+            }
+            .least_budget_bytes(),
+        );
     (cpu, memory)
 }
 
@@ -808,7 +846,11 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
         });
     }
 
-    let (cpu_millis, memory_bytes) = effective_requests(parts.resources, parts.minimum);
+    let (cpu_millis, memory_bytes) = effective_requests(
+        parts.resources,
+        parts.minimum,
+        template.location.index_file_bytes,
+    );
     let memory = Quantity(format_bytes(memory_bytes));
     let resources = ResourceRequirements {
         requests: Some(BTreeMap::from([
@@ -890,6 +932,11 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
                 }),
                 ..EnvVarSource::default()
             }),
+            ..EnvVar::default()
+        },
+        EnvVar {
+            name: INDEX_BYTES_ENV.to_string(),
+            value: Some(template.location.index_file_bytes.to_string()),
             ..EnvVar::default()
         },
         EnvVar {
@@ -993,24 +1040,38 @@ fn build_pod(template: &StagePodTemplate, stage: &StagePod, parts: &PodParts<'_>
 }
 
 /// Volumes the agent of stage pod `pod` moves at once: what its
-/// container's memory request holds ([`volumes_at_once`], which the agent
-/// applies to the same request, given to it as `HAULAGE_MEMORY_BUDGET`);
-/// one when the request cannot be read.
+/// container's memory request holds beside its repository's index
+/// ([`AgentMemory::volumes_at_once`], which the agent applies to the same
+/// figures, given to it as `HAULAGE_MEMORY_BUDGET` and
+/// [`INDEX_BYTES_ENV`]); one when the request cannot be read.
 pub fn volumes_at_once_of(pod: &Pod) -> u32 {
-    pod.spec
+    let Some(container) = pod
+        .spec
         .iter()
         .flat_map(|spec| spec.containers.iter())
         .find(|container| container.name == AGENT_CONTAINER)
-        .and_then(|container| {
-            container
-                .resources
-                .as_ref()?
-                .requests
-                .as_ref()?
-                .get("memory")
-        })
+    else {
+        return 1;
+    };
+    let index_file_bytes = container
+        .env
+        .iter()
+        .flatten()
+        .find(|variable| variable.name == INDEX_BYTES_ENV)
+        .and_then(|variable| variable.value.as_deref()?.parse::<u64>().ok())
+        .unwrap_or(0);
+    container
+        .resources
+        .as_ref()
+        .and_then(|resources| resources.requests.as_ref()?.get("memory"))
         .and_then(|quantity| haulage_plan::quantity::parse_quantity(&quantity.0).ok())
-        .map_or(1, volumes_at_once)
+        .map_or(1, |budget_bytes| {
+            AgentMemory {
+                budget_bytes,
+                index_file_bytes,
+            }
+            .volumes_at_once()
+        })
 }
 
 /// Tolerations for the node's NoSchedule taints and its cordon, which the
@@ -1075,6 +1136,7 @@ mod tests {
                  s3ForcePathStyle: true\ncredential: {name: s3, key: cloud}\nuploadBytesPerSecond: 1048576\n",
             )
             .expect("valid spec"),
+            index_file_bytes: 0,
         }
     }
 
@@ -1218,6 +1280,59 @@ mod tests {
     }
 
     #[test]
+    fn a_large_index_leaves_room_for_fewer_volumes_and_raises_the_request_to_fit_one() {
+        let memory_request = |pod: &Pod| {
+            container(pod)
+                .resources
+                .as_ref()
+                .and_then(|resources| resources.requests.as_ref()?.get("memory").cloned())
+                .expect("a memory request")
+        };
+        let index_bytes = |pod: &Pod| {
+            container(pod)
+                .env
+                .iter()
+                .flatten()
+                .find(|variable| variable.name == INDEX_BYTES_ENV)
+                .and_then(|variable| variable.value.clone())
+                .expect("the index bytes")
+        };
+        let with_index = |index_file_bytes| {
+            let mut template = template(Operation::Backup, "nightly");
+            template.location.index_file_bytes = index_file_bytes;
+            pod_of(&template, &stage("node-a"), None)
+        };
+        // Half a million blobs: 128Mi, two volumes at once.
+        let half = with_index(21_250_000);
+        assert_eq!(memory_request(&half), Quantity("128Mi".into()));
+        assert_eq!(index_bytes(&half), "21250000");
+        assert_eq!(volumes_at_once_of(&half), 2);
+        // Four million: one volume does not fit in 128Mi, so the request
+        // grows to what one needs beside the index; one at a time.
+        let huge = with_index(170_000_000);
+        let request =
+            haulage_plan::quantity::parse_quantity(&memory_request(&huge).0).expect("a quantity");
+        assert_eq!(
+            request,
+            AgentMemory {
+                budget_bytes: 0,
+                index_file_bytes: 170_000_000,
+            }
+            .least_budget_bytes()
+        );
+        assert!(request > 250 << 20, "{request}");
+        assert_eq!(volumes_at_once_of(&huge), 1);
+        // No index bytes given (a pod created before them): as before.
+        let mut before = with_index(0);
+        before.spec.as_mut().expect("spec").containers[0]
+            .env
+            .as_mut()
+            .expect("env")
+            .retain(|variable| variable.name != INDEX_BYTES_ENV);
+        assert_eq!(volumes_at_once_of(&before), 4);
+    }
+
+    #[test]
     fn restore_pod_mounts_read_write_with_the_capabilities_to_restore_owners() {
         let template = template(Operation::Restore, "move");
         let pod = pod_of(&template, &stage("node-a"), None);
@@ -1300,7 +1415,7 @@ mod tests {
     #[test]
     fn requests_default_then_rise_to_the_limit_range_minimum_and_follow_overrides() {
         assert_eq!(
-            effective_requests(ResourceOverride::default(), None),
+            effective_requests(ResourceOverride::default(), None, 0),
             (100, 128 << 20)
         );
         let minimum = ResourceMinimum {
@@ -1308,14 +1423,17 @@ mod tests {
             memory_bytes: Some(64 << 20),
         };
         assert_eq!(
-            effective_requests(ResourceOverride::default(), Some(minimum)),
+            effective_requests(ResourceOverride::default(), Some(minimum), 0),
             (250, 128 << 20)
         );
         let policy = ResourceOverride {
             cpu_millis: Some(50),
             memory_bytes: Some(512 << 20),
         };
-        assert_eq!(effective_requests(policy, Some(minimum)), (250, 512 << 20));
+        assert_eq!(
+            effective_requests(policy, Some(minimum), 0),
+            (250, 512 << 20)
+        );
         let template = template(Operation::Backup, "nightly");
         let pod = desired_stage_pod(
             &template,

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use haulage_api::backup::{BackupPlan, OwnerClaim, PlannedStagePod, VolumeCounts};
 use haulage_api::condition::{Condition, condition_type, find_condition};
-use haulage_api::transfer::StorageLocationReference;
 use haulage_api::{
     BackupStorageLocation, VolumeBackupPhase, VolumeBackupStatus, VolumeRestorePhase,
     VolumeRestoreStatus, VolumeTransfer, VolumeTransferPhase, VolumeTransferStatus,
@@ -307,13 +306,7 @@ impl StagingObservation {
                 operation,
                 owner.clone(),
                 &self.settings.agent_image,
-                LocationSettings {
-                    reference: StorageLocationReference {
-                        namespace: location.namespace().unwrap_or_default(),
-                        name: location.name_any(),
-                    },
-                    spec: location.spec.clone(),
-                },
+                LocationSettings::of(location),
             )
         }
     }

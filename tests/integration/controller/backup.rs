@@ -311,11 +311,51 @@ async fn a_stage_pod_moves_its_claims_at_once_as_far_as_its_memory_and_the_caps_
         serde_json::json!({"matchLabels": {"backup": "yes"}}),
     )
     .await?;
-    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), "team-0");
+    let watched = watch_until_completed(client, "together", "team-0").await?;
+    assert_eq!(
+        watched.stage_pods.len(),
+        1,
+        "one stage pod for the three claims: {:?}",
+        watched.stage_pods
+    );
+    assert_eq!(
+        watched.most_at_once, 2,
+        "two of the stage pod's claims move at once, as the node's cap allows"
+    );
+    let held = watched
+        .queued_messages
+        .iter()
+        .find(|message| message.contains("node node-0"))
+        .context("the third claim never waited for the node's cap")?;
+    assert!(held.contains("2 of 2 volumes running"), "{held}");
+    fixture.stop().await;
+    Ok(())
+}
+
+/// What [`watch_until_completed`] saw of a backup's transfers.
+struct WatchedTransfers {
+    /// The most transfers InProgress at once.
+    most_at_once: usize,
+    /// The stage pods the transfers named.
+    stage_pods: std::collections::BTreeSet<String>,
+    /// The condition messages of queued transfers.
+    queued_messages: std::collections::BTreeSet<String>,
+}
+
+/// Look at the transfers of VolumeBackup `backup` in `namespace` every
+/// 100 ms until it completes.
+async fn watch_until_completed(
+    client: &kube::Client,
+    backup: &str,
+    namespace: &str,
+) -> anyhow::Result<WatchedTransfers> {
+    let transfers: Api<VolumeTransfer> = Api::namespaced(client.clone(), namespace);
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    let mut most_at_once = 0;
-    let mut held_by_the_node = None;
-    let mut pods = std::collections::BTreeSet::new();
+    let mut watched = WatchedTransfers {
+        most_at_once: 0,
+        stage_pods: Default::default(),
+        queued_messages: Default::default(),
+    };
     let deadline = std::time::Instant::now() + BACKUP_DEADLINE;
     loop {
         let list = transfers.list(&ListParams::default()).await?;
@@ -324,26 +364,26 @@ async fn a_stage_pod_moves_its_claims_at_once_as_far_as_its_memory_and_the_caps_
             .iter()
             .filter(|transfer| transfer.phase() == VolumeTransferPhase::InProgress)
             .count();
-        most_at_once = most_at_once.max(running);
+        watched.most_at_once = watched.most_at_once.max(running);
         for transfer in &list.items {
-            pods.insert(transfer.spec.stage_pod.clone());
+            watched.stage_pods.insert(transfer.spec.stage_pod.clone());
             if transfer.phase() == VolumeTransferPhase::Queued {
-                held_by_the_node = transfer
-                    .status
-                    .iter()
-                    .flat_map(|status| status.conditions.iter())
-                    .map(|condition| condition.message.clone())
-                    .find(|message| message.contains("node node-0"))
-                    .or(held_by_the_node);
+                watched.queued_messages.extend(
+                    transfer
+                        .status
+                        .iter()
+                        .flat_map(|status| status.conditions.iter())
+                        .map(|condition| condition.message.clone()),
+                );
             }
         }
         let phase = backups
-            .get("together")
+            .get(backup)
             .await?
             .status
             .and_then(|status| status.phase);
         if phase == Some(haulage::api::backup::VolumeBackupPhase::Completed) {
-            break;
+            return Ok(watched);
         }
         anyhow::ensure!(
             std::time::Instant::now() < deadline,
@@ -351,17 +391,72 @@ async fn a_stage_pod_moves_its_claims_at_once_as_far_as_its_memory_and_the_caps_
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The index every agent loads takes its part of the stage pod's memory:
+/// the location's probe lists its index files (`status.indexBytes`), the
+/// stage pod gives that figure to its agent, and the agent and admission
+/// plan the same fewer volumes at once. A repository whose index files
+/// hold 700,000 blobs (24 MB, counted as 38 MB in memory) leaves a 128Mi
+/// stage pod room for two volumes where it holds four with a small index:
+/// three claims on one node with no node cap in the way, two move at once
+/// and the third waits for the stage pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_large_index_leaves_a_stage_pod_room_for_fewer_volumes_at_once() -> anyhow::Result<()> {
+    let fixture = Fixture::builder()
+        .layout(crate::support::fixture::Layout::many(3, 1, 1))
+        .max_volumes_per_node(Some(8))
+        .long_running_transfers()
+        .volume_bytes(6 << 20)
+        .start()
+        .await?;
+    let client = &fixture.client;
+    let index_bytes = fixture.write_index_of_unstored_blobs(700_000).await?;
+    let probed = fixture.location_index_bytes_at_least(index_bytes).await?;
+    assert_eq!(probed, index_bytes, "the probe lists what is there");
+    let memory = haulage::api::transfer::AgentMemory {
+        budget_bytes: 128 << 20,
+        index_file_bytes: index_bytes,
+    };
     assert_eq!(
-        pods.len(),
-        1,
-        "one stage pod for the three claims: {pods:?}"
+        memory.volumes_at_once(),
+        2,
+        "{index_bytes} bytes of index files"
     );
+
+    crate::support::fixture::create_backup_in(
+        client,
+        "beside-a-large-index",
+        &["team-0"],
+        serde_json::json!({"matchLabels": {"backup": "yes"}}),
+    )
+    .await?;
+    let watched = watch_until_completed(client, "beside-a-large-index", "team-0").await?;
+    assert_eq!(watched.stage_pods.len(), 1, "{:?}", watched.stage_pods);
     assert_eq!(
-        most_at_once, 2,
-        "two of the stage pod's claims move at once, as the node's cap allows"
+        watched.most_at_once, 2,
+        "two volumes at once beside the index (four without it)"
     );
-    let held = held_by_the_node.context("the third claim never waited for the node's cap")?;
-    assert!(held.contains("2 of 2 volumes running"), "{held}");
+    let held = watched
+        .queued_messages
+        .iter()
+        .find(|message| message.contains("stage pod"))
+        .context("the third claim never waited for the stage pod")?;
+    assert!(
+        held.contains("moves 2 volumes at a time") && held.contains("moving 2 now"),
+        "{held}"
+    );
+    // The agent planned the same two, with the figure its pod gave it.
+    let planned = fixture
+        .kubelet
+        .agent_log_lines_containing("volumes planned within the memory budget");
+    assert_eq!(planned.len(), 1, "{planned:?}");
+    assert!(
+        planned[0].contains(&format!("index_file_bytes={index_bytes}"))
+            && planned[0].contains("volumes_at_once=2"),
+        "{}",
+        planned[0]
+    );
     fixture.stop().await;
     Ok(())
 }

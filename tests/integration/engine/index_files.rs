@@ -140,3 +140,62 @@ async fn prune_gathers_the_index_files_of_many_backups_into_as_few_as_needed() {
     assert!(!again.contains("gather"), "{again}");
     assert_eq!(index_files(), 1);
 }
+
+/// The memory a stage pod plans for the index every agent loads is
+/// counted from the bytes of the index files alone
+/// (`api::transfer::index_memory_bytes`), and must not count less than the
+/// loaded index holds, whatever the files are like: here 6,000 small files
+/// all of one length (whose records compress best: only the ids are left),
+/// then files of many lengths and a large one cut into chunks.
+#[tokio::test]
+async fn the_index_memory_counted_from_its_files_is_never_less_than_the_loaded_index() {
+    use haulage::api::transfer::index_memory_bytes;
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    let alike = source.join("alike");
+    std::fs::create_dir_all(&alike).unwrap();
+    for file in 0..6_000u64 {
+        std::fs::write(alike.join(format!("f{file}")), random_bytes(file, 4096)).unwrap();
+    }
+    let check = |stage: &'static str| {
+        let repo = &repo;
+        async move {
+            let file_bytes = repo.repository.index_file_bytes().await.unwrap();
+            let listed: u64 = std::fs::read_dir(repo.root().join("index"))
+                .unwrap()
+                .map(|entry| entry.unwrap().metadata().unwrap().len())
+                .sum();
+            assert_eq!(file_bytes, listed, "{stage}: the listing's bytes");
+            let loaded = repo.repository.load_index().await.unwrap();
+            let held = loaded.index.memory_bytes() as u64;
+            let counted = index_memory_bytes(file_bytes);
+            println!(
+                "{stage}: {} blobs, {file_bytes} bytes of index files, {held} bytes held, {counted} counted",
+                loaded.index.len()
+            );
+            assert!(
+                counted >= held,
+                "{stage}: {counted} bytes counted for an index holding {held}"
+            );
+            assert!(
+                counted <= 2 * held,
+                "{stage}: {counted} bytes counted for an index holding {held}: too far above"
+            );
+        }
+    };
+    repo.backup(&source).await;
+    check("6,000 files of 4 KiB").await;
+    let varied = source.join("varied");
+    std::fs::create_dir_all(&varied).unwrap();
+    for file in 0..3_000u64 {
+        let length = 256 + (file as usize * 7_919) % 3_840;
+        std::fs::write(
+            varied.join(format!("f{file}")),
+            random_bytes(10_000 + file, length),
+        )
+        .unwrap();
+    }
+    std::fs::write(source.join("large"), random_bytes(99, 24 << 20)).unwrap();
+    repo.backup(&source).await;
+    check("then 3,000 of 256 bytes to 4 KiB and one of 24 MiB").await;
+}

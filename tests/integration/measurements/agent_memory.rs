@@ -26,6 +26,12 @@ use crate::support::fixture::{Fixture, Layout, create, final_phase};
 /// measurements::agent_memory -- --ignored --nocapture`. Then the four
 /// claims' snapshots restored by a VolumeRestore into new claims of
 /// another namespace (one stage pod, each volume verified).
+///
+/// `HAULAGE_AGENT_INDEX_BLOBS=N` first writes index files of N blobs (of
+/// packs never stored) into the repository, as a location many claims
+/// were backed up into has, and waits for the location's probe to count
+/// them; `HAULAGE_AGENT_MEMORY_REQUEST=192Mi` gives the stage pods that
+/// memory request through a StoragePolicy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a measurement for docs/benchmarks.md (~1 min, 2.5 GiB of temporary disk), not a check"]
 async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -> anyhow::Result<()>
@@ -59,6 +65,23 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         .start()
         .await?;
     let client = &fixture.client;
+    if let Some(blobs) = std::env::var("HAULAGE_AGENT_INDEX_BLOBS")
+        .ok()
+        .and_then(|blobs| blobs.parse::<u32>().ok())
+    {
+        let index_bytes = fixture.write_index_of_unstored_blobs(blobs).await?;
+        fixture.location_index_bytes_at_least(index_bytes).await?;
+        println!("index files of {blobs} blobs: {index_bytes} bytes");
+    }
+    if let Ok(request) = std::env::var("HAULAGE_AGENT_MEMORY_REQUEST") {
+        crate::support::fixture::create_storage_policy(
+            client,
+            "measured-request",
+            json!({"provisioners": [crate::support::fixture::PROVISIONER],
+                "stagePodResources": {"requests": {"memory": request}}}),
+        )
+        .await?;
+    }
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     for (name, namespace, claims) in [("one", "solo", 1), ("four-at-once", "pair", 4)] {
         let started = Instant::now();

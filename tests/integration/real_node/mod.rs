@@ -947,13 +947,7 @@ async fn a_restricted_namespace_refuses_the_root_stage_pod_with_a_condition_and_
             uid: "dry-run".to_string(),
         },
         &node.agent_image,
-        LocationSettings {
-            reference: haulage::api::transfer::StorageLocationReference {
-                namespace: SYSTEM_NAMESPACE.to_string(),
-                name: "real-locked".to_string(),
-            },
-            spec: location.spec.clone(),
-        },
+        LocationSettings::of(&location),
     );
     let pod_of = |template: &StagePodTemplate| {
         desired_stage_pod(template, &stage, StagePodInputs::default()).pod

@@ -790,6 +790,58 @@ impl Fixture {
         .await?)
     }
 
+    /// Write index files naming `blobs` blobs (random ids, 10,000 a pack)
+    /// of packs never stored, as a backup writes them: a repository whose
+    /// index is that large, without the hours of storing its data. No
+    /// backup finds a chunk among them. Returns the bytes of all the
+    /// repository's index files after.
+    pub async fn write_index_of_unstored_blobs(&self, blobs: u32) -> anyhow::Result<u64> {
+        let repository = self.repository().await?;
+        let mut random = fastrand::Rng::with_seed(u64::from(blobs));
+        let mut id = move || {
+            let mut id = [0u8; 32];
+            random.fill(&mut id);
+            id
+        };
+        let mut packs = Vec::new();
+        let mut left = blobs;
+        while left > 0 {
+            let count = left.min(10_000);
+            left -= count;
+            let entries = (0..count)
+                .map(|blob| haulage::repo::pack::PackEntry {
+                    id: haulage::repo::BlobId(id()),
+                    kind: haulage::repo::BlobKind::Data,
+                    compression: haulage::repo::Compression::Zstd,
+                    offset: blob * 4_000,
+                    stored_length: 3_000 + blob % 1_000,
+                    raw_length: 4_000,
+                })
+                .collect();
+            packs.push((haulage::repo::ObjectId(id()), entries));
+        }
+        repository.write_index(packs).await?;
+        Ok(repository.index_file_bytes().await?)
+    }
+
+    /// Wait until the location's probe has counted at least `bytes` of
+    /// index files (`status.indexBytes`); what it counted.
+    pub async fn location_index_bytes_at_least(&self, bytes: u64) -> anyhow::Result<u64> {
+        let locations: Api<BackupStorageLocation> =
+            Api::namespaced(self.client.clone(), SYSTEM_NAMESPACE);
+        eventually(Duration::from_secs(60), || async {
+            Ok(locations
+                .get("minio")
+                .await?
+                .status
+                .and_then(|status| status.index_bytes)
+                .map(|counted| u64::try_from(counted).unwrap_or(0))
+                .filter(|counted| *counted >= bytes))
+        })
+        .await
+        .with_context(|| format!("the location's probe never counted {bytes} bytes of index files"))
+    }
+
     /// Pack objects in the fixture's repository, listed from MinIO behind
     /// the controller's back (a pack exists only once fully uploaded).
     pub async fn packs_stored(&self) -> anyhow::Result<usize> {
