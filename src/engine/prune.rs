@@ -14,7 +14,11 @@
 //!    id, not its pack), write their index, then record the old packs and
 //!    the unused ones as deletion candidates.
 //! 2. Under an exclusive lock (no lock-holding backup runs): gather and
-//!    plan again from scratch; delete only candidates marked at least the
+//!    plan again, reading only what was written since the first phase
+//!    listed (index files, packs no index names, snapshots and the trees
+//!    they reach; what the first phase read cannot have changed under its
+//!    id, and what it found reachable stays so, or was forgotten and is
+//!    kept one prune longer); delete only candidates marked at least the
 //!    safety margin ago that are still not needed: first write index files
 //!    for every pack that stays, then delete the old index files, then the
 //!    packs, then update the candidates record. The index files are
@@ -102,10 +106,30 @@ impl Inventory {
     }
 }
 
-async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineError> {
+/// List the index files and packs and learn every pack's blobs. With
+/// `before` (the first phase's inventory), the index files it read are not
+/// read again and the packs it knew keep the blobs it found (an index
+/// file's or a pack's content never changes under its id): only what was
+/// written since is read.
+async fn take_inventory(
+    repository: &Repository,
+    before: Option<Inventory>,
+) -> Result<Inventory, EngineError> {
     let store = repository.store();
     let mut inventory = Inventory::default();
     let mut known: HashMap<ObjectId, Vec<PackEntry>> = HashMap::new();
+    let (read_before, mut packs_before): (HashSet<ObjectId>, HashMap<ObjectId, Vec<PackEntry>>) =
+        match before {
+            Some(before) => (
+                before.index_files.into_iter().collect(),
+                before
+                    .packs
+                    .into_iter()
+                    .map(|pack| (pack.id, pack.entries))
+                    .collect(),
+            ),
+            None => Default::default(),
+        };
     let index_objects = store
         .list(INDEX_PREFIX)
         .await
@@ -115,6 +139,10 @@ async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineErro
         .filter_map(|meta| Some((repo::id_from_key(&meta.key, INDEX_PREFIX)?, meta.key)))
         .collect();
     inventory.index_files = ids.iter().map(|(id, _)| *id).collect();
+    let ids: Vec<(ObjectId, String)> = ids
+        .into_iter()
+        .filter(|(id, _)| !read_before.contains(id))
+        .collect();
     // Read a few at once (a location of many backups holds hundreds of
     // small index files), decoded in the order listed.
     let mut reads = futures::stream::iter(ids)
@@ -148,7 +176,7 @@ async fn take_inventory(repository: &Repository) -> Result<Inventory, EngineErro
         let Some(id) = repo::id_from_key(&meta.key, DATA_PREFIX) else {
             continue;
         };
-        let entries = match known.remove(&id) {
+        let entries = match known.remove(&id).or_else(|| packs_before.remove(&id)) {
             Some(entries) => entries,
             None => match repository.read_pack_trailer(&id, meta.size).await {
                 Ok(entries) => entries,
@@ -210,25 +238,53 @@ async fn survey_checkpoints(
     Ok(survey)
 }
 
+/// The snapshots read and the blobs found reachable from them and from
+/// the kept checkpoints.
+#[derive(Debug, Default)]
+struct Reached {
+    /// The snapshots whose trees were walked.
+    snapshots: HashSet<ObjectId>,
+    /// Every blob reachable from them.
+    referenced: HashSet<BlobId>,
+}
+
 /// Every blob the snapshots and the kept checkpoints (`checkpoint_trees`)
-/// reference: their trees and file chunks. Any snapshot or tree of one
-/// that cannot be read stops prune (it could not know what that snapshot
-/// needs); a checkpoint keeps only what of it is still stored (a backup
-/// reads again whatever of a checkpoint is gone).
+/// reference: their trees and file chunks, and the number of snapshots.
+/// Any snapshot or tree of one that cannot be read stops prune (it could
+/// not know what that snapshot needs); a checkpoint keeps only what of it
+/// is still stored (a backup reads again whatever of a checkpoint is gone).
+/// With `before` (the first phase's), only the snapshots written since are
+/// read and walked, and the trees already walked are not again; a
+/// snapshot forgotten since keeps its blobs until the next prune.
 async fn referenced_blobs(
     repository: &Repository,
     index: &BlobIndex,
     checkpoint_trees: &[BlobId],
-) -> Result<(usize, HashSet<BlobId>), EngineError> {
-    let (snapshots, damaged) = repository.list_snapshots().await?;
-    if let Some(error) = damaged.into_iter().next() {
+    before: Option<Reached>,
+) -> Result<(usize, Reached), EngineError> {
+    let ids = repository.snapshot_ids().await?;
+    let Reached {
+        snapshots: read_before,
+        mut referenced,
+    } = before.unwrap_or_default();
+    let unread: Vec<ObjectId> = ids
+        .iter()
+        .filter(|id| !read_before.contains(id))
+        .copied()
+        .collect();
+    let mut roots = Vec::with_capacity(unread.len());
+    let mut damaged = None;
+    repository
+        .each_snapshot_of(unread, |_, result| match result {
+            Ok(snapshot) => roots.push(snapshot.tree),
+            Err(error) => {
+                damaged.get_or_insert(error);
+            }
+        })
+        .await;
+    if let Some(error) = damaged {
         return Err(error);
     }
-    let mut referenced = HashSet::new();
-    let roots: Vec<BlobId> = snapshots
-        .iter()
-        .map(|(_, snapshot)| snapshot.tree)
-        .collect();
     add_reachable(repository, index, &roots, Reach::Required, &mut referenced).await?;
     add_reachable(
         repository,
@@ -238,7 +294,13 @@ async fn referenced_blobs(
         &mut referenced,
     )
     .await?;
-    Ok((snapshots.len(), referenced))
+    Ok((
+        ids.len(),
+        Reached {
+            snapshots: ids.into_iter().collect(),
+            referenced,
+        },
+    ))
 }
 
 /// How [`add_reachable`] treats a blob the store no longer has.
@@ -310,25 +372,39 @@ async fn add_reachable(
 /// What prune found, and its plan.
 struct Gathered {
     inventory: Inventory,
+    reached: Reached,
     snapshots: usize,
     checkpoints: CheckpointSurvey,
     plan: PrunePlan,
     candidates: Vec<Candidate>,
 }
 
-/// Gather the facts and plan.
+/// What the first phase read, which the second does not read again.
+struct ReadBefore {
+    inventory: Inventory,
+    reached: Reached,
+}
+
+/// Gather the facts and plan; with `before`, reading only what was
+/// written since it.
 async fn gather_and_plan(
     repository: &Repository,
     settings: PruneSettings,
+    before: Option<ReadBefore>,
 ) -> Result<Gathered, EngineError> {
-    let inventory = take_inventory(repository).await?;
+    let (inventory_before, reached_before) = match before {
+        Some(before) => (Some(before.inventory), Some(before.reached)),
+        None => (None, None),
+    };
+    let inventory = take_inventory(repository, inventory_before).await?;
     let candidates = repository.load_deletion_candidates().await?.candidates;
     let index = inventory.blob_index(&candidates);
     let checkpoints = survey_checkpoints(repository, settings, unix_now()).await?;
-    let (snapshots, referenced) = referenced_blobs(repository, &index, &checkpoints.kept).await?;
+    let (snapshots, reached) =
+        referenced_blobs(repository, &index, &checkpoints.kept, reached_before).await?;
     let plan = plan_prune(
         &inventory.packs,
-        &referenced,
+        &reached.referenced,
         &candidates,
         unix_now(),
         settings,
@@ -341,6 +417,7 @@ async fn gather_and_plan(
     }
     Ok(Gathered {
         inventory,
+        reached,
         snapshots,
         checkpoints,
         plan,
@@ -362,7 +439,7 @@ pub async fn prune(
     )
     .await?;
     let result = first_phase(repository, options, &shared, cancel).await;
-    let (mut report, deletion_due, gather) = match result {
+    let (mut report, deletion_due, gather, read_before) = match result {
         Ok(outcome) => outcome,
         Err(error) => {
             let _ = shared.release().await;
@@ -395,7 +472,15 @@ pub async fn prune(
         }
         Err(error) => return Err(error),
     };
-    let result = second_phase(repository, options, &exclusive, &mut report, cancel).await;
+    let result = second_phase(
+        repository,
+        options,
+        &exclusive,
+        &mut report,
+        read_before,
+        cancel,
+    )
+    .await;
     let released = exclusive.release().await;
     result?;
     released?;
@@ -403,13 +488,14 @@ pub async fn prune(
 }
 
 /// Plan, repack and mark. Returns the report, whether a deletion phase
-/// has packs to delete and whether it is to gather the index files.
+/// has packs to delete, whether it is to gather the index files, and what
+/// this phase read.
 async fn first_phase(
     repository: &Repository,
     options: &PruneOptions,
     lock: &RepositoryLock,
     cancel: &CancellationToken,
-) -> Result<(PruneReport, bool, bool), EngineError> {
+) -> Result<(PruneReport, bool, bool, ReadBefore), EngineError> {
     let others = list_locks(repository).await?;
     if let Some(other) = others.iter().find(|other| {
         other.key != lock.key()
@@ -426,11 +512,12 @@ async fn first_phase(
     }
     let Gathered {
         inventory,
+        reached,
         snapshots,
         checkpoints,
         plan,
         candidates,
-    } = gather_and_plan(repository, options.settings).await?;
+    } = gather_and_plan(repository, options.settings, None).await?;
     let sizes = inventory.sizes();
     let mut report = PruneReport {
         dry_run: options.dry_run,
@@ -478,7 +565,7 @@ async fn first_phase(
             report.deleted_packs += report.marked_packs;
             report.deleted_bytes += report.marked_bytes;
         }
-        return Ok((report, false, false));
+        return Ok((report, false, false, ReadBefore { inventory, reached }));
     }
     // Uploads a writer began and never finished (a stage pod killed, or
     // stopped while the location was away) cost storage until aborted:
@@ -536,7 +623,7 @@ async fn first_phase(
     // The counts of the deletion phase replace the first plan's.
     report.deleted_packs = 0;
     report.deleted_bytes = 0;
-    Ok((report, due, gather))
+    Ok((report, due, gather, ReadBefore { inventory, reached }))
 }
 
 /// Copy the needed blobs of the packs to repack into new packs and index
@@ -625,11 +712,12 @@ async fn second_phase(
     options: &PruneOptions,
     lock: &RepositoryLock,
     report: &mut PruneReport,
+    read_before: ReadBefore,
     cancel: &CancellationToken,
 ) -> Result<(), EngineError> {
     let Gathered {
         inventory, plan, ..
-    } = gather_and_plan(repository, options.settings).await?;
+    } = gather_and_plan(repository, options.settings, Some(read_before)).await?;
     report.unmarked_packs += plan.unmark.len();
     report.waiting_packs = plan.waiting.len();
     let sizes = inventory.sizes();

@@ -1332,16 +1332,26 @@ impl Repository {
     /// comes: its id, and the snapshot or why it cannot be read.
     async fn each_snapshot(
         &self,
-        mut visit: impl FnMut(ObjectId, Result<Snapshot, EngineError>),
+        visit: impl FnMut(ObjectId, Result<Snapshot, EngineError>),
     ) -> Result<(), EngineError> {
         let ids = self.snapshot_ids().await?;
+        self.each_snapshot_of(ids, visit).await;
+        Ok(())
+    }
+
+    /// Read the snapshots `ids`, a few at once, and hand each to `visit`
+    /// as it comes: its id, and the snapshot or why it cannot be read.
+    pub(crate) async fn each_snapshot_of(
+        &self,
+        ids: Vec<ObjectId>,
+        mut visit: impl FnMut(ObjectId, Result<Snapshot, EngineError>),
+    ) {
         let mut loads = futures::stream::iter(ids)
             .map(|id| async move { (id, self.load_snapshot(&id).await) })
             .buffer_unordered(LOAD_CONCURRENCY);
         while let Some((id, result)) = loads.next().await {
             visit(id, result);
         }
-        Ok(())
     }
 
     /// Resolve a full id or a unique prefix (at least 4 hex characters), or

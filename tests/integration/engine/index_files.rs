@@ -13,7 +13,7 @@ use haulage::engine::{KeySource, Repository};
 use haulage::store::DynStore;
 use haulage::store::local::LocalStore;
 
-use super::support::{TEST_PASSWORD, TestRepo, random_bytes};
+use super::support::{TEST_PASSWORD, TestRepo, counting_store, random_bytes};
 use crate::support::expect_success;
 
 /// A pack numbered `number` listing `blobs` blobs, each with an id of its
@@ -198,4 +198,86 @@ async fn the_index_memory_counted_from_its_files_is_never_less_than_the_loaded_i
     std::fs::write(source.join("large"), random_bytes(99, 24 << 20)).unwrap();
     repo.backup(&source).await;
     check("then 3,000 of 256 bytes to 4 KiB and one of 24 MiB").await;
+}
+
+/// Prune's second phase, under the exclusive lock, reads only what was
+/// written since its first phase listed: every index file, snapshot and
+/// pack of trees is read once in a prune that gathers the index files of
+/// 40 backups and deletes a forgotten one's pack (before, each was read
+/// once a phase), and every snapshot left still verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prune_reads_each_index_file_snapshot_and_tree_pack_once() {
+    use haulage::engine::prune::{PruneOptions, prune};
+    use haulage::repo::prune::PruneSettings;
+    use tokio_util::sync::CancellationToken;
+
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).unwrap();
+    let mut snapshots = Vec::new();
+    for round in 0..40u64 {
+        std::fs::write(
+            source.join(format!("f{round}")),
+            random_bytes(round, 64 << 10),
+        )
+        .unwrap();
+        snapshots.push(repo.backup(&source).await.snapshot_id);
+    }
+    // The last file's only snapshot is forgotten: its pack is no one's.
+    std::fs::remove_file(source.join("f39")).unwrap();
+    let forgotten = snapshots.pop().unwrap();
+    std::fs::remove_file(repo.root().join("snapshots").join(forgotten.to_hex())).unwrap();
+
+    let counted = counting_store(Arc::new(LocalStore::new(repo.root())) as DynStore);
+    let repository = Repository::open(
+        counted.clone() as DynStore,
+        &KeySource::password(TEST_PASSWORD),
+    )
+    .await
+    .unwrap();
+    counted.layer().take_reads();
+    let report = prune(
+        &repository,
+        &PruneOptions {
+            settings: PruneSettings {
+                repack_threshold: 0.1,
+                safety_margin_seconds: 0,
+                checkpoint_max_age_seconds: 3600,
+            },
+            dry_run: false,
+            lock_wait: std::time::Duration::from_secs(5),
+        },
+        &CancellationToken::new(),
+    )
+    .await
+    .expect("prune");
+    assert!(report.deleted_packs >= 1, "{report:?}");
+    assert_eq!(report.index_files_written, 1, "{report:?}");
+    let reads = counted.layer().take_reads();
+    let mut times_read: std::collections::BTreeMap<&str, usize> = Default::default();
+    for read in &reads {
+        *times_read.entry(read.key.as_str()).or_default() += 1;
+    }
+    let read_twice: Vec<_> = times_read
+        .iter()
+        .filter(|(key, times)| {
+            **times > 1
+                && (key.starts_with("index/")
+                    || key.starts_with("snapshots/")
+                    || key.starts_with("data/"))
+        })
+        .collect();
+    assert!(
+        read_twice.is_empty(),
+        "read more than once by one prune: {read_twice:?}"
+    );
+    for prefix in ["index/", "snapshots/"] {
+        let read = times_read
+            .keys()
+            .filter(|key| key.starts_with(prefix))
+            .count();
+        assert!(read >= 39, "{read} objects under {prefix} read");
+    }
+    assert_eq!(snapshots.len(), 39);
+    repo.assert_cli_verifies();
 }
