@@ -83,16 +83,11 @@ impl AgentMemory {
         }
     }
 
-    /// The index's memory beyond what the baseline holds.
-    fn index_excess_bytes(self) -> u64 {
-        index_memory_bytes(self.index_file_bytes).saturating_sub(INDEX_MEMORY_IN_BASELINE_BYTES)
-    }
-
     /// What the baseline and the index leave to the engines.
     fn room_bytes(self) -> u64 {
         self.budget_bytes
             .saturating_sub(AGENT_BASELINE_BYTES)
-            .saturating_sub(self.index_excess_bytes())
+            .saturating_sub(index_excess_bytes(self.index_file_bytes))
     }
 
     /// Volumes the agent moves at once: as many as leave each at least
@@ -121,12 +116,19 @@ impl AgentMemory {
     }
 
     /// The least budget in which one volume fits beside the baseline and
-    /// this index: a stage pod's memory request is raised to it.
-    pub fn least_budget_bytes(self) -> u64 {
+    /// an index of `index_file_bytes` of index files: a stage pod's memory
+    /// request is raised to it.
+    pub fn least_budget_bytes(index_file_bytes: u64) -> u64 {
         AGENT_BASELINE_BYTES
-            .saturating_add(self.index_excess_bytes())
+            .saturating_add(index_excess_bytes(index_file_bytes))
             .saturating_add(SMALLEST_VOLUME_SHARE_BYTES)
     }
+}
+
+/// The memory of an index of `index_file_bytes` of index files beyond
+/// what [`AGENT_BASELINE_BYTES`] holds of it.
+fn index_excess_bytes(index_file_bytes: u64) -> u64 {
+    index_memory_bytes(index_file_bytes).saturating_sub(INDEX_MEMORY_IN_BASELINE_BYTES)
 }
 
 /// One claim's data on its way to or from a storage location.
@@ -531,7 +533,10 @@ mod tests {
         };
         assert_eq!(small.volumes_at_once(), 4);
         assert_eq!(small.volume_share_bytes(4), 23 * MIB);
-        assert_eq!(small.least_budget_bytes(), 59 * MIB);
+        assert_eq!(
+            AgentMemory::least_budget_bytes(small.index_file_bytes),
+            59 * MIB
+        );
         // Four million blobs: one volume does not fit in 128Mi; the least
         // budget holds it.
         let huge = with_index(128 * MIB);
@@ -540,19 +545,16 @@ mod tests {
             ..huge
         };
         assert_eq!(huge.volumes_at_once(), 1);
-        assert!(huge.least_budget_bytes() > 128 * MIB);
+        assert!(AgentMemory::least_budget_bytes(huge.index_file_bytes) > 128 * MIB);
         // Whatever the budget and the index, the volumes at once, each in
         // its share, fit beside the baseline and the index's excess once
         // the budget is at least the least one.
         for budget_bytes in [0, 64 * MIB, 128 * MIB, 256 * MIB, 1 << 30] {
             for index_file_bytes in [0, MIB, 10 * MIB, million, 4 * million] {
                 let memory = AgentMemory {
-                    budget_bytes,
+                    budget_bytes: budget_bytes
+                        .max(AgentMemory::least_budget_bytes(index_file_bytes)),
                     index_file_bytes,
-                };
-                let memory = AgentMemory {
-                    budget_bytes: budget_bytes.max(memory.least_budget_bytes()),
-                    ..memory
                 };
                 let volumes = memory.volumes_at_once();
                 let share = memory.volume_share_bytes(volumes);

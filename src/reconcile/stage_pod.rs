@@ -387,13 +387,7 @@ pub fn effective_requests(
         .memory_bytes
         .unwrap_or(DEFAULT_MEMORY_REQUEST_BYTES)
         .max(minimum.memory_bytes.unwrap_or(0))
-        .max(
-            AgentMemory {
-                budget_bytes: 0,
-                index_file_bytes,
-            }
-            .least_budget_bytes(),
-        );
+        .max(AgentMemory::least_budget_bytes(index_file_bytes));
     (cpu, memory)
 }
 
@@ -1312,14 +1306,7 @@ mod tests {
         let huge = with_index(170_000_000);
         let request =
             haulage_plan::quantity::parse_quantity(&memory_request(&huge).0).expect("a quantity");
-        assert_eq!(
-            request,
-            AgentMemory {
-                budget_bytes: 0,
-                index_file_bytes: 170_000_000,
-            }
-            .least_budget_bytes()
-        );
+        assert_eq!(request, AgentMemory::least_budget_bytes(170_000_000));
         assert!(request > 250 << 20, "{request}");
         assert_eq!(volumes_at_once_of(&huge), 1);
         // No index bytes given (a pod created before them): as before.

@@ -323,9 +323,7 @@ async fn a_stage_pod_moves_its_claims_at_once_as_far_as_its_memory_and_the_caps_
         "two of the stage pod's claims move at once, as the node's cap allows"
     );
     let held = watched
-        .queued_messages
-        .iter()
-        .find(|message| message.contains("node node-0"))
+        .queued_message_containing("node node-0")
         .context("the third claim never waited for the node's cap")?;
     assert!(held.contains("2 of 2 volumes running"), "{held}");
     fixture.stop().await;
@@ -340,6 +338,15 @@ struct WatchedTransfers {
     stage_pods: std::collections::BTreeSet<String>,
     /// The condition messages of queued transfers.
     queued_messages: std::collections::BTreeSet<String>,
+}
+
+impl WatchedTransfers {
+    /// The first message of a queued transfer that contains `text`.
+    fn queued_message_containing(&self, text: &str) -> Option<&String> {
+        self.queued_messages
+            .iter()
+            .find(|message| message.contains(text))
+    }
 }
 
 /// Look at the transfers of VolumeBackup `backup` in `namespace` every
@@ -438,9 +445,7 @@ async fn a_large_index_leaves_a_stage_pod_room_for_fewer_volumes_at_once() -> an
         "two volumes at once beside the index (four without it)"
     );
     let held = watched
-        .queued_messages
-        .iter()
-        .find(|message| message.contains("stage pod"))
+        .queued_message_containing("stage pod")
         .context("the third claim never waited for the stage pod")?;
     assert!(
         held.contains("moves 2 volumes at a time") && held.contains("moving 2 now"),
