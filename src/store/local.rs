@@ -2,7 +2,9 @@
 //!
 //! Writes are atomic: the bytes go to a hidden temporary file in the target
 //! directory, are fsynced, and are then renamed (or hard-linked, for
-//! [`PutMode::Create`]) into place, and the directory is fsynced. Two
+//! [`PutMode::Create`]) into place, and the directory is fsynced. Packs
+//! are written with `O_DIRECT` where the filesystem allows it
+//! ([`write_new_file`]). Two
 //! processes writing the same repository therefore never see each other's
 //! half-written objects, and a crash leaves at most a temporary file that
 //! listings ignore and [`ObjectStore::sweep_incomplete_uploads`] removes.
@@ -128,13 +130,7 @@ fn write_atomically(final_path: &Path, data: &[u8], mode: PutMode) -> io::Result
     fs::create_dir_all(dir)?;
     let temp_path = dir.join(format!("{TEMP_PREFIX}{:016x}", rand::random::<u64>()));
     let result = (|| {
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp_path)?;
-        file.write_all(data)?;
-        file.sync_all()?;
-        drop(file);
+        write_new_file(&temp_path, data)?;
         match mode {
             PutMode::Overwrite => fs::rename(&temp_path, final_path),
             PutMode::Create => {
@@ -150,6 +146,63 @@ fn write_atomically(final_path: &Path, data: &[u8], mode: PutMode) -> io::Result
     }
     result?;
     File::open(dir)?.sync_all()
+}
+
+/// Write `data` into a new file at `path` and fsync it. An object of at
+/// least [`DIRECT_WRITE_MIN_BYTES`] (a pack) goes past the page cache
+/// where the filesystem allows it; see [`write_direct`].
+fn write_new_file(path: &Path, data: &[u8]) -> io::Result<()> {
+    if data.len() >= DIRECT_WRITE_MIN_BYTES {
+        match write_direct(path, data) {
+            Ok(()) => return Ok(()),
+            // The filesystem (or its device's alignment) refuses direct
+            // I/O: write it as any other file.
+            Err(err) if err.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+                let _ = fs::remove_file(path);
+            }
+            Err(err) => return Err(err),
+        }
+    }
+    let mut file = OpenOptions::new().write(true).create_new(true).open(path)?;
+    file.write_all(data)?;
+    file.sync_all()
+}
+
+/// Objects this large are written with `O_DIRECT`: packs, which nothing
+/// reads again soon. Written through the page cache, each byte is first
+/// copied into it (on this project's test machine that copy alone cost a
+/// sixth of a first backup's CPU, docs/benchmarks.md), and the packs of a
+/// large backup would push the node's other workloads out of the cache.
+const DIRECT_WRITE_MIN_BYTES: usize = 1 << 20;
+/// Bytes per direct write, from one aligned buffer.
+const DIRECT_BLOCK_BYTES: usize = 1 << 20;
+/// The memory, offset and length alignment of a direct write: the largest
+/// logical block size of common devices, a multiple of the others.
+const DIRECT_ALIGN: usize = 4096;
+
+/// Write `data` into a new file at `path` with `O_DIRECT`, a block at a
+/// time through one aligned buffer; the last block is padded with zeros
+/// and the file then cut to `data`'s length.
+fn write_direct(path: &Path, data: &[u8]) -> io::Result<()> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+        .open(path)?;
+    let mut buffer = vec![0u8; DIRECT_BLOCK_BYTES + DIRECT_ALIGN];
+    let start = buffer.as_ptr().align_offset(DIRECT_ALIGN);
+    let block = &mut buffer[start..start + DIRECT_BLOCK_BYTES];
+    let mut offset = 0u64;
+    for piece in data.chunks(DIRECT_BLOCK_BYTES) {
+        let padded = piece.len().next_multiple_of(DIRECT_ALIGN);
+        block[..piece.len()].copy_from_slice(piece);
+        block[piece.len()..padded].fill(0);
+        file.write_all_at(&block[..padded], offset)?;
+        offset += piece.len() as u64;
+    }
+    file.set_len(offset)?;
+    file.sync_all()
 }
 
 /// Call `on_file` with every regular file under `dir`, depth first; a
@@ -377,6 +430,90 @@ impl ObjectStore for LocalStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bytes of `path` in the page cache, as util-linux's `fincore`
+    /// counts them.
+    fn resident_bytes(path: &Path) -> u64 {
+        let output = std::process::Command::new("fincore")
+            .args(["--bytes", "--noheadings", "--output", "RES"])
+            .arg(path)
+            .output()
+            .expect("run fincore (util-linux)");
+        assert!(output.status.success(), "fincore: {output:?}");
+        String::from_utf8_lossy(&output.stdout)
+            .trim()
+            .parse()
+            .expect("fincore's RES")
+    }
+
+    #[tokio::test]
+    async fn packs_are_written_exactly_and_past_the_page_cache() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // tmpfs keeps every file in the page cache however it is written.
+        let in_memory = rustix::fs::statfs(dir.path()).expect("statfs").f_type == 0x0102_1994; // TMPFS_MAGIC
+        let store = LocalStore::new(dir.path());
+        let sizes = [
+            DIRECT_WRITE_MIN_BYTES - 1,
+            DIRECT_WRITE_MIN_BYTES,
+            DIRECT_WRITE_MIN_BYTES + 1,
+            3 * DIRECT_BLOCK_BYTES + DIRECT_ALIGN + 17,
+        ];
+        for (n, size) in sizes.into_iter().enumerate() {
+            let data: Vec<u8> = (0..size).map(|i| (i * 31 + n) as u8).collect();
+            let key = format!("data/ab/object-{n}");
+            store
+                .put(&key, Bytes::from(data.clone()), PutMode::Create)
+                .await
+                .expect("put");
+            let path = dir.path().join(&key);
+            if !in_memory {
+                let resident = resident_bytes(&path);
+                if size >= DIRECT_WRITE_MIN_BYTES {
+                    assert_eq!(resident, 0, "{size} bytes written past the page cache");
+                } else {
+                    assert!(
+                        resident > 0,
+                        "a smaller object is written through the cache"
+                    );
+                }
+            }
+            let read = store.get(&key, None).await.expect("get");
+            assert_eq!(read.len(), size);
+            assert!(read == data, "the {size} bytes read back differ");
+        }
+    }
+
+    /// ramfs refuses `O_DIRECT` at open (after creating the file). Needs
+    /// root for the mount, as the integration tests do.
+    #[tokio::test]
+    async fn a_filesystem_without_direct_io_gets_its_packs_through_the_cache() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mount = |args: &[&str]| {
+            let status = std::process::Command::new(args[0])
+                .args(&args[1..])
+                .status()
+                .expect("run mount");
+            assert!(status.success(), "{args:?} (the test runs as root)");
+        };
+        let root = dir.path().to_str().expect("utf-8 path");
+        mount(&["mount", "-t", "ramfs", "ramfs", root]);
+        let store = LocalStore::new(dir.path());
+        let data: Vec<u8> = (0..DIRECT_WRITE_MIN_BYTES + 5).map(|i| i as u8).collect();
+        let put = store
+            .put("data/cd/pack", Bytes::from(data.clone()), PutMode::Create)
+            .await;
+        let read = store.get("data/cd/pack", None).await;
+        let mut names = Vec::new();
+        each_file(dir.path(), &mut |entry| {
+            names.push(entry.file_name());
+            Ok(())
+        })
+        .expect("list");
+        mount(&["umount", root]);
+        put.expect("put on ramfs");
+        assert!(read.expect("get") == data, "the bytes read back differ");
+        assert_eq!(names, ["pack"], "no temporary file is left");
+    }
 
     #[tokio::test]
     async fn sweep_removes_old_temporary_files_and_keeps_objects() {
