@@ -7,18 +7,28 @@
 # Usage: benches/compare.sh [SIZE] [WORKDIR]     (default 2GiB, /tmp/haulage-compare)
 # Peers are used when on PATH: restic (Debian package), rustic (cargo install
 # rustic-rs), kopia (built from its Go module). Missing peers are reported, not faked.
+#
+# HAULAGE=path runs that binary instead of building one; HAULAGE_BEFORE=path adds
+# the rows of a second build (an A/B in the same run). RESTORE_ROOT=/dev/shm/x
+# restores there instead of WORKDIR/restore: on ext4, creating the tree's files
+# again shortly after the last round's restores were deleted makes the kernel scan
+# for inodes not deleted recently (`recently_deleted` took 16-18 s of system CPU a
+# restore on this project's test machine, for every tool alike).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-2GiB}"
 WORK="${2:-/tmp/haulage-compare}"
+RESTORE="${RESTORE_ROOT:-$WORK/restore}"
 export RESTIC_PASSWORD=bench RUSTIC_PASSWORD=bench KOPIA_PASSWORD=bench HAULAGE_PASSWORD=bench
 
-cargo build --release --quiet --bin haulage
-HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
+if [ -z "${HAULAGE:-}" ]; then
+    cargo build --release --quiet --bin haulage
+    HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
+fi
 [ -x /usr/bin/time ] || { echo "compare.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 1; }
 
-rm -rf "$WORK/repos" "$WORK/restore"
-mkdir -p "$WORK/repos" "$WORK/restore"
+rm -rf "$WORK/repos" "$RESTORE"
+mkdir -p "$WORK/repos" "$RESTORE"
 if [ ! -d "$WORK/data" ]; then
     "$HAULAGE" sample-data "$WORK/data" --size "$SIZE" >&2
 fi
@@ -52,16 +62,23 @@ echo
 echo "| tool | step | wall s | MiB/s | CPU s (user+sys) | peak RSS MiB |"
 echo "| --- | --- | --- | --- | --- | --- |"
 
-"$HAULAGE" repo init --repo "$WORK/repos/haulage" >/dev/null
-measure haulage "first backup" "$HAULAGE" backup "$WORK/data" --no-progress --repo "$WORK/repos/haulage"
-measure haulage "second backup" "$HAULAGE" backup "$WORK/data" --no-progress --repo "$WORK/repos/haulage"
-measure haulage restore "$HAULAGE" restore latest "$WORK/restore/haulage" --no-progress --repo "$WORK/repos/haulage"
+# haulage_rows LABEL BINARY NAME
+haulage_rows() {
+    "$2" repo init --repo "$WORK/repos/$3" >/dev/null
+    measure "$1" "first backup" "$2" backup "$WORK/data" --no-progress --repo "$WORK/repos/$3"
+    measure "$1" "second backup" "$2" backup "$WORK/data" --no-progress --repo "$WORK/repos/$3"
+    measure "$1" restore "$2" restore latest "$RESTORE/$3" --no-progress --repo "$WORK/repos/$3"
+}
+if [ -n "${HAULAGE_BEFORE:-}" ]; then
+    haulage_rows "haulage (before)" "$HAULAGE_BEFORE" haulage-before
+fi
+haulage_rows haulage "$HAULAGE" haulage
 
 if command -v restic >/dev/null; then
     restic init -q --repo "$WORK/repos/restic"
     measure restic "first backup" restic backup -q --repo "$WORK/repos/restic" "$WORK/data"
     measure restic "second backup" restic backup -q --repo "$WORK/repos/restic" "$WORK/data"
-    measure restic restore restic restore -q latest --repo "$WORK/repos/restic" --target "$WORK/restore/restic"
+    measure restic restore restic restore -q latest --repo "$WORK/repos/restic" --target "$RESTORE/restic"
 else
     echo "| restic | not installed | | | | |"
 fi
@@ -69,7 +86,7 @@ if command -v rustic >/dev/null; then
     rustic init --repository "$WORK/repos/rustic" >/dev/null 2>&1
     measure rustic "first backup" rustic backup --repository "$WORK/repos/rustic" "$WORK/data"
     measure rustic "second backup" rustic backup --repository "$WORK/repos/rustic" "$WORK/data"
-    measure rustic restore rustic restore --repository "$WORK/repos/rustic" latest "$WORK/restore/rustic"
+    measure rustic restore rustic restore --repository "$WORK/repos/rustic" latest "$RESTORE/rustic"
 else
     echo "| rustic | not installed | | | | |"
 fi
@@ -80,7 +97,7 @@ if [ -n "$KOPIA" ]; then
     "$KOPIA" repository create filesystem --path "$WORK/repos/kopia" >/dev/null 2>&1
     measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
     measure kopia "second backup" "$KOPIA" snapshot create "$WORK/data"
-    measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$WORK/restore/kopia"
+    measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE/kopia"
 else
     echo "| kopia | not installed (bash benches/build-kopia.sh builds it) | | | | |"
 fi
