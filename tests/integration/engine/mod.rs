@@ -3,6 +3,7 @@
 //! binary; and the tree verification of a restored directory
 //! ([`verify_tree`]).
 
+mod batches;
 mod checkpoints;
 mod corruption;
 mod encryption;
