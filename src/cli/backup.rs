@@ -40,7 +40,8 @@ pub struct BackupArgs {
     /// Tag the snapshot (repeatable).
     #[arg(long = "tag", value_name = "KEY=VALUE", value_parser = parse_tag)]
     pub tags: Vec<(String, String)>,
-    /// zstd compression level (1 is fastest; higher levels trade CPU for space).
+    /// zstd compression level: 1 is the fastest standard level; higher levels
+    /// trade CPU for space, and zstd's fast levels -1 to -7 space for CPU.
     #[arg(long, default_value_t = DEFAULT_COMPRESSION_LEVEL, value_parser = clap::value_parser!(i32).range(-7..=19))]
     pub compression_level: i32,
     /// Write a checkpoint of what is stored this often (seconds), so that
