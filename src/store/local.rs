@@ -3,8 +3,8 @@
 //! Writes are atomic: the bytes go to a hidden temporary file in the target
 //! directory, are fsynced, and are then renamed (or hard-linked, for
 //! [`PutMode::Create`]) into place, and the directory is fsynced. Packs
-//! are written with `O_DIRECT` where the filesystem allows it
-//! ([`write_new_file`]). Two
+//! are written with `O_DIRECT` where the filesystem allows it and is not
+//! a network filesystem ([`write_new_file`], `NETWORK_FILESYSTEMS`). Two
 //! processes writing the same repository therefore never see each other's
 //! half-written objects, and a crash leaves at most a temporary file that
 //! listings ignore and [`ObjectStore::sweep_incomplete_uploads`] removes.
