@@ -12,8 +12,9 @@
 # the rows of a second build (an A/B in the same run). RESTORE_ROOT=/dev/shm/x
 # restores there instead of WORKDIR/restore: on ext4, creating the tree's files
 # again shortly after the last round's restores were deleted makes the kernel scan
-# for inodes not deleted recently (`recently_deleted` took 16-18 s of system CPU a
-# restore on this project's test machine, for every tool alike).
+# for inodes not deleted recently (restores of 7-14 s with 11-18 s of system CPU on
+# this project's test machine, 60 % of the samples in `recently_deleted` and its
+# allocator neighbours, for every tool alike; docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SIZE="${1:-2GiB}"
