@@ -59,28 +59,39 @@ pub struct Repository {
     codec: ObjectCodec,
     /// Format 2: the master key and the key file that unwrapped it.
     unlocked: Option<Arc<Unlocked>>,
-    /// The index the engines of this process last loaded, shared while
-    /// one of them still holds it ([`Repository::load_index`]).
-    shared_index: Arc<tokio::sync::Mutex<Option<IndexShare>>>,
+    /// The indexes the engines of this process loaded, shared while one
+    /// of them still holds it ([`Repository::load_index`]).
+    shared_index: Arc<tokio::sync::Mutex<Vec<IndexShare>>>,
 }
+
+/// The most layers a shared index is made of ([`BlobIndex::layers`]): a
+/// load over an index of this many is a layer over a lower one instead
+/// (it reads again the files of the layers it leaves out), so a lookup
+/// asks at most this many tables.
+const MAX_INDEX_LAYERS: usize = 4;
 
 /// An index loaded for one engine, kept for the next while the first
 /// still holds it: the volumes one agent moves at once each need the
 /// repository's index, which is the largest thing an engine holds in a
 /// large repository (52 bytes a blob, 60–100 before it was a sorted
 /// table, `repo::blob_table`), and four copies of it took
-/// the agent past its memory request. Given again only while the index
-/// files and prune's deletion candidates are the ones it was loaded from,
-/// so it says what a fresh load would, but for packs stored since that no
-/// index file names yet (a backup then stores again what it would have
-/// deduplicated against them); new index files or a prune's new marks
-/// make the next engine load its own.
+/// the agent past its memory request. Given again while the index files
+/// and prune's deletion candidates are the ones it was loaded from, so it
+/// says what a fresh load would, but for packs stored since that no index
+/// file names yet (a backup then stores again what it would have
+/// deduplicated against them). When other backups have written index
+/// files since, the next engine gets a layer over it with the new files'
+/// blobs ([`crate::repo::index::BlobIndexBuilder::on`]), not a copy of
+/// its own; a prune's new marks, or index files gone (prune rewrote
+/// them), make it load its own.
 #[derive(Debug)]
 struct IndexShare {
     /// The index files it was loaded from, sorted.
     index_keys: Vec<String>,
     /// What was loaded; the index itself only while an engine holds it.
     index: std::sync::Weak<BlobIndex>,
+    /// [`BlobIndex::layers`] of the index.
+    layers: usize,
     deletion_candidates: Vec<Candidate>,
     damaged_indexes: Vec<String>,
     unindexed_packs: Vec<(ObjectId, Vec<PackEntry>)>,
@@ -92,6 +103,7 @@ impl IndexShare {
         IndexShare {
             index_keys,
             index: Arc::downgrade(&loaded.index),
+            layers: loaded.index.layers(),
             deletion_candidates: loaded.deletion_candidates.clone(),
             damaged_indexes: loaded.damaged_indexes.clone(),
             unindexed_packs: loaded.unindexed_packs.clone(),
@@ -117,6 +129,47 @@ impl IndexShare {
             damaged_packs: self.damaged_packs.clone(),
         })
     }
+
+    /// The index to load `index_keys` as a layer over, if it is still
+    /// held, was loaded with `deletion_candidates` from some of these
+    /// index files and no others, and has room for a layer.
+    fn base_for(
+        &self,
+        index_keys: &[String],
+        deletion_candidates: &[Candidate],
+    ) -> Option<IndexBase> {
+        if self.layers >= MAX_INDEX_LAYERS
+            || self.deletion_candidates != deletion_candidates
+            || !is_sorted_subset(&self.index_keys, index_keys)
+        {
+            return None;
+        }
+        Some(IndexBase {
+            index: self.index.upgrade()?,
+            index_keys: self.index_keys.clone(),
+            damaged_indexes: self.damaged_indexes.clone(),
+            unindexed_packs: self.unindexed_packs.clone(),
+        })
+    }
+}
+
+/// A shared index a load adds a layer to, with what the load keeps of
+/// how it was loaded.
+struct IndexBase {
+    index: Arc<BlobIndex>,
+    /// The index files it was loaded from, sorted: the load reads the
+    /// others.
+    index_keys: Vec<String>,
+    /// Still damaged: the files are the same.
+    damaged_indexes: Vec<String>,
+    /// Still unindexed unless a new index file names them.
+    unindexed_packs: Vec<(ObjectId, Vec<PackEntry>)>,
+}
+
+/// Whether every key of `part` is in `whole` (both sorted).
+fn is_sorted_subset(part: &[String], whole: &[String]) -> bool {
+    let mut rest = whole.iter();
+    part.iter().all(|key| rest.any(|other| other == key))
 }
 
 #[derive(Debug)]
@@ -569,9 +622,13 @@ impl Repository {
     /// while one holds the index, another whose listing finds the same
     /// index files and deletion candidates is given the same index instead
     /// of a copy, and engines that start together load it once (they wait
-    /// here for the first).
+    /// here for the first). When the listing finds more index files (other
+    /// backups ended or checkpointed since), the next engine reads only
+    /// those, into a layer over the index held, so the agent holds the
+    /// blobs once however its volumes start.
     pub async fn load_index(&self) -> Result<LoadedIndex, EngineError> {
-        let mut share = self.shared_index.lock().await;
+        let mut shares = self.shared_index.lock().await;
+        shares.retain(|share| share.index.strong_count() > 0);
         let deletion_candidates = self.load_deletion_candidates().await?.candidates;
         let index_objects = self
             .store
@@ -581,31 +638,51 @@ impl Repository {
         let mut index_keys: Vec<String> =
             index_objects.iter().map(|meta| meta.key.clone()).collect();
         index_keys.sort_unstable();
-        if let Some(loaded) = share
-            .as_ref()
-            .and_then(|share| share.reuse(&index_keys, &deletion_candidates))
+        if let Some(loaded) = shares
+            .iter()
+            .find_map(|share| share.reuse(&index_keys, &deletion_candidates))
         {
             return Ok(loaded);
         }
-        let loaded = self.read_index(deletion_candidates, index_objects).await?;
-        *share = Some(IndexShare::of(&loaded, index_keys));
+        let base = shares
+            .iter()
+            .filter_map(|share| share.base_for(&index_keys, &deletion_candidates))
+            .max_by_key(|base| base.index_keys.len());
+        let loaded = self
+            .read_index(deletion_candidates, index_objects, base)
+            .await?;
+        shares.push(IndexShare::of(&loaded, index_keys));
         Ok(loaded)
     }
 
-    /// [`Repository::load_index`] from the listed index files.
+    /// [`Repository::load_index`] from the listed index files, or from
+    /// those `base` was not loaded from, as a layer over it.
     async fn read_index(
         &self,
         deletion_candidates: Vec<Candidate>,
-        index_objects: Vec<crate::store::ObjectMeta>,
+        mut index_objects: Vec<crate::store::ObjectMeta>,
+        base: Option<IndexBase>,
     ) -> Result<LoadedIndex, EngineError> {
         let leaving: HashSet<ObjectId> = deletion_candidates
             .iter()
             .map(|candidate| candidate.pack)
             .collect();
-        let mut index = BlobIndexBuilder::new();
         let mut loaded = LoadedIndex {
             deletion_candidates,
             ..LoadedIndex::default()
+        };
+        // Of a layer: the packs its index files name, which are no longer
+        // unindexed.
+        let mut named_packs: HashSet<ObjectId> = HashSet::new();
+        let mut base_unindexed_packs = Vec::new();
+        let mut index = match base {
+            Some(base) => {
+                index_objects.retain(|meta| base.index_keys.binary_search(&meta.key).is_err());
+                loaded.damaged_indexes = base.damaged_indexes;
+                base_unindexed_packs = base.unindexed_packs;
+                BlobIndexBuilder::on(base.index)
+            }
+            None => BlobIndexBuilder::new(),
         };
         let mut results = futures::stream::iter(index_objects.into_iter().filter_map(|meta| {
             repo::id_from_key(&meta.key, INDEX_PREFIX).map(|id| (id, meta.key))
@@ -634,6 +711,9 @@ impl Repository {
                 Ok(file) => {
                     for (pack, entries) in &file.packs {
                         index.add_pack(*pack, entries, leaving.contains(pack));
+                        if !base_unindexed_packs.is_empty() {
+                            named_packs.insert(*pack);
+                        }
                     }
                 }
                 Err(error) => loaded.damaged_indexes.push(error.to_string()),
@@ -669,12 +749,19 @@ impl Repository {
                 Err(error) => loaded.damaged_packs.push(error.to_string()),
             }
         }
+        loaded.unindexed_packs.extend(
+            base_unindexed_packs
+                .into_iter()
+                .filter(|(id, _)| !named_packs.contains(id)),
+        );
         loaded.unindexed_packs.sort_by_key(|(id, _)| *id);
         let index = index.finish();
         tracing::debug!(
             blobs = index.len(),
             packs = index.pack_count(),
             bytes = index.memory_bytes(),
+            layers = index.layers(),
+            layer_bytes = index.layer_memory_bytes(),
             "loaded the repository's index"
         );
         loaded.index = Arc::new(index);

@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::io::Read;
+use std::sync::Arc;
 
 use super::blob_table::BlobTable;
 use super::pack::{MAX_BLOBS_PER_PACK, PackEntry};
@@ -257,9 +258,23 @@ impl BlobLocation {
 /// blob whose only copy is in a leaving pack does not count as stored for
 /// deduplication ([`BlobIndex::contains`]), so a backup stores it again
 /// instead of referencing a pack about to be deleted.
+///
+/// An index can be a *layer* over another ([`BlobIndexBuilder::on`]): it
+/// holds only the packs its base does not, and answers for both, so an
+/// engine that starts after new index files were written shares the index
+/// the engines before it hold and adds only the new files' blobs, where a
+/// load of its own would hold a second copy of everything
+/// ([`BlobIndex::layers`]). A layer's packs take the positions after its
+/// base's.
 #[derive(Debug, Default, Clone)]
 pub struct BlobIndex {
+    /// The index this one is a layer over.
+    base: Option<Arc<BlobIndex>>,
+    /// The position of this layer's first pack: the packs below it are
+    /// the base's.
+    first_position: u32,
     pack_ids: Vec<ObjectId>,
+    /// This layer's packs, by their positions (from `first_position`).
     pack_positions: HashMap<ObjectId, u32>,
     leaving: Vec<bool>,
     /// Per pack: where its last blob ends, and whether it holds data.
@@ -294,19 +309,21 @@ impl BlobIndex {
 
     fn add_pack_marked(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
         let (position, leaving) = self.intern_pack(pack, entries, leaving);
+        let first_position = self.first_position;
         for entry in entries {
             let location = BlobLocation::of(position, entry);
             if let Some(known) = self.blobs.insert_or_get(entry.id, location)
                 && !leaving
-                && self.leaving[known.pack as usize]
+                && self.leaving[(known.pack - first_position) as usize]
             {
                 *known = location;
             }
         }
     }
 
-    /// Note `pack` (leaving or not, as it was first noted) and where its
-    /// `entries` end; returns its position and whether it is leaving.
+    /// Note `pack` in this layer (leaving or not, as it was first noted)
+    /// and where its `entries` end; returns its position and whether it is
+    /// leaving.
     fn intern_pack(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) -> (u32, bool) {
         let position = match self.pack_positions.get(&pack) {
             Some(position) => *position,
@@ -314,19 +331,63 @@ impl BlobIndex {
                 self.pack_ids.push(pack);
                 self.leaving.push(leaving);
                 self.pack_extents.push(PackExtent::default());
-                let position = (self.pack_ids.len() - 1) as u32;
+                let position = self.first_position + (self.pack_ids.len() - 1) as u32;
                 self.pack_positions.insert(pack, position);
                 position
             }
         };
-        let extent = &mut self.pack_extents[position as usize];
+        let own = (position - self.first_position) as usize;
+        let extent = &mut self.pack_extents[own];
         for entry in entries {
             extent.end = extent
                 .end
                 .max(u64::from(entry.offset) + u64::from(entry.stored_length));
             extent.holds_data |= entry.kind == BlobKind::Data;
         }
-        (position, self.leaving[position as usize])
+        (position, self.leaving[own])
+    }
+
+    /// The position of `pack`, in this layer or below it.
+    fn position_of(&self, pack: &ObjectId) -> Option<u32> {
+        match self.pack_positions.get(pack) {
+            Some(position) => Some(*position),
+            None => self.base.as_ref()?.position_of(pack),
+        }
+    }
+
+    /// The index (this layer or one below) whose packs hold `position`.
+    fn layer_of(&self, position: u32) -> &BlobIndex {
+        let mut layer = self;
+        while position < layer.first_position {
+            layer = layer
+                .base
+                .as_deref()
+                .expect("a position below a layer's first is its base's");
+        }
+        layer
+    }
+
+    /// Whether the pack at `position` is leaving.
+    fn leaving_at(&self, position: u32) -> bool {
+        let layer = self.layer_of(position);
+        layer.leaving[(position - layer.first_position) as usize]
+    }
+
+    /// Where the blobs of the pack at `position` end.
+    fn extent_at(&self, position: u32) -> PackExtent {
+        let layer = self.layer_of(position);
+        layer.pack_extents[(position - layer.first_position) as usize]
+    }
+
+    /// The number of indexes that answer for this one: 1, or 1 and its
+    /// base's layers.
+    pub fn layers(&self) -> usize {
+        1 + self.base.as_ref().map_or(0, |base| base.layers())
+    }
+
+    /// The index this one is a layer over, if any.
+    pub fn base(&self) -> Option<&Arc<BlobIndex>> {
+        self.base.as_ref()
     }
 
     /// Merge what was added into the sorted blobs, so that the index holds
@@ -337,66 +398,84 @@ impl BlobIndex {
     }
 
     /// Where a blob is, if known (in a pack that is not leaving, if any
-    /// has it).
+    /// has it; of a layer, the base's location first, as a load of every
+    /// pack would have noted the base's packs first).
     pub fn get(&self, id: &BlobId) -> Option<&BlobLocation> {
-        self.blobs.get(id)
+        let below = match &self.base {
+            Some(base) => match base.get(id) {
+                Some(location) if !base.leaving_at(location.pack) => return Some(location),
+                below => below,
+            },
+            None => None,
+        };
+        match self.blobs.get(id) {
+            Some(own) if below.is_none() || !self.leaving_at(own.pack) => Some(own),
+            _ => below,
+        }
     }
 
     /// True when the blob is stored in a pack that is not leaving: a
     /// backup may reference it without storing it again.
     pub fn contains(&self, id: &BlobId) -> bool {
         self.get(id)
-            .is_some_and(|location| !self.leaving[location.pack as usize])
+            .is_some_and(|location| !self.leaving_at(location.pack))
     }
 
     /// True when prune has marked this pack for deletion.
     pub fn is_leaving(&self, pack: &ObjectId) -> bool {
-        self.pack_positions
-            .get(pack)
-            .is_some_and(|position| self.leaving[*position as usize])
+        self.position_of(pack)
+            .is_some_and(|position| self.leaving_at(position))
     }
 
     /// The pack a location points into.
     pub fn pack_of(&self, location: &BlobLocation) -> ObjectId {
-        self.pack_ids[location.pack as usize]
+        let layer = self.layer_of(location.pack);
+        layer.pack_ids[(location.pack - layer.first_position) as usize]
     }
 
     /// Where the blobs of `pack` end, if it is known and holds trees only:
     /// the bytes a read of the whole tree pack takes (from its start).
     pub fn tree_pack_end(&self, pack: &ObjectId) -> Option<u64> {
-        let extent = self.pack_extents[*self.pack_positions.get(pack)? as usize];
+        let extent = self.extent_at(self.position_of(pack)?);
         (!extent.holds_data).then_some(extent.end)
     }
 
     /// Where the last blob of `pack` known to the index ends, if the pack
     /// is known.
     pub fn blobs_end(&self, pack: &ObjectId) -> Option<u64> {
-        Some(self.pack_extents[*self.pack_positions.get(pack)? as usize].end)
+        Some(self.extent_at(self.position_of(pack)?).end)
     }
 
     /// True when some index names this pack.
     pub fn knows_pack(&self, pack: &ObjectId) -> bool {
-        self.pack_positions.contains_key(pack)
+        self.position_of(pack).is_some()
     }
 
-    /// Number of blobs known.
+    /// Number of blob locations held: the blobs known, but for a blob
+    /// stored again in a pack of a later layer, which counts once in each.
     pub fn len(&self) -> usize {
-        self.blobs.len()
+        self.blobs.len() + self.base.as_ref().map_or(0, |base| base.len())
     }
 
     /// True when no blob is known.
     pub fn is_empty(&self) -> bool {
-        self.blobs.is_empty()
+        self.len() == 0
     }
 
     /// Number of packs known.
     pub fn pack_count(&self) -> usize {
-        self.pack_ids.len()
+        self.first_position as usize + self.pack_ids.len()
     }
 
-    /// The bytes the index holds, about: its blobs (52 bytes each once
-    /// compacted) and its packs.
+    /// The bytes the index holds, about, with the layers below it: its
+    /// blobs (52 bytes each once compacted) and its packs.
     pub fn memory_bytes(&self) -> usize {
+        self.layer_memory_bytes() + self.base.as_ref().map_or(0, |base| base.memory_bytes())
+    }
+
+    /// The bytes this layer alone holds: what loading it added to the
+    /// base's.
+    pub fn layer_memory_bytes(&self) -> usize {
         use std::mem::size_of;
         let pack = size_of::<ObjectId>() + size_of::<bool>() + size_of::<PackExtent>();
         // A hash map's bucket: the entry and one control byte.
@@ -428,9 +507,33 @@ impl BlobIndexBuilder {
         Self::default()
     }
 
+    /// A builder of a layer over `base`: the index it finishes answers
+    /// for `base`'s packs and the packs noted here ([`BlobIndex::layers`]).
+    pub fn on(base: Arc<BlobIndex>) -> Self {
+        BlobIndexBuilder {
+            index: BlobIndex {
+                first_position: u32::try_from(base.pack_count())
+                    .expect("fewer than 2^32 packs in an index"),
+                base: Some(base),
+                ..BlobIndex::default()
+            },
+            blobs: Vec::new(),
+        }
+    }
+
     /// Note a pack's blobs; `leaving` when prune has marked the pack for
     /// deletion ([`BlobIndex::add_pack`], [`BlobIndex::add_leaving_pack`]).
+    /// A pack the base of a layer holds is not noted again: its blobs are
+    /// known, and a pack's blobs never change.
     pub fn add_pack(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
+        if self
+            .index
+            .base
+            .as_ref()
+            .is_some_and(|base| base.knows_pack(&pack))
+        {
+            return;
+        }
         let (position, _) = self.index.intern_pack(pack, entries, leaving);
         self.blobs.extend(
             entries
@@ -452,8 +555,8 @@ impl BlobIndexBuilder {
         } = self;
         // By id, then by the order their packs were noted in.
         blobs.sort_unstable_by_key(|(id, location)| (id.0, location.pack));
-        let leaving = &index.leaving;
-        let is_kept = |location: &BlobLocation| !leaving[location.pack as usize];
+        let (leaving, first_position) = (&index.leaving, index.first_position);
+        let is_kept = |location: &BlobLocation| !leaving[(location.pack - first_position) as usize];
         let mut kept = 0;
         let mut start = 0;
         while start < blobs.len() {
@@ -624,6 +727,85 @@ mod tests {
                 proptest::prop_assert_eq!(found, model.get(&id).copied(), "blob {}", k);
                 let stored = model.get(&id).is_some_and(|(pack, _)| !leaving_packs[pack]);
                 proptest::prop_assert_eq!(index.contains(&id), stored, "blob {}", k);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// An index loaded in layers (the packs split between a base and
+        /// the layers over it, some of the base's packs named again above
+        /// it) answers every question as the index of all packs built at
+        /// once does, and its layers hold each pack once.
+        #[test]
+        fn an_index_in_layers_answers_as_one_built_at_once(
+            packs in proptest::collection::vec(
+                (
+                    proptest::bool::weighted(0.2),
+                    proptest::bool::weighted(0.2),
+                    proptest::collection::vec(0u16..2000, 0..300),
+                    0usize..3,
+                    proptest::bool::weighted(0.2),
+                ),
+                1..30,
+            ),
+        ) {
+            let pack_id = |number: usize| ObjectId([number as u8 + 1; 32]);
+            let entries_of = |number: usize| -> Vec<PackEntry> {
+                let (_, trees, blobs, _, _) = &packs[number];
+                blobs
+                    .iter()
+                    .map(|k| PackEntry {
+                        id: model_id(*k),
+                        kind: if *trees { BlobKind::Tree } else { BlobKind::Data },
+                        compression: Compression::Zstd,
+                        offset: 8 + number as u32,
+                        stored_length: 1 + u32::from(*k),
+                        raw_length: 1,
+                    })
+                    .collect()
+            };
+            // In the order a load notes them: layer by layer.
+            let mut order: Vec<usize> = (0..packs.len()).collect();
+            order.sort_by_key(|number| packs[*number].3);
+            let mut flat = BlobIndexBuilder::new();
+            for number in &order {
+                flat.add_pack(pack_id(*number), &entries_of(*number), packs[*number].0);
+            }
+            let flat = flat.finish();
+            let mut layered: Option<Arc<BlobIndex>> = None;
+            for layer in 0..3 {
+                let mut builder = match &layered {
+                    Some(base) => BlobIndexBuilder::on(base.clone()),
+                    None => BlobIndexBuilder::new(),
+                };
+                for number in &order {
+                    let (leaving, _, _, in_layer, named_again) = packs[*number];
+                    if in_layer == layer || (in_layer < layer && named_again) {
+                        builder.add_pack(pack_id(*number), &entries_of(*number), leaving);
+                    }
+                }
+                layered = Some(Arc::new(builder.finish()));
+            }
+            let layered = layered.expect("three layers");
+            proptest::prop_assert_eq!(layered.layers(), 3);
+            proptest::prop_assert_eq!(layered.pack_count(), flat.pack_count());
+            proptest::prop_assert_eq!(layered.pack_count(), packs.len());
+            for number in 0..packs.len() {
+                let pack = pack_id(number);
+                proptest::prop_assert!(layered.knows_pack(&pack));
+                proptest::prop_assert_eq!(layered.is_leaving(&pack), flat.is_leaving(&pack));
+                proptest::prop_assert_eq!(layered.blobs_end(&pack), flat.blobs_end(&pack));
+                proptest::prop_assert_eq!(layered.tree_pack_end(&pack), flat.tree_pack_end(&pack));
+            }
+            proptest::prop_assert!(!layered.knows_pack(&ObjectId([0; 32])));
+            for k in 0..2000u16 {
+                let id = model_id(k);
+                let found = |index: &BlobIndex| {
+                    index.get(&id).map(|location| (index.pack_of(location), *location))
+                };
+                // The same positions too: a layer's packs follow its base's.
+                proptest::prop_assert_eq!(found(&layered), found(&flat), "blob {}", k);
+                proptest::prop_assert_eq!(layered.contains(&id), flat.contains(&id), "blob {}", k);
             }
         }
     }

@@ -596,8 +596,9 @@ async fn the_smallest_memory_share_moves_the_same_data_in_smaller_packs_and_read
 /// The engines of one process (the volumes an agent moves at once) share
 /// one copy of the repository's index: loads that start together read
 /// the index files once and get the same index, and so does a later load
-/// while an engine still holds it. A new index file (another backup
-/// finished) or new marks of prune make the next load its own, which sees
+/// while an engine still holds it. After a new index file (another backup
+/// finished) the next load reads only that file, into a layer over the
+/// index held; new marks of prune make the next load its own, which sees
 /// them; once no engine holds the index it is freed and read again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_of_one_process_share_the_index_while_one_holds_it() {
@@ -606,7 +607,7 @@ async fn engines_of_one_process_share_the_index_while_one_holds_it() {
     let source = repo.dir.path().join("source");
     std::fs::create_dir_all(&source).expect("mkdir");
     std::fs::write(source.join("a"), random_bytes(61, 300_000)).expect("write");
-    repo.backup(&source).await;
+    let first_tree = repo.backup(&source).await.snapshot.tree;
     let (counter, repository) = counted(&repo).await;
     let index_reads = || {
         counter
@@ -633,14 +634,23 @@ async fn engines_of_one_process_share_the_index_while_one_holds_it() {
     assert!(Arc::ptr_eq(&again, &together[0]));
     assert_eq!(index_reads(), 0);
 
-    // Another backup's index file: a load of its own, which finds its blobs.
+    // Another backup's index file: a layer over the index held, with the
+    // new file's blobs only, which finds the blobs of both.
     std::fs::write(source.join("b"), random_bytes(62, 300_000)).expect("write");
     let second = repo.backup(&source).await;
     let after_backup = repository.load_index().await.expect("index").index;
     assert!(!Arc::ptr_eq(&after_backup, &together[0]));
+    assert!(
+        after_backup
+            .base()
+            .is_some_and(|base| Arc::ptr_eq(base, &together[0])),
+        "a second copy of the index held, not a layer over it"
+    );
     assert!(after_backup.contains(&second.snapshot.tree));
+    assert!(after_backup.contains(&first_tree));
     assert!(!together[0].contains(&second.snapshot.tree));
-    assert_eq!(index_reads(), 2, "both index files read");
+    assert_eq!(index_reads(), 1, "only the new index file read");
+    assert!(after_backup.layer_memory_bytes() < after_backup.memory_bytes());
 
     // Prune marks a pack: the next load sees it leaving.
     let pack = after_backup.pack_of(after_backup.get(&second.snapshot.tree).expect("tree"));
@@ -656,6 +666,7 @@ async fn engines_of_one_process_share_the_index_while_one_holds_it() {
         .expect("mark");
     let after_mark = repository.load_index().await.expect("index").index;
     assert!(!Arc::ptr_eq(&after_mark, &after_backup));
+    assert!(after_mark.base().is_none(), "a load of its own");
     assert!(after_mark.is_leaving(&pack) && !after_backup.is_leaving(&pack));
     assert_eq!(index_reads(), 2);
 
@@ -663,6 +674,91 @@ async fn engines_of_one_process_share_the_index_while_one_holds_it() {
     drop((together, again, after_backup, after_mark));
     repository.load_index().await.expect("index");
     assert_eq!(index_reads(), 2);
+}
+
+/// Packs no index file named when the index was loaded (a backup that was
+/// interrupted, or still running) are read from their trailers and handed
+/// to the engine as unindexed, for its backup to adopt. Once index files
+/// name them, the next load is a layer over the index held that no longer
+/// calls them unindexed and holds none of them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_hands_over_no_pack_that_its_index_files_name() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).expect("mkdir");
+    std::fs::write(source.join("a"), random_bytes(63, 300_000)).expect("write");
+    let first_tree = repo.backup(&source).await.snapshot.tree;
+    // The backup's index files set aside: its packs are unindexed.
+    let index_dir = repo.root().join("index");
+    let aside = repo.dir.path().join("index-aside");
+    std::fs::rename(&index_dir, &aside).expect("set the index files aside");
+    std::fs::create_dir(&index_dir).expect("mkdir index");
+    let (_counter, repository) = counted(&repo).await;
+    let held = repository.load_index().await.expect("index");
+    assert!(
+        !held.unindexed_packs.is_empty(),
+        "packs found by their trailers"
+    );
+    assert!(held.index.contains(&first_tree));
+
+    for entry in std::fs::read_dir(&aside).expect("index files") {
+        let entry = entry.expect("entry");
+        std::fs::rename(entry.path(), index_dir.join(entry.file_name())).expect("put back");
+    }
+    let layered = repository.load_index().await.expect("index");
+    assert!(
+        layered
+            .index
+            .base()
+            .is_some_and(|base| Arc::ptr_eq(base, &held.index)),
+        "a layer over the index held"
+    );
+    assert!(
+        layered.unindexed_packs.is_empty(),
+        "packs the index files name handed over as unindexed: {:?}",
+        layered
+            .unindexed_packs
+            .iter()
+            .map(|(pack, _)| pack)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        layered.index.pack_count(),
+        held.index.pack_count(),
+        "the layer holds packs its base holds"
+    );
+    assert!(layered.index.contains(&first_tree));
+}
+
+/// An index made of as many layers as a lookup may ask (four) gets no
+/// layer over it: the next load is a layer over a lower one, reading
+/// again the index files of the layer left out, and finds every blob.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_index_is_made_of_four_layers_at_most() {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).expect("mkdir");
+    let (_counter, repository) = counted(&repo).await;
+    let mut held = Vec::new();
+    let mut trees = Vec::new();
+    for round in 0..5u8 {
+        std::fs::write(
+            source.join(format!("f{round}")),
+            random_bytes(70 + u64::from(round), 100_000),
+        )
+        .expect("write");
+        trees.push(repo.backup(&source).await.snapshot.tree);
+        held.push(repository.load_index().await.expect("index").index);
+    }
+    let layers: Vec<usize> = held.iter().map(|index| index.layers()).collect();
+    assert_eq!(layers, [1, 2, 3, 4, 4]);
+    assert!(
+        held[4]
+            .base()
+            .is_some_and(|base| Arc::ptr_eq(base, &held[2])),
+        "the fifth load is a layer over the third"
+    );
+    assert!(trees.iter().all(|tree| held[4].contains(tree)));
 }
 
 /// Tree-pack reads held back by a delay, as by a store some way off,
