@@ -756,7 +756,9 @@ impl Repository {
         );
         loaded.unindexed_packs.sort_by_key(|(id, _)| *id);
         let index = index.finish();
-        tracing::debug!(
+        // Info: an agent's log says what each volume's index added to its
+        // memory (the CLI shows warnings only).
+        tracing::info!(
             blobs = index.len(),
             packs = index.pack_count(),
             bytes = index.memory_bytes(),

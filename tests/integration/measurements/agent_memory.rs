@@ -31,7 +31,11 @@ use crate::support::fixture::{Fixture, Layout, create, final_phase};
 /// packs never stored) into the repository, as a location many claims
 /// were backed up into has, and waits for the location's probe to count
 /// them; `HAULAGE_AGENT_MEMORY_REQUEST=192Mi` gives the stage pods that
-/// memory request through a StoragePolicy.
+/// memory request through a StoragePolicy. `HAULAGE_AGENT_STAGGER=1`
+/// leaves only the files under 1 MiB in the first of the four claims, so
+/// that it ends well before the others and the next volume starts (and
+/// loads the index, with the index files the first one wrote) while the
+/// volumes started with it still run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a measurement for docs/benchmarks.md (~1 min, 2.5 GiB of temporary disk), not a check"]
 async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -> anyhow::Result<()>
@@ -81,6 +85,10 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
                 "stagePodResources": {"requests": {"memory": request}}}),
         )
         .await?;
+    }
+    if std::env::var_os("HAULAGE_AGENT_STAGGER").is_some() {
+        let kept = keep_small_files(&fixture.volumes.join("pair").join("data-1"))?;
+        println!("pair/data-1 cut to its files under 1 MiB: {kept} B");
     }
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
     for (name, namespace, claims) in [("one", "solo", 1), ("four-at-once", "pair", 4)] {
@@ -143,12 +151,15 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         started.elapsed().as_secs_f64(),
         peak as f64 / f64::from(1 << 20)
     );
-    // How many volumes each agent moved at once, in its own words.
-    for line in fixture
-        .kubelet
-        .agent_log_lines_containing("volumes planned within the memory budget")
-    {
-        println!("{line}");
+    // How many volumes each agent moved at once, and what each volume's
+    // index load added to its memory, in its own words.
+    for needle in [
+        "volumes planned within the memory budget",
+        "loaded the repository's index",
+    ] {
+        for line in fixture.kubelet.agent_log_lines_containing(needle) {
+            println!("{line}");
+        }
     }
     println!(
         "agent {}",
@@ -156,4 +167,21 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
     );
     fixture.stop().await;
     Ok(())
+}
+
+/// Remove the files of 1 MiB or more under `directory`; the bytes left.
+fn keep_small_files(directory: &std::path::Path) -> anyhow::Result<u64> {
+    let mut kept = 0;
+    for entry in std::fs::read_dir(directory)? {
+        let entry = entry?;
+        let metadata = entry.metadata()?;
+        if metadata.is_dir() {
+            kept += keep_small_files(&entry.path())?;
+        } else if metadata.len() >= 1 << 20 {
+            std::fs::remove_file(entry.path())?;
+        } else {
+            kept += metadata.len();
+        }
+    }
+    Ok(kept)
 }
