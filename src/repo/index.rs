@@ -308,6 +308,9 @@ impl BlobIndex {
     }
 
     fn add_pack_marked(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
+        if self.base_knows_pack(&pack) {
+            return;
+        }
         let (position, leaving) = self.intern_pack(pack, entries, leaving);
         let first_position = self.first_position;
         for entry in entries {
@@ -345,6 +348,12 @@ impl BlobIndex {
             extent.holds_data |= entry.kind == BlobKind::Data;
         }
         (position, self.leaving[own])
+    }
+
+    /// True when a layer below this one holds `pack`: its blobs are known,
+    /// and a pack's blobs never change, so it is not noted again.
+    fn base_knows_pack(&self, pack: &ObjectId) -> bool {
+        self.base.as_ref().is_some_and(|base| base.knows_pack(pack))
     }
 
     /// The position of `pack`, in this layer or below it.
@@ -526,12 +535,7 @@ impl BlobIndexBuilder {
     /// A pack the base of a layer holds is not noted again: its blobs are
     /// known, and a pack's blobs never change.
     pub fn add_pack(&mut self, pack: ObjectId, entries: &[PackEntry], leaving: bool) {
-        if self
-            .index
-            .base
-            .as_ref()
-            .is_some_and(|base| base.knows_pack(&pack))
-        {
+        if self.index.base_knows_pack(&pack) {
             return;
         }
         let (position, _) = self.index.intern_pack(pack, entries, leaving);
@@ -772,19 +776,34 @@ mod tests {
                 flat.add_pack(pack_id(*number), &entries_of(*number), packs[*number].0);
             }
             let flat = flat.finish();
+            // The first two layers built at once, the third grown pack by
+            // pack ([`BlobIndex::add_pack`]).
             let mut layered: Option<Arc<BlobIndex>> = None;
             for layer in 0..3 {
                 let mut builder = match &layered {
                     Some(base) => BlobIndexBuilder::on(base.clone()),
                     None => BlobIndexBuilder::new(),
                 };
+                let mut grown = None;
                 for number in &order {
                     let (leaving, _, _, in_layer, named_again) = packs[*number];
                     if in_layer == layer || (in_layer < layer && named_again) {
-                        builder.add_pack(pack_id(*number), &entries_of(*number), leaving);
+                        let (pack, entries) = (pack_id(*number), entries_of(*number));
+                        if layer < 2 {
+                            builder.add_pack(pack, &entries, leaving);
+                            continue;
+                        }
+                        let index = grown.get_or_insert_with(|| {
+                            std::mem::take(&mut builder).finish()
+                        });
+                        if leaving {
+                            index.add_leaving_pack(pack, &entries);
+                        } else {
+                            index.add_pack(pack, &entries);
+                        }
                     }
                 }
-                layered = Some(Arc::new(builder.finish()));
+                layered = Some(Arc::new(grown.unwrap_or_else(|| builder.finish())));
             }
             let layered = layered.expect("three layers");
             proptest::prop_assert_eq!(layered.layers(), 3);
