@@ -121,6 +121,11 @@ impl IndexShare {
         if self.index_keys != index_keys || self.deletion_candidates != deletion_candidates {
             return None;
         }
+        self.loaded()
+    }
+
+    /// What was loaded, if an engine still holds the index.
+    fn loaded(&self) -> Option<LoadedIndex> {
         Some(LoadedIndex {
             index: self.index.upgrade()?,
             deletion_candidates: self.deletion_candidates.clone(),
@@ -145,25 +150,20 @@ impl IndexShare {
             return None;
         }
         Some(IndexBase {
-            index: self.index.upgrade()?,
+            loaded: self.loaded()?,
             index_keys: self.index_keys.clone(),
-            damaged_indexes: self.damaged_indexes.clone(),
-            unindexed_packs: self.unindexed_packs.clone(),
         })
     }
 }
 
-/// A shared index a load adds a layer to, with what the load keeps of
-/// how it was loaded.
+/// A shared index a load adds a layer to, with how it was loaded: its
+/// damaged index files stay damaged (the files are the same), its
+/// unindexed packs stay so unless a new index file names them.
 struct IndexBase {
-    index: Arc<BlobIndex>,
+    loaded: LoadedIndex,
     /// The index files it was loaded from, sorted: the load reads the
     /// others.
     index_keys: Vec<String>,
-    /// Still damaged: the files are the same.
-    damaged_indexes: Vec<String>,
-    /// Still unindexed unless a new index file names them.
-    unindexed_packs: Vec<(ObjectId, Vec<PackEntry>)>,
 }
 
 /// Whether every key of `part` is in `whole` (both sorted).
@@ -678,9 +678,9 @@ impl Repository {
         let mut index = match base {
             Some(base) => {
                 index_objects.retain(|meta| base.index_keys.binary_search(&meta.key).is_err());
-                loaded.damaged_indexes = base.damaged_indexes;
-                base_unindexed_packs = base.unindexed_packs;
-                BlobIndexBuilder::on(base.index)
+                loaded.damaged_indexes = base.loaded.damaged_indexes;
+                base_unindexed_packs = base.loaded.unindexed_packs;
+                BlobIndexBuilder::on(base.loaded.index)
             }
             None => BlobIndexBuilder::new(),
         };

@@ -593,6 +593,17 @@ async fn the_smallest_memory_share_moves_the_same_data_in_smaller_packs_and_read
     }
 }
 
+/// A repository with one backup of a directory `source` holding one file
+/// of random bytes from `seed`; the source and the snapshot's tree.
+async fn backed_up_once(seed: u64) -> (TestRepo, std::path::PathBuf, BlobId) {
+    let repo = TestRepo::new().await;
+    let source = repo.dir.path().join("source");
+    std::fs::create_dir_all(&source).expect("mkdir");
+    std::fs::write(source.join("a"), random_bytes(seed, 300_000)).expect("write");
+    let tree = repo.backup(&source).await.snapshot.tree;
+    (repo, source, tree)
+}
+
 /// The engines of one process (the volumes an agent moves at once) share
 /// one copy of the repository's index: loads that start together read
 /// the index files once and get the same index, and so does a later load
@@ -603,11 +614,7 @@ async fn the_smallest_memory_share_moves_the_same_data_in_smaller_packs_and_read
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_of_one_process_share_the_index_while_one_holds_it() {
     use haulage::repo::prune::{Candidate, DeletionCandidates, MarkReason};
-    let repo = TestRepo::new().await;
-    let source = repo.dir.path().join("source");
-    std::fs::create_dir_all(&source).expect("mkdir");
-    std::fs::write(source.join("a"), random_bytes(61, 300_000)).expect("write");
-    let first_tree = repo.backup(&source).await.snapshot.tree;
+    let (repo, source, first_tree) = backed_up_once(61).await;
     let (counter, repository) = counted(&repo).await;
     let index_reads = || {
         counter
@@ -683,11 +690,7 @@ async fn engines_of_one_process_share_the_index_while_one_holds_it() {
 /// calls them unindexed and holds none of them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_hands_over_no_pack_that_its_index_files_name() {
-    let repo = TestRepo::new().await;
-    let source = repo.dir.path().join("source");
-    std::fs::create_dir_all(&source).expect("mkdir");
-    std::fs::write(source.join("a"), random_bytes(63, 300_000)).expect("write");
-    let first_tree = repo.backup(&source).await.snapshot.tree;
+    let (repo, _source, first_tree) = backed_up_once(63).await;
     // The backup's index files set aside: its packs are unindexed.
     let index_dir = repo.root().join("index");
     let aside = repo.dir.path().join("index-aside");
