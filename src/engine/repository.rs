@@ -135,20 +135,17 @@ impl IndexShare {
         })
     }
 
-    /// The index to load `index_keys` as a layer over, if it is still
-    /// held, was loaded with `deletion_candidates` from some of these
-    /// index files and no others, and has room for a layer.
-    fn base_for(
-        &self,
-        index_keys: &[String],
-        deletion_candidates: &[Candidate],
-    ) -> Option<IndexBase> {
-        if self.layers >= MAX_INDEX_LAYERS
-            || self.deletion_candidates != deletion_candidates
-            || !is_sorted_subset(&self.index_keys, index_keys)
-        {
-            return None;
-        }
+    /// Whether a load of `index_keys` with `deletion_candidates` can be a
+    /// layer over this index: it was loaded with the same candidates from
+    /// some of these index files and no others, and has room for a layer.
+    fn can_carry(&self, index_keys: &[String], deletion_candidates: &[Candidate]) -> bool {
+        self.layers < MAX_INDEX_LAYERS
+            && self.deletion_candidates == deletion_candidates
+            && is_sorted_subset(&self.index_keys, index_keys)
+    }
+
+    /// This index as the base of a layer, if an engine still holds it.
+    fn base(&self) -> Option<IndexBase> {
         Some(IndexBase {
             loaded: self.loaded()?,
             index_keys: self.index_keys.clone(),
@@ -644,10 +641,14 @@ impl Repository {
         {
             return Ok(loaded);
         }
-        let base = shares
+        // The base with the most index files; what it was loaded with is
+        // copied out of that one share only.
+        let mut bases: Vec<&IndexShare> = shares
             .iter()
-            .filter_map(|share| share.base_for(&index_keys, &deletion_candidates))
-            .max_by_key(|base| base.index_keys.len());
+            .filter(|share| share.can_carry(&index_keys, &deletion_candidates))
+            .collect();
+        bases.sort_by_key(|share| share.index_keys.len());
+        let base = bases.into_iter().rev().find_map(IndexShare::base);
         let loaded = self
             .read_index(deletion_candidates, index_objects, base)
             .await?;
