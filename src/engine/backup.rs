@@ -37,6 +37,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::buffers::BufferPool;
+use super::descriptors;
 use super::memory::{BackupBuffers, EngineMemory, PACK_TRAILER_ROOM};
 use super::progress::Progress;
 use super::repository::{Repository, SourceHeads};
@@ -70,14 +71,18 @@ const WALK_BATCH_FILE_BYTES: u64 = 1024 * 1024;
 /// full: the channel then holds a few MiB at most, whatever the files (an
 /// unchanged 10 GiB file's content list alone is about 400 KiB).
 const WALK_BATCH_HELD_BYTES: usize = 256 * 1024;
-/// Source files the backup holds open at once: each small file stays open
-/// from the walker's open until its job has read it, and the walker runs
-/// ahead of the jobs. Far under the usual limit of 1,024 descriptors per
-/// process; without it, the batches of tiny files queued for their jobs
-/// held thousands open.
-const MAX_OPEN_SOURCE_FILES: usize = 64;
-/// Places under [`MAX_OPEN_SOURCE_FILES`] the walker waits for at once.
+/// Places under [`descriptors::backup_open_files`] the walker waits for at once.
 const OPEN_FILE_PLACES_AT_ONCE: u32 = 8;
+/// Jobs of the parallel stage in flight per core. With one more job than
+/// cores (as before), a thread that finished its job waited for the
+/// pipeline's task to take the result and hand on the next job, and the
+/// cores were idle a fifth of a first backup (`perf sched`); with jobs
+/// queued in the blocking pool a thread takes the next one at once. The
+/// chunk budget, not this, bounds the memory of the jobs in flight. Seven
+/// runs in turn on two cores (docs/benchmarks.md, "Where a first backup's
+/// cores wait"): the 2 GiB sample tree 3.08 → 2.97 s, 200,000 small files
+/// 3.84 → 3.57 s, at the same peak RSS.
+const JOBS_IN_FLIGHT_PER_CORE: usize = 4;
 /// Chunks smaller than this are hashed and compressed on the walker thread.
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
 /// Packs being uploaded at once; each holds its full pack in memory.
@@ -126,7 +131,9 @@ pub struct BackupOptions {
     pub compression_level: i32,
     /// Limit on reading the source.
     pub read_throttle: Throttle,
-    /// Chunks hashed and compressed at once.
+    /// Jobs of the parallel stage (a large file's chunk, a run of small
+    /// files) handed to the blocking pool at once; their results are
+    /// taken in walk order. See [`JOBS_IN_FLIGHT_PER_CORE`].
     pub parallelism: usize,
     /// The memory its buffers may take: chunks in flight (with the
     /// default share 16 MiB, at least 4 chunks and 16 of the 1 MiB
@@ -220,7 +227,8 @@ impl BackupOptions {
             claim: None,
             compression_level: DEFAULT_COMPRESSION_LEVEL,
             read_throttle: Throttle::unlimited(),
-            parallelism: std::thread::available_parallelism().map_or(2, |n| n.get()) + 1,
+            parallelism: JOBS_IN_FLIGHT_PER_CORE
+                * std::thread::available_parallelism().map_or(2, |n| n.get()),
             memory: EngineMemory::default(),
             only: None,
             checkpoint_every: Some(DEFAULT_CHECKPOINT_EVERY),
@@ -305,7 +313,7 @@ enum Processed {
 struct SmallFile {
     entry: Entry,
     file: File,
-    /// The file's place under [`MAX_OPEN_SOURCE_FILES`], given back when
+    /// The file's place under [`descriptors::backup_open_files`], given back when
     /// the file is closed.
     open_file: OwnedSemaphorePermit,
     before: Metadata,
@@ -548,7 +556,7 @@ pub async fn backup(
             handle: tokio::runtime::Handle::current(),
             chunk_budget: Arc::new(Semaphore::new(buffers.chunk_bytes_in_flight as usize)),
             chunk_bytes_in_flight: buffers.chunk_bytes_in_flight,
-            open_files: Arc::new(Semaphore::new(MAX_OPEN_SOURCE_FILES)),
+            open_files: Arc::new(Semaphore::new(descriptors::backup_open_files_now())),
             spare_open_file_places: None,
             cancel: cancel.clone(),
             stop: options.stop.clone(),
@@ -1030,9 +1038,9 @@ struct WalkContext {
     /// The permits of `chunk_budget`: a chunk takes as many as its
     /// buffer's capacity, at most all.
     chunk_bytes_in_flight: u32,
-    /// Places under [`MAX_OPEN_SOURCE_FILES`].
+    /// Places under [`descriptors::backup_open_files`].
     open_files: Arc<Semaphore>,
-    /// Places under [`MAX_OPEN_SOURCE_FILES`] taken and not used yet.
+    /// Places under [`descriptors::backup_open_files`] taken and not used yet.
     spare_open_file_places: Option<OwnedSemaphorePermit>,
     cancel: CancellationToken,
     /// [`BackupOptions::stop`]: looked at before each entry and each read,
@@ -1939,7 +1947,7 @@ async fn read_small_files(
 }
 
 /// Read a small file whole, chunk it, and hash and compress its chunks;
-/// its file is closed (and its place under [`MAX_OPEN_SOURCE_FILES`] given
+/// its file is closed (and its place under [`descriptors::backup_open_files`] given
 /// back) when this returns. A file that grew past the chunker's maximum
 /// chunk while being read is stored up to it, with a warning saying so.
 fn read_small_file(

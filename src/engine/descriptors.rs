@@ -1,6 +1,6 @@
 //! Open file descriptors: the process's limit, raised once at the start of
-//! each binary, and the share of it that restores may hold for their
-//! batches' directories.
+//! each binary, the share of it that restores may hold for their batches'
+//! directories, and the source files a backup holds open.
 //!
 //! A restore keeps each directory of a batch of files open (its files are
 //! created and reopened relative to it, never through a path), so a batch
@@ -159,9 +159,38 @@ pub fn batch_directories_limit_now() -> usize {
     )
 }
 
+/// Source files one backup holds open at once under a soft limit of
+/// `soft_limit` open files: an eighth of the limit, from 8 to 128. Each
+/// small file stays open from the walker's open until its job has read
+/// it, and the walker runs ahead of the jobs; without a bound the batches
+/// of tiny files queued for their jobs held thousands open, and files
+/// that could not be opened were skipped with a warning. 64 kept the jobs
+/// of a first backup of small files short of files; 128 is faster
+/// (docs/benchmarks.md, "Where a first backup's cores wait") and, under
+/// the usual soft limit of 1,024, leaves half the limit to the rest of an
+/// agent backing up four volumes at once; a lower limit gets fewer.
+pub fn backup_open_files(soft_limit: u64) -> usize {
+    usize::try_from((soft_limit / 8).clamp(8, 128)).unwrap_or(128)
+}
+
+/// [`backup_open_files`] of the soft limit in force now.
+pub fn backup_open_files_now() -> usize {
+    backup_open_files(getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_backup_holds_open_an_eighth_of_the_limit_up_to_128_files() {
+        assert_eq!(backup_open_files(1_024), 128);
+        assert_eq!(backup_open_files(65_536), 128);
+        assert_eq!(backup_open_files(u64::MAX), 128);
+        assert_eq!(backup_open_files(512), 64);
+        assert_eq!(backup_open_files(128), 16);
+        assert_eq!(backup_open_files(16), 8);
+    }
 
     #[test]
     fn the_usual_soft_limit_leaves_no_extra_directories_and_a_raised_one_leaves_the_rest() {
