@@ -71,17 +71,19 @@ const WALK_BATCH_FILE_BYTES: u64 = 1024 * 1024;
 /// full: the channel then holds a few MiB at most, whatever the files (an
 /// unchanged 10 GiB file's content list alone is about 400 KiB).
 const WALK_BATCH_HELD_BYTES: usize = 256 * 1024;
-/// Places under [`descriptors::backup_open_files`] the walker waits for at once.
+/// Places under [`descriptors::backup_open_files`] the walker waits for at
+/// once: never more than the fewest places a backup has, or it would wait
+/// for ever.
 const OPEN_FILE_PLACES_AT_ONCE: u32 = 8;
-/// Jobs of the parallel stage in flight per core. With one more job than
-/// cores (as before), a thread that finished its job waited for the
-/// pipeline's task to take the result and hand on the next job, and the
-/// cores were idle a fifth of a first backup (`perf sched`); with jobs
-/// queued in the blocking pool a thread takes the next one at once. The
-/// chunk budget, not this, bounds the memory of the jobs in flight. Seven
-/// runs in turn on two cores (docs/benchmarks.md, "Where a first backup's
-/// cores wait"): the 2 GiB sample tree 3.08 → 2.97 s, 200,000 small files
-/// 3.84 → 3.57 s, at the same peak RSS.
+const _: () = assert!(OPEN_FILE_PLACES_AT_ONCE as usize <= descriptors::MIN_BACKUP_OPEN_FILES);
+/// Jobs of the parallel stage in flight per core, up to twice the
+/// blocking pool's threads ([`super::MAX_BLOCKING_THREADS`]): enough
+/// queued to keep every thread fed, no more ahead of the other engines'
+/// blocking work. With one more job than cores (as before), a thread that
+/// finished its job often had none queued: the next came only once the
+/// pipeline's task had run. The chunk budget, not this, bounds the memory
+/// of the jobs in flight. Measured on two cores only (docs/benchmarks.md,
+/// "Where a first backup's cores wait").
 const JOBS_IN_FLIGHT_PER_CORE: usize = 4;
 /// Chunks smaller than this are hashed and compressed on the walker thread.
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
@@ -227,8 +229,9 @@ impl BackupOptions {
             claim: None,
             compression_level: DEFAULT_COMPRESSION_LEVEL,
             read_throttle: Throttle::unlimited(),
-            parallelism: JOBS_IN_FLIGHT_PER_CORE
-                * std::thread::available_parallelism().map_or(2, |n| n.get()),
+            parallelism: (JOBS_IN_FLIGHT_PER_CORE
+                * std::thread::available_parallelism().map_or(2, |n| n.get()))
+            .min(2 * super::MAX_BLOCKING_THREADS),
             memory: EngineMemory::default(),
             only: None,
             checkpoint_every: Some(DEFAULT_CHECKPOINT_EVERY),

@@ -159,18 +159,28 @@ pub fn batch_directories_limit_now() -> usize {
     )
 }
 
+/// The fewest source files a backup holds open at once (the walker waits
+/// for up to this many places at a time).
+pub const MIN_BACKUP_OPEN_FILES: usize = 8;
+/// The most source files a backup holds open at once.
+pub const MAX_BACKUP_OPEN_FILES: usize = 128;
+
 /// Source files one backup holds open at once under a soft limit of
-/// `soft_limit` open files: an eighth of the limit, from 8 to 128. Each
-/// small file stays open from the walker's open until its job has read
-/// it, and the walker runs ahead of the jobs; without a bound the batches
-/// of tiny files queued for their jobs held thousands open, and files
-/// that could not be opened were skipped with a warning. 64 kept the jobs
-/// of a first backup of small files short of files; 128 is faster
-/// (docs/benchmarks.md, "Where a first backup's cores wait") and, under
-/// the usual soft limit of 1,024, leaves half the limit to the rest of an
-/// agent backing up four volumes at once; a lower limit gets fewer.
+/// `soft_limit` open files: an eighth of the limit, from
+/// [`MIN_BACKUP_OPEN_FILES`] to [`MAX_BACKUP_OPEN_FILES`]. Each small file
+/// stays open from the walker's open until its job has read it, and the
+/// walker runs ahead of the jobs; without a bound the batches of tiny
+/// files queued for their jobs held thousands open, and files that could
+/// not be opened were skipped with a warning. 64 kept the jobs of a first
+/// backup of small files short of files; 128 is faster (docs/benchmarks.md,
+/// "Where a first backup's cores wait"). The bound is per backup: under a
+/// soft limit of 1,024 that cannot be raised, seven backups at once hold
+/// 896, and a restore beside three of them (its own 736 or so) can reach
+/// the limit. The binaries raise the soft limit at start, so that takes a
+/// hard limit near 1,024 (a container's is usually 524,288 or more).
 pub fn backup_open_files(soft_limit: u64) -> usize {
-    usize::try_from((soft_limit / 8).clamp(8, 128)).unwrap_or(128)
+    let eighth = usize::try_from(soft_limit / 8).unwrap_or(usize::MAX);
+    eighth.clamp(MIN_BACKUP_OPEN_FILES, MAX_BACKUP_OPEN_FILES)
 }
 
 /// [`backup_open_files`] of the soft limit in force now.
