@@ -153,10 +153,12 @@ pub fn batch_directories() -> &'static DescriptorBudget {
 /// [`batch_directories_limit`] of the soft limit in force now and the
 /// restores running now.
 pub fn batch_directories_limit_now() -> usize {
-    batch_directories_limit(
-        getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX),
-        batch_directories().restores(),
-    )
+    batch_directories_limit(soft_limit_now(), batch_directories().restores())
+}
+
+/// The soft limit of open files in force now (no limit: `u64::MAX`).
+fn soft_limit_now() -> u64 {
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
 }
 
 /// The fewest source files a backup holds open at once (the walker waits
@@ -185,7 +187,7 @@ pub fn backup_open_files(soft_limit: u64) -> usize {
 
 /// [`backup_open_files`] of the soft limit in force now.
 pub fn backup_open_files_now() -> usize {
-    backup_open_files(getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX))
+    backup_open_files(soft_limit_now())
 }
 
 #[cfg(test)]
