@@ -4,7 +4,7 @@
 //! store slows the reader instead of filling memory:
 //!
 //! ```text
-//! walker (blocking thread)      lstat, open; large files: read, FastCDC
+//! walker (thread of its own)   lstat, open; large files: read, FastCDC
 //!   │ bounded channel + chunk-bytes semaphore          → WalkItem (ordered)
 //! hash/dedup/compress           BLAKE3 + zstd on the blocking pool, up to
 //!   │ (ordered, `buffered`)     `parallelism` jobs at once, results in walk
@@ -544,7 +544,7 @@ pub async fn backup(
             let source = source.clone();
             let progress = progress.clone();
             let scan_cancel = scan_cancel.clone();
-            Some(tokio::task::spawn_blocking(move || {
+            Some(super::OwnThread::spawn("totals scan", move || {
                 scan_totals(&source, &progress, &scan_cancel)
             }))
         }
@@ -573,7 +573,7 @@ pub async fn backup(
             only: options.only.clone(),
         };
         let source = source.clone();
-        tokio::task::spawn_blocking(move || {
+        super::OwnThread::spawn("backup walker", move || {
             let mut context = context;
             context.walk_root(&source, previous_root)
         })
@@ -646,12 +646,10 @@ pub async fn backup(
         });
     }
     let assembled = assembler.run(processed, &cancel).await;
-    let walk_result = walker
-        .await
-        .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
+    let walk_result = walker.join().await;
     scan_cancel.cancel();
     if let Some(scan) = scan {
-        let _ = scan.await;
+        scan.join().await;
     }
     let root_tree = match (assembled, walk_result) {
         (Ok(Some(root)), Ok(())) if !cancel.is_cancelled() => root,
@@ -1031,7 +1029,7 @@ fn scan_totals(root: &Path, progress: &Progress, cancel: &CancellationToken) {
     }
 }
 
-/// The walker's state; runs on one blocking thread.
+/// The walker's state; runs on a thread of its own ([`super::OwnThread`]).
 struct WalkContext {
     shared: Arc<Shared>,
     chunker: Chunker,

@@ -47,9 +47,11 @@ use crate::store::StoreError;
 pub use repository::{Encryption, KeySource, Password, PasswordSource, Repository};
 
 /// Threads a runtime running the engine should allow for blocking work
-/// (`tokio::runtime::Builder::max_blocking_threads`). Enough for every stage
-/// at once (backup: walker, scan, parallel chunks, pack finishing; restore:
-/// its file jobs and their decoding), and few, because every thread that
+/// (`tokio::runtime::Builder::max_blocking_threads`), shared by every
+/// volume moving at once: short jobs that end on their own (backup: reads,
+/// parallel chunks, pack finishing; restore: its file jobs), while what
+/// lasts as long as a volume and waits on those jobs has an [`OwnThread`].
+/// Few, because every thread that
 /// frees large buffers gets its own glibc malloc arena, which keeps them
 /// resident: with tokio's default of 512 a 1 GiB restore peaked at 190 MiB
 /// of RSS, with 8 at about 100 MiB.
@@ -273,6 +275,78 @@ pub(crate) async fn joined<T>(task: tokio::task::JoinHandle<T>) -> T {
     match task.await {
         Ok(value) => value,
         Err(error) => std::panic::resume_unwind(error.into_panic()),
+    }
+}
+
+/// Work that lasts as long as its backup or restore and waits on work of
+/// the blocking pool (a backup's walker waits for its chunks to be hashed,
+/// a restore's scatter worker for blobs to write): on a thread of its own,
+/// not on the pool. The pool has [`MAX_BLOCKING_THREADS`] threads for
+/// every volume an agent moves at once; with one such thread per volume
+/// held there, eight backups at once took them all, and the hashing their
+/// walkers waited for never ran.
+pub(crate) struct OwnThread<T> {
+    inner: OwnThreadInner<T>,
+}
+
+enum OwnThreadInner<T> {
+    Thread {
+        result: tokio::sync::oneshot::Receiver<T>,
+        thread: std::thread::JoinHandle<()>,
+    },
+    /// No thread to be had (a pod at its pids limit): the pool's.
+    Pool(tokio::task::JoinHandle<T>),
+}
+
+impl<T: Send + 'static> OwnThread<T> {
+    /// Start `work` on a thread named `name`, in the current runtime's
+    /// context (it may use `Handle::current()` and spawn) and tracing span.
+    pub(crate) fn spawn(name: &str, work: impl FnOnce() -> T + Send + 'static) -> Self {
+        let handle = tokio::runtime::Handle::current();
+        let span = tracing::Span::current();
+        let (done, result) = tokio::sync::oneshot::channel();
+        // The work goes to the thread once it exists, so that without one
+        // it can still go to the pool.
+        let (hand_over, handed) = std::sync::mpsc::channel::<Box<dyn FnOnce() -> T + Send>>();
+        let spawned = std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                let _runtime = handle.enter();
+                let _span = span.enter();
+                if let Ok(work) = handed.recv() {
+                    let _ = done.send(work());
+                }
+            });
+        let inner = match spawned {
+            Ok(thread) => {
+                if hand_over.send(Box::new(work)).is_err() {
+                    unreachable!("the thread waits for its work");
+                }
+                OwnThreadInner::Thread { result, thread }
+            }
+            Err(error) => {
+                tracing::warn!(
+                    "cannot start a thread for the {name}, running it on the blocking pool: {error}"
+                );
+                OwnThreadInner::Pool(tokio::task::spawn_blocking(work))
+            }
+        };
+        OwnThread { inner }
+    }
+
+    /// What the work returned; its panic goes on in the caller.
+    pub(crate) async fn join(self) -> T {
+        match self.inner {
+            OwnThreadInner::Pool(task) => joined(task).await,
+            OwnThreadInner::Thread { result, thread } => match result.await {
+                Ok(value) => value,
+                // The thread ended without sending: it panicked; so does this.
+                Err(_) => match thread.join() {
+                    Err(panic) => std::panic::resume_unwind(panic),
+                    Ok(()) => unreachable!("the thread sends before it ends"),
+                },
+            },
+        }
     }
 }
 

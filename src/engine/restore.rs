@@ -1426,7 +1426,7 @@ async fn write_batches(
     let worker_handles: Vec<_> = (0..workers)
         .map(|_| {
             let queued_jobs = queued_jobs.clone();
-            tokio::task::spawn_blocking(move || run_scatter_worker(&queued_jobs))
+            super::OwnThread::spawn("scatter worker", move || run_scatter_worker(&queued_jobs))
         })
         .collect();
     let limits = PlanLimits {
@@ -1462,9 +1462,7 @@ async fn write_batches(
     drop(batches);
     drop(jobs);
     for handle in worker_handles {
-        if let Err(error) = handle.await {
-            std::panic::resume_unwind(error.into_panic());
-        }
+        handle.join().await;
     }
 }
 

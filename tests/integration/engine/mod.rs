@@ -11,6 +11,7 @@ mod faults;
 mod heads;
 mod index_files;
 mod malicious;
+mod many_at_once;
 mod roundtrip;
 mod scatter;
 pub mod support;

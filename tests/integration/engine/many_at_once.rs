@@ -1,0 +1,138 @@
+//! More volumes moved at once by one process than the blocking pool has
+//! threads, as a mover agent with a large memory budget moves them: every
+//! backup and restore finishes, each with its own data.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use haulage::engine::backup::{BackupOptions, backup};
+use haulage::engine::memory::EngineMemory;
+use haulage::engine::progress::Progress;
+use haulage::engine::restore::{RestoreOptions, restore};
+use haulage::repo::ObjectId;
+use tokio_util::sync::CancellationToken;
+
+use super::support::{TestRepo, assert_same_tree, random_bytes};
+
+/// Volumes at once: more than [`haulage::engine::MAX_BLOCKING_THREADS`],
+/// as an agent given 1Gi moves ten claims of its stage pod
+/// (`AgentMemory::volumes_at_once` is 42 there).
+const VOLUMES: u64 = 10;
+
+/// Not a measure of speed: a backup or restore that waits for a thread
+/// that never comes waits forever, and this says so instead of hanging CI.
+const STALLED_AFTER: Duration = Duration::from_secs(300);
+
+/// The runtime of the mover agent and the CLI: two workers, as this
+/// machine's two cores give, and the engine's blocking threads.
+fn agent_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .max_blocking_threads(haulage::engine::MAX_BLOCKING_THREADS)
+        .build()
+        .unwrap()
+}
+
+/// A volume's data: a file larger than an engine's chunk budget in the
+/// smallest share, so its walker waits for its chunks to be hashed, and a
+/// directory of small files.
+fn write_volume(root: &std::path::Path, volume: u64) -> PathBuf {
+    let source = root.join(format!("source-{volume}"));
+    std::fs::create_dir_all(source.join("small")).unwrap();
+    std::fs::write(source.join("large"), random_bytes(volume, 24 << 20)).unwrap();
+    for file in 0..300 {
+        std::fs::write(
+            source.join("small").join(format!("f{file}")),
+            random_bytes(volume * 1000 + file, 3000),
+        )
+        .unwrap();
+    }
+    source
+}
+
+/// Back up each source at once, each engine in the smallest share.
+async fn back_up_at_once(
+    repository: &Arc<haulage::engine::Repository>,
+    sources: &[PathBuf],
+) -> Vec<ObjectId> {
+    let backups = sources.iter().map(|source| {
+        let repository = repository.clone();
+        let mut options = BackupOptions::new(source);
+        options.memory = EngineMemory::new(0);
+        async move {
+            backup(
+                &repository,
+                options,
+                Arc::new(Progress::default()),
+                CancellationToken::new(),
+            )
+            .await
+            .expect("backup")
+            .snapshot_id
+        }
+    });
+    tokio::time::timeout(STALLED_AFTER, futures::future::join_all(backups))
+        .await
+        .expect("the backups stalled: each waits for work no thread runs")
+}
+
+#[test]
+fn more_backups_at_once_than_blocking_threads_all_finish() {
+    agent_runtime().block_on(async {
+        let repo = TestRepo::new().await;
+        let repository = Arc::new(repo.repository.clone());
+        let sources: Vec<_> = (0..VOLUMES)
+            .map(|volume| write_volume(repo.dir.path(), volume))
+            .collect();
+        let snapshots = back_up_at_once(&repository, &sources).await;
+        // Each snapshot holds its own source, restored one at a time.
+        for (volume, snapshot) in snapshots.iter().enumerate() {
+            let target = repo.dir.path().join(format!("target-{volume}"));
+            repo.restore(snapshot, &target).await;
+            assert_same_tree(&sources[volume], &target);
+        }
+    });
+}
+
+#[test]
+fn more_restores_at_once_than_blocking_threads_all_finish() {
+    agent_runtime().block_on(async {
+        let repo = TestRepo::new().await;
+        let repository = Arc::new(repo.repository.clone());
+        let mut sources = Vec::new();
+        let mut snapshots = Vec::new();
+        for volume in 0..VOLUMES {
+            let source = write_volume(repo.dir.path(), volume);
+            snapshots.push(repo.backup(&source).await.snapshot_id);
+            sources.push(source);
+        }
+        let restores = snapshots.iter().enumerate().map(|(volume, snapshot)| {
+            let repository = repository.clone();
+            let mut options = RestoreOptions::new(repo.dir.path().join(format!("target-{volume}")));
+            options.memory = EngineMemory::new(0);
+            async move {
+                restore(
+                    &repository,
+                    snapshot,
+                    options,
+                    Arc::new(Progress::default()),
+                    CancellationToken::new(),
+                )
+                .await
+                .expect("restore")
+            }
+        });
+        let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
+            .await
+            .expect("the restores stalled: each waits for work no thread runs");
+        for (volume, outcome) in outcomes.iter().enumerate() {
+            assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
+            assert_same_tree(
+                &sources[volume],
+                &repo.dir.path().join(format!("target-{volume}")),
+            );
+        }
+    });
+}
