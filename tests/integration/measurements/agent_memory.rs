@@ -1,5 +1,6 @@
-//! An agent's peak resident memory with one and with four large claims in
-//! its stage pod (docs/benchmarks.md, "Agent memory with large claims").
+//! An agent's peak resident memory with one and with four (or
+//! `HAULAGE_AGENT_CLAIMS`) large claims in its stage pod
+//! (docs/benchmarks.md, "Agent memory with large claims").
 
 use std::time::{Duration, Instant};
 
@@ -35,26 +36,32 @@ use crate::support::fixture::{Fixture, Layout, create, final_phase};
 /// leaves only the files under 1 MiB in the first of the four claims, so
 /// that it ends well before the others and the next volume starts (and
 /// loads the index, with the index files the first one wrote) while the
-/// volumes started with it still run.
+/// volumes started with it still run. `HAULAGE_AGENT_CLAIMS=10` puts ten
+/// claims in the second stage pod instead of four (with
+/// `HAULAGE_AGENT_MEMORY_REQUEST=1Gi`, all ten move at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a measurement for docs/benchmarks.md (~1 min, 2.5 GiB of temporary disk), not a check"]
-async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -> anyhow::Result<()>
+async fn measure_agent_memory_of_one_and_of_several_large_claims_in_a_stage_pod() -> anyhow::Result<()>
 {
     let volume_bytes: u64 = std::env::var("HAULAGE_AGENT_MEMORY_MIB")
         .ok()
         .and_then(|mib| mib.parse::<u64>().ok())
         .unwrap_or(256)
         << 20;
+    let claims_at_once: u32 = std::env::var("HAULAGE_AGENT_CLAIMS")
+        .ok()
+        .and_then(|claims| claims.parse().ok())
+        .unwrap_or(4);
     let layout = Layout {
         namespaces: vec!["solo".to_string(), "pair".to_string()],
-        claims: (0..5)
+        claims: (0..=claims_at_once)
             .map(|index| {
                 let namespace = if index == 0 { "solo" } else { "pair" };
                 (
                     namespace.to_string(),
                     format!("data-{index}"),
                     "ReadWriteOnce",
-                    2000 + index,
+                    2000 + u64::from(index),
                 )
             })
             .collect(),
@@ -91,7 +98,7 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         println!("pair/data-1 cut to its files under 1 MiB: {kept} B");
     }
     let backups: Api<VolumeBackup> = Api::namespaced(client.clone(), SYSTEM_NAMESPACE);
-    for (name, namespace, claims) in [("one", "solo", 1), ("four-at-once", "pair", 4)] {
+    for (name, namespace, claims) in [("one", "solo", 1), ("at-once", "pair", claims_at_once)] {
         let started = Instant::now();
         create::<VolumeBackup>(
             client,
@@ -121,7 +128,7 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
             peak as f64 / f64::from(1 << 20)
         );
     }
-    // The four claims restored into new claims of another namespace, by
+    // The claims restored into new claims of another namespace, by
     // one stage pod moving as many at once as its memory holds, each
     // verified after it is written.
     let started = Instant::now();
@@ -129,13 +136,13 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         client,
         Some(SYSTEM_NAMESPACE),
         json!({"apiVersion": "haulage.dev/v1alpha1", "kind": "VolumeRestore",
-            "metadata": {"name": "four-at-once", "namespace": SYSTEM_NAMESPACE},
-            "spec": {"source": {"backup": "four-at-once"},
+            "metadata": {"name": "at-once", "namespace": SYSTEM_NAMESPACE},
+            "spec": {"source": {"backup": "at-once"},
                 "namespaceMap": {"pair": "pair-b"}, "createNamespaces": true}}),
     )
     .await?;
     fixture
-        .completed_restore("four-at-once", Duration::from_secs(900))
+        .completed_restore("at-once", Duration::from_secs(900))
         .await?;
     let peak = fixture
         .kubelet
@@ -146,7 +153,7 @@ async fn measure_agent_memory_of_one_and_of_four_large_claims_in_a_stage_pod() -
         .max()
         .context("no restoring agent memory sampled")?;
     println!(
-        "4 claim(s) of {volume_bytes} B restored by one stage pod: restore Completed in \
+        "{claims_at_once} claim(s) of {volume_bytes} B restored by one stage pod: restore Completed in \
          {:.1} s, agent peak RSS {:.1} MiB",
         started.elapsed().as_secs_f64(),
         peak as f64 / f64::from(1 << 20)
