@@ -85,6 +85,17 @@ const _: () = assert!(OPEN_FILE_PLACES_AT_ONCE as usize <= descriptors::MIN_BACK
 /// of the jobs in flight. Measured on two cores only (docs/benchmarks.md,
 /// "Where a first backup's cores wait").
 const JOBS_IN_FLIGHT_PER_CORE: usize = 4;
+/// How long the walker waits for a file descriptor when the process has
+/// none left (its limit of open files is reached: other volumes of the
+/// same agent, or this backup's own files in flight) before it stops the
+/// backup with [`EngineError::OutOfOpenFiles`]. A want of descriptors says
+/// nothing of the file: skipping it (as an unreadable file is) would leave
+/// it out of the snapshot, and a directory listed that way would be stored
+/// empty.
+const OUT_OF_OPEN_FILES_PATIENCE: Duration = Duration::from_secs(60);
+/// The longest pause between two tries to open while out of descriptors.
+const OUT_OF_OPEN_FILES_LONGEST_PAUSE: Duration = Duration::from_millis(100);
+
 /// Chunks smaller than this are hashed and compressed on the walker thread.
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
 /// Packs being uploaded at once; each holds its full pack in memory.
@@ -1135,6 +1146,47 @@ fn entry_from_metadata(name: &[u8], kind: EntryKind, metadata: &Metadata) -> Ent
     }
 }
 
+/// Whether `error` is the process's limit of open files (EMFILE) or the
+/// system's (ENFILE): a want of descriptors, not a fault of the file.
+fn out_of_open_files(error: &io::Error) -> bool {
+    let code = error.raw_os_error();
+    code == Some(rustix::io::Errno::MFILE.raw_os_error())
+        || code == Some(rustix::io::Errno::NFILE.raw_os_error())
+}
+
+/// `open()`, tried again while it fails for want of descriptors, with
+/// `wait(pause)` between tries (pauses from 1 ms, doubling up to
+/// [`OUT_OF_OPEN_FILES_LONGEST_PAUSE`]); after `patience` of pauses,
+/// [`EngineError::OutOfOpenFiles`] for `path`. Any other outcome of
+/// `open`, success or error, is returned as it is.
+fn retry_while_out_of_open_files<T>(
+    path: &Path,
+    patience: Duration,
+    mut open: impl FnMut() -> io::Result<T>,
+    mut wait: impl FnMut(Duration) -> Result<(), EngineError>,
+) -> Result<io::Result<T>, EngineError> {
+    let mut waited = Duration::ZERO;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match open() {
+            Err(error) if out_of_open_files(&error) => {
+                if waited >= patience {
+                    return Err(EngineError::OutOfOpenFiles {
+                        path: path.to_path_buf(),
+                        reason: error.to_string(),
+                        limit: descriptors::soft_limit_now(),
+                        waited_seconds: waited.as_secs(),
+                    });
+                }
+                wait(pause)?;
+                waited += pause;
+                pause = (pause * 2).min(OUT_OF_OPEN_FILES_LONGEST_PAUSE);
+            }
+            outcome => return Ok(outcome),
+        }
+    }
+}
+
 /// An `O_PATH` descriptor of the directory at `path`, to look its entries
 /// up relative to it; `None` (the entries are then looked up by path) when
 /// it cannot be opened.
@@ -1318,6 +1370,27 @@ impl WalkContext {
         Err(EngineError::Cancelled)
     }
 
+    /// `open()` of `path`, tried again while the process has no descriptor
+    /// left ([`out_of_open_files`]): between tries the queued items are
+    /// handed on (their jobs read and close the files they hold) and the
+    /// walker pauses, up to [`OUT_OF_OPEN_FILES_PATIENCE`] in all. Any
+    /// other outcome is returned as it is.
+    fn open_when_descriptors_free<T>(
+        &mut self,
+        path: &Path,
+        open: impl FnMut() -> io::Result<T>,
+    ) -> Result<io::Result<T>, EngineError> {
+        let cancel = self.cancel.clone();
+        retry_while_out_of_open_files(path, OUT_OF_OPEN_FILES_PATIENCE, open, |pause| {
+            self.flush()?;
+            if cancel.is_cancelled() {
+                return Err(EngineError::Cancelled);
+            }
+            std::thread::sleep(pause);
+            Ok(())
+        })
+    }
+
     /// Hand the queued items on. Called before the walker waits for chunk
     /// budget: the queued items may hold the budget it waits for.
     fn flush(&mut self) -> Result<(), EngineError> {
@@ -1479,18 +1552,19 @@ impl WalkContext {
         // sent clears `same`.
         let mut same = parent.is_some() && parent_id.is_some();
         let mut same_entries = 0usize;
-        let mut names: Vec<OsString> = match fs::read_dir(path) {
-            Ok(entries) => entries
-                .filter_map(|entry| entry.ok().map(|entry| entry.file_name()))
-                .collect(),
-            Err(error) => {
-                self.warn(
-                    relative,
-                    format!("cannot list directory, stored empty: {error}"),
-                )?;
-                return Ok(None);
-            }
-        };
+        let mut names: Vec<OsString> =
+            match self.open_when_descriptors_free(path, || fs::read_dir(path))? {
+                Ok(entries) => entries
+                    .filter_map(|entry| entry.ok().map(|entry| entry.file_name()))
+                    .collect(),
+                Err(error) => {
+                    self.warn(
+                        relative,
+                        format!("cannot list directory, stored empty: {error}"),
+                    )?;
+                    return Ok(None);
+                }
+            };
         names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
         // The entries are looked up relative to the directory, not by their
         // whole path (which the kernel would walk again for each). At most
@@ -1666,10 +1740,12 @@ impl WalkContext {
         // by its job for a small one.
         let open_file = self.open_file_place()?;
         // O_NONBLOCK: if a FIFO was swapped in after lstat, open must not hang.
-        let file = fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc_flags())
-            .open(path);
+        let file = self.open_when_descriptors_free(path, || {
+            fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc_flags())
+                .open(path)
+        })?;
         let file = match file {
             Ok(file) => file,
             Err(error) => {
@@ -3019,5 +3095,110 @@ mod tests {
             compress(mostly_text, DEFAULT_COMPRESSION_LEVEL).0,
             Compression::None
         );
+    }
+
+    fn out_of_open_files_error() -> io::Error {
+        io::Error::from_raw_os_error(rustix::io::Errno::MFILE.raw_os_error())
+    }
+
+    #[test]
+    fn an_open_without_descriptors_is_tried_again_until_one_is_free() {
+        let mut failures_left = 3;
+        let mut pauses = Vec::new();
+        let opened = retry_while_out_of_open_files(
+            Path::new("/data/f"),
+            Duration::from_secs(60),
+            || {
+                if failures_left == 0 {
+                    return Ok("open");
+                }
+                failures_left -= 1;
+                Err(out_of_open_files_error())
+            },
+            |pause| {
+                pauses.push(pause);
+                Ok(())
+            },
+        );
+        assert_eq!(opened.unwrap().unwrap(), "open");
+        assert_eq!(
+            pauses,
+            [1, 2, 4].map(Duration::from_millis).to_vec(),
+            "a pause between tries, doubling"
+        );
+        // The system's limit (ENFILE) too.
+        let mut failed = false;
+        let opened = retry_while_out_of_open_files(
+            Path::new("/data/f"),
+            Duration::from_secs(60),
+            || {
+                if std::mem::replace(&mut failed, true) {
+                    Ok(())
+                } else {
+                    Err(io::Error::from_raw_os_error(
+                        rustix::io::Errno::NFILE.raw_os_error(),
+                    ))
+                }
+            },
+            |_| Ok(()),
+        );
+        assert!(opened.unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_backup_out_of_descriptors_for_its_patience_stops_naming_the_file_and_the_remedy() {
+        let mut waited = Duration::ZERO;
+        let error = retry_while_out_of_open_files(
+            Path::new("/data/d/f"),
+            Duration::from_secs(60),
+            || Err::<(), _>(out_of_open_files_error()),
+            |pause| {
+                waited += pause;
+                Ok(())
+            },
+        )
+        .unwrap_err();
+        assert!(waited >= Duration::from_secs(60), "{waited:?}");
+        assert!(waited < Duration::from_secs(61), "{waited:?}");
+        let message = error.to_string();
+        assert!(
+            matches!(&error, EngineError::OutOfOpenFiles { path, waited_seconds: 60, .. }
+                if path == Path::new("/data/d/f")),
+            "{error:?}"
+        );
+        for part in [
+            "/data/d/f",
+            "ulimit -n",
+            "fewer volumes",
+            "run the backup again",
+        ] {
+            assert!(message.contains(part), "{part:?} not in: {message}");
+        }
+    }
+
+    #[test]
+    fn other_open_errors_are_returned_at_once_and_a_cancel_stops_the_wait() {
+        let mut waits = 0;
+        let opened = retry_while_out_of_open_files(
+            Path::new("/data/f"),
+            Duration::from_secs(60),
+            || Err::<(), _>(io::Error::from(io::ErrorKind::PermissionDenied)),
+            |_| {
+                waits += 1;
+                Ok(())
+            },
+        );
+        assert_eq!(
+            opened.unwrap().unwrap_err().kind(),
+            io::ErrorKind::PermissionDenied
+        );
+        assert_eq!(waits, 0);
+        let stopped = retry_while_out_of_open_files(
+            Path::new("/data/f"),
+            Duration::from_secs(60),
+            || Err::<(), _>(out_of_open_files_error()),
+            |_| Err(EngineError::Cancelled),
+        );
+        assert!(matches!(stopped, Err(EngineError::Cancelled)));
     }
 }

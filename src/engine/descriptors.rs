@@ -157,7 +157,7 @@ pub fn batch_directories_limit_now() -> usize {
 }
 
 /// The soft limit of open files in force now (no limit: `u64::MAX`).
-fn soft_limit_now() -> u64 {
+pub fn soft_limit_now() -> u64 {
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
 }
 

@@ -248,6 +248,24 @@ pub enum EngineError {
         /// The first one.
         first: BlobId,
     },
+    /// The process had no file descriptor left to read the source with,
+    /// and none came free.
+    #[error(
+        "cannot open {path} to back it up: {reason}: the process has no file descriptor left under \
+         its limit of {limit} open files and none came free within {waited_seconds} s; raise the \
+         limit of open files (`ulimit -n`, or the container runtime's LimitNOFILE) or move fewer \
+         volumes at once, and run the backup again: nothing it stored is lost"
+    )]
+    OutOfOpenFiles {
+        /// The file or directory that could not be opened.
+        path: PathBuf,
+        /// The system's error.
+        reason: String,
+        /// The soft limit of open files in force.
+        limit: u64,
+        /// How long the backup waited for a descriptor.
+        waited_seconds: u64,
+    },
     /// The operation was cancelled.
     #[error("cancelled")]
     Cancelled,
