@@ -159,7 +159,9 @@ fi
 if ! wanted kopia; then
     :
 elif [ -n "$KOPIA" ]; then
-    export KOPIA_CONFIG_PATH="$WORK/state/kopia.config" KOPIA_CHECK_FOR_UPDATES=false
+    # Its cache removed with the run's state, not left in ~/.cache/kopia.
+    export KOPIA_CONFIG_PATH="$WORK/state/kopia.config" KOPIA_CHECK_FOR_UPDATES=false \
+        KOPIA_CACHE_DIRECTORY="$WORK/state/kopia-cache"
     "$KOPIA" repository create s3 --bucket bench --prefix kopia/ --endpoint "127.0.0.1:$PORT" --disable-tls \
         --access-key "$AWS_ACCESS_KEY_ID" --secret-access-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1
     measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"

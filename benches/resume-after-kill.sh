@@ -22,7 +22,9 @@ cd "$(dirname "$0")/.."
 ROUNDS="${1:-3}"
 WORK="${2:-/tmp/haulage-compare}"
 export HAULAGE_PASSWORD=bench RESTIC_PASSWORD=bench KOPIA_PASSWORD=bench
-export KOPIA_CHECK_FOR_UPDATES=false KOPIA_CONFIG_PATH=/dev/shm/resume-kopia.config
+# kopia's cache is removed with its config (the glob below), not left in ~/.cache/kopia.
+export KOPIA_CHECK_FOR_UPDATES=false KOPIA_CONFIG_PATH=/dev/shm/resume-kopia.config \
+    KOPIA_CACHE_DIRECTORY=/dev/shm/resume-kopia.config-cache
 cargo build --release --quiet --bin haulage
 HAULAGE="${CARGO_TARGET_DIR:-$PWD/target}/release/haulage"
 KOPIA="${KOPIA:-$(command -v kopia || ls "${HAULAGE_BENCH_CACHE:-$HOME/.cache/haulage-bench}"/kopia-*/bin/kopia 2>/dev/null | tail -1 || true)}"
