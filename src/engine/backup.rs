@@ -555,9 +555,13 @@ pub async fn backup(
             let source = source.clone();
             let progress = progress.clone();
             let scan_cancel = scan_cancel.clone();
-            Some(super::OwnThread::spawn("totals scan", move || {
+            // Only for the display: without a thread, no totals until
+            // the walk ends.
+            super::OwnThread::spawn("totals-scan", move || {
                 scan_totals(&source, &progress, &scan_cancel)
-            }))
+            })
+            .inspect_err(|error| tracing::warn!("{error}; no totals until the walk ends"))
+            .ok()
         }
     };
 
@@ -584,10 +588,21 @@ pub async fn backup(
             only: options.only.clone(),
         };
         let source = source.clone();
-        super::OwnThread::spawn("backup walker", move || {
-            let mut context = context;
-            context.walk_root(&source, previous_root)
-        })
+        let walker = super::OwnThread::spawn_with_stack(
+            "backup-walk",
+            Some(super::WALK_STACK_BYTES),
+            move || {
+                let mut context = context;
+                context.walk_root(&source, previous_root)
+            },
+        );
+        match walker {
+            Ok(walker) => walker,
+            Err(error) => {
+                scan_cancel.cancel();
+                return Err(error);
+            }
+        }
     };
 
     let level = options.compression_level;
@@ -1156,14 +1171,15 @@ fn out_of_open_files(error: &io::Error) -> bool {
 
 /// `open()`, tried again while it fails for want of descriptors, with
 /// `wait(pause)` between tries (pauses from 1 ms, doubling up to
-/// [`OUT_OF_OPEN_FILES_LONGEST_PAUSE`]); after `patience` of pauses,
-/// [`EngineError::OutOfOpenFiles`] for `path`. Any other outcome of
-/// `open`, success or error, is returned as it is.
+/// [`OUT_OF_OPEN_FILES_LONGEST_PAUSE`]; `wait` returns the time it took);
+/// after `patience` of waiting, [`EngineError::OutOfOpenFiles`] for
+/// `path`. Any other outcome of `open`, success or error, is returned as
+/// it is.
 fn retry_while_out_of_open_files<T>(
     path: &Path,
     patience: Duration,
     mut open: impl FnMut() -> io::Result<T>,
-    mut wait: impl FnMut(Duration) -> Result<(), EngineError>,
+    mut wait: impl FnMut(Duration) -> Result<Duration, EngineError>,
 ) -> Result<io::Result<T>, EngineError> {
     let mut waited = Duration::ZERO;
     let mut pause = Duration::from_millis(1);
@@ -1173,18 +1189,40 @@ fn retry_while_out_of_open_files<T>(
                 if waited >= patience {
                     return Err(EngineError::OutOfOpenFiles {
                         path: path.to_path_buf(),
+                        remedy: out_of_open_files_remedy(&error, descriptors::soft_limit_now()),
                         reason: error.to_string(),
-                        limit: descriptors::soft_limit_now(),
                         waited_seconds: waited.as_secs(),
                     });
                 }
-                wait(pause)?;
-                waited += pause;
+                if waited.is_zero() {
+                    tracing::debug!(path = %path.display(), "{error}: waiting for a file descriptor to come free");
+                }
+                waited += wait(pause)?;
                 pause = (pause * 2).min(OUT_OF_OPEN_FILES_LONGEST_PAUSE);
             }
             outcome => return Ok(outcome),
         }
     }
+}
+
+/// Whose limit of descriptors `error` (EMFILE or ENFILE) reached, under a
+/// soft limit of `soft_limit` open files, and what to do.
+fn out_of_open_files_remedy(error: &io::Error, soft_limit: u64) -> String {
+    const FEWER_VOLUMES: &str = "move fewer volumes at once (a lower maxConcurrentVolumes, or less \
+        memory for the stage pods in a StoragePolicy's stagePodResources)";
+    if error.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error()) {
+        return format!(
+            "the node's table of open files is full (sysctl fs.file-max): raise it, or {FEWER_VOLUMES}"
+        );
+    }
+    let limit = if soft_limit == u64::MAX {
+        "the process has no file descriptor left".to_string()
+    } else {
+        format!("the process is at its limit of {soft_limit} open files")
+    };
+    format!(
+        "{limit}: raise it (`ulimit -n`, or the container runtime's LimitNOFILE), or {FEWER_VOLUMES}"
+    )
 }
 
 /// An `O_PATH` descriptor of the directory at `path`, to look its entries
@@ -1380,14 +1418,17 @@ impl WalkContext {
         path: &Path,
         open: impl FnMut() -> io::Result<T>,
     ) -> Result<io::Result<T>, EngineError> {
-        let cancel = self.cancel.clone();
         retry_while_out_of_open_files(path, OUT_OF_OPEN_FILES_PATIENCE, open, |pause| {
+            let started = Instant::now();
+            // A stop (SIGTERM) ends the walk here as anywhere else, what is
+            // read kept; every queued item is whole where the walker opens.
+            self.end_if_stopped()?;
             self.flush()?;
-            if cancel.is_cancelled() {
+            if self.cancel.is_cancelled() || self.items.is_closed() {
                 return Err(EngineError::Cancelled);
             }
             std::thread::sleep(pause);
-            Ok(())
+            Ok(started.elapsed())
         })
     }
 
@@ -3117,7 +3158,7 @@ mod tests {
             },
             |pause| {
                 pauses.push(pause);
-                Ok(())
+                Ok(pause)
             },
         );
         assert_eq!(opened.unwrap().unwrap(), "open");
@@ -3140,7 +3181,7 @@ mod tests {
                     ))
                 }
             },
-            |_| Ok(()),
+            Ok,
         );
         assert!(opened.unwrap().is_ok());
     }
@@ -3154,7 +3195,7 @@ mod tests {
             || Err::<(), _>(out_of_open_files_error()),
             |pause| {
                 waited += pause;
-                Ok(())
+                Ok(pause)
             },
         )
         .unwrap_err();
@@ -3177,15 +3218,57 @@ mod tests {
     }
 
     #[test]
+    fn the_patience_counts_the_time_each_wait_took_and_the_remedy_names_whose_limit() {
+        // Waits that take 25 s each (a flush blocked on a full pipeline):
+        // three, not the 60 s of 1 ms pauses.
+        let mut waits = 0;
+        let error = retry_while_out_of_open_files(
+            Path::new("/data/f"),
+            Duration::from_secs(60),
+            || Err::<(), _>(out_of_open_files_error()),
+            |_| {
+                waits += 1;
+                Ok(Duration::from_secs(25))
+            },
+        )
+        .unwrap_err();
+        assert_eq!(waits, 3);
+        assert!(
+            matches!(
+                error,
+                EngineError::OutOfOpenFiles {
+                    waited_seconds: 75,
+                    ..
+                }
+            ),
+            "{error:?}"
+        );
+        let process = out_of_open_files_remedy(&out_of_open_files_error(), 1_024);
+        assert!(process.contains("limit of 1024 open files"), "{process}");
+        assert!(process.contains("ulimit -n"), "{process}");
+        let unlimited = out_of_open_files_remedy(&out_of_open_files_error(), u64::MAX);
+        assert!(!unlimited.contains(&u64::MAX.to_string()), "{unlimited}");
+        let system = out_of_open_files_remedy(
+            &io::Error::from_raw_os_error(rustix::io::Errno::NFILE.raw_os_error()),
+            1_024,
+        );
+        assert!(system.contains("fs.file-max"), "{system}");
+        assert!(!system.contains("ulimit"), "{system}");
+        for remedy in [process, unlimited, system] {
+            assert!(remedy.contains("maxConcurrentVolumes"), "{remedy}");
+        }
+    }
+
+    #[test]
     fn other_open_errors_are_returned_at_once_and_a_cancel_stops_the_wait() {
         let mut waits = 0;
         let opened = retry_while_out_of_open_files(
             Path::new("/data/f"),
             Duration::from_secs(60),
             || Err::<(), _>(io::Error::from(io::ErrorKind::PermissionDenied)),
-            |_| {
+            |pause| {
                 waits += 1;
-                Ok(())
+                Ok(pause)
             },
         );
         assert_eq!(

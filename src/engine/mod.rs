@@ -49,8 +49,9 @@ pub use repository::{Encryption, KeySource, Password, PasswordSource, Repository
 /// Threads a runtime running the engine should allow for blocking work
 /// (`tokio::runtime::Builder::max_blocking_threads`), shared by every
 /// volume moving at once: short jobs that end on their own (backup: reads,
-/// parallel chunks, pack finishing; restore: its file jobs), while what
-/// lasts as long as a volume and waits on those jobs has an [`OwnThread`].
+/// parallel chunks, pack finishing; restore: read planning, comparisons
+/// of a sync, removals, tree decoding), while what lasts as long as a
+/// volume has an [`OwnThread`].
 /// Few, because every thread that
 /// frees large buffers gets its own glibc malloc arena, which keeps them
 /// resident: with tokio's default of 512 a 1 GiB restore peaked at 190 MiB
@@ -248,23 +249,34 @@ pub enum EngineError {
         /// The first one.
         first: BlobId,
     },
-    /// The process had no file descriptor left to read the source with,
-    /// and none came free.
+    /// There was no file descriptor to read the source with, and none
+    /// came free.
     #[error(
-        "cannot open {path} to back it up: {reason}: the process has no file descriptor left under \
-         its limit of {limit} open files and none came free within {waited_seconds} s; raise the \
-         limit of open files (`ulimit -n`, or the container runtime's LimitNOFILE) or move fewer \
-         volumes at once, and run the backup again: nothing it stored is lost"
+        "cannot open {path} to back it up: {reason}, and none came free within {waited_seconds} s: \
+         {remedy}; then run the backup again: nothing it stored is lost"
     )]
     OutOfOpenFiles {
         /// The file or directory that could not be opened.
         path: PathBuf,
         /// The system's error.
         reason: String,
-        /// The soft limit of open files in force.
-        limit: u64,
+        /// Whose limit was reached and what to do.
+        remedy: String,
         /// How long the backup waited for a descriptor.
         waited_seconds: u64,
+    },
+    /// A thread for work that lasts as long as a volume could not start.
+    #[error(
+        "cannot start a thread for the {what}: {reason}; the process may be at its limit of threads \
+         (the pod's pids limit, or `ulimit -u`): raise it, or move fewer volumes at once (a lower \
+         maxConcurrentVolumes, or less memory for the stage pods in a StoragePolicy's \
+         stagePodResources), and run it again"
+    )]
+    NoThread {
+        /// What the thread was for.
+        what: String,
+        /// The system's error.
+        reason: String,
     },
     /// The operation was cancelled.
     #[error("cancelled")]
@@ -296,73 +308,72 @@ pub(crate) async fn joined<T>(task: tokio::task::JoinHandle<T>) -> T {
     }
 }
 
-/// Work that lasts as long as its backup or restore and waits on work of
-/// the blocking pool (a backup's walker waits for its chunks to be hashed,
-/// a restore's scatter worker for blobs to write): on a thread of its own,
-/// not on the pool. The pool has [`MAX_BLOCKING_THREADS`] threads for
-/// every volume an agent moves at once; with one such thread per volume
-/// held there, eight backups at once took them all, and the hashing their
-/// walkers waited for never ran.
-pub(crate) struct OwnThread<T> {
-    inner: OwnThreadInner<T>,
-}
+/// The stack of the threads that walk a tree, a backup's source or a
+/// snapshot's trees in a restore: each level of directories is a frame of
+/// the walk (about 11 KiB in a debug build), and a runtime's threads have
+/// 2 MiB. Reserved, not used: only the pages the walk reaches are ever
+/// touched.
+pub(crate) const WALK_STACK_BYTES: usize = 32 << 20;
 
-enum OwnThreadInner<T> {
-    Thread {
-        result: tokio::sync::oneshot::Receiver<T>,
-        thread: std::thread::JoinHandle<()>,
-    },
-    /// No thread to be had (a pod at its pids limit): the pool's.
-    Pool(tokio::task::JoinHandle<T>),
+/// Work that lasts as long as its volume (a backup's walker, which waits
+/// for its chunks to be hashed on the blocking pool; its totals scan; a
+/// restore's scatter workers, which wait for blobs to write), on a thread
+/// of its own rather than the blocking pool's. The pool has
+/// [`MAX_BLOCKING_THREADS`] threads for every volume an agent moves at
+/// once: with such work on it, ten backups at once took all eight threads
+/// while their walkers waited for hashing only the pool runs, and never
+/// ended.
+pub(crate) struct OwnThread<T> {
+    result: tokio::sync::oneshot::Receiver<T>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl<T: Send + 'static> OwnThread<T> {
-    /// Start `work` on a thread named `name`, in the current runtime's
-    /// context (it may use `Handle::current()` and spawn) and tracing span.
-    pub(crate) fn spawn(name: &str, work: impl FnOnce() -> T + Send + 'static) -> Self {
+    /// Start `work` on a thread named `name` with the default stack, in
+    /// the current runtime's context (it may block on the runtime's
+    /// handle, use `Handle::current()` and spawn) and tracing span.
+    pub(crate) fn spawn(
+        name: &str,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<Self, EngineError> {
+        Self::spawn_with_stack(name, None, work)
+    }
+
+    /// [`OwnThread::spawn`] with a stack of `stack_bytes` (reserved; only
+    /// the pages used are touched) when given.
+    pub(crate) fn spawn_with_stack(
+        name: &str,
+        stack_bytes: Option<usize>,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<Self, EngineError> {
         let handle = tokio::runtime::Handle::current();
         let span = tracing::Span::current();
         let (done, result) = tokio::sync::oneshot::channel();
-        // The work goes to the thread once it exists, so that without one
-        // it can still go to the pool.
-        let (hand_over, handed) = std::sync::mpsc::channel::<Box<dyn FnOnce() -> T + Send>>();
-        let spawned = std::thread::Builder::new()
-            .name(name.to_string())
+        let mut builder = std::thread::Builder::new().name(name.to_string());
+        if let Some(bytes) = stack_bytes {
+            builder = builder.stack_size(bytes);
+        }
+        let thread = builder
             .spawn(move || {
                 let _runtime = handle.enter();
                 let _span = span.enter();
-                if let Ok(work) = handed.recv() {
-                    let _ = done.send(work());
-                }
-            });
-        let inner = match spawned {
-            Ok(thread) => {
-                if hand_over.send(Box::new(work)).is_err() {
-                    unreachable!("the thread waits for its work");
-                }
-                OwnThreadInner::Thread { result, thread }
-            }
-            Err(error) => {
-                tracing::warn!(
-                    "cannot start a thread for the {name}, running it on the blocking pool: {error}"
-                );
-                OwnThreadInner::Pool(tokio::task::spawn_blocking(work))
-            }
-        };
-        OwnThread { inner }
+                let _ = done.send(work());
+            })
+            .map_err(|error| EngineError::NoThread {
+                what: name.to_string(),
+                reason: error.to_string(),
+            })?;
+        Ok(OwnThread { result, thread })
     }
 
     /// What the work returned; its panic goes on in the caller.
     pub(crate) async fn join(self) -> T {
-        match self.inner {
-            OwnThreadInner::Pool(task) => joined(task).await,
-            OwnThreadInner::Thread { result, thread } => match result.await {
-                Ok(value) => value,
-                // The thread ended without sending: it panicked; so does this.
-                Err(_) => match thread.join() {
-                    Err(panic) => std::panic::resume_unwind(panic),
-                    Ok(()) => unreachable!("the thread sends before it ends"),
-                },
+        match self.result.await {
+            Ok(value) => value,
+            // The thread ended without sending: it panicked; so does this.
+            Err(_) => match self.thread.join() {
+                Err(panic) => std::panic::resume_unwind(panic),
+                Ok(()) => unreachable!("the thread sends before it ends"),
             },
         }
     }

@@ -289,20 +289,14 @@ pub async fn restore(
 
 /// Directories nested deeper than this are refused (reported, not
 /// written): each level of the walk is a frame on its stack (see
-/// [`WALK_STACK_BYTES`]) and holds its directory open, so a tree at the
+/// [`super::WALK_STACK_BYTES`]) and holds its directory open, so a tree at the
 /// limit holds about 1,025 descriptors at once: more than a soft
 /// `RLIMIT_NOFILE` of 1,024 allows (the directories below that depth then
 /// fail with EMFILE, reported the same way). No real tree comes near it.
 pub const MAX_DIRECTORY_DEPTH: usize = 1024;
 
-/// The stack of the thread that walks a snapshot's trees: each level of
-/// directories is a frame of the walk (about 11 KiB in a debug build), and
-/// a runtime's threads have 2 MiB. Reserved, not used: only the pages the
-/// walk reaches are ever touched.
-const WALK_STACK_BYTES: usize = 32 << 20;
-
 /// Walk the snapshot from its root on a thread of its own with a
-/// [`WALK_STACK_BYTES`] stack (still on the runtime, through its handle),
+/// [`super::WALK_STACK_BYTES`] stack (still on the runtime, through its handle),
 /// so that a tree [`MAX_DIRECTORY_DEPTH`] deep cannot overflow the stack of
 /// the runtime's thread; gives the walker back for what follows the walk.
 async fn walk_on_a_deep_stack(
@@ -319,7 +313,7 @@ async fn walk_on_a_deep_stack(
     let (done, walked) = tokio::sync::oneshot::channel();
     let spawned = std::thread::Builder::new()
         .name("restore-walk".into())
-        .stack_size(WALK_STACK_BYTES)
+        .stack_size(super::WALK_STACK_BYTES)
         .spawn(move || {
             let _entered = span.enter();
             let Ok((mut walker, root_fd, root_tree, since)) = handed.recv() else {
@@ -507,12 +501,14 @@ pub async fn restore_loaded(
     }
     // No more batches: the writer finishes the queued ones and stops.
     walker.batches = None;
-    if let Err(error) = writer.await {
-        std::panic::resume_unwind(error.into_panic());
-    }
+    let written = writer
+        .await
+        .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()));
     if shared.cancel.is_cancelled() {
         return Err(EngineError::Cancelled);
     }
+    // The writer's error first: the walk then only saw its batches refused.
+    written?;
     walked?;
     walker.finish_links_and_metadata(&snapshot.root_attributes());
     let mut outcome = shared.outcome.lock().expect("outcome").clone();
@@ -1413,7 +1409,7 @@ async fn write_batches(
     shared: Arc<Shared>,
     index: Arc<BlobIndex>,
     mut batches: mpsc::Receiver<Batch>,
-) {
+) -> Result<(), EngineError> {
     let max_chunk_bytes = shared.repository.config().chunker.max_bytes;
     let sizes = shared.sizes;
     let workers = std::thread::available_parallelism()
@@ -1423,12 +1419,25 @@ async fn write_batches(
         .max(1);
     let (jobs, queued_jobs) = mpsc::channel::<Job>(SCATTER_JOBS_QUEUED);
     let queued_jobs = Arc::new(Mutex::new(queued_jobs));
-    let worker_handles: Vec<_> = (0..workers)
-        .map(|_| {
-            let queued_jobs = queued_jobs.clone();
-            super::OwnThread::spawn("scatter worker", move || run_scatter_worker(&queued_jobs))
-        })
-        .collect();
+    let mut worker_handles = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        let queued = queued_jobs.clone();
+        match super::OwnThread::spawn("scatter-worker", move || run_scatter_worker(&queued)) {
+            Ok(handle) => worker_handles.push(handle),
+            Err(error) if worker_handles.is_empty() => return Err(error),
+            Err(error) => {
+                tracing::warn!(
+                    workers = worker_handles.len(),
+                    "{error}; restoring with the scatter workers started"
+                );
+                break;
+            }
+        }
+    }
+    let workers = worker_handles.len();
+    // The workers hold the only receivers: if they all end (a panic), a
+    // send fails instead of waiting for ever, and the join below says why.
+    drop(queued_jobs);
     let limits = PlanLimits {
         max_read_bytes: sizes.max_pack_read_bytes,
         max_gap_bytes: DEFAULT_COALESCE_GAP_BYTES,
@@ -1464,6 +1473,7 @@ async fn write_batches(
     for handle in worker_handles {
         handle.join().await;
     }
+    Ok(())
 }
 
 /// Work for a scatter worker.

@@ -58,18 +58,26 @@ impl LocalStore {
     fn classify(&self, operation: &'static str, key: &str, err: io::Error) -> StoreError {
         let location = self.location();
         let key = key.to_string();
+        // Out of descriptors (EMFILE, ENFILE): other work of the process
+        // holds them, and closes them; retried like a timeout.
+        let out_of_descriptors = [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE]
+            .iter()
+            .any(|errno| err.raw_os_error() == Some(errno.raw_os_error()));
+        let transient = out_of_descriptors
+            || matches!(
+                err.kind(),
+                io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+            );
         match err.kind() {
             io::ErrorKind::NotFound => StoreError::NotFound { location, key },
             io::ErrorKind::AlreadyExists => StoreError::AlreadyExists { location, key },
-            io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => {
-                StoreError::Transient {
-                    location,
-                    operation,
-                    key,
-                    message: err.to_string(),
-                    cause: FailureCause::Other,
-                }
-            }
+            _ if transient => StoreError::Transient {
+                location,
+                operation,
+                key,
+                message: err.to_string(),
+                cause: FailureCause::Other,
+            },
             _ => StoreError::Permanent {
                 location,
                 operation,
@@ -469,6 +477,26 @@ impl ObjectStore for LocalStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn running_out_of_descriptors_is_transient_and_a_refusal_permanent() {
+        let store = LocalStore::new("/nowhere");
+        for errno in [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE] {
+            let error = io::Error::from_raw_os_error(errno.raw_os_error());
+            assert!(
+                matches!(
+                    store.classify("put", "data/ab", error),
+                    StoreError::Transient { .. }
+                ),
+                "{errno:?}"
+            );
+        }
+        let refused = io::Error::from(io::ErrorKind::PermissionDenied);
+        assert!(matches!(
+            store.classify("put", "data/ab", refused),
+            StoreError::Permanent { .. }
+        ));
+    }
 
     /// The bytes of `path` in the page cache, as util-linux's `fincore`
     /// counts them.

@@ -24,8 +24,8 @@ const VOLUMES: u64 = 10;
 /// that never comes waits forever, and this says so instead of hanging CI.
 const STALLED_AFTER: Duration = Duration::from_secs(300);
 
-/// The runtime of the mover agent and the CLI: two workers, as this
-/// machine's two cores give, and the engine's blocking threads.
+/// The runtime of the mover agent and the CLI (the engine's blocking
+/// threads), with two workers, as a two-core node gives it.
 fn agent_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

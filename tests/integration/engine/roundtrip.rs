@@ -329,7 +329,7 @@ fn many_tiny_files_back_up_under_a_low_limit_of_open_files() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let repo = runtime.block_on(TestRepo::new());
     let source = tiny_files_in_directories(&repo);
-    let summary = back_up_under_open_file_limit(&repo, &source, 128);
+    let (summary, _) = back_up_under_open_file_limit(&repo, &source, 128);
     assert_eq!(summary["warningCount"], 0, "{}", summary["warnings"]);
     assert_eq!(summary["files"], 3_000);
 }
@@ -345,7 +345,12 @@ fn a_backup_out_of_descriptors_waits_for_one_and_skips_no_file() {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let repo = runtime.block_on(TestRepo::new());
     let source = tiny_files_in_directories(&repo);
-    let summary = back_up_under_open_file_limit(&repo, &source, 16);
+    let (summary, log) = back_up_under_open_file_limit(&repo, &source, 16);
+    // The limit was reached (else this checks nothing).
+    assert!(
+        log.contains("waiting for a file descriptor to come free"),
+        "{log}"
+    );
     assert_eq!(summary["warningCount"], 0, "{}", summary["warnings"]);
     assert_eq!(summary["files"], 3_000);
     let target = repo.dir.path().join("restored");
@@ -371,12 +376,13 @@ fn tiny_files_in_directories(repo: &TestRepo) -> std::path::PathBuf {
 }
 
 /// The summary of `haulage backup --json` of `source` run under
-/// `ulimit -n limit` (soft and hard, so the binary cannot raise it).
+/// `ulimit -n limit` (soft and hard, so the binary cannot raise it), and
+/// its log with the backup's debug lines.
 fn back_up_under_open_file_limit(
     repo: &TestRepo,
     source: &std::path::Path,
     limit: u32,
-) -> serde_json::Value {
+) -> (serde_json::Value, String) {
     let inner = haulage();
     let mut command = std::process::Command::new("sh");
     command
@@ -390,16 +396,14 @@ fn back_up_under_open_file_limit(
         };
     }
     let output = command
+        .env("HAULAGE_LOG", "warn,haulage::engine::backup=debug")
         .args(["backup", "--json", "--repo", &repo.url()])
         .arg(source)
         .output()
         .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).unwrap()
+    let log = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(output.status.success(), "{log}");
+    (serde_json::from_slice(&output.stdout).unwrap(), log)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -40,7 +40,7 @@ use crate::support::fixture::{Fixture, Layout, create, final_phase};
 /// claims in the second stage pod instead of four (with
 /// `HAULAGE_AGENT_MEMORY_REQUEST=1Gi`, all ten move at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "a measurement for docs/benchmarks.md (~1 min, 2.5 GiB of temporary disk), not a check"]
+#[ignore = "a measurement for docs/benchmarks.md (~1 min and 2.5 GiB of temporary disk with four claims), not a check"]
 async fn measure_agent_memory_of_one_and_of_several_large_claims_in_a_stage_pod()
 -> anyhow::Result<()> {
     let volume_bytes: u64 = std::env::var("HAULAGE_AGENT_MEMORY_MIB")
