@@ -560,7 +560,7 @@ pub async fn backup(
             super::OwnThread::spawn("totals-scan", move || {
                 scan_totals(&source, &progress, &scan_cancel)
             })
-            .inspect_err(|error| tracing::warn!("{error}; no totals until the walk ends"))
+            .inspect_err(|error| tracing::warn!(%error, "no totals until the walk ends"))
             .ok()
         }
     };
@@ -586,6 +586,7 @@ pub async fn backup(
             file_size_hint: 0,
             compression_level: options.compression_level,
             only: options.only.clone(),
+            waited_for_descriptors: false,
         };
         let source = source.clone();
         let walker = super::OwnThread::spawn_with_stack(
@@ -1071,7 +1072,8 @@ struct WalkContext {
     spare_open_file_places: Option<OwnedSemaphorePermit>,
     cancel: CancellationToken,
     /// [`BackupOptions::stop`]: looked at before each entry and each read,
-    /// where everything handed on is whole.
+    /// and while an open waits for a descriptor, where everything handed
+    /// on is whole.
     stop: CancellationToken,
     items: mpsc::Sender<Vec<WalkItem>>,
     /// Items not yet handed on, in walk order.
@@ -1088,6 +1090,8 @@ struct WalkContext {
     compression_level: i32,
     /// What the backup is limited to ([`BackupOptions::only`]).
     only: Option<Arc<Selection>>,
+    /// Whether an open waited for a descriptor yet (said once a backup).
+    waited_for_descriptors: bool,
 }
 
 /// Whether a batch of `items` walk items, with `file_bytes` bytes of small
@@ -1189,13 +1193,13 @@ fn retry_while_out_of_open_files<T>(
                 if waited >= patience {
                     return Err(EngineError::OutOfOpenFiles {
                         path: path.to_path_buf(),
-                        remedy: out_of_open_files_remedy(&error, descriptors::soft_limit_now()),
+                        remedy: out_of_open_files_remedy(
+                            &error,
+                            descriptors::open_file_limits_now(),
+                        ),
                         reason: error.to_string(),
                         waited_seconds: waited.as_secs(),
                     });
-                }
-                if waited.is_zero() {
-                    tracing::debug!(path = %path.display(), "{error}: waiting for a file descriptor to come free");
                 }
                 waited += wait(pause)?;
                 pause = (pause * 2).min(OUT_OF_OPEN_FILES_LONGEST_PAUSE);
@@ -1205,9 +1209,9 @@ fn retry_while_out_of_open_files<T>(
     }
 }
 
-/// Whose limit of descriptors `error` (EMFILE or ENFILE) reached, under a
-/// soft limit of `soft_limit` open files, and what to do.
-fn out_of_open_files_remedy(error: &io::Error, soft_limit: u64) -> String {
+/// Whose limit of descriptors `error` (EMFILE or ENFILE) reached, under
+/// `limits` (soft, hard; `u64::MAX` for none), and what to do.
+fn out_of_open_files_remedy(error: &io::Error, (soft, hard): (u64, u64)) -> String {
     const FEWER_VOLUMES: &str = "move fewer volumes at once (a lower maxConcurrentVolumes, or less \
         memory for the stage pods in a StoragePolicy's stagePodResources)";
     if error.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error()) {
@@ -1215,14 +1219,23 @@ fn out_of_open_files_remedy(error: &io::Error, soft_limit: u64) -> String {
             "the node's table of open files is full (sysctl fs.file-max): raise it, or {FEWER_VOLUMES}"
         );
     }
-    let limit = if soft_limit == u64::MAX {
-        "the process has no file descriptor left".to_string()
+    if soft == u64::MAX {
+        return format!("the process has no file descriptor left: {FEWER_VOLUMES}");
+    }
+    if soft >= hard {
+        // The binaries raise the soft limit to the hard one at start: only
+        // the hard limit can give more.
+        format!(
+            "the process is at its limit of {soft} open files, which is also its hard limit: raise \
+             the hard limit (the container runtime's or the service's LimitNOFILE, or `ulimit -Hn` \
+             as root), or {FEWER_VOLUMES}"
+        )
     } else {
-        format!("the process is at its limit of {soft_limit} open files")
-    };
-    format!(
-        "{limit}: raise it (`ulimit -n`, or the container runtime's LimitNOFILE), or {FEWER_VOLUMES}"
-    )
+        format!(
+            "the process is at its limit of {soft} open files (its hard limit is {hard}): start it \
+             under a higher `ulimit -n`, or {FEWER_VOLUMES}"
+        )
+    }
 }
 
 /// An `O_PATH` descriptor of the directory at `path`, to look its entries
@@ -1420,6 +1433,19 @@ impl WalkContext {
     ) -> Result<io::Result<T>, EngineError> {
         retry_while_out_of_open_files(path, OUT_OF_OPEN_FILES_PATIENCE, open, |pause| {
             let started = Instant::now();
+            if !self.waited_for_descriptors {
+                self.waited_for_descriptors = true;
+                // Said at the default level: a backup slowed file by file
+                // by a limit must not look hung for no reason.
+                tracing::warn!(
+                    path = %path.display(),
+                    soft_limit = descriptors::soft_limit_now(),
+                    "the process has no file descriptor free: waiting for a file descriptor to come free \
+                     (up to {} s an open; said once a backup). If this repeats, raise the limit of open \
+                     files or move fewer volumes at once",
+                    OUT_OF_OPEN_FILES_PATIENCE.as_secs()
+                );
+            }
             // A stop (SIGTERM) ends the walk here as anywhere else, what is
             // read kept; every queued item is whole where the walker opens.
             self.end_if_stopped()?;
@@ -3209,7 +3235,9 @@ mod tests {
         );
         for part in [
             "/data/d/f",
-            "ulimit -n",
+            // `ulimit -n`, or `ulimit -Hn` at the hard limit: the limits
+            // this test runs under decide which.
+            "ulimit -",
             "fewer volumes",
             "run the backup again",
         ] {
@@ -3243,18 +3271,22 @@ mod tests {
             ),
             "{error:?}"
         );
-        let process = out_of_open_files_remedy(&out_of_open_files_error(), 1_024);
-        assert!(process.contains("limit of 1024 open files"), "{process}");
-        assert!(process.contains("ulimit -n"), "{process}");
-        let unlimited = out_of_open_files_remedy(&out_of_open_files_error(), u64::MAX);
+        let at_hard = out_of_open_files_remedy(&out_of_open_files_error(), (1_024, 1_024));
+        assert!(at_hard.contains("limit of 1024 open files"), "{at_hard}");
+        assert!(at_hard.contains("hard limit"), "{at_hard}");
+        assert!(at_hard.contains("ulimit -Hn"), "{at_hard}");
+        let below_hard = out_of_open_files_remedy(&out_of_open_files_error(), (65_536, 1 << 20));
+        assert!(below_hard.contains("hard limit is 1048576"), "{below_hard}");
+        assert!(below_hard.contains("higher `ulimit -n`"), "{below_hard}");
+        let unlimited = out_of_open_files_remedy(&out_of_open_files_error(), (u64::MAX, u64::MAX));
         assert!(!unlimited.contains(&u64::MAX.to_string()), "{unlimited}");
         let system = out_of_open_files_remedy(
             &io::Error::from_raw_os_error(rustix::io::Errno::NFILE.raw_os_error()),
-            1_024,
+            (1_024, 1_024),
         );
         assert!(system.contains("fs.file-max"), "{system}");
         assert!(!system.contains("ulimit"), "{system}");
-        for remedy in [process, unlimited, system] {
+        for remedy in [at_hard, below_hard, unlimited, system] {
             assert!(remedy.contains("maxConcurrentVolumes"), "{remedy}");
         }
     }

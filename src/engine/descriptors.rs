@@ -158,7 +158,17 @@ pub fn batch_directories_limit_now() -> usize {
 
 /// The soft limit of open files in force now (no limit: `u64::MAX`).
 pub fn soft_limit_now() -> u64 {
-    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+    open_file_limits_now().0
+}
+
+/// The soft and hard limits of open files in force now (no limit:
+/// `u64::MAX`).
+pub fn open_file_limits_now() -> (u64, u64) {
+    let limit = getrlimit(Resource::Nofile);
+    (
+        limit.current.unwrap_or(u64::MAX),
+        limit.maximum.unwrap_or(u64::MAX),
+    )
 }
 
 /// The fewest source files a backup holds open at once (the walker waits

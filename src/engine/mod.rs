@@ -51,8 +51,8 @@ pub use repository::{Encryption, KeySource, Password, PasswordSource, Repository
 /// volume moving at once: short jobs that end on their own (backup: reads,
 /// parallel chunks, pack finishing; restore: read planning, comparisons
 /// of a sync, removals, tree decoding), while what lasts as long as a
-/// volume has an [`OwnThread`].
-/// Few, because every thread that
+/// volume has a thread of its own (`engine::OwnThread`). Few, because
+/// every thread that
 /// frees large buffers gets its own glibc malloc arena, which keeps them
 /// resident: with tokio's default of 512 a 1 GiB restore peaked at 190 MiB
 /// of RSS, with 8 at about 100 MiB.
@@ -252,8 +252,8 @@ pub enum EngineError {
     /// There was no file descriptor to read the source with, and none
     /// came free.
     #[error(
-        "cannot open {path} to back it up: {reason}, and none came free within {waited_seconds} s: \
-         {remedy}; then run the backup again: nothing it stored is lost"
+        "cannot open {path} to back it up: {reason}, and no file descriptor came free within \
+         {waited_seconds} s: {remedy}; then run the backup again: nothing it stored is lost"
     )]
     OutOfOpenFiles {
         /// The file or directory that could not be opened.
@@ -267,13 +267,13 @@ pub enum EngineError {
     },
     /// A thread for work that lasts as long as a volume could not start.
     #[error(
-        "cannot start a thread for the {what}: {reason}; the process may be at its limit of threads \
-         (the pod's pids limit, or `ulimit -u`): raise it, or move fewer volumes at once (a lower \
+        "cannot start a thread ({what}): {reason}; the process may be at its limit of threads (the \
+         pod's pids limit, or `ulimit -u`): raise it, or move fewer volumes at once (a lower \
          maxConcurrentVolumes, or less memory for the stage pods in a StoragePolicy's \
-         stagePodResources), and run it again"
+         stagePodResources)"
     )]
     NoThread {
-        /// What the thread was for.
+        /// The thread's name: what it was for.
         what: String,
         /// The system's error.
         reason: String,

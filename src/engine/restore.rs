@@ -300,15 +300,15 @@ pub const MAX_DIRECTORY_DEPTH: usize = 1024;
 /// so that a tree [`MAX_DIRECTORY_DEPTH`] deep cannot overflow the stack of
 /// the runtime's thread; gives the walker back for what follows the walk.
 async fn walk_on_a_deep_stack(
-    mut walker: Walker,
+    walker: Walker,
     root_fd: Arc<OwnedFd>,
     root_tree: Tree,
     since: Option<SinceDirectory>,
 ) -> (Result<(), EngineError>, Walker) {
     let handle = tokio::runtime::Handle::current();
     let span = tracing::Span::current();
-    // The walk goes to the thread once it exists, so that without one it
-    // can still be done here.
+    // The walk goes to the thread once it exists, so that without one the
+    // walker is given back with the error.
     let (hand_over, handed) = std::sync::mpsc::channel::<WalkStart>();
     let (done, walked) = tokio::sync::oneshot::channel();
     let spawned = std::thread::Builder::new()
@@ -330,14 +330,15 @@ async fn walk_on_a_deep_stack(
         });
     let thread = match spawned {
         Ok(thread) => thread,
+        // No thread to be had (a pod at its pids limit): the volume fails
+        // saying so, rather than walk on a runtime thread's 2 MiB stack,
+        // which a deep snapshot overflows (aborting every volume).
         Err(error) => {
-            // No thread to be had (a pod at its pids limit): walk here, as
-            // deep as this thread's stack allows.
-            tracing::warn!("walking the snapshot on the runtime's thread: {error}");
-            let walked = walker
-                .restore_directory(root_fd, Vec::new(), Vec::new(), root_tree, since)
-                .await;
-            return (walked, walker);
+            let failed = EngineError::NoThread {
+                what: "restore-walk".to_string(),
+                reason: error.to_string(),
+            };
+            return (Err(failed), walker);
         }
     };
     if hand_over.send((walker, root_fd, root_tree, since)).is_err() {
@@ -1428,7 +1429,8 @@ async fn write_batches(
             Err(error) => {
                 tracing::warn!(
                     workers = worker_handles.len(),
-                    "{error}; restoring with the scatter workers started"
+                    %error,
+                    "restoring with the scatter workers started"
                 );
                 break;
             }

@@ -24,15 +24,21 @@ const VOLUMES: u64 = 10;
 /// that never comes waits forever, and this says so instead of hanging CI.
 const STALLED_AFTER: Duration = Duration::from_secs(300);
 
-/// The runtime of the mover agent and the CLI (the engine's blocking
-/// threads), with two workers, as a two-core node gives it.
-fn agent_runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
+/// Run `test` on the runtime of the mover agent and the CLI (the engine's
+/// blocking threads), with two workers, as a two-core node gives it. A
+/// stall (`Err`) fails the test without waiting for the stalled threads:
+/// dropping the runtime would wait for its blocking threads for ever.
+fn on_agent_runtime(test: impl std::future::Future<Output = Result<(), String>>) {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .max_blocking_threads(haulage::engine::MAX_BLOCKING_THREADS)
         .build()
-        .unwrap()
+        .unwrap();
+    if let Err(stalled) = runtime.block_on(test) {
+        runtime.shutdown_background();
+        panic!("{stalled}");
+    }
 }
 
 /// A volume's data: a file larger than an engine's chunk budget in the
@@ -56,7 +62,7 @@ fn write_volume(root: &std::path::Path, volume: u64) -> PathBuf {
 async fn back_up_at_once(
     repository: &Arc<haulage::engine::Repository>,
     sources: &[PathBuf],
-) -> Vec<ObjectId> {
+) -> Result<Vec<ObjectId>, String> {
     let backups = sources.iter().map(|source| {
         let repository = repository.clone();
         let mut options = BackupOptions::new(source);
@@ -75,30 +81,31 @@ async fn back_up_at_once(
     });
     tokio::time::timeout(STALLED_AFTER, futures::future::join_all(backups))
         .await
-        .expect("the backups stalled: each waits for work no thread runs")
+        .map_err(|_| "the backups stalled: each waits for work no thread runs".to_string())
 }
 
 #[test]
 fn more_backups_at_once_than_blocking_threads_all_finish() {
-    agent_runtime().block_on(async {
+    on_agent_runtime(async {
         let repo = TestRepo::new().await;
         let repository = Arc::new(repo.repository.clone());
         let sources: Vec<_> = (0..VOLUMES)
             .map(|volume| write_volume(repo.dir.path(), volume))
             .collect();
-        let snapshots = back_up_at_once(&repository, &sources).await;
+        let snapshots = back_up_at_once(&repository, &sources).await?;
         // Each snapshot holds its own source, restored one at a time.
         for (volume, snapshot) in snapshots.iter().enumerate() {
             let target = repo.dir.path().join(format!("target-{volume}"));
             repo.restore(snapshot, &target).await;
             assert_same_tree(&sources[volume], &target);
         }
+        Ok(())
     });
 }
 
 #[test]
 fn more_restores_at_once_than_blocking_threads_all_finish() {
-    agent_runtime().block_on(async {
+    on_agent_runtime(async {
         let repo = TestRepo::new().await;
         let repository = Arc::new(repo.repository.clone());
         let mut sources = Vec::new();
@@ -126,7 +133,7 @@ fn more_restores_at_once_than_blocking_threads_all_finish() {
         });
         let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
             .await
-            .expect("the restores stalled: each waits for work no thread runs");
+            .map_err(|_| "the restores stalled: each waits for work no thread runs")?;
         for (volume, outcome) in outcomes.iter().enumerate() {
             assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
             assert_same_tree(
@@ -134,5 +141,6 @@ fn more_restores_at_once_than_blocking_threads_all_finish() {
                 &repo.dir.path().join(format!("target-{volume}")),
             );
         }
+        Ok(())
     });
 }

@@ -377,7 +377,7 @@ fn tiny_files_in_directories(repo: &TestRepo) -> std::path::PathBuf {
 
 /// The summary of `haulage backup --json` of `source` run under
 /// `ulimit -n limit` (soft and hard, so the binary cannot raise it), and
-/// its log with the backup's debug lines.
+/// its log.
 fn back_up_under_open_file_limit(
     repo: &TestRepo,
     source: &std::path::Path,
@@ -396,7 +396,6 @@ fn back_up_under_open_file_limit(
         };
     }
     let output = command
-        .env("HAULAGE_LOG", "warn,haulage::engine::backup=debug")
         .args(["backup", "--json", "--repo", &repo.url()])
         .arg(source)
         .output()
