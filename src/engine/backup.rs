@@ -53,6 +53,7 @@ use crate::repo::snapshot::{
 };
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, Xattr};
 use crate::repo::{BlobId, BlobKind, Compression, ObjectId};
+use crate::store::local::out_of_descriptors;
 
 /// Batches of walk items buffered between the walker and the hashing
 /// stage. Small: the chunk-bytes semaphore is what bounds memory; this only
@@ -1165,14 +1166,6 @@ fn entry_from_metadata(name: &[u8], kind: EntryKind, metadata: &Metadata) -> Ent
     }
 }
 
-/// Whether `error` is the process's limit of open files (EMFILE) or the
-/// system's (ENFILE): a want of descriptors, not a fault of the file.
-fn out_of_open_files(error: &io::Error) -> bool {
-    let code = error.raw_os_error();
-    code == Some(rustix::io::Errno::MFILE.raw_os_error())
-        || code == Some(rustix::io::Errno::NFILE.raw_os_error())
-}
-
 /// `open()`, tried again while it fails for want of descriptors, with
 /// `wait(pause)` between tries (pauses from 1 ms, doubling up to
 /// [`OUT_OF_OPEN_FILES_LONGEST_PAUSE`]; `wait` returns the time it took);
@@ -1189,7 +1182,7 @@ fn retry_while_out_of_open_files<T>(
     let mut pause = Duration::from_millis(1);
     loop {
         match open() {
-            Err(error) if out_of_open_files(&error) => {
+            Err(error) if out_of_descriptors(&error) => {
                 if waited >= patience {
                     return Err(EngineError::OutOfOpenFiles {
                         path: path.to_path_buf(),
@@ -1422,7 +1415,7 @@ impl WalkContext {
     }
 
     /// `open()` of `path`, tried again while the process has no descriptor
-    /// left ([`out_of_open_files`]): between tries the queued items are
+    /// left ([`out_of_descriptors`]): between tries the queued items are
     /// handed on (their jobs read and close the files they hold) and the
     /// walker pauses, up to [`OUT_OF_OPEN_FILES_PATIENCE`] in all. Any
     /// other outcome is returned as it is.
@@ -3168,6 +3161,20 @@ mod tests {
         io::Error::from_raw_os_error(rustix::io::Errno::MFILE.raw_os_error())
     }
 
+    /// The retry of an open that never gets a descriptor, within 60 s,
+    /// with `wait` between tries.
+    fn never_a_descriptor(
+        path: &str,
+        wait: impl FnMut(Duration) -> Result<Duration, EngineError>,
+    ) -> Result<io::Result<()>, EngineError> {
+        retry_while_out_of_open_files(
+            Path::new(path),
+            Duration::from_secs(60),
+            || Err(out_of_open_files_error()),
+            wait,
+        )
+    }
+
     #[test]
     fn an_open_without_descriptors_is_tried_again_until_one_is_free() {
         let mut failures_left = 3;
@@ -3215,15 +3222,10 @@ mod tests {
     #[test]
     fn a_backup_out_of_descriptors_for_its_patience_stops_naming_the_file_and_the_remedy() {
         let mut waited = Duration::ZERO;
-        let error = retry_while_out_of_open_files(
-            Path::new("/data/d/f"),
-            Duration::from_secs(60),
-            || Err::<(), _>(out_of_open_files_error()),
-            |pause| {
-                waited += pause;
-                Ok(pause)
-            },
-        )
+        let error = never_a_descriptor("/data/d/f", |pause| {
+            waited += pause;
+            Ok(pause)
+        })
         .unwrap_err();
         assert!(waited >= Duration::from_secs(60), "{waited:?}");
         assert!(waited < Duration::from_secs(61), "{waited:?}");
@@ -3250,15 +3252,10 @@ mod tests {
         // Waits that take 25 s each (a flush blocked on a full pipeline):
         // three, not the 60 s of 1 ms pauses.
         let mut waits = 0;
-        let error = retry_while_out_of_open_files(
-            Path::new("/data/f"),
-            Duration::from_secs(60),
-            || Err::<(), _>(out_of_open_files_error()),
-            |_| {
-                waits += 1;
-                Ok(Duration::from_secs(25))
-            },
-        )
+        let error = never_a_descriptor("/data/f", |_| {
+            waits += 1;
+            Ok(Duration::from_secs(25))
+        })
         .unwrap_err();
         assert_eq!(waits, 3);
         assert!(
@@ -3308,12 +3305,7 @@ mod tests {
             io::ErrorKind::PermissionDenied
         );
         assert_eq!(waits, 0);
-        let stopped = retry_while_out_of_open_files(
-            Path::new("/data/f"),
-            Duration::from_secs(60),
-            || Err::<(), _>(out_of_open_files_error()),
-            |_| Err(EngineError::Cancelled),
-        );
+        let stopped = never_a_descriptor("/data/f", |_| Err(EngineError::Cancelled));
         assert!(matches!(stopped, Err(EngineError::Cancelled)));
     }
 }

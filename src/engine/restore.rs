@@ -295,68 +295,6 @@ pub async fn restore(
 /// fail with EMFILE, reported the same way). No real tree comes near it.
 pub const MAX_DIRECTORY_DEPTH: usize = 1024;
 
-/// Walk the snapshot from its root on a thread of its own with a
-/// [`super::WALK_STACK_BYTES`] stack (still on the runtime, through its handle),
-/// so that a tree [`MAX_DIRECTORY_DEPTH`] deep cannot overflow the stack of
-/// the runtime's thread; gives the walker back for what follows the walk.
-async fn walk_on_a_deep_stack(
-    walker: Walker,
-    root_fd: Arc<OwnedFd>,
-    root_tree: Tree,
-    since: Option<SinceDirectory>,
-) -> (Result<(), EngineError>, Walker) {
-    let handle = tokio::runtime::Handle::current();
-    let span = tracing::Span::current();
-    // The walk goes to the thread once it exists, so that without one the
-    // walker is given back with the error.
-    let (hand_over, handed) = std::sync::mpsc::channel::<WalkStart>();
-    let (done, walked) = tokio::sync::oneshot::channel();
-    let spawned = std::thread::Builder::new()
-        .name("restore-walk".into())
-        .stack_size(super::WALK_STACK_BYTES)
-        .spawn(move || {
-            let _entered = span.enter();
-            let Ok((mut walker, root_fd, root_tree, since)) = handed.recv() else {
-                return;
-            };
-            let result = handle.block_on(walker.restore_directory(
-                root_fd,
-                Vec::new(),
-                Vec::new(),
-                root_tree,
-                since,
-            ));
-            let _ = done.send((result, walker));
-        });
-    let thread = match spawned {
-        Ok(thread) => thread,
-        // No thread to be had (a pod at its pids limit): the volume fails
-        // saying so, rather than walk on a runtime thread's 2 MiB stack,
-        // which a deep snapshot overflows (aborting every volume).
-        Err(error) => {
-            let failed = EngineError::NoThread {
-                what: "restore-walk".to_string(),
-                reason: error.to_string(),
-            };
-            return (Err(failed), walker);
-        }
-    };
-    if hand_over.send((walker, root_fd, root_tree, since)).is_err() {
-        unreachable!("the walk's thread waits for its walk");
-    }
-    match walked.await {
-        Ok(walked) => walked,
-        // The thread ended without sending: it panicked; so does this.
-        Err(_) => match thread.join() {
-            Err(panic) => std::panic::resume_unwind(panic),
-            Ok(()) => unreachable!("the walk's thread sends before it ends"),
-        },
-    }
-}
-
-/// What the walk's thread is given: the walker and where it starts.
-type WalkStart = (Walker, Arc<OwnedFd>, Tree, Option<SinceDirectory>);
-
 /// A snapshot with the repository's index, loaded together: what a restore
 /// reads before anything else, and what the verification after it needs
 /// too. Load it once and give it to both ([`restore_loaded`],
@@ -491,7 +429,41 @@ pub async fn restore_loaded(
         tracing::warn!("{reason}");
         None
     });
-    let (mut walked, mut walker) = walk_on_a_deep_stack(walker, root_fd, root_tree, since).await;
+    // The walk from the root, on a thread of its own with a
+    // [`super::WALK_STACK_BYTES`] stack (still on the runtime, through its
+    // handle), so that a tree [`MAX_DIRECTORY_DEPTH`] deep cannot overflow
+    // the stack of the runtime's thread; the walker comes back for what
+    // follows the walk.
+    let walk = super::OwnThread::spawn_with_stack(
+        "restore-walk",
+        Some(super::WALK_STACK_BYTES),
+        move || {
+            let mut walker = walker;
+            let walked = tokio::runtime::Handle::current().block_on(walker.restore_directory(
+                root_fd,
+                Vec::new(),
+                Vec::new(),
+                root_tree,
+                since,
+            ));
+            (walked, walker)
+        },
+    );
+    let (mut walked, mut walker) = match walk {
+        Ok(walk) => walk.join().await,
+        // No thread to be had (a pod at its pids limit): the volume fails
+        // saying so, rather than walk on a runtime thread's 2 MiB stack,
+        // which a deep snapshot overflows (aborting every volume). The
+        // walker, and with it the writer's batches, went with the thread
+        // that never started: the writer ends.
+        Err(error) => {
+            shared.lookahead.close();
+            writer
+                .await
+                .unwrap_or_else(|error| std::panic::resume_unwind(error.into_panic()))?;
+            return Err(error);
+        }
+    };
     // The windows loaded ahead that the walk did not enter (it failed, or
     // refused a directory) hold the shared state: stop them.
     shared.lookahead.close();

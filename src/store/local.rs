@@ -58,12 +58,9 @@ impl LocalStore {
     fn classify(&self, operation: &'static str, key: &str, err: io::Error) -> StoreError {
         let location = self.location();
         let key = key.to_string();
-        // Out of descriptors (EMFILE, ENFILE): other work of the process
-        // holds them, and closes them; retried like a timeout.
-        let out_of_descriptors = [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE]
-            .iter()
-            .any(|errno| err.raw_os_error() == Some(errno.raw_os_error()));
-        let transient = out_of_descriptors
+        // Out of descriptors: other work of the process holds them, and
+        // closes them; retried like a timeout.
+        let transient = out_of_descriptors(&err)
             || matches!(
                 err.kind(),
                 io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
@@ -87,6 +84,16 @@ impl LocalStore {
             },
         }
     }
+}
+
+/// Whether `error` is the process's limit of open files (EMFILE) or the
+/// system's (ENFILE): a want of descriptors, which other work frees, not a
+/// fault of the file. The local store retries it; a backup's walker waits
+/// for one (`engine::backup`).
+pub fn out_of_descriptors(error: &io::Error) -> bool {
+    [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE]
+        .iter()
+        .any(|errno| error.raw_os_error() == Some(errno.raw_os_error()))
 }
 
 async fn blocking<T: Send + 'static>(

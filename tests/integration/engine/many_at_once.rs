@@ -3,15 +3,12 @@
 //! backup and restore finishes, each with its own data.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
-use haulage::engine::backup::{BackupOptions, backup};
+use haulage::engine::backup::BackupOptions;
 use haulage::engine::memory::EngineMemory;
-use haulage::engine::progress::Progress;
-use haulage::engine::restore::{RestoreOptions, restore};
+use haulage::engine::restore::RestoreOptions;
 use haulage::repo::ObjectId;
-use tokio_util::sync::CancellationToken;
 
 use super::support::{TestRepo, assert_same_tree, random_bytes};
 
@@ -58,41 +55,31 @@ fn write_volume(root: &std::path::Path, volume: u64) -> PathBuf {
     source
 }
 
-/// Back up each source at once, each engine in the smallest share.
-async fn back_up_at_once(
-    repository: &Arc<haulage::engine::Repository>,
-    sources: &[PathBuf],
-) -> Result<Vec<ObjectId>, String> {
+/// Back up each source at once into `repo`, each engine in the smallest
+/// share.
+async fn back_up_at_once(repo: &TestRepo, sources: &[PathBuf]) -> Result<Vec<ObjectId>, String> {
     let backups = sources.iter().map(|source| {
-        let repository = repository.clone();
         let mut options = BackupOptions::new(source);
         options.memory = EngineMemory::new(0);
-        async move {
-            backup(
-                &repository,
-                options,
-                Arc::new(Progress::default()),
-                CancellationToken::new(),
-            )
-            .await
-            .expect("backup")
-            .snapshot_id
-        }
+        repo.backup_with_options(options)
     });
-    tokio::time::timeout(STALLED_AFTER, futures::future::join_all(backups))
+    let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(backups))
         .await
-        .map_err(|_| "the backups stalled: each waits for work no thread runs".to_string())
+        .map_err(|_| "the backups stalled: each waits for work no thread runs")?;
+    Ok(outcomes
+        .into_iter()
+        .map(|outcome| outcome.snapshot_id)
+        .collect())
 }
 
 #[test]
 fn more_backups_at_once_than_blocking_threads_all_finish() {
     on_agent_runtime(async {
         let repo = TestRepo::new().await;
-        let repository = Arc::new(repo.repository.clone());
         let sources: Vec<_> = (0..VOLUMES)
             .map(|volume| write_volume(repo.dir.path(), volume))
             .collect();
-        let snapshots = back_up_at_once(&repository, &sources).await?;
+        let snapshots = back_up_at_once(&repo, &sources).await?;
         // Each snapshot holds its own source, restored one at a time.
         for (volume, snapshot) in snapshots.iter().enumerate() {
             let target = repo.dir.path().join(format!("target-{volume}"));
@@ -107,7 +94,6 @@ fn more_backups_at_once_than_blocking_threads_all_finish() {
 fn more_restores_at_once_than_blocking_threads_all_finish() {
     on_agent_runtime(async {
         let repo = TestRepo::new().await;
-        let repository = Arc::new(repo.repository.clone());
         let mut sources = Vec::new();
         let mut snapshots = Vec::new();
         for volume in 0..VOLUMES {
@@ -116,20 +102,9 @@ fn more_restores_at_once_than_blocking_threads_all_finish() {
             sources.push(source);
         }
         let restores = snapshots.iter().enumerate().map(|(volume, snapshot)| {
-            let repository = repository.clone();
             let mut options = RestoreOptions::new(repo.dir.path().join(format!("target-{volume}")));
             options.memory = EngineMemory::new(0);
-            async move {
-                restore(
-                    &repository,
-                    snapshot,
-                    options,
-                    Arc::new(Progress::default()),
-                    CancellationToken::new(),
-                )
-                .await
-                .expect("restore")
-            }
+            repo.restore_with(snapshot, options)
         });
         let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
             .await
