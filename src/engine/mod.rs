@@ -317,8 +317,9 @@ pub(crate) const WALK_STACK_BYTES: usize = 32 << 20;
 
 /// Work that lasts as long as its volume (a backup's walker, which waits
 /// for its chunks to be hashed on the blocking pool; its totals scan; a
-/// restore's scatter workers, which wait for blobs to write), on a thread
-/// of its own rather than the blocking pool's. The pool has
+/// restore's walk, on a [`WALK_STACK_BYTES`] stack, and its scatter
+/// workers, which wait for blobs to write), on a thread of its own rather
+/// than the blocking pool's. The pool has
 /// [`MAX_BLOCKING_THREADS`] threads for every volume an agent moves at
 /// once: with such work on it, ten backups at once took all eight threads
 /// while their walkers waited for hashing only the pool runs, and never
