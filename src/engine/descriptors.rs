@@ -5,7 +5,7 @@
 //! A restore keeps each directory of a batch of files open (its files are
 //! created and reopened relative to it, never through a path), so a batch
 //! holds a descriptor per directory. With the usual soft limit of 1,024 a
-//! batch holds at most 80 ([`MIN_BATCH_DIRECTORIES`]; it was 128 when
+//! batch holds at most 80 ([`FREE_BATCH_DIRECTORIES`]; it was 128 when
 //! fewer batches were alive at once), and a tree of many small directories
 //! was cut into a batch every 128 directories: 87 batches and 102 GETs for
 //! the 11,111 directories and 30,000 files of the deep tree of
@@ -33,13 +33,22 @@ use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
 /// many places.
 pub const MAX_BATCHES_ALIVE: usize = 6;
 
-/// Directories one batch may hold open whatever the limit: the
-/// [`MAX_BATCHES_ALIVE`] batches hold 480, which with a restore's 256 open
-/// files stays under a soft limit of 1,024.
-pub const MIN_BATCH_DIRECTORIES: usize = 80;
+/// Directories one batch may hold open without taking from the budget of
+/// [`batch_directories`], with one restore running under a soft limit of
+/// 1,024 or more: the [`MAX_BATCHES_ALIVE`] batches hold 480, which with a
+/// restore's [`MAX_RESTORE_OPEN_FILES`] stays under a soft limit of 1,024.
+/// Under a lower limit, or beside other restores, a batch holds fewer
+/// ([`restore_share`]).
+pub const FREE_BATCH_DIRECTORIES: usize = 80;
+
+/// Restored files one restore keeps open between two of their writes, with
+/// one restore running under a soft limit of 1,024 or more; beyond them a
+/// file is closed after each write and opened again for the next. Fewer
+/// under a lower limit or beside other restores ([`restore_share`]).
+pub const MAX_RESTORE_OPEN_FILES: usize = 256;
 
 /// Descriptors one running restore holds besides its batches' extra
-/// directories: the first [`MIN_BATCH_DIRECTORIES`] of its batches alive
+/// directories: the first [`FREE_BATCH_DIRECTORIES`] of its batches alive
 /// at once (480), its open files (256), the directories its walk is in and
 /// a verification's files.
 const DESCRIPTORS_PER_RESTORE: u64 = 1_024;
@@ -57,7 +66,7 @@ const RAISED_SOFT_LIMIT: u64 = 65_536;
 /// Raise the soft limit of open files towards the hard limit (at most
 /// [`RAISED_SOFT_LIMIT`]), once at the start of a binary; returns the soft
 /// limit now in force. A limit that cannot be raised is kept: restores then
-/// batch [`MIN_BATCH_DIRECTORIES`] directories at most, as before.
+/// batch [`FREE_BATCH_DIRECTORIES`] directories at most, as before.
 pub fn raise_open_file_limit() -> u64 {
     let limit = getrlimit(Resource::Nofile);
     let soft = limit.current.unwrap_or(u64::MAX);
@@ -143,7 +152,7 @@ pub fn batch_directories_limit(soft_limit: u64, restores: usize) -> usize {
     usize::try_from(soft_limit.saturating_sub(set_aside)).unwrap_or(usize::MAX)
 }
 
-/// The extra directories (beyond [`MIN_BATCH_DIRECTORIES`] each) that the
+/// The extra directories (beyond [`FREE_BATCH_DIRECTORIES`] each) that the
 /// batches of every restore in the process hold open.
 pub fn batch_directories() -> &'static DescriptorBudget {
     static BUDGET: DescriptorBudget = DescriptorBudget::new();
@@ -154,6 +163,39 @@ pub fn batch_directories() -> &'static DescriptorBudget {
 /// restores running now.
 pub fn batch_directories_limit_now() -> usize {
     batch_directories_limit(soft_limit_now(), batch_directories().restores())
+}
+
+/// What one restore holds open without asking: the directories each of its
+/// batches holds freely, and the restored files it keeps open between
+/// writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RestoreShare {
+    /// Directories a batch holds before it takes from [`batch_directories`].
+    pub free_batch_directories: usize,
+    /// Restored files kept open between two of their writes.
+    pub open_files: usize,
+}
+
+/// [`RestoreShare`] of one of `restores` restores running under a soft
+/// limit of `soft_limit` open files: each gets an equal part of the limit,
+/// of which its [`MAX_BATCHES_ALIVE`] batches hold 30/64 freely and its
+/// open files 16/64 (80 and 256 of a part of 1,024 or more, at most), the
+/// rest left for its walk, its reads of the store and the process. Fixed at
+/// 80 and 256, a restore under a limit of 64 held more directories than the
+/// limit and every read of a pack failed with EMFILE: no file was
+/// restored. Two restores under a hard limit of 1,024, as an agent moving
+/// two volumes at once in such a container runs them, held 1,472.
+pub fn restore_share(soft_limit: u64, restores: usize) -> RestoreShare {
+    let part = soft_limit / restores.max(1) as u64;
+    let of_part = |sixty_fourths: u64, most: usize| {
+        usize::try_from(part.saturating_mul(sixty_fourths) / 64)
+            .unwrap_or(usize::MAX)
+            .clamp(1, most)
+    };
+    RestoreShare {
+        free_batch_directories: of_part(5, FREE_BATCH_DIRECTORIES),
+        open_files: of_part(16, MAX_RESTORE_OPEN_FILES),
+    }
 }
 
 /// The soft limit of open files in force now (no limit: `u64::MAX`).
@@ -212,6 +254,32 @@ mod tests {
         assert_eq!(backup_open_files(512), 64);
         assert_eq!(backup_open_files(128), 16);
         assert_eq!(backup_open_files(16), 8);
+    }
+
+    #[test]
+    fn a_restore_holds_a_share_of_the_limit_that_its_batches_and_files_stay_within() {
+        let share = |free_batch_directories, open_files| RestoreShare {
+            free_batch_directories,
+            open_files,
+        };
+        assert_eq!(restore_share(1_024, 1), share(80, 256));
+        assert_eq!(restore_share(65_536, 1), share(80, 256));
+        assert_eq!(restore_share(u64::MAX, 1), share(80, 256));
+        assert_eq!(restore_share(1_024, 0), share(80, 256));
+        assert_eq!(restore_share(1_024, 2), share(40, 128));
+        assert_eq!(restore_share(64, 1), share(5, 16));
+        assert_eq!(restore_share(16, 1), share(1, 4));
+        assert_eq!(restore_share(16, 8), share(1, 1));
+        // What each restore holds freely stays within its part of the
+        // limit, with room left for its walk and reads.
+        for (limit, restores) in [(1_024, 1), (1_024, 2), (1_024, 10), (20_000, 3), (64, 1)] {
+            let share = restore_share(limit, restores);
+            let held = MAX_BATCHES_ALIVE * share.free_batch_directories + share.open_files;
+            assert!(
+                (held * restores) as u64 <= limit * 3 / 4,
+                "{restores} restores under {limit}: {held} each"
+            );
+        }
     }
 
     #[test]

@@ -62,7 +62,7 @@ use self::plan::{
     BatchedRead, ChunkNeed, PlanLimits, PlannedBlob, ReadPlan, ScheduledReads, Target, Unrestorable,
 };
 use super::EngineError;
-use super::descriptors::{self, DescriptorBudget, MIN_BATCH_DIRECTORIES};
+use super::descriptors::{self, DescriptorBudget, RestoreShare};
 use super::memory::{EngineMemory, RestoreBuffers};
 use super::progress::Progress;
 use super::repository::Repository;
@@ -157,9 +157,6 @@ const _: () = assert!(
     2 + BATCHES_AHEAD + plan::MAX_BATCHES_PER_READ <= descriptors::MAX_BATCHES_ALIVE,
     "more restore batches are alive at once than the descriptors set aside allow"
 );
-/// Files kept open between two of their writes; beyond this a file is
-/// closed after each write and opened again for the next.
-const MAX_OPEN_FILES: usize = 256;
 /// Files of a batch finished (or compared, in `sync` mode) per job.
 const FILES_PER_JOB: usize = 256;
 
@@ -405,6 +402,7 @@ pub async fn restore_loaded(
         }),
         first_links: Mutex::new(HashMap::new()),
         open_files: AtomicUsize::new(0),
+        soft_limit: descriptors::soft_limit_now(),
         handle: tokio::runtime::Handle::current(),
         trees,
         tree_packs: TreePacks::new(tree_packs_held_bytes),
@@ -574,7 +572,7 @@ struct Shared {
     /// (device, inode) of a multiply-linked file → where this restore
     /// created it (empty until its content is complete).
     first_links: Mutex<HashMap<(u64, u64), Components>>,
-    /// Restored files open at this moment (see [`MAX_OPEN_FILES`]).
+    /// Restored files open at this moment (see [`RestoreShare::open_files`]).
     open_files: AtomicUsize,
     handle: tokio::runtime::Handle,
     /// Where the trees are loaded through (kept for a verification).
@@ -586,14 +584,24 @@ struct Shared {
     /// Sizes from the memory share.
     sizes: RestoreBuffers,
     /// Counted among the restores whose own descriptors the batches'
-    /// budget sets aside ([`descriptors::batch_directories_limit`]).
+    /// budget sets aside ([`descriptors::batch_directories_limit`]), and
+    /// that share the limit ([`Shared::descriptors`]).
     _running: descriptors::RunningRestore,
+    /// The soft limit of open files when the restore began (the binaries
+    /// raise it once, at their start).
+    soft_limit: u64,
     /// Places of the batches alive at once
     /// ([`Walker::take_a_place_for_the_batch`]).
     batches_alive: Arc<tokio::sync::Semaphore>,
 }
 
 impl Shared {
+    /// What this restore holds open without asking, beside the restores
+    /// running now.
+    fn descriptors(&self) -> RestoreShare {
+        descriptors::restore_share(self.soft_limit, descriptors::batch_directories().restores())
+    }
+
     fn problem(&self, path: impl Into<String>, message: impl Into<String>) {
         Progress::add(&self.progress.warnings, 1);
         self.outcome
@@ -619,7 +627,7 @@ struct Batch {
 }
 
 /// The directories of one batch's files, each held open until the batch is
-/// written: [`MIN_BATCH_DIRECTORIES`] of them whatever the open-file limit,
+/// written: [`RestoreShare::free_batch_directories`] of them freely,
 /// the rest taken from the process's budget for them
 /// ([`descriptors::batch_directories`]) and given back when the batch is
 /// dropped.
@@ -652,14 +660,18 @@ impl BatchDirectories {
     }
 
     /// Whether one more directory may be held, at most `most`: beyond the
-    /// first [`MIN_BATCH_DIRECTORIES`], if one can be taken from the budget
-    /// within `limit`.
-    fn room_for_one_more(&mut self, most: usize, limit: impl FnOnce() -> usize) -> bool {
+    /// first `free`, if one can be taken from the budget within `limit`.
+    fn room_for_one_more(
+        &mut self,
+        most: usize,
+        free: usize,
+        limit: impl FnOnce() -> usize,
+    ) -> bool {
         let held = self.held.len();
         if held >= most {
             return false;
         }
-        if held < MIN_BATCH_DIRECTORIES + self.taken {
+        if held < free + self.taken {
             return true;
         }
         let taken = self.budget.try_take(limit());
@@ -699,11 +711,13 @@ impl Batch {
     /// Whether the batch takes no more files: its files, its chunks, or
     /// its directories at their limit (a directory of room is taken for
     /// the next file, whose directory may be a new one).
-    fn is_full(&mut self, sizes: &RestoreBuffers) -> bool {
+    fn is_full(&mut self, sizes: &RestoreBuffers, descriptors: RestoreShare) -> bool {
+        let free = descriptors.free_batch_directories;
         self.files.len() >= sizes.batch_files
             || self.chunks >= sizes.batch_chunks
             || !self.directories.room_for_one_more(
-                (sizes.batch_files / FILES_PER_BATCH_DIRECTORY).max(MIN_BATCH_DIRECTORIES),
+                (sizes.batch_files / FILES_PER_BATCH_DIRECTORY).max(free),
+                free,
                 descriptors::batch_directories_limit_now,
             )
     }
@@ -1064,7 +1078,10 @@ impl Walker {
                         self.take_a_place_for_the_batch().await;
                         self.batch
                             .add(&directory_fd, &components, entry, unchanged_since);
-                        if self.batch.is_full(&self.shared.sizes) {
+                        if self
+                            .batch
+                            .is_full(&self.shared.sizes, self.shared.descriptors())
+                        {
                             self.send_batch().await?;
                         }
                     }
@@ -2135,7 +2152,8 @@ struct ExistingFile {
 
 #[derive(Debug, Default)]
 struct WriteState {
-    /// Open while more writes are expected, if [`MAX_OPEN_FILES`] allows.
+    /// Open while more writes are expected, if [`RestoreShare::open_files`]
+    /// allows.
     fd: Option<OwnedFd>,
     /// The file exists in the target (created by this restore, or found
     /// by a sync restore): opened again without `O_CREAT`.
@@ -2210,7 +2228,7 @@ impl BatchState {
         if state.remaining == 0 {
             self.finish(file, state);
         } else if state.fd.is_some()
-            && self.shared.open_files.load(Ordering::Relaxed) > MAX_OPEN_FILES
+            && self.shared.open_files.load(Ordering::Relaxed) > self.shared.descriptors().open_files
         {
             state.fd = None;
             self.shared.open_files.fetch_sub(1, Ordering::Relaxed);
@@ -2458,8 +2476,9 @@ mod tests {
                 .expect("open ."),
         );
         let budget: &'static DescriptorBudget = Box::leak(Box::new(DescriptorBudget::new()));
+        let free = descriptors::FREE_BATCH_DIRECTORIES;
         let hold = |directories: &mut BatchDirectories, most: usize, limit: usize| {
-            let room = directories.room_for_one_more(most, || limit);
+            let room = directories.room_for_one_more(most, free, || limit);
             if room {
                 directories.held.push(BatchDirectory {
                     fd: fd.clone(),
@@ -2470,12 +2489,12 @@ mod tests {
         };
         let mut directories = BatchDirectories::taking_from(budget);
         // The first ones cost nothing from the budget.
-        assert!((0..MIN_BATCH_DIRECTORIES).all(|_| hold(&mut directories, 1_024, 0)));
+        assert!((0..free).all(|_| hold(&mut directories, 1_024, 0)));
         assert_eq!(budget.taken(), 0);
         // Then each one more is taken, until the budget is spent...
         assert!((0..3).all(|_| hold(&mut directories, 1_024, 3)));
         assert!(!hold(&mut directories, 1_024, 3));
-        assert_eq!(directories.len(), MIN_BATCH_DIRECTORIES + 3);
+        assert_eq!(directories.len(), free + 3);
         assert_eq!(budget.taken(), 3);
         // ... or the batch holds its most.
         let mut small = BatchDirectories::taking_from(budget);
@@ -2484,7 +2503,7 @@ mod tests {
         assert_eq!(budget.taken(), 3);
         // Another batch takes what the first gives back.
         let mut next = BatchDirectories::taking_from(budget);
-        assert!((0..MIN_BATCH_DIRECTORIES).all(|_| hold(&mut next, 1_024, 3)));
+        assert!((0..free).all(|_| hold(&mut next, 1_024, 3)));
         assert!(!hold(&mut next, 1_024, 3));
         drop(directories);
         assert_eq!(budget.taken(), 0);

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use haulage::engine::descriptors::{MAX_BATCHES_ALIVE, MIN_BATCH_DIRECTORIES};
+use haulage::engine::descriptors::{FREE_BATCH_DIRECTORIES, MAX_BATCHES_ALIVE};
 
 use super::support::{TEST_PASSWORD, TestRepo, assert_same_tree, random_bytes};
 
@@ -114,14 +114,14 @@ async fn a_restore_into_a_slow_target_keeps_its_batches_directories_within_the_b
     // The batches' directories, and those the walk is inside, which no
     // batch counts: the target and a `dNN`, and one `eNNNN` being opened.
     let walk_depth = 3;
-    let bound = MAX_BATCHES_ALIVE * MIN_BATCH_DIRECTORIES + walk_depth;
+    let bound = MAX_BATCHES_ALIVE * FREE_BATCH_DIRECTORIES + walk_depth;
     println!("most directories open at once: {most_open} (bound {bound})");
     assert!(
-        most_open > 2 * MIN_BATCH_DIRECTORIES,
+        most_open > 2 * FREE_BATCH_DIRECTORIES,
         "several batches were seen alive ({most_open} directories open at most)"
     );
     assert!(
         most_open <= bound,
-        "{most_open} directories open at once, more than {MAX_BATCHES_ALIVE} batches of {MIN_BATCH_DIRECTORIES} and the walk's {walk_depth}"
+        "{most_open} directories open at once, more than {MAX_BATCHES_ALIVE} batches of {FREE_BATCH_DIRECTORIES} and the walk's {walk_depth}"
     );
 }
