@@ -220,26 +220,52 @@ pub const MIN_BACKUP_OPEN_FILES: usize = 8;
 pub const MAX_BACKUP_OPEN_FILES: usize = 128;
 
 /// Source files one backup holds open at once under a soft limit of
-/// `soft_limit` open files: an eighth of the limit, from
-/// [`MIN_BACKUP_OPEN_FILES`] to [`MAX_BACKUP_OPEN_FILES`]. Each small file
+/// `soft_limit` open files, `backups` backups running in the process with
+/// it: an eighth of its part of the limit, from [`MIN_BACKUP_OPEN_FILES`]
+/// to [`MAX_BACKUP_OPEN_FILES`]. Each small file
 /// stays open from the walker's open until its job has read it, and the
 /// walker runs ahead of the jobs; without a bound the batches of tiny
 /// files queued for their jobs held thousands open, and files that could
 /// not be opened were skipped with a warning. 64 kept the jobs of a first
 /// backup of small files short of files; 128 is faster (docs/benchmarks.md,
-/// "Where a first backup's cores wait"). The bound is per backup: under a
-/// soft limit of 1,024 that cannot be raised, seven backups at once hold
-/// 896, and a restore beside three of them (its own 736 or so) can reach
-/// the limit. The binaries raise the soft limit at start, so that takes a
-/// hard limit near 1,024 (a container's is usually 524,288 or more).
-pub fn backup_open_files(soft_limit: u64) -> usize {
-    let eighth = usize::try_from(soft_limit / 8).unwrap_or(usize::MAX);
-    eighth.clamp(MIN_BACKUP_OPEN_FILES, MAX_BACKUP_OPEN_FILES)
+/// "Where a first backup's cores wait"). A backup's share is fixed when it
+/// starts, from the backups running then (itself among them): backups that
+/// start one after another in an agent take 1/8, 1/16, 1/24... of the
+/// limit, together less than two thirds of it for 42 at once. With an
+/// eighth each whatever ran beside, eight backups at once under a soft
+/// limit of 1,024 that cannot be raised (a hard limit of 1,024) held all
+/// of it, and each open then waited for another to close.
+pub fn backup_open_files(soft_limit: u64, backups: usize) -> usize {
+    let eighth = soft_limit / backups.max(1) as u64 / 8;
+    usize::try_from(eighth)
+        .unwrap_or(usize::MAX)
+        .clamp(MIN_BACKUP_OPEN_FILES, MAX_BACKUP_OPEN_FILES)
 }
 
-/// [`backup_open_files`] of the soft limit in force now.
-pub fn backup_open_files_now() -> usize {
-    backup_open_files(soft_limit_now())
+/// Backups running in the process.
+static BACKUPS_RUNNING: AtomicUsize = AtomicUsize::new(0);
+
+/// A backup counted among those running ([`backup_open_files`]) until it
+/// is dropped.
+#[derive(Debug)]
+pub struct RunningBackup(());
+
+impl RunningBackup {
+    /// Count a backup as running, and its share of open source files under
+    /// the soft limit in force now beside the backups running.
+    pub fn start() -> (RunningBackup, usize) {
+        let backups = BACKUPS_RUNNING.fetch_add(1, Ordering::AcqRel) + 1;
+        (
+            RunningBackup(()),
+            backup_open_files(soft_limit_now(), backups),
+        )
+    }
+}
+
+impl Drop for RunningBackup {
+    fn drop(&mut self) {
+        BACKUPS_RUNNING.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 #[cfg(test)]
@@ -247,13 +273,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_backup_holds_open_an_eighth_of_the_limit_up_to_128_files() {
-        assert_eq!(backup_open_files(1_024), 128);
-        assert_eq!(backup_open_files(65_536), 128);
-        assert_eq!(backup_open_files(u64::MAX), 128);
-        assert_eq!(backup_open_files(512), 64);
-        assert_eq!(backup_open_files(128), 16);
-        assert_eq!(backup_open_files(16), 8);
+    fn a_backup_holds_open_an_eighth_of_its_part_of_the_limit_up_to_128_files() {
+        assert_eq!(backup_open_files(1_024, 1), 128);
+        assert_eq!(backup_open_files(1_024, 0), 128);
+        assert_eq!(backup_open_files(65_536, 1), 128);
+        assert_eq!(backup_open_files(u64::MAX, 1), 128);
+        assert_eq!(backup_open_files(512, 1), 64);
+        assert_eq!(backup_open_files(128, 1), 16);
+        assert_eq!(backup_open_files(16, 1), 8);
+        assert_eq!(backup_open_files(1_024, 2), 64);
+        assert_eq!(backup_open_files(1_024, 8), 16);
+        assert_eq!(backup_open_files(65_536, 64), 128);
+        // Backups started one after another, each beside those before it,
+        // hold less than the limit together.
+        for (limit, backups) in [(1_024, 8), (1_024, 42), (4_096, 42), (65_536, 100)] {
+            let held: usize = (1..=backups).map(|n| backup_open_files(limit, n)).sum();
+            assert!(
+                (held as u64) < limit * 3 / 4,
+                "{backups} backups under {limit}: {held}"
+            );
+        }
     }
 
     #[test]

@@ -119,3 +119,106 @@ fn more_restores_at_once_than_blocking_threads_all_finish() {
         Ok(())
     });
 }
+
+/// Volumes moved at once under [`HARD_LIMIT_OF_OPEN_FILES`].
+const VOLUMES_UNDER_A_HARD_LIMIT: u64 = 8;
+/// The limit of open files, soft and hard, of the process that moves
+/// [`VOLUMES_UNDER_A_HARD_LIMIT`] volumes at once: a container whose hard
+/// limit is 1,024, which the binaries cannot raise.
+const HARD_LIMIT_OF_OPEN_FILES: u64 = 1_024;
+/// What a backup says when an open found no descriptor free.
+const WAITED_FOR_A_DESCRIPTOR: &str = "waiting for a file descriptor to come free";
+
+/// Eight backups, then eight restores, at once in one process whose limit
+/// of open files is 1,024 soft and hard, of volumes of 600 directories of
+/// two small files: the engines share the limit
+/// (`descriptors::backup_open_files`, `descriptors::restore_share`), no
+/// backup waits for a descriptor, and every restore restores every file.
+/// With a fixed share each whatever ran beside (128 open source files a
+/// backup; 80 directories a batch and 256 open files a restore), the
+/// backups waited for descriptors and the restores failed files ("its data
+/// could not be read: ... Too many open files").
+///
+/// The limit is lowered in a child process of this test binary, which runs
+/// [`engine_volumes_at_once_under_a_hard_limit_of_1024_open_files`] alone:
+/// the limit of the test process is every test's.
+#[test]
+fn volumes_moved_at_once_share_a_hard_limit_of_1024_open_files() {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "engine::many_at_once::engine_volumes_at_once_under_a_hard_limit_of_1024_open_files",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .output()
+        .unwrap();
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("1 passed"), "the child ran no test:\n{log}");
+    assert!(!log.contains(WAITED_FOR_A_DESCRIPTOR), "{log}");
+}
+
+/// The child's part of [`volumes_moved_at_once_share_a_hard_limit_of_1024_open_files`]:
+/// lowers this process's limit of open files, so it runs only there.
+#[test]
+#[ignore = "run in a child process by volumes_moved_at_once_share_a_hard_limit_of_1024_open_files"]
+fn engine_volumes_at_once_under_a_hard_limit_of_1024_open_files() {
+    use rustix::process::{Resource, Rlimit, setrlimit};
+    crate::support::logs::capture();
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(HARD_LIMIT_OF_OPEN_FILES),
+            maximum: Some(HARD_LIMIT_OF_OPEN_FILES),
+        },
+    )
+    .expect("lower the limit of open files");
+    on_agent_runtime(async {
+        let repo = TestRepo::new().await;
+        let sources: Vec<_> = (0..VOLUMES_UNDER_A_HARD_LIMIT)
+            .map(|volume| {
+                let source = repo.dir.path().join(format!("source-{volume}"));
+                for directory in 0..600 {
+                    let directory = source.join(format!("d{directory:03}"));
+                    std::fs::create_dir_all(&directory).unwrap();
+                    for file in 0..2 {
+                        std::fs::write(
+                            directory.join(format!("f{file}")),
+                            format!("volume {volume}, {directory:?}, file {file}"),
+                        )
+                        .unwrap();
+                    }
+                }
+                source
+            })
+            .collect();
+        let snapshots = back_up_at_once(&repo, &sources).await?;
+        let restores = snapshots.iter().enumerate().map(|(volume, snapshot)| {
+            let mut options = RestoreOptions::new(repo.dir.path().join(format!("target-{volume}")));
+            options.memory = EngineMemory::new(0);
+            repo.restore_with(snapshot, options)
+        });
+        let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
+            .await
+            .map_err(|_| "the restores stalled")?;
+        for (volume, outcome) in outcomes.iter().enumerate() {
+            assert!(
+                outcome.problems.is_empty(),
+                "volume {volume}: {} problems, the first {:?}",
+                outcome.problems.len(),
+                outcome.problems.first()
+            );
+            assert_same_tree(
+                &sources[volume],
+                &repo.dir.path().join(format!("target-{volume}")),
+            );
+        }
+        Ok(())
+    });
+}
