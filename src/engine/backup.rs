@@ -566,9 +566,12 @@ pub async fn backup(
         }
     };
 
+    // Counted among the backups running until this function returns, past
+    // the last job that holds a source file open, so that a backup starting
+    // meanwhile takes its share beside this one's.
+    let (_running_backup, open_files) = descriptors::RunningBackup::start();
     let (items_tx, items_rx) = mpsc::channel(WALK_CHANNEL_CAPACITY);
     let walker = {
-        let (running, open_files) = descriptors::RunningBackup::start();
         let context = WalkContext {
             shared: shared.clone(),
             chunker: repository.chunker(),
@@ -577,7 +580,6 @@ pub async fn backup(
             chunk_budget: Arc::new(Semaphore::new(buffers.chunk_bytes_in_flight as usize)),
             chunk_bytes_in_flight: buffers.chunk_bytes_in_flight,
             open_files: Arc::new(Semaphore::new(open_files)),
-            _running: running,
             spare_open_file_places: None,
             cancel: cancel.clone(),
             stop: options.stop.clone(),
@@ -1071,9 +1073,6 @@ struct WalkContext {
     chunk_bytes_in_flight: u32,
     /// Places under [`descriptors::backup_open_files`].
     open_files: Arc<Semaphore>,
-    /// Counted among the backups whose share of the limit of open files
-    /// the next one's beside ([`descriptors::backup_open_files`]).
-    _running: descriptors::RunningBackup,
     /// Places under [`descriptors::backup_open_files`] taken and not used yet.
     spare_open_file_places: Option<OwnedSemaphorePermit>,
     cancel: CancellationToken,

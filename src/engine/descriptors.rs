@@ -15,9 +15,18 @@
 //! containerd 2 and systemd; the soft limit stays 1,024 for programs that
 //! use `select`). The binaries raise the soft limit towards the hard one,
 //! as the Go runtime does for every Go program, and batches then take
-//! directories beyond their first 128 from [`batch_directories`], a budget
-//! of what the limit leaves once each running restore's own descriptors
-//! and the rest of the process's are set aside.
+//! directories beyond those they hold freely from [`batch_directories`], a
+//! budget of what the limit leaves once each running restore's own
+//! descriptors and the rest of the process's are set aside.
+//!
+//! The engines of one process (an agent moving several volumes at once)
+//! share its limit: a restore holds freely a share of its part of it
+//! ([`restore_share`]), a backup an eighth of its part
+//! ([`backup_open_files`]). Under a hard limit of 1,024 that cannot be
+//! raised, what they hold freely stays within three quarters of it for up
+//! to 42 restores at once (the agent's most in a stage pod of 1Gi) and
+//! under two thirds of it for 42 backups; many more at once would reach it
+//! (a backup never holds fewer than [`MIN_BACKUP_OPEN_FILES`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -311,7 +320,14 @@ mod tests {
         assert_eq!(restore_share(16, 8), share(1, 1));
         // What each restore holds freely stays within its part of the
         // limit, with room left for its walk and reads.
-        for (limit, restores) in [(1_024, 1), (1_024, 2), (1_024, 10), (20_000, 3), (64, 1)] {
+        for (limit, restores) in [
+            (1_024, 1),
+            (1_024, 2),
+            (1_024, 10),
+            (1_024, 42),
+            (20_000, 3),
+            (64, 1),
+        ] {
             let share = restore_share(limit, restores);
             let held = MAX_BATCHES_ALIVE * share.free_batch_directories + share.open_files;
             assert!(

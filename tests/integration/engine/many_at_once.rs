@@ -128,6 +128,10 @@ const VOLUMES_UNDER_A_HARD_LIMIT: u64 = 8;
 const HARD_LIMIT_OF_OPEN_FILES: u64 = 1_024;
 /// What a backup says when an open found no descriptor free.
 const WAITED_FOR_A_DESCRIPTOR: &str = "waiting for a file descriptor to come free";
+/// Set by [`volumes_moved_at_once_share_a_hard_limit_of_1024_open_files`]
+/// for its child: the child lowers its process's limit for good, so it
+/// refuses to run where other tests run (`cargo test -- --ignored`).
+const IN_A_CHILD_UNDER_A_LIMIT: &str = "HAULAGE_TEST_CHILD_UNDER_A_LIMIT";
 
 /// Eight backups, then eight restores, at once in one process whose limit
 /// of open files is 1,024 soft and hard, of volumes of 600 directories of
@@ -152,6 +156,9 @@ fn volumes_moved_at_once_share_a_hard_limit_of_1024_open_files() {
             "--nocapture",
             "--test-threads=1",
         ])
+        .env(IN_A_CHILD_UNDER_A_LIMIT, "1")
+        // The wait's warning must be logged for its absence to mean anything.
+        .env("HAULAGE_TEST_LOG", "warn")
         .output()
         .unwrap();
     let log = format!(
@@ -170,6 +177,11 @@ fn volumes_moved_at_once_share_a_hard_limit_of_1024_open_files() {
 #[ignore = "run in a child process by volumes_moved_at_once_share_a_hard_limit_of_1024_open_files"]
 fn engine_volumes_at_once_under_a_hard_limit_of_1024_open_files() {
     use rustix::process::{Resource, Rlimit, setrlimit};
+    assert!(
+        std::env::var_os(IN_A_CHILD_UNDER_A_LIMIT).is_some(),
+        "this lowers the process's limit of open files for every test in it: \
+         run volumes_moved_at_once_share_a_hard_limit_of_1024_open_files, which runs it alone"
+    );
     crate::support::logs::capture();
     setrlimit(
         Resource::Nofile,

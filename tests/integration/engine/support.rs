@@ -46,6 +46,12 @@ impl TestRepo {
     }
 
     pub async fn with_encryption(encryption: Encryption) -> Self {
+        // As the binaries do at their start: the engines of this process
+        // (every test's) share its limit of open files, and under a soft
+        // limit of 1,024 ten restores of one test would leave another's
+        // batches a tenth of their directories (and its reads of packs
+        // split between more batches than the scatter tests count).
+        haulage::engine::descriptors::raise_open_file_limit();
         let dir = tempfile::tempdir().expect("temp dir");
         let store: DynStore = Arc::new(LocalStore::new(dir.path().join("repo")));
         let repository = Repository::init(store, encryption).await.expect("init");
