@@ -75,7 +75,7 @@ pub fn problem_of(cause: FailureCause) -> ProbeProblem {
         FailureCause::WrongRegion => ProbeProblem::RegionMismatch,
         FailureCause::ClockSkew => ProbeProblem::ClockSkew,
         FailureCause::ServerError | FailureCause::Throttled => ProbeProblem::ServerError,
-        FailureCause::Other => ProbeProblem::Other,
+        FailureCause::Other | FailureCause::OutOfDescriptors => ProbeProblem::Other,
     }
 }
 

@@ -77,8 +77,8 @@ use crate::repo::index::BlobIndex;
 use crate::repo::snapshot::Snapshot;
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, validate_name};
 use crate::repo::{self, ObjectId};
-use crate::store::StoreError;
 use crate::store::ranges::DEFAULT_COALESCE_GAP_BYTES;
+use crate::store::{FailureCause, StoreError};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -1164,7 +1164,10 @@ impl Walker {
         match result {
             Ok(fd) => Some(fd),
             Err(error) => {
-                self.problem(display(path), format!("cannot create directory: {error}"));
+                self.problem(
+                    display(path),
+                    format!("cannot create directory: {error}{}", remedy_of(error)),
+                );
                 None
             }
         }
@@ -1209,7 +1212,10 @@ impl Walker {
         .and_then(|()| self.apply_metadata_at(parent, name, entry, false));
         match result {
             Ok(()) => self.count_other(),
-            Err(error) => self.problem(display(path), format!("cannot create: {error}")),
+            Err(error) => self.problem(
+                display(path),
+                format!("cannot create: {error}{}", remedy_of(error)),
+            ),
         }
     }
 
@@ -1297,7 +1303,10 @@ impl Walker {
             if let Err(error) = result {
                 self.problem(
                     display(&path),
-                    format!("cannot set directory attributes: {error}"),
+                    format!(
+                        "cannot set directory attributes: {error}{}",
+                        remedy_of(error)
+                    ),
                 );
             }
         }
@@ -1763,6 +1772,28 @@ async fn queue_scatter_jobs(
     Ok(())
 }
 
+/// What to change after `errno`, when it is a want of descriptors (EMFILE,
+/// ENFILE): said after the problem's message; nothing otherwise.
+fn remedy_of(errno: Errno) -> String {
+    if matches!(errno, Errno::MFILE | Errno::NFILE) {
+        format!(" ({})", crate::store::OUT_OF_DESCRIPTORS_REMEDY)
+    } else {
+        String::new()
+    }
+}
+
+/// Why a blob was not read, for the problem of each file that needs it: a
+/// want of this process's descriptors is said as one, not as data that
+/// could not be read (the store's message then says what to change).
+fn why_not_read(error: &StoreError) -> &'static str {
+    if error.cause() == FailureCause::OutOfDescriptors {
+        "this process had no file descriptor free to read its data \
+         (raise the limit, then restore again with --sync)"
+    } else {
+        "its data could not be read"
+    }
+}
+
 /// A read failed as a whole: read its blobs one by one, so that only the
 /// files whose blobs cannot be read are lost (a truncated pack still gives
 /// the blobs before the damage). These reads do not take buffers of the
@@ -1782,7 +1813,7 @@ async fn read_blob_by_blob(
     for (batch, blob) in blobs {
         let range = blob.stored_range();
         let result = if error.is_not_found() {
-            Err(error.to_string())
+            Err((why_not_read(&error), error.to_string()))
         } else {
             shared
                 .repository
@@ -1790,7 +1821,7 @@ async fn read_blob_by_blob(
                 .get_range_into(&repo::pack_key(&read.pack), range.clone(), Vec::new())
                 .await
                 .map(|data| ReadBuffer { data, pool: None })
-                .map_err(|error| error.to_string())
+                .map_err(|error| (why_not_read(&error), error.to_string()))
         };
         let job = match result {
             Ok(bytes) => Job::Scatter(ScatterJob {
@@ -1800,10 +1831,10 @@ async fn read_blob_by_blob(
                 bytes: Arc::new(bytes),
                 blobs: vec![blob],
             }),
-            Err(message) => Job::Fail {
+            Err((why, message)) => Job::Fail {
                 batch,
                 message: format!(
-                    "not restored, its data could not be read: failed to read blob {} from pack {}: {message}",
+                    "not restored, {why}: failed to read blob {} from pack {}: {message}",
                     blob.id, read.pack
                 ),
                 blobs: vec![blob],
@@ -2343,7 +2374,7 @@ impl BatchState {
             }
             Err(FileFailure::Io(step, errno)) => shared.problem(
                 display(&self.path_of(slot)),
-                format!("not restored: cannot {step}: {errno}"),
+                format!("not restored: cannot {step}: {errno}{}", remedy_of(errno)),
             ),
         }
         Progress::add(&shared.progress.files_done, 1);
@@ -2508,6 +2539,26 @@ mod tests {
         drop(directories);
         assert_eq!(budget.taken(), 0);
         assert!(hold(&mut next, 1_024, 3));
+    }
+
+    #[test]
+    fn a_blob_unread_for_want_of_a_descriptor_is_not_said_to_be_unreadable_data() {
+        let out_of_descriptors = StoreError::Transient {
+            location: "file:///nowhere".into(),
+            operation: "get",
+            key: "data/ab".into(),
+            message: "Too many open files (os error 24)".into(),
+            cause: FailureCause::OutOfDescriptors,
+        };
+        assert!(why_not_read(&out_of_descriptors).contains("no file descriptor free"));
+        let missing = StoreError::NotFound {
+            location: "file:///nowhere".into(),
+            key: "data/ab".into(),
+        };
+        assert_eq!(why_not_read(&missing), "its data could not be read");
+        assert!(remedy_of(Errno::MFILE).contains("raise its limit of open files"));
+        assert!(remedy_of(Errno::NFILE).contains("raise its limit of open files"));
+        assert_eq!(remedy_of(Errno::ACCESS), "");
     }
 
     #[tokio::test]

@@ -19,7 +19,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{
-    FailureCause, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport, validate_key,
+    FailureCause, OUT_OF_DESCRIPTORS_REMEDY, ObjectMeta, ObjectStore, PutMode, StoreError,
+    SweepReport, validate_key,
 };
 
 /// Prefix of temporary files; listings skip them.
@@ -60,11 +61,19 @@ impl LocalStore {
         let key = key.to_string();
         // Out of descriptors: other work of the process holds them, and
         // closes them; retried like a timeout.
-        let transient = out_of_descriptors(&err)
-            || matches!(
-                err.kind(),
-                io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-            );
+        if out_of_descriptors(&err) {
+            return StoreError::Transient {
+                location,
+                operation,
+                key,
+                message: format!("{err}: {OUT_OF_DESCRIPTORS_REMEDY}"),
+                cause: FailureCause::OutOfDescriptors,
+            };
+        }
+        let transient = matches!(
+            err.kind(),
+            io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+        );
         match err.kind() {
             io::ErrorKind::NotFound => StoreError::NotFound { location, key },
             io::ErrorKind::AlreadyExists => StoreError::AlreadyExists { location, key },
@@ -489,13 +498,16 @@ mod tests {
     fn running_out_of_descriptors_is_transient_and_a_refusal_permanent() {
         let store = LocalStore::new("/nowhere");
         for errno in [rustix::io::Errno::MFILE, rustix::io::Errno::NFILE] {
-            let error = io::Error::from_raw_os_error(errno.raw_os_error());
+            let error = store.classify(
+                "put",
+                "data/ab",
+                io::Error::from_raw_os_error(errno.raw_os_error()),
+            );
+            assert!(matches!(error, StoreError::Transient { .. }), "{errno:?}");
+            assert_eq!(error.cause(), FailureCause::OutOfDescriptors);
             assert!(
-                matches!(
-                    store.classify("put", "data/ab", error),
-                    StoreError::Transient { .. }
-                ),
-                "{errno:?}"
+                error.to_string().contains("raise its limit of open files"),
+                "{error}"
             );
         }
         let refused = io::Error::from(io::ErrorKind::PermissionDenied);

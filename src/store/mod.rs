@@ -141,6 +141,33 @@ pub enum FailureCause {
     /// The server throttled the request (503 SlowDown, 429): it asks the
     /// client to slow down, not to give up.
     Throttled,
+    /// This process (EMFILE) or the node (ENFILE) had no file descriptor
+    /// free to open a file or a connection: a want of the client's, which
+    /// its other work frees, not a fault of the store.
+    OutOfDescriptors,
+}
+
+/// What a store's message says after a failure of
+/// [`FailureCause::OutOfDescriptors`]: the cause is this process, not the
+/// object or the server.
+pub const OUT_OF_DESCRIPTORS_REMEDY: &str = "this process has no file descriptor free: \
+raise its limit of open files (`ulimit -n`, or the container runtime's LimitNOFILE) \
+or move fewer volumes at once";
+
+/// Whether `error`, or an error it was caused by, is an I/O error of
+/// running out of file descriptors ([`local::out_of_descriptors`]).
+pub fn caused_by_out_of_descriptors(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(error) = next {
+        if error
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(local::out_of_descriptors)
+        {
+            return true;
+        }
+        next = error.source();
+    }
+    false
 }
 
 impl StoreError {

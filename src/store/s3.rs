@@ -533,6 +533,18 @@ impl S3Store {
                     )
                     .with_cause(FailureCause::CredentialsMissing);
                 }
+                if super::caused_by_out_of_descriptors(&error) {
+                    return self
+                        .transient(
+                            operation,
+                            key,
+                            format!(
+                                "cannot open a connection to {endpoint} ({text}): {}",
+                                super::OUT_OF_DESCRIPTORS_REMEDY
+                            ),
+                        )
+                        .with_cause(FailureCause::OutOfDescriptors);
+                }
                 if let SdkError::DispatchFailure(failure) = &error
                     && !failure.is_user()
                 {
@@ -1574,6 +1586,19 @@ mod tests {
             let error = classify(&store, "list", untrusted);
             assert!(matches!(error, StoreError::Permanent { .. }), "{error}");
             assert!(error.to_string().contains("CA bundle"), "{error}");
+            // No descriptor for the socket: the process's want, not the
+            // endpoint's, and said so.
+            let no_socket: ListError = SdkError::dispatch_failure(ConnectorError::io(
+                std::io::Error::from_raw_os_error(rustix::io::Errno::MFILE.raw_os_error()).into(),
+            ));
+            let error = classify(&store, "list", no_socket);
+            assert!(error.is_transient(), "{error}");
+            assert_eq!(error.cause(), FailureCause::OutOfDescriptors);
+            assert!(
+                error.to_string().contains("raise its limit of open files")
+                    && !error.to_string().contains("check the endpoint URL"),
+                "{error}"
+            );
         }
     }
 
