@@ -628,6 +628,7 @@ mod tests {
             (FailureCause::ClockSkew, reason::CLOCK_SKEW),
             (FailureCause::ServerError, reason::SERVER_ERROR),
             (FailureCause::Other, reason::PROBE_FAILED),
+            (FailureCause::OutOfDescriptors, reason::PROBE_FAILED),
         ];
         for (cause, expected) in causes {
             assert_eq!(problem_of(cause).reason(), expected, "{cause:?}");

@@ -54,6 +54,7 @@ use crate::repo::snapshot::{
 use crate::repo::tree::{Entry, EntryKind, Extent, Tree, Xattr};
 use crate::repo::{BlobId, BlobKind, Compression, ObjectId};
 use crate::store::local::out_of_descriptors;
+use crate::store::out_of_descriptors_remedy;
 
 /// Batches of walk items buffered between the walker and the hashing
 /// stage. Small: the chunk-bytes semaphore is what bounds memory; this only
@@ -1190,7 +1191,7 @@ fn retry_while_out_of_open_files<T>(
                 if waited >= patience {
                     return Err(EngineError::OutOfOpenFiles {
                         path: path.to_path_buf(),
-                        remedy: out_of_open_files_remedy(
+                        remedy: out_of_descriptors_remedy(
                             &error,
                             descriptors::open_file_limits_now(),
                         ),
@@ -1203,35 +1204,6 @@ fn retry_while_out_of_open_files<T>(
             }
             outcome => return Ok(outcome),
         }
-    }
-}
-
-/// Whose limit of descriptors `error` (EMFILE or ENFILE) reached, under
-/// `limits` (soft, hard; `u64::MAX` for none), and what to do.
-fn out_of_open_files_remedy(error: &io::Error, (soft, hard): (u64, u64)) -> String {
-    const FEWER_VOLUMES: &str = "move fewer volumes at once (a lower maxConcurrentVolumes, or less \
-        memory for the stage pods in a StoragePolicy's stagePodResources)";
-    if error.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error()) {
-        return format!(
-            "the node's table of open files is full (sysctl fs.file-max): raise it, or {FEWER_VOLUMES}"
-        );
-    }
-    if soft == u64::MAX {
-        return format!("the process has no file descriptor left: {FEWER_VOLUMES}");
-    }
-    if soft >= hard {
-        // The binaries raise the soft limit to the hard one at start: only
-        // the hard limit can give more.
-        format!(
-            "the process is at its limit of {soft} open files, which is also its hard limit: raise \
-             the hard limit (the container runtime's or the service's LimitNOFILE, or `ulimit -Hn` \
-             as root), or {FEWER_VOLUMES}"
-        )
-    } else {
-        format!(
-            "the process is at its limit of {soft} open files (its hard limit is {hard}): start it \
-             under a higher `ulimit -n`, or {FEWER_VOLUMES}"
-        )
     }
 }
 
@@ -3272,16 +3244,16 @@ mod tests {
             ),
             "{error:?}"
         );
-        let at_hard = out_of_open_files_remedy(&out_of_open_files_error(), (1_024, 1_024));
+        let at_hard = out_of_descriptors_remedy(&out_of_open_files_error(), (1_024, 1_024));
         assert!(at_hard.contains("limit of 1024 open files"), "{at_hard}");
         assert!(at_hard.contains("hard limit"), "{at_hard}");
         assert!(at_hard.contains("ulimit -Hn"), "{at_hard}");
-        let below_hard = out_of_open_files_remedy(&out_of_open_files_error(), (65_536, 1 << 20));
+        let below_hard = out_of_descriptors_remedy(&out_of_open_files_error(), (65_536, 1 << 20));
         assert!(below_hard.contains("hard limit is 1048576"), "{below_hard}");
         assert!(below_hard.contains("higher `ulimit -n`"), "{below_hard}");
-        let unlimited = out_of_open_files_remedy(&out_of_open_files_error(), (u64::MAX, u64::MAX));
+        let unlimited = out_of_descriptors_remedy(&out_of_open_files_error(), (u64::MAX, u64::MAX));
         assert!(!unlimited.contains(&u64::MAX.to_string()), "{unlimited}");
-        let system = out_of_open_files_remedy(
+        let system = out_of_descriptors_remedy(
             &io::Error::from_raw_os_error(rustix::io::Errno::NFILE.raw_os_error()),
             (1_024, 1_024),
         );

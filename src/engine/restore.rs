@@ -1196,7 +1196,10 @@ impl Walker {
                 }
                 Ok(_) => {
                     if let Err(error) = remove_entry(parent, name) {
-                        return self.problem(display(path), format!("cannot replace: {error}"));
+                        return self.problem(
+                            display(path),
+                            format!("cannot replace: {error}{}", remedy_of(error)),
+                        );
                     }
                 }
                 Err(_) => {}
@@ -1292,9 +1295,10 @@ impl Walker {
             })();
             match result {
                 Ok(()) => self.count_other(),
-                Err(error) => {
-                    self.problem(display(&path), format!("cannot create symlink: {error}"))
-                }
+                Err(error) => self.problem(
+                    display(&path),
+                    format!("cannot create symlink: {error}{}", remedy_of(error)),
+                ),
             }
         }
         for (path, entry) in std::mem::take(&mut self.directories).into_iter().rev() {
@@ -1776,7 +1780,8 @@ async fn queue_scatter_jobs(
 /// ENFILE): said after the problem's message; nothing otherwise.
 fn remedy_of(errno: Errno) -> String {
     if matches!(errno, Errno::MFILE | Errno::NFILE) {
-        format!(" ({})", crate::store::OUT_OF_DESCRIPTORS_REMEDY)
+        let error = std::io::Error::from_raw_os_error(errno.raw_os_error());
+        format!(" ({})", crate::store::out_of_descriptors_remedy_now(&error))
     } else {
         String::new()
     }
@@ -1787,8 +1792,9 @@ fn remedy_of(errno: Errno) -> String {
 /// could not be read (the store's message then says what to change).
 fn why_not_read(error: &StoreError) -> &'static str {
     if error.cause() == FailureCause::OutOfDescriptors {
-        "this process had no file descriptor free to read its data \
-         (raise the limit, then restore again with --sync)"
+        "this process had no file descriptor free to read its data (raise the limit, \
+         then restore again: into the same directory, with --sync on the command line, it \
+         writes only what is missing)"
     } else {
         "its data could not be read"
     }
@@ -2556,8 +2562,8 @@ mod tests {
             key: "data/ab".into(),
         };
         assert_eq!(why_not_read(&missing), "its data could not be read");
-        assert!(remedy_of(Errno::MFILE).contains("raise its limit of open files"));
-        assert!(remedy_of(Errno::NFILE).contains("raise its limit of open files"));
+        assert!(remedy_of(Errno::MFILE).contains("move fewer volumes at once"));
+        assert!(remedy_of(Errno::NFILE).contains("sysctl fs.file-max"));
         assert_eq!(remedy_of(Errno::ACCESS), "");
     }
 

@@ -19,8 +19,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 use super::{
-    FailureCause, OUT_OF_DESCRIPTORS_REMEDY, ObjectMeta, ObjectStore, PutMode, StoreError,
-    SweepReport, validate_key,
+    FailureCause, ObjectMeta, ObjectStore, PutMode, StoreError, SweepReport,
+    out_of_descriptors_remedy_now, validate_key,
 };
 
 /// Prefix of temporary files; listings skip them.
@@ -66,7 +66,7 @@ impl LocalStore {
                 location,
                 operation,
                 key,
-                message: format!("{err}: {OUT_OF_DESCRIPTORS_REMEDY}"),
+                message: format!("{err}: {}", out_of_descriptors_remedy_now(&err)),
                 cause: FailureCause::OutOfDescriptors,
             };
         }
@@ -505,10 +505,15 @@ mod tests {
             );
             assert!(matches!(error, StoreError::Transient { .. }), "{errno:?}");
             assert_eq!(error.cause(), FailureCause::OutOfDescriptors);
+            // Whose limit it is and what to raise depend on the limits in
+            // force (`out_of_descriptors_remedy`); every remedy ends so.
             assert!(
-                error.to_string().contains("raise its limit of open files"),
+                error.to_string().contains("move fewer volumes at once"),
                 "{error}"
             );
+            if errno == rustix::io::Errno::NFILE {
+                assert!(error.to_string().contains("fs.file-max"), "{error}");
+            }
         }
         let refused = io::Error::from(io::ErrorKind::PermissionDenied);
         assert!(matches!(

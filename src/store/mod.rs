@@ -147,27 +147,66 @@ pub enum FailureCause {
     OutOfDescriptors,
 }
 
-/// What a store's message says after a failure of
-/// [`FailureCause::OutOfDescriptors`]: the cause is this process, not the
-/// object or the server.
-pub const OUT_OF_DESCRIPTORS_REMEDY: &str = "this process has no file descriptor free: \
-raise its limit of open files (`ulimit -n`, or the container runtime's LimitNOFILE) \
-or move fewer volumes at once";
+/// Whose limit of descriptors `error` (EMFILE or ENFILE) reached, under
+/// `limits` (soft, hard; `u64::MAX` for none), and what to do.
+pub fn out_of_descriptors_remedy(error: &std::io::Error, (soft, hard): (u64, u64)) -> String {
+    const FEWER_VOLUMES: &str = "move fewer volumes at once (a lower maxConcurrentVolumes, or less \
+        memory for the stage pods in a StoragePolicy's stagePodResources)";
+    if error.raw_os_error() == Some(rustix::io::Errno::NFILE.raw_os_error()) {
+        return format!(
+            "the node's table of open files is full (sysctl fs.file-max): raise it, or {FEWER_VOLUMES}"
+        );
+    }
+    if soft == u64::MAX {
+        return format!("the process has no file descriptor left: {FEWER_VOLUMES}");
+    }
+    if soft >= hard {
+        // The binaries raise the soft limit to the hard one at start: only
+        // the hard limit can give more.
+        format!(
+            "the process is at its limit of {soft} open files, which is also its hard limit: raise \
+             the hard limit (the container runtime's or the service's LimitNOFILE, or `ulimit -Hn` \
+             as root), or {FEWER_VOLUMES}"
+        )
+    } else {
+        format!(
+            "the process is at its limit of {soft} open files (its hard limit is {hard}): start it \
+             under a higher `ulimit -n`, or {FEWER_VOLUMES}"
+        )
+    }
+}
 
-/// Whether `error`, or an error it was caused by, is an I/O error of
-/// running out of file descriptors ([`local::out_of_descriptors`]).
-pub fn caused_by_out_of_descriptors(error: &(dyn std::error::Error + 'static)) -> bool {
+/// [`out_of_descriptors_remedy`] under the limits of open files in force
+/// now: what a store's message says after a failure of
+/// [`FailureCause::OutOfDescriptors`] (the cause is this process or the
+/// node, not the object or the server).
+pub fn out_of_descriptors_remedy_now(error: &std::io::Error) -> String {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+    out_of_descriptors_remedy(
+        error,
+        (
+            limit.current.unwrap_or(u64::MAX),
+            limit.maximum.unwrap_or(u64::MAX),
+        ),
+    )
+}
+
+/// The I/O error of running out of file descriptors
+/// ([`local::out_of_descriptors`]) that `error` is, or was caused by.
+pub fn out_of_descriptors_cause<'e>(
+    error: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e std::io::Error> {
     let mut next = Some(error);
     while let Some(error) = next {
-        if error
+        if let Some(io) = error
             .downcast_ref::<std::io::Error>()
-            .is_some_and(local::out_of_descriptors)
+            .filter(|io| local::out_of_descriptors(io))
         {
-            return true;
+            return Some(io);
         }
         next = error.source();
     }
-    false
+    None
 }
 
 impl StoreError {

@@ -509,6 +509,22 @@ impl S3Store {
             }
             SdkError::DispatchFailure(_) | SdkError::ConstructionFailure(_) => {
                 let text = detail();
+                // Found by its errno, before any reading of the text: a
+                // socket or a credentials file this process could not open
+                // for want of a descriptor is neither the endpoint's fault
+                // nor missing credentials.
+                if let Some(io) = super::out_of_descriptors_cause(&error) {
+                    return self
+                        .transient(
+                            operation,
+                            key,
+                            format!(
+                                "cannot open a connection to {endpoint} ({text}): {}",
+                                super::out_of_descriptors_remedy_now(io)
+                            ),
+                        )
+                        .with_cause(FailureCause::OutOfDescriptors);
+                }
                 let lower = text.to_ascii_lowercase();
                 // Retrying cannot make an untrusted certificate trusted, nor
                 // conjure credentials. (A failed identity lookup arrives as a
@@ -532,18 +548,6 @@ impl S3Store {
                         ),
                     )
                     .with_cause(FailureCause::CredentialsMissing);
-                }
-                if super::caused_by_out_of_descriptors(&error) {
-                    return self
-                        .transient(
-                            operation,
-                            key,
-                            format!(
-                                "cannot open a connection to {endpoint} ({text}): {}",
-                                super::OUT_OF_DESCRIPTORS_REMEDY
-                            ),
-                        )
-                        .with_cause(FailureCause::OutOfDescriptors);
                 }
                 if let SdkError::DispatchFailure(failure) = &error
                     && !failure.is_user()
@@ -1595,7 +1599,7 @@ mod tests {
             assert!(error.is_transient(), "{error}");
             assert_eq!(error.cause(), FailureCause::OutOfDescriptors);
             assert!(
-                error.to_string().contains("raise its limit of open files")
+                error.to_string().contains("move fewer volumes at once")
                     && !error.to_string().contains("check the endpoint URL"),
                 "{error}"
             );
