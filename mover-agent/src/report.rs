@@ -15,6 +15,7 @@ use haulage::api::{Progress, VolumeTransferPhase, VolumeTransferStatus};
 use haulage::engine::progress::ProgressSnapshot;
 use haulage::engine::restore::RestoreOutcome;
 use haulage::engine::verify_tree::TreeVerification;
+use haulage::store::FailureCause;
 use haulage::store::outage::{EndedOutage, OutageReport, Retries};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
@@ -150,8 +151,15 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
             }
             None => "it waits as long as it takes (no failAfterUnavailableSeconds)".to_string(),
         };
+        // A want of this agent's descriptors is not the location's silence:
+        // said as what it is, so nobody goes looking at the server.
+        let what = if current.cause == FailureCause::OutOfDescriptors {
+            "this agent has had no file descriptor free to reach the storage location"
+        } else {
+            "the storage location has not answered"
+        };
         let message = format!(
-            "the storage location has not answered for {}s: {}; the volume is paused, what it stored is kept, and it resumes by itself when the location answers; {limit}",
+            "{what} for {}s: {}; the volume is paused, what it stored is kept, and it resumes by itself when the location answers; {limit}",
             current.lasted.as_secs(),
             current.error
         );
@@ -610,6 +618,7 @@ mod tests {
                 since,
                 lasted: Duration::from_secs(75),
                 error: "connection refused".to_string(),
+                cause: FailureCause::Unreachable,
             }),
             last_ended: None,
             give_up_after_seconds: Some(600),
@@ -624,6 +633,11 @@ mod tests {
         for part in ["75s", "connection refused", "paused", "600s"] {
             assert!(paused.message.contains(part), "{part}: {}", paused.message);
         }
+        assert!(
+            paused
+                .message
+                .starts_with("the storage location has not answered")
+        );
         seen.give_up_after_seconds = None;
         let paused = storage_condition(&seen, Some(1)).expect("during the outage");
         assert!(
@@ -631,6 +645,22 @@ mod tests {
             "{}",
             paused.message
         );
+        // A want of the agent's own descriptors is not the location's
+        // silence.
+        if let Some(current) = seen.current.as_mut() {
+            current.cause = FailureCause::OutOfDescriptors;
+        }
+        let paused = storage_condition(&seen, Some(1)).expect("during the outage");
+        assert!(
+            paused
+                .message
+                .starts_with("this agent has had no file descriptor free"),
+            "{}",
+            paused.message
+        );
+        if let Some(current) = seen.current.as_mut() {
+            current.cause = FailureCause::Unreachable;
+        }
         seen.current = None;
         seen.last_ended = Some(EndedOutage {
             since,
@@ -763,6 +793,7 @@ mod tests {
                 since: std::time::UNIX_EPOCH,
                 lasted: std::time::Duration::from_secs(20),
                 error: "connection refused".to_string(),
+                cause: FailureCause::Unreachable,
             }),
             gave_up: true,
             ..StorageSeen::default()

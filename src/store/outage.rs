@@ -99,6 +99,8 @@ pub struct OutageReport {
     pub lasted: Duration,
     /// The latest error, as a message.
     pub error: String,
+    /// What the latest error was about.
+    pub cause: FailureCause,
 }
 
 /// An outage that ended.
@@ -178,6 +180,7 @@ impl Outage {
                 since: current.since,
                 lasted: current.started.elapsed(),
                 error: current.error.clone(),
+                cause: current.cause,
             })
     }
 
