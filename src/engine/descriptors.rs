@@ -212,15 +212,8 @@ pub fn soft_limit_now() -> u64 {
     open_file_limits_now().0
 }
 
-/// The soft and hard limits of open files in force now (no limit:
-/// `u64::MAX`).
-pub fn open_file_limits_now() -> (u64, u64) {
-    let limit = getrlimit(Resource::Nofile);
-    (
-        limit.current.unwrap_or(u64::MAX),
-        limit.maximum.unwrap_or(u64::MAX),
-    )
-}
+/// Read in the store, whose messages name the limits too.
+pub use crate::store::open_file_limits_now;
 
 /// The fewest source files a backup holds open at once (the walker waits
 /// for up to this many places at a time).

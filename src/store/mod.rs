@@ -181,13 +181,16 @@ pub fn out_of_descriptors_remedy(error: &std::io::Error, (soft, hard): (u64, u64
 /// [`FailureCause::OutOfDescriptors`] (the cause is this process or the
 /// node, not the object or the server).
 pub fn out_of_descriptors_remedy_now(error: &std::io::Error) -> String {
+    out_of_descriptors_remedy(error, open_file_limits_now())
+}
+
+/// The soft and hard limits of open files in force now (no limit:
+/// `u64::MAX`).
+pub fn open_file_limits_now() -> (u64, u64) {
     let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-    out_of_descriptors_remedy(
-        error,
-        (
-            limit.current.unwrap_or(u64::MAX),
-            limit.maximum.unwrap_or(u64::MAX),
-        ),
+    (
+        limit.current.unwrap_or(u64::MAX),
+        limit.maximum.unwrap_or(u64::MAX),
     )
 }
 

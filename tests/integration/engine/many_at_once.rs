@@ -72,6 +72,22 @@ async fn back_up_at_once(repo: &TestRepo, sources: &[PathBuf]) -> Result<Vec<Obj
         .collect())
 }
 
+/// Restore each snapshot at once from `repo` into `target-N`, each engine
+/// in the smallest share.
+async fn restore_at_once(
+    repo: &TestRepo,
+    snapshots: &[ObjectId],
+) -> Result<Vec<haulage::engine::restore::RestoreOutcome>, String> {
+    let restores = snapshots.iter().enumerate().map(|(volume, snapshot)| {
+        let mut options = RestoreOptions::new(repo.dir.path().join(format!("target-{volume}")));
+        options.memory = EngineMemory::new(0);
+        repo.restore_with(snapshot, options)
+    });
+    tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
+        .await
+        .map_err(|_| "the restores stalled: each waits for work no thread runs".to_string())
+}
+
 #[test]
 fn more_backups_at_once_than_blocking_threads_all_finish() {
     on_agent_runtime(async {
@@ -101,14 +117,7 @@ fn more_restores_at_once_than_blocking_threads_all_finish() {
             snapshots.push(repo.backup(&source).await.snapshot_id);
             sources.push(source);
         }
-        let restores = snapshots.iter().enumerate().map(|(volume, snapshot)| {
-            let mut options = RestoreOptions::new(repo.dir.path().join(format!("target-{volume}")));
-            options.memory = EngineMemory::new(0);
-            repo.restore_with(snapshot, options)
-        });
-        let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
-            .await
-            .map_err(|_| "the restores stalled: each waits for work no thread runs")?;
+        let outcomes = restore_at_once(&repo, &snapshots).await?;
         for (volume, outcome) in outcomes.iter().enumerate() {
             assert!(outcome.problems.is_empty(), "{:?}", outcome.problems);
             assert_same_tree(
@@ -211,14 +220,7 @@ fn engine_volumes_at_once_under_a_hard_limit_of_1024_open_files() {
             })
             .collect();
         let snapshots = back_up_at_once(&repo, &sources).await?;
-        let restores = snapshots.iter().enumerate().map(|(volume, snapshot)| {
-            let mut options = RestoreOptions::new(repo.dir.path().join(format!("target-{volume}")));
-            options.memory = EngineMemory::new(0);
-            repo.restore_with(snapshot, options)
-        });
-        let outcomes = tokio::time::timeout(STALLED_AFTER, futures::future::join_all(restores))
-            .await
-            .map_err(|_| "the restores stalled")?;
+        let outcomes = restore_at_once(&repo, &snapshots).await?;
         for (volume, outcome) in outcomes.iter().enumerate() {
             assert!(
                 outcome.problems.is_empty(),
