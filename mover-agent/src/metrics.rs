@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use haulage::api::transfer::TransferDirection;
 use haulage::engine::progress::Progress;
 use haulage::metrics::{NoLabels, Response, Series, encode_counters, encode_gauges};
+use haulage::store::FailureCause;
 use haulage::store::limits::WaitTime;
-use haulage::store::outage::Outage;
+use haulage::store::outage::{Outage, OutageReport};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 use prometheus_client::registry::Registry;
@@ -66,16 +67,33 @@ pub const STORAGE_UNAVAILABLE: Series = Series {
     name: "haulage_agent_storage_unavailable",
     help: "1 while the storage location does not answer and the agent's volumes wait for it, else 0",
 };
+/// `haulage_agent_out_of_file_descriptors`.
+pub const OUT_OF_FILE_DESCRIPTORS: Series = Series {
+    name: "haulage_agent_out_of_file_descriptors",
+    help: "1 while the agent's volumes wait because it has no file descriptor free to reach the storage location (its own or the node's limit of open files, not the location), else 0",
+};
 /// `haulage_agent_storage_outages_total`.
 pub const STORAGE_OUTAGES: Series = Series {
     name: "haulage_agent_storage_outages",
-    help: "Outages of the storage location longer than the retry budget, waited out by this agent process",
+    help: "Waits longer than the retry budget, for the storage location to answer or for a file descriptor to reach it, waited out by this agent process",
 };
 /// `haulage_agent_storage_unavailable_seconds_total`.
 pub const STORAGE_UNAVAILABLE_SECONDS: Series = Series {
     name: "haulage_agent_storage_unavailable_seconds",
-    help: "Seconds this agent process's volumes waited for the storage location to answer again",
+    help: "Seconds this agent process's volumes waited for the storage location to answer again, or for a file descriptor to reach it",
 };
+
+/// The values of [`STORAGE_UNAVAILABLE`] and [`OUT_OF_FILE_DESCRIPTORS`]
+/// while `current` goes on: one of them is 1, by what the volumes wait
+/// for, so that an alert on the location's silence does not fire for the
+/// agent's own limit.
+fn waiting_gauges(current: Option<&OutageReport>) -> (u64, u64) {
+    match current {
+        None => (0, 0),
+        Some(current) if current.cause == FailureCause::OutOfDescriptors => (0, 1),
+        Some(_) => (1, 0),
+    }
+}
 /// `haulage_agent_storage_retries_total{cause}`.
 pub const STORAGE_RETRIES: Series = Series {
     name: "haulage_agent_storage_retries",
@@ -198,10 +216,12 @@ impl Collector for AgentCollector {
                 ),
             ],
         )?;
+        let (unavailable, out_of_descriptors) = waiting_gauges(self.outage.current().as_ref());
+        encode_gauges(&mut encoder, STORAGE_UNAVAILABLE, [(NoLabels, unavailable)])?;
         encode_gauges(
             &mut encoder,
-            STORAGE_UNAVAILABLE,
-            [(NoLabels, u64::from(self.outage.current().is_some()))],
+            OUT_OF_FILE_DESCRIPTORS,
+            [(NoLabels, out_of_descriptors)],
         )?;
         encode_counters(
             &mut encoder,
@@ -347,6 +367,7 @@ mod tests {
             "haulage_agent_transfers 2",
             "haulage_agent_bytes_written_total{namespace=\"shop-b\",pvc=\"db\"} 777",
             "haulage_agent_storage_unavailable 0",
+            "haulage_agent_out_of_file_descriptors 0",
             "haulage_agent_storage_outages_total 0",
             "haulage_agent_storage_retries_total{cause=\"throttled\"} 0",
         ] {
@@ -363,5 +384,19 @@ mod tests {
             "a restore's writes are not reads: {body}"
         );
         assert_eq!(metrics.respond("/healthz").status, "200 OK");
+    }
+
+    #[test]
+    fn a_want_of_descriptors_is_its_own_gauge_not_the_location_unavailable() {
+        let mut current = OutageReport {
+            since: std::time::UNIX_EPOCH,
+            lasted: Duration::from_secs(40),
+            error: "connection refused".to_string(),
+            cause: FailureCause::Unreachable,
+        };
+        assert_eq!(waiting_gauges(None), (0, 0));
+        assert_eq!(waiting_gauges(Some(&current)), (1, 0));
+        current.cause = FailureCause::OutOfDescriptors;
+        assert_eq!(waiting_gauges(Some(&current)), (0, 1));
     }
 }

@@ -152,11 +152,18 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
             None => "it waits as long as it takes (no failAfterUnavailableSeconds)".to_string(),
         };
         // A want of this agent's descriptors is not the location's silence:
-        // said as what it is, so nobody goes looking at the server.
-        let what = if current.cause == FailureCause::OutOfDescriptors {
-            "this agent has had no file descriptor free to reach the storage location"
+        // said as what it is, under a reason of its own, so nobody goes
+        // looking at the server.
+        let (what, why) = if current.cause == FailureCause::OutOfDescriptors {
+            (
+                "this agent has had no file descriptor free to reach the storage location",
+                reason::AGENT_OUT_OF_FILE_DESCRIPTORS,
+            )
         } else {
-            "the storage location has not answered"
+            (
+                "the storage location has not answered",
+                reason::STORAGE_LOCATION_UNAVAILABLE,
+            )
         };
         let message = format!(
             "{what} for {}s: {}; the volume is paused, what it stored is kept, and it resumes by itself when the location answers; {limit}",
@@ -166,7 +173,7 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
         return Some(Condition::new(
             condition_type::STORAGE_AVAILABLE,
             ConditionStatus::False,
-            reason::STORAGE_LOCATION_UNAVAILABLE,
+            why,
             &message,
             generation,
             haulage::clock::time_of(current.since),
@@ -324,12 +331,19 @@ pub fn measured_status(ending: Ending, figures: ClaimBenchmark) -> VolumeTransfe
 /// The final status of a volume that failed, with what went wrong: the
 /// reason `StorageUnavailableTimeout` when it failed because the storage
 /// location stayed away past `failAfterUnavailableSeconds` (the outage
-/// still going on, an operation given up on it), else `AllVolumesFailed`.
+/// still going on, an operation given up on it),
+/// `AgentOutOfFileDescriptors` when what lasted that long was this agent's
+/// want of descriptors, else `AllVolumesFailed`.
 pub fn failed_status(ending: Ending, message: &str, storage: &StorageSeen) -> VolumeTransferStatus {
-    let why = if storage.current.is_some() && storage.gave_up {
-        reason::STORAGE_UNAVAILABLE_TIMEOUT
-    } else {
-        reason::ALL_VOLUMES_FAILED
+    let why = match &storage.current {
+        Some(current) if storage.gave_up => {
+            if current.cause == FailureCause::OutOfDescriptors {
+                reason::AGENT_OUT_OF_FILE_DESCRIPTORS
+            } else {
+                reason::STORAGE_UNAVAILABLE_TIMEOUT
+            }
+        }
+        _ => reason::ALL_VOLUMES_FAILED,
     };
     VolumeTransferStatus {
         phase: Some(VolumeTransferPhase::Failed),
@@ -658,6 +672,8 @@ mod tests {
             "{}",
             paused.message
         );
+        assert_eq!(paused.status, ConditionStatus::False);
+        assert_eq!(paused.reason, reason::AGENT_OUT_OF_FILE_DESCRIPTORS);
         if let Some(current) = seen.current.as_mut() {
             current.cause = FailureCause::Unreachable;
         }
@@ -802,6 +818,16 @@ mod tests {
         assert_eq!(
             status.conditions[0].reason,
             reason::STORAGE_UNAVAILABLE_TIMEOUT
+        );
+        // What lasted past the limit was the agent's want of descriptors.
+        let mut out_of_descriptors = given_up;
+        if let Some(current) = out_of_descriptors.current.as_mut() {
+            current.cause = FailureCause::OutOfDescriptors;
+        }
+        let status = failed_status(ending(Progress::default()), "gave up", &out_of_descriptors);
+        assert_eq!(
+            status.conditions[0].reason,
+            reason::AGENT_OUT_OF_FILE_DESCRIPTORS
         );
     }
 

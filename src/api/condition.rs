@@ -239,6 +239,10 @@ pub mod reason {
     pub const STORAGE_REQUESTS_RETRIED: &str = "StorageRequestsRetried";
     /// The location stayed Unavailable past `failAfterUnavailableSeconds`.
     pub const STORAGE_UNAVAILABLE_TIMEOUT: &str = "StorageUnavailableTimeout";
+    /// The agent had no file descriptor free to reach the storage location
+    /// (its own limit of open files, or the node's, not the location):
+    /// its volume waits, and fails after `failAfterUnavailableSeconds`.
+    pub const AGENT_OUT_OF_FILE_DESCRIPTORS: &str = "AgentOutOfFileDescriptors";
     /// A controller replica claimed the object.
     pub const CLAIMED_BY_REPLICA: &str = "ClaimedByReplica";
     /// A replica adopted the object after its owner's lease expired.
@@ -362,6 +366,7 @@ pub mod reason {
         STORAGE_LOCATION_AVAILABLE,
         STORAGE_REQUESTS_RETRIED,
         STORAGE_UNAVAILABLE_TIMEOUT,
+        AGENT_OUT_OF_FILE_DESCRIPTORS,
         CLAIMED_BY_REPLICA,
         ADOPTED_FROM_REPLICA,
         NO_VOLUMES_SELECTED,

@@ -90,6 +90,19 @@ struct Current {
     location: String,
 }
 
+impl Current {
+    /// What the operations wait for, said after "while" or before "for
+    /// Ns": the location to answer, or (for a want of this process's
+    /// descriptors, which is not the location's doing) a descriptor.
+    fn waiting_for(&self) -> &'static str {
+        if self.cause == FailureCause::OutOfDescriptors {
+            "this process has had no file descriptor free to reach it"
+        } else {
+            "it has not answered"
+        }
+    }
+}
+
 /// What the outage state tells a reporter.
 #[derive(Debug, Clone, PartialEq)]
 pub struct OutageReport {
@@ -368,7 +381,8 @@ impl Outage {
             operation: "reach",
             key: "the storage location".to_string(),
             message: format!(
-                "it has not answered for {}s, longer than failAfterUnavailableSeconds ({}); latest error: {}",
+                "{} for {}s, longer than failAfterUnavailableSeconds ({}); latest error: {}",
+                current.waiting_for(),
                 current.started.elapsed().as_secs(),
                 limit.as_secs(),
                 current.error
@@ -386,7 +400,8 @@ fn stopped(current: &Current) -> StoreError {
         operation: "reach",
         key: "the storage location".to_string(),
         message: format!(
-            "stopping while it has not answered for {}s (latest error: {}); what is stored stays and the work resumes when it runs again",
+            "stopping while {} for {}s (latest error: {}); what is stored stays and the work resumes when it runs again",
+            current.waiting_for(),
             current.started.elapsed().as_secs(),
             current.error
         ),

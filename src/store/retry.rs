@@ -515,6 +515,8 @@ mod tests {
     #[derive(Debug, Default)]
     struct SwitchedStore {
         down: std::sync::atomic::AtomicBool,
+        /// While down, fail for want of descriptors rather than refused.
+        out_of_descriptors: std::sync::atomic::AtomicBool,
         calls: AtomicU32,
         probes: AtomicU32,
     }
@@ -526,12 +528,20 @@ mod tests {
                 self.probes.fetch_add(1, Ordering::SeqCst);
             }
             if self.down.load(Ordering::SeqCst) {
+                let (message, cause) = if self.out_of_descriptors.load(Ordering::SeqCst) {
+                    (
+                        "Too many open files (os error 24)",
+                        FailureCause::OutOfDescriptors,
+                    )
+                } else {
+                    ("connection refused", FailureCause::Unreachable)
+                };
                 return Err(StoreError::Transient {
                     location: "test://".to_string(),
                     operation: "get",
                     key: key.to_string(),
-                    message: "connection refused".to_string(),
-                    cause: FailureCause::Unreachable,
+                    message: message.to_string(),
+                    cause,
                 });
             }
             Ok(())
@@ -671,6 +681,32 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_want_of_descriptors_longer_than_the_limit_is_not_said_as_the_location_silent() {
+        let inner = Arc::new(SwitchedStore::default());
+        inner.down.store(true, Ordering::SeqCst);
+        inner.out_of_descriptors.store(true, Ordering::SeqCst);
+        let (store, outage) = waiting_out(inner.clone(), Some(Duration::from_secs(60)));
+        let error = store
+            .put("data/x", Bytes::new(), PutMode::Overwrite)
+            .await
+            .expect_err("gives up after the limit");
+        assert_eq!(error.cause(), FailureCause::OutOfDescriptors);
+        let message = error.to_string();
+        assert!(
+            message.contains("this process has had no file descriptor free to reach it for 6")
+                && message.contains("longer than failAfterUnavailableSeconds (60)")
+                && message.contains("Too many open files")
+                && !message.contains("not answered"),
+            "{message}"
+        );
+        assert!(outage.gave_up());
+        assert_eq!(
+            outage.current().map(|current| current.cause),
+            Some(FailureCause::OutOfDescriptors)
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn an_outage_longer_than_its_limit_fails_the_waiting_operations_saying_so() {
         let inner = Arc::new(SwitchedStore::default());
         inner.down.store(true, Ordering::SeqCst);
@@ -686,7 +722,8 @@ mod tests {
         );
         let message = error.to_string();
         assert!(
-            message.contains("longer than failAfterUnavailableSeconds (60)")
+            message.contains("it has not answered for 6")
+                && message.contains("longer than failAfterUnavailableSeconds (60)")
                 && message.contains("connection refused"),
             "{message}"
         );
