@@ -1423,9 +1423,18 @@ async fn write_batches(
     let (jobs, queued_jobs) = mpsc::channel::<Job>(SCATTER_JOBS_QUEUED);
     let queued_jobs = Arc::new(Mutex::new(queued_jobs));
     let mut worker_handles = Vec::with_capacity(workers);
+    #[cfg(test)]
+    let panics = tests::scatter_workers_panic_into(&shared.options.target);
     for _ in 0..workers {
         let queued = queued_jobs.clone();
-        match super::OwnThread::spawn("scatter-worker", move || run_scatter_worker(&queued)) {
+        let work = move || {
+            #[cfg(test)]
+            if panics {
+                panic!("a scatter worker panicked (as a test asked)");
+            }
+            run_scatter_worker(&queued)
+        };
+        match super::OwnThread::spawn("scatter-worker", work) {
             Ok(handle) => worker_handles.push(handle),
             Err(error) if worker_handles.is_empty() => return Err(error),
             Err(error) => {
@@ -1467,8 +1476,15 @@ async fn write_batches(
             buffers: &buffers,
         };
         held = write_batch(&context, batch, held).await;
+        // Every worker has ended (a panic): nothing more can be written,
+        // so the walk stops here (it sees `batches` dropped below) rather
+        // than create the rest of the tree's directories and files for
+        // nothing, and the join below says why.
+        if jobs.is_closed() {
+            break;
+        }
     }
-    if !shared.cancel.is_cancelled() {
+    if !shared.cancel.is_cancelled() && !jobs.is_closed() {
         fetch_and_scatter(&shared, &jobs, &buffers, held).await;
     }
     // Dropping the receiver makes a walker still sending see the end.
@@ -2497,6 +2513,93 @@ mod tests {
     use futures::FutureExt;
 
     use super::*;
+
+    /// Targets whose restores start scatter workers that panic at once.
+    static PANICKING_SCATTER_WORKERS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+    /// Whether the scatter workers of a restore into `target` are to panic.
+    pub(super) fn scatter_workers_panic_into(target: &std::path::Path) -> bool {
+        PANICKING_SCATTER_WORKERS
+            .lock()
+            .expect("targets")
+            .iter()
+            .any(|panicking| panicking == target)
+    }
+
+    /// Entries (files and directories) under `dir`.
+    fn entries_under(dir: &std::path::Path) -> usize {
+        std::fs::read_dir(dir).map_or(0, |entries| {
+            entries
+                .map(|entry| entry.expect("entry").path())
+                .map(|path| {
+                    1 + if path.is_dir() {
+                        entries_under(&path)
+                    } else {
+                        0
+                    }
+                })
+                .sum()
+        })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_restore_whose_scatter_workers_all_panicked_stops_its_walk_and_raises_the_panic() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let source = dir.path().join("source");
+        // 500 directories of 60 one-byte files: 30,000 files, 35 batches
+        // of the smallest share's 855 files.
+        for directory in 0..500 {
+            let path = source.join(format!("d{directory:03}"));
+            std::fs::create_dir_all(&path).expect("mkdir");
+            for file in 0..60 {
+                std::fs::write(path.join(format!("f{file:02}")), [file as u8]).expect("write");
+            }
+        }
+        let store: crate::store::DynStore = Arc::new(crate::store::local::LocalStore::new(
+            dir.path().join("repo"),
+        ));
+        let repository = Repository::init(store, crate::engine::Encryption::None)
+            .await
+            .expect("init");
+        let snapshot = crate::engine::backup::backup(
+            &repository,
+            crate::engine::backup::BackupOptions::new(&source),
+            Arc::new(Progress::default()),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("backup")
+        .snapshot_id;
+        let target = dir.path().join("target");
+        PANICKING_SCATTER_WORKERS
+            .lock()
+            .expect("targets")
+            .push(target.clone());
+        let mut options = RestoreOptions::new(&target);
+        options.memory = EngineMemory::new(haulage_api::transfer::SMALLEST_VOLUME_SHARE_BYTES);
+        let restored = tokio::spawn(async move {
+            restore(
+                &repository,
+                &snapshot,
+                options,
+                Arc::new(Progress::default()),
+                CancellationToken::new(),
+            )
+            .await
+        })
+        .await;
+        let panic = restored.expect_err("the workers' panic goes on in the caller");
+        assert!(panic.is_panic(), "{panic}");
+        // The walk stopped after the few batches it had made ready (the
+        // workers create the files, so only directories are there): it did
+        // not go on creating the directories of a tree that nothing would
+        // fill (all 500 before).
+        let created = entries_under(&target);
+        assert!(
+            created < 500 / 2,
+            "{created} of 500 directories created after the workers were gone"
+        );
+    }
 
     fn buffer(pool: &Arc<ReadBuffers>, data: Vec<u8>) -> ReadBuffer {
         ReadBuffer {
