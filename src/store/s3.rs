@@ -297,9 +297,24 @@ pub struct S3Store {
     region: String,
     upload: UploadSettings,
     list_page_size: Option<i32>,
+    /// Whether uploads go out without their body's SHA-256 in the
+    /// signature ([`signs_upload_bodies`]).
+    unsigned_bodies: bool,
     /// Multipart creations and aborts running after their `put` was dropped;
     /// shared by clones.
     background: TaskTracker,
+}
+
+/// Whether uploads to `endpoint` (the one the SDK resolved; `None` for
+/// AWS's own, always HTTPS) sign their bodies' SHA-256. Over HTTPS they do
+/// not (`UNSIGNED-PAYLOAD`): TLS already guards the bytes on the way, and
+/// hashing every pack for the signature cost a tenth of a first backup's
+/// CPU (docs/benchmarks.md, "Uploads over HTTPS without a signed body").
+/// minio-go, the S3 client of restic and kopia, makes the same choice. Over
+/// plain HTTP the signed hash is the only check that the server stored
+/// what was sent, so it stays.
+pub fn signs_upload_bodies(endpoint: Option<&str>) -> bool {
+    endpoint.is_some_and(|endpoint| !endpoint.starts_with("https://"))
 }
 
 impl S3Store {
@@ -416,6 +431,10 @@ impl S3Store {
             loader = loader.endpoint_url(endpoint.clone());
         }
         let sdk_config = loader.load().await;
+        // The endpoint in force: the option or environment above, or a
+        // profile's `endpoint_url`.
+        let unsigned_bodies =
+            !signs_upload_bodies(sdk_config.endpoint_url().or(endpoint.as_deref()));
         let config = aws_sdk_s3::config::Builder::from(&sdk_config)
             .force_path_style(path_style)
             // Checksums only where S3 requires them: newer SDK defaults send
@@ -432,6 +451,7 @@ impl S3Store {
             region: region.to_string(),
             upload,
             list_page_size: None,
+            unsigned_bodies,
             background: TaskTracker::new(),
         })
     }
@@ -691,9 +711,12 @@ impl S3Store {
             .key(full_key)
             .content_length(data.len() as i64)
             .body(ByteStream::from(data))
-            .set_if_none_match(self.if_none_match(mode))
-            .send()
-            .await;
+            .set_if_none_match(self.if_none_match(mode));
+        let answer = if self.unsigned_bodies {
+            answer.customize().disable_payload_signing().send().await
+        } else {
+            answer.send().await
+        };
         self.put_outcome(key, answer)
     }
 
@@ -788,17 +811,21 @@ impl S3Store {
                 // took none of it); other failures fail the put, which
                 // the retry layer starts over.
                 let output = within_the_upload(|| async {
-                    self.client
+                    let request = self
+                        .client
                         .upload_part()
                         .bucket(&self.location.bucket)
                         .key(full_key)
                         .upload_id(upload_id)
                         .part_number(number)
                         .content_length(body.len() as i64)
-                        .body(ByteStream::from(body.clone()))
-                        .send()
-                        .await
-                        .map_err(|error| self.classify("put", key, error))
+                        .body(ByteStream::from(body.clone()));
+                    let answer = if self.unsigned_bodies {
+                        request.customize().disable_payload_signing().send().await
+                    } else {
+                        request.send().await
+                    };
+                    answer.map_err(|error| self.classify("put", key, error))
                 })
                 .await?;
                 let Some(e_tag) = output.e_tag() else {
@@ -1384,6 +1411,153 @@ mod tests {
         assert!(S3Location::parse("/repo").is_err());
         assert!(S3Location::parse("b/a/../c").is_err());
         assert!(S3Location::parse("b/a//c").is_err());
+    }
+
+    #[test]
+    fn upload_bodies_are_signed_over_plain_http_only() {
+        assert!(signs_upload_bodies(Some("http://127.0.0.1:9000")));
+        assert!(signs_upload_bodies(Some("http://rgw.ceph.svc:8080/")));
+        assert!(!signs_upload_bodies(Some("https://rgw.example.org:8443")));
+        assert!(!signs_upload_bodies(None), "AWS's own endpoints are HTTPS");
+    }
+
+    /// A plain HTTP server that answers every request of a put (a single
+    /// PUT, or a multipart upload's creation, parts and completion) with
+    /// success, and records each request's method, path and query, and
+    /// `x-amz-content-sha256`.
+    async fn recording_server() -> (
+        String,
+        std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    ) {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let address = listener.local_addr().expect("address");
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let recorded = seen.clone();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                let recorded = recorded.clone();
+                tokio::spawn(async move {
+                    let mut socket = BufReader::new(socket);
+                    loop {
+                        let mut request_line = String::new();
+                        if socket.read_line(&mut request_line).await.unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let (mut length, mut sha) = (0usize, String::new());
+                        loop {
+                            let mut line = String::new();
+                            socket.read_line(&mut line).await.expect("header");
+                            let line = line.trim_end();
+                            if line.is_empty() {
+                                break;
+                            }
+                            let (name, value) = line.split_once(':').expect("header line");
+                            match name.to_ascii_lowercase().as_str() {
+                                "content-length" => length = value.trim().parse().expect("length"),
+                                "x-amz-content-sha256" => sha = value.trim().to_string(),
+                                _ => {}
+                            }
+                        }
+                        let mut body = vec![0; length];
+                        socket.read_exact(&mut body).await.expect("body");
+                        let target = request_line
+                            .split_whitespace()
+                            .take(2)
+                            .collect::<Vec<_>>()
+                            .join(" ");
+                        let reply = if target.starts_with("POST") && target.ends_with("?uploads") {
+                            "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId></InitiateMultipartUploadResult>"
+                        } else if target.starts_with("POST") {
+                            "<CompleteMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><ETag>\"e\"</ETag></CompleteMultipartUploadResult>"
+                        } else {
+                            ""
+                        };
+                        recorded.lock().expect("requests").push((target, sha));
+                        let response = format!(
+                            "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: {}\r\n\r\n{reply}",
+                            reply.len()
+                        );
+                        socket
+                            .get_mut()
+                            .write_all(response.as_bytes())
+                            .await
+                            .expect("reply");
+                    }
+                });
+            }
+        });
+        (format!("http://{address}"), seen)
+    }
+
+    #[tokio::test]
+    async fn a_put_signs_its_body_or_sends_it_unsigned_as_the_store_was_opened() {
+        let (endpoint, seen) = recording_server().await;
+        let options = S3Options {
+            endpoint: Some(endpoint),
+            region: Some("us-east-1".to_string()),
+            credentials: Some(S3Credentials {
+                access_key_id: "AKID".to_string(),
+                secret_access_key: "secret".to_string(),
+                session_token: None,
+            }),
+            multipart_threshold_bytes: Some(MIN_PART_SIZE_BYTES),
+            part_size_bytes: Some(MIN_PART_SIZE_BYTES),
+            ..S3Options::default()
+        };
+        let mut store = S3Store::open("s3://bucket/prefix", &options)
+            .await
+            .expect("open");
+        assert!(!store.unsigned_bodies, "plain HTTP signs the bodies");
+        let small = Bytes::from_static(b"a small object");
+        let large = Bytes::from(vec![7u8; MIN_PART_SIZE_BYTES as usize + 1024]);
+        let sha256 = |data: &[u8]| {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(data))
+        };
+        for unsigned in [false, true] {
+            store.unsigned_bodies = unsigned;
+            seen.lock().expect("requests").clear();
+            store
+                .put("data/small", small.clone(), PutMode::Overwrite)
+                .await
+                .expect("single put");
+            store
+                .put("data/large", large.clone(), PutMode::Overwrite)
+                .await
+                .expect("multipart put");
+            let requests = seen.lock().expect("requests").clone();
+            let body_of = |target: &str| {
+                requests
+                    .iter()
+                    .filter(|(seen, _)| seen.starts_with(target))
+                    .map(|(_, sha)| sha.clone())
+                    .collect::<Vec<_>>()
+            };
+            let single = body_of("PUT /bucket/prefix/data/small");
+            let parts = body_of("PUT /bucket/prefix/data/large?");
+            assert_eq!((single.len(), parts.len()), (1, 2), "{requests:?}");
+            if unsigned {
+                assert_eq!(single[0], "UNSIGNED-PAYLOAD");
+                assert!(
+                    parts.iter().all(|sha| sha == "UNSIGNED-PAYLOAD"),
+                    "{parts:?}"
+                );
+            } else {
+                assert_eq!(single[0], sha256(&small));
+                // The parts go up at once, in either order.
+                let mut parts = parts;
+                let mut expected = vec![
+                    sha256(&large[..MIN_PART_SIZE_BYTES as usize]),
+                    sha256(&large[MIN_PART_SIZE_BYTES as usize..]),
+                ];
+                parts.sort();
+                expected.sort();
+                assert_eq!(parts, expected);
+            }
+        }
     }
 
     #[test]
