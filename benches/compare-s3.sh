@@ -20,10 +20,16 @@
 # RESTORE_ROUNDS=7 repeats the restores of haulage and restic, interleaved.
 # LATENCY_MS=10 puts benches/latency-proxy.py between the tools and MinIO,
 # 10 ms each way (20 ms a round trip), as a store in another zone would be.
+# TLS=1 serves HTTPS, with a CA and certificate made by openssl for the run
+# (benches/minio.sh), given to each tool; not with LATENCY_MS.
 # A WORKDIR that already holds data/ is measured as it is (e.g. the tree of
 # benches/deep-tree.py) and SIZE is not used.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ -n "${TLS:-}" ] && [ -n "${LATENCY_MS:-}" ]; then
+    echo "compare-s3.sh: TLS=1 and LATENCY_MS do not go together (the latency proxy speaks plain HTTP)" >&2
+    exit 2
+fi
 SIZE="${1:-1GiB}"
 WORK="${2:-/tmp/haulage-compare-s3}"
 RESTIC="${RESTIC:-$(command -v restic || true)}"
@@ -66,6 +72,9 @@ export RCLONE_CONFIG_MINIO_TYPE=s3 RCLONE_CONFIG_MINIO_PROVIDER=Minio \
     RCLONE_CONFIG_MINIO_ENDPOINT="$AWS_ENDPOINT_URL" RCLONE_CONFIG_MINIO_REGION=us-east-1 \
     RCLONE_CONFIG_MINIO_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" RCLONE_CONFIG_MINIO_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY"
 bucket_create bench
+# restic 0.14 reads no CA from the environment.
+restic_tls=()
+[ -z "${TLS:-}" ] || restic_tls=(--cacert "$MINIO_CA")
 
 TICKS=$(getconf CLK_TCK)
 server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
@@ -122,9 +131,9 @@ if ! wanted restic; then
     :
 elif [ -n "$RESTIC" ]; then
     R="s3:$AWS_ENDPOINT_URL/bench/restic"
-    "$RESTIC" init -q --repo "$R" >/dev/null
-    measure restic "first backup" "$RESTIC" backup -q --repo "$R" "$WORK/data"
-    measure restic restore "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
+    "$RESTIC" "${restic_tls[@]}" init -q --repo "$R" >/dev/null
+    measure restic "first backup" "$RESTIC" "${restic_tls[@]}" backup -q --repo "$R" "$WORK/data"
+    measure restic restore "$RESTIC" "${restic_tls[@]}" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
     checked restic
 else
     echo "| restic | not installed | | | | | | | | | |"
@@ -162,7 +171,8 @@ elif [ -n "$KOPIA" ]; then
     # Its cache removed with the run's state, not left in ~/.cache/kopia.
     export KOPIA_CONFIG_PATH="$WORK/state/kopia.config" KOPIA_CHECK_FOR_UPDATES=false \
         KOPIA_CACHE_DIRECTORY="$WORK/state/kopia-cache"
-    "$KOPIA" repository create s3 --bucket bench --prefix kopia/ --endpoint "127.0.0.1:$PORT" --disable-tls \
+    if [ -n "${TLS:-}" ]; then kopia_tls=(--root-ca-pem-path "$MINIO_CA"); else kopia_tls=(--disable-tls); fi
+    "$KOPIA" repository create s3 --bucket bench --prefix kopia/ --endpoint "127.0.0.1:$PORT" "${kopia_tls[@]}" \
         --access-key "$AWS_ACCESS_KEY_ID" --secret-access-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1
     measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
     measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE_ROOT/kopia"
@@ -187,7 +197,7 @@ for round in $(seq 2 "${RESTORE_ROUNDS:-1}"); do
         checked haulage
     fi
     if wanted restic && [ -n "$RESTIC" ]; then
-        measure restic "restore $round" "$RESTIC" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
+        measure restic "restore $round" "$RESTIC" "${restic_tls[@]}" restore -q latest --repo "$R" --target "$RESTORE_ROOT/restic"
         checked restic
     fi
 done

@@ -19,20 +19,47 @@ minio_binary() {
     echo "$minio"
 }
 
+# tls_certificates DIR: a CA and a certificate for 127.0.0.1 that it issued,
+# made with openssl: DIR/public.crt and DIR/private.key as MinIO reads them
+# (--certs-dir), DIR/ca.crt for the clients.
+tls_certificates() {
+    mkdir -p "$1"
+    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=haulage bench CA" \
+        -keyout "$1/ca.key" -out "$1/ca.crt" 2>/dev/null
+    openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" \
+        -keyout "$1/private.key" -out "$1/leaf.csr" 2>/dev/null
+    printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >"$1/leaf.ext"
+    openssl x509 -req -in "$1/leaf.csr" -CA "$1/ca.crt" -CAkey "$1/ca.key" -CAcreateserial \
+        -days 2 -extfile "$1/leaf.ext" -out "$1/public.crt" 2>/dev/null
+}
+
 # minio_start DATA_DIR LOG: start MinIO with the benches' credentials (exported
-# as AWS_*, plain HTTP: a CA bundle from the environment only trips rclone) and
-# wait until it is ready. Sets PORT, SERVER_URL and MINIO_PID; minio_stop ends it.
+# as AWS_*) and wait until it is ready. Sets PORT, SERVER_URL and MINIO_PID;
+# minio_stop ends it. Plain HTTP (a CA bundle from the environment only trips
+# rclone), or with TLS=1 HTTPS with a certificate made by tls_certificates in
+# DATA_DIR.certs, whose CA is exported as MINIO_CA and to the clients that
+# read it from the environment: AWS_CA_BUNDLE (haulage), CURL_CA_BUNDLE (curl);
+# restic takes it as --cacert "$MINIO_CA", kopia as --root-ca-pem-path.
 minio_start() {
-    local minio
+    local minio scheme=http
+    local -a certs=()
     minio=$(minio_binary)
     unset AWS_CA_BUNDLE
+    if [ -n "${TLS:-}" ]; then
+        rm -rf "$1.certs"
+        tls_certificates "$1.certs"
+        export MINIO_CA="$1.certs/ca.crt"
+        export AWS_CA_BUNDLE=$MINIO_CA CURL_CA_BUNDLE=$MINIO_CA
+        scheme=https
+        certs=(--certs-dir "$1.certs")
+    fi
     export AWS_ACCESS_KEY_ID=haulage-bench AWS_SECRET_ACCESS_KEY=haulage-bench-secret AWS_REGION=us-east-1
     PORT=$(free_port)
-    SERVER_URL="http://127.0.0.1:$PORT"
+    SERVER_URL="$scheme://127.0.0.1:$PORT"
     MINIO_ROOT_USER=$AWS_ACCESS_KEY_ID MINIO_ROOT_PASSWORD=$AWS_SECRET_ACCESS_KEY MINIO_BROWSER=off MINIO_UPDATE=off \
         MINIO_PROMETHEUS_AUTH_TYPE=public \
-        "$minio" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$(free_port)" "$1" \
-        >"$2" 2>&1 &
+        "$minio" server --quiet --address "127.0.0.1:$PORT" --console-address "127.0.0.1:$(free_port)" \
+        "${certs[@]}" "$1" >"$2" 2>&1 &
     MINIO_PID=$!
     # A cold start (binary and data not in the page cache) can take over 10 s.
     for _ in $(seq 600); do
