@@ -23,6 +23,7 @@ minio_binary() {
 # made with openssl: DIR/public.crt and DIR/private.key as MinIO reads them
 # (--certs-dir), DIR/ca.crt for the clients.
 tls_certificates() {
+    command -v openssl >/dev/null || { echo "$0: TLS=1 needs openssl (apt-get install openssl)" >&2; exit 1; }
     mkdir -p "$1"
     openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=haulage bench CA" \
         -keyout "$1/ca.key" -out "$1/ca.crt" 2>/dev/null
