@@ -297,24 +297,46 @@ pub struct S3Store {
     region: String,
     upload: UploadSettings,
     list_page_size: Option<i32>,
-    /// Whether uploads go out without their body's SHA-256 in the
-    /// signature ([`signs_upload_bodies`]).
-    unsigned_bodies: bool,
     /// Multipart creations and aborts running after their `put` was dropped;
     /// shared by clones.
     background: TaskTracker,
 }
 
-/// Whether uploads to `endpoint` (the one the SDK resolved; `None` for
-/// AWS's own, always HTTPS) sign their bodies' SHA-256. Over HTTPS they do
+/// Whether an upload to `uri` signs its body's SHA-256. Over HTTPS it does
 /// not (`UNSIGNED-PAYLOAD`): TLS already guards the bytes on the way, and
 /// hashing every pack for the signature cost a tenth of a first backup's
 /// CPU (docs/benchmarks.md, "Uploads over HTTPS without a signed body").
 /// minio-go, the S3 client of restic and kopia, makes the same choice. Over
 /// plain HTTP the signed hash is the only check that the server stored
 /// what was sent, so it stays.
-pub fn signs_upload_bodies(endpoint: Option<&str>) -> bool {
-    endpoint.is_some_and(|endpoint| !endpoint.starts_with("https://"))
+pub fn signs_upload_bodies(uri: &str) -> bool {
+    !uri.starts_with("https://")
+}
+
+/// Leaves an upload's body out of its signature when the request, as it
+/// is about to be signed, goes over HTTPS ([`signs_upload_bodies`]): decided
+/// from the request itself, so that whichever endpoint the SDK took (the
+/// option, the environment, a profile's general or S3 section) decides.
+#[derive(Debug)]
+struct UnsignedBodiesOverHttps;
+
+impl aws_sdk_s3::config::Intercept for UnsignedBodiesOverHttps {
+    fn name(&self) -> &'static str {
+        "UnsignedBodiesOverHttps"
+    }
+
+    fn modify_before_signing(
+        &self,
+        context: &mut aws_sdk_s3::config::interceptors::BeforeTransmitInterceptorContextMut<'_>,
+        _: &aws_sdk_s3::config::RuntimeComponents,
+        cfg: &mut aws_sdk_s3::config::ConfigBag,
+    ) -> Result<(), aws_sdk_s3::error::BoxError> {
+        if !signs_upload_bodies(context.request().uri()) {
+            cfg.interceptor_state()
+                .store_put(aws_runtime::auth::PayloadSigningOverride::unsigned_payload());
+        }
+        Ok(())
+    }
 }
 
 impl S3Store {
@@ -431,10 +453,6 @@ impl S3Store {
             loader = loader.endpoint_url(endpoint.clone());
         }
         let sdk_config = loader.load().await;
-        // The endpoint in force: the option or environment above, or a
-        // profile's `endpoint_url`.
-        let unsigned_bodies =
-            !signs_upload_bodies(sdk_config.endpoint_url().or(endpoint.as_deref()));
         let config = aws_sdk_s3::config::Builder::from(&sdk_config)
             .force_path_style(path_style)
             // Checksums only where S3 requires them: newer SDK defaults send
@@ -451,7 +469,6 @@ impl S3Store {
             region: region.to_string(),
             upload,
             list_page_size: None,
-            unsigned_bodies,
             background: TaskTracker::new(),
         })
     }
@@ -711,12 +728,11 @@ impl S3Store {
             .key(full_key)
             .content_length(data.len() as i64)
             .body(ByteStream::from(data))
-            .set_if_none_match(self.if_none_match(mode));
-        let answer = if self.unsigned_bodies {
-            answer.customize().disable_payload_signing().send().await
-        } else {
-            answer.send().await
-        };
+            .set_if_none_match(self.if_none_match(mode))
+            .customize()
+            .interceptor(UnsignedBodiesOverHttps)
+            .send()
+            .await;
         self.put_outcome(key, answer)
     }
 
@@ -811,21 +827,19 @@ impl S3Store {
                 // took none of it); other failures fail the put, which
                 // the retry layer starts over.
                 let output = within_the_upload(|| async {
-                    let request = self
-                        .client
+                    self.client
                         .upload_part()
                         .bucket(&self.location.bucket)
                         .key(full_key)
                         .upload_id(upload_id)
                         .part_number(number)
                         .content_length(body.len() as i64)
-                        .body(ByteStream::from(body.clone()));
-                    let answer = if self.unsigned_bodies {
-                        request.customize().disable_payload_signing().send().await
-                    } else {
-                        request.send().await
-                    };
-                    answer.map_err(|error| self.classify("put", key, error))
+                        .body(ByteStream::from(body.clone()))
+                        .customize()
+                        .interceptor(UnsignedBodiesOverHttps)
+                        .send()
+                        .await
+                        .map_err(|error| self.classify("put", key, error))
                 })
                 .await?;
                 let Some(e_tag) = output.e_tag() else {
@@ -1415,111 +1429,159 @@ mod tests {
 
     #[test]
     fn upload_bodies_are_signed_over_plain_http_only() {
-        assert!(signs_upload_bodies(Some("http://127.0.0.1:9000")));
-        assert!(signs_upload_bodies(Some("http://rgw.ceph.svc:8080/")));
-        assert!(!signs_upload_bodies(Some("https://rgw.example.org:8443")));
-        assert!(!signs_upload_bodies(None), "AWS's own endpoints are HTTPS");
+        assert!(signs_upload_bodies("http://127.0.0.1:9000/bucket/key"));
+        assert!(signs_upload_bodies("http://rgw.ceph.svc:8080/bucket/key"));
+        assert!(!signs_upload_bodies(
+            "https://rgw.example.org:8443/bucket/key"
+        ));
+        assert!(!signs_upload_bodies(
+            "https://bucket.s3.eu-west-1.amazonaws.com/key"
+        ));
     }
 
-    /// A plain HTTP server that answers every request of a put (a single
-    /// PUT, or a multipart upload's creation, parts and completion) with
-    /// success, and records each request's method, path and query, and
-    /// `x-amz-content-sha256`.
-    async fn recording_server() -> (
-        String,
-        std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+    /// Requests seen by [`recording_server`]: method with path and query,
+    /// and `x-amz-content-sha256`.
+    type Seen = std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>;
+
+    /// Answer the requests of one connection of [`recording_server`].
+    async fn answer_puts(
+        socket: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+        recorded: Seen,
     ) {
         use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+        let mut socket = BufReader::new(socket);
+        loop {
+            let mut request_line = String::new();
+            if socket.read_line(&mut request_line).await.unwrap_or(0) == 0 {
+                return;
+            }
+            let (mut length, mut sha) = (0usize, String::new());
+            loop {
+                let mut line = String::new();
+                socket.read_line(&mut line).await.expect("header");
+                let line = line.trim_end();
+                if line.is_empty() {
+                    break;
+                }
+                let (name, value) = line.split_once(':').expect("header line");
+                match name.to_ascii_lowercase().as_str() {
+                    "content-length" => length = value.trim().parse().expect("length"),
+                    "x-amz-content-sha256" => sha = value.trim().to_string(),
+                    _ => {}
+                }
+            }
+            let mut body = vec![0; length];
+            socket.read_exact(&mut body).await.expect("body");
+            let target = request_line
+                .split_whitespace()
+                .take(2)
+                .collect::<Vec<_>>()
+                .join(" ");
+            let reply = if target.starts_with("POST") && target.ends_with("?uploads") {
+                "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId></InitiateMultipartUploadResult>"
+            } else if target.starts_with("POST") {
+                "<CompleteMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><ETag>\"e\"</ETag></CompleteMultipartUploadResult>"
+            } else {
+                ""
+            };
+            recorded.lock().expect("requests").push((target, sha));
+            let response = format!(
+                "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: {}\r\n\r\n{reply}",
+                reply.len()
+            );
+            socket.write_all(response.as_bytes()).await.expect("reply");
+            socket.flush().await.expect("flush");
+        }
+    }
+
+    /// A server on 127.0.0.1 that answers every request of a put (a single
+    /// PUT, or a multipart upload's creation, parts and completion) with
+    /// success and records it; plain HTTP, or HTTPS with a certificate of a
+    /// throwaway CA when `tls` (the CA's PEM returned with the endpoint).
+    async fn recording_server(tls: bool) -> (String, Option<Vec<u8>>, Seen) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let address = listener.local_addr().expect("address");
-        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen: Seen = Default::default();
         let recorded = seen.clone();
+        let (acceptor, ca) = if tls {
+            use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+            let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA");
+            ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().expect("key"))
+                .expect("CA");
+            let key = KeyPair::generate().expect("key");
+            let certificate = CertificateParams::new(vec!["127.0.0.1".to_string()])
+                .expect("params")
+                .signed_by(&key, &ca)
+                .expect("certificate");
+            let provider =
+                std::sync::Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+            let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .expect("versions")
+                .with_no_client_auth()
+                .with_single_cert(
+                    vec![certificate.der().clone()],
+                    tokio_rustls::rustls::pki_types::PrivateKeyDer::Pkcs8(
+                        key.serialize_der().into(),
+                    ),
+                )
+                .expect("server config");
+            (
+                Some(tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config))),
+                Some(ca.pem().into_bytes()),
+            )
+        } else {
+            (None, None)
+        };
         tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
                 let recorded = recorded.clone();
+                let acceptor = acceptor.clone();
                 tokio::spawn(async move {
-                    let mut socket = BufReader::new(socket);
-                    loop {
-                        let mut request_line = String::new();
-                        if socket.read_line(&mut request_line).await.unwrap_or(0) == 0 {
-                            return;
-                        }
-                        let (mut length, mut sha) = (0usize, String::new());
-                        loop {
-                            let mut line = String::new();
-                            socket.read_line(&mut line).await.expect("header");
-                            let line = line.trim_end();
-                            if line.is_empty() {
-                                break;
-                            }
-                            let (name, value) = line.split_once(':').expect("header line");
-                            match name.to_ascii_lowercase().as_str() {
-                                "content-length" => length = value.trim().parse().expect("length"),
-                                "x-amz-content-sha256" => sha = value.trim().to_string(),
-                                _ => {}
+                    match acceptor {
+                        Some(acceptor) => {
+                            if let Ok(socket) = acceptor.accept(socket).await {
+                                answer_puts(socket, recorded).await;
                             }
                         }
-                        let mut body = vec![0; length];
-                        socket.read_exact(&mut body).await.expect("body");
-                        let target = request_line
-                            .split_whitespace()
-                            .take(2)
-                            .collect::<Vec<_>>()
-                            .join(" ");
-                        let reply = if target.starts_with("POST") && target.ends_with("?uploads") {
-                            "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId></InitiateMultipartUploadResult>"
-                        } else if target.starts_with("POST") {
-                            "<CompleteMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><ETag>\"e\"</ETag></CompleteMultipartUploadResult>"
-                        } else {
-                            ""
-                        };
-                        recorded.lock().expect("requests").push((target, sha));
-                        let response = format!(
-                            "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: {}\r\n\r\n{reply}",
-                            reply.len()
-                        );
-                        socket
-                            .get_mut()
-                            .write_all(response.as_bytes())
-                            .await
-                            .expect("reply");
+                        None => answer_puts(socket, recorded).await,
                     }
                 });
             }
         });
-        (format!("http://{address}"), seen)
+        let scheme = if tls { "https" } else { "http" };
+        (format!("{scheme}://{address}"), ca, seen)
     }
 
     #[tokio::test]
-    async fn a_put_signs_its_body_or_sends_it_unsigned_as_the_store_was_opened() {
-        let (endpoint, seen) = recording_server().await;
-        let options = S3Options {
-            endpoint: Some(endpoint),
-            region: Some("us-east-1".to_string()),
-            credentials: Some(S3Credentials {
-                access_key_id: "AKID".to_string(),
-                secret_access_key: "secret".to_string(),
-                session_token: None,
-            }),
-            multipart_threshold_bytes: Some(MIN_PART_SIZE_BYTES),
-            part_size_bytes: Some(MIN_PART_SIZE_BYTES),
-            ..S3Options::default()
-        };
-        let mut store = S3Store::open("s3://bucket/prefix", &options)
-            .await
-            .expect("open");
-        assert!(!store.unsigned_bodies, "plain HTTP signs the bodies");
-        let small = Bytes::from_static(b"a small object");
-        let large = Bytes::from(vec![7u8; MIN_PART_SIZE_BYTES as usize + 1024]);
+    async fn a_put_signs_its_body_over_plain_http_and_sends_it_unsigned_over_https() {
         let sha256 = |data: &[u8]| {
             use sha2::Digest;
             hex::encode(sha2::Sha256::digest(data))
         };
-        for unsigned in [false, true] {
-            store.unsigned_bodies = unsigned;
-            seen.lock().expect("requests").clear();
+        let small = Bytes::from_static(b"a small object");
+        let large = Bytes::from(vec![7u8; MIN_PART_SIZE_BYTES as usize + 1024]);
+        for tls in [false, true] {
+            let (endpoint, ca, seen) = recording_server(tls).await;
+            let options = S3Options {
+                endpoint: Some(endpoint),
+                region: Some("us-east-1".to_string()),
+                credentials: Some(S3Credentials {
+                    access_key_id: "AKID".to_string(),
+                    secret_access_key: "secret".to_string(),
+                    session_token: None,
+                }),
+                ca_bundle_pem: ca,
+                multipart_threshold_bytes: Some(MIN_PART_SIZE_BYTES),
+                part_size_bytes: Some(MIN_PART_SIZE_BYTES),
+                ..S3Options::default()
+            };
+            let store = S3Store::open("s3://bucket/prefix", &options)
+                .await
+                .expect("open");
             store
                 .put("data/small", small.clone(), PutMode::Overwrite)
                 .await
@@ -1537,9 +1599,9 @@ mod tests {
                     .collect::<Vec<_>>()
             };
             let single = body_of("PUT /bucket/prefix/data/small");
-            let parts = body_of("PUT /bucket/prefix/data/large?");
+            let mut parts = body_of("PUT /bucket/prefix/data/large?");
             assert_eq!((single.len(), parts.len()), (1, 2), "{requests:?}");
-            if unsigned {
+            if tls {
                 assert_eq!(single[0], "UNSIGNED-PAYLOAD");
                 assert!(
                     parts.iter().all(|sha| sha == "UNSIGNED-PAYLOAD"),
@@ -1548,7 +1610,6 @@ mod tests {
             } else {
                 assert_eq!(single[0], sha256(&small));
                 // The parts go up at once, in either order.
-                let mut parts = parts;
                 let mut expected = vec![
                     sha256(&large[..MIN_PART_SIZE_BYTES as usize]),
                     sha256(&large[MIN_PART_SIZE_BYTES as usize..]),
