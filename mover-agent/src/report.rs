@@ -154,19 +154,21 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
         // A want of this agent's descriptors is not the location's silence:
         // said as what it is, under a reason of its own, so nobody goes
         // looking at the server.
-        let (what, why) = if current.cause == FailureCause::OutOfDescriptors {
+        let (what, resumes, why) = if current.cause == FailureCause::OutOfDescriptors {
             (
                 "this agent has had no file descriptor free to reach the storage location",
+                "once a descriptor is free (the agent's other work closes files)",
                 reason::AGENT_OUT_OF_FILE_DESCRIPTORS,
             )
         } else {
             (
                 "the storage location has not answered",
+                "when the location answers",
                 reason::STORAGE_LOCATION_UNAVAILABLE,
             )
         };
         let message = format!(
-            "{what} for {}s: {}; the volume is paused, what it stored is kept, and it resumes by itself when the location answers; {limit}",
+            "{what} for {}s: {}; the volume is paused, what it stored is kept, and it resumes by itself {resumes}; {limit}",
             current.lasted.as_secs(),
             current.error
         );
@@ -674,6 +676,12 @@ mod tests {
         );
         assert_eq!(paused.status, ConditionStatus::False);
         assert_eq!(paused.reason, reason::AGENT_OUT_OF_FILE_DESCRIPTORS);
+        assert!(
+            paused.message.contains("once a descriptor is free")
+                && !paused.message.contains("when the location answers"),
+            "{}",
+            paused.message
+        );
         if let Some(current) = seen.current.as_mut() {
             current.cause = FailureCause::Unreachable;
         }

@@ -90,6 +90,21 @@ struct Current {
     location: String,
 }
 
+/// What an outage of cause `so_far` is about once an error of cause
+/// `latest` comes: a want of this process's descriptors only while every
+/// error of it has been one, so that a wait said to be for a descriptor
+/// ("for Ns") was that all along; once the location itself failed, the
+/// outage is the location's to its end, counted from its start (which may
+/// include a wait for descriptors first: said as the location's, the
+/// cautious reading).
+fn outage_cause(so_far: FailureCause, latest: FailureCause) -> FailureCause {
+    match (so_far, latest) {
+        (FailureCause::OutOfDescriptors, latest) => latest,
+        (so_far, FailureCause::OutOfDescriptors) => so_far,
+        (_, latest) => latest,
+    }
+}
+
 impl Current {
     /// What the operations wait for, said after "while" or before "for
     /// Ns": the location to answer, or (for a want of this process's
@@ -112,7 +127,9 @@ pub struct OutageReport {
     pub lasted: Duration,
     /// The latest error, as a message.
     pub error: String,
-    /// What the latest error was about.
+    /// What the outage is about: the latest error's cause, except that a
+    /// want of descriptors after the location itself failed leaves it the
+    /// location's ([`outage_cause`]).
     pub cause: FailureCause,
 }
 
@@ -265,7 +282,7 @@ impl Outage {
         self.inner.current.send_modify(|current| match current {
             Some(current) => {
                 current.error = message.clone();
-                current.cause = cause;
+                current.cause = outage_cause(current.cause, cause);
             }
             None => {
                 began = true;
@@ -280,10 +297,17 @@ impl Outage {
         });
         if began {
             self.totals().outages += 1;
-            tracing::warn!(
-                error = %message,
-                "the storage location does not answer: waiting for it, probing; work resumes by itself when it answers"
-            );
+            if cause == FailureCause::OutOfDescriptors {
+                tracing::warn!(
+                    error = %message,
+                    "this process has no file descriptor free to reach the storage location: waiting, probing; work resumes by itself once one is free"
+                );
+            } else {
+                tracing::warn!(
+                    error = %message,
+                    "the storage location does not answer: waiting for it, probing; work resumes by itself when it answers"
+                );
+            }
         }
     }
 

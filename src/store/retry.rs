@@ -706,6 +706,35 @@ mod tests {
         );
     }
 
+    #[test]
+    fn an_outage_is_a_want_of_descriptors_only_while_every_error_of_it_was_one() {
+        let error = |cause| StoreError::Transient {
+            location: "test://".to_string(),
+            operation: "put",
+            key: "data/x".to_string(),
+            message: "failed".to_string(),
+            cause,
+        };
+        let cause =
+            |outage: &crate::store::outage::Outage| outage.current().map(|current| current.cause);
+        // The location refused, then this process ran out of descriptors:
+        // still the location's outage, not "no descriptor free for 61s".
+        let outage = crate::store::outage::Outage::default();
+        outage.note(&error(FailureCause::Unreachable));
+        outage.note(&error(FailureCause::OutOfDescriptors));
+        assert_eq!(cause(&outage), Some(FailureCause::Unreachable));
+        // Descriptors first, then the location: the location's from then on.
+        let outage = crate::store::outage::Outage::default();
+        outage.note(&error(FailureCause::OutOfDescriptors));
+        assert_eq!(cause(&outage), Some(FailureCause::OutOfDescriptors));
+        outage.note(&error(FailureCause::OutOfDescriptors));
+        assert_eq!(cause(&outage), Some(FailureCause::OutOfDescriptors));
+        outage.note(&error(FailureCause::ServerError));
+        assert_eq!(cause(&outage), Some(FailureCause::ServerError));
+        outage.note(&error(FailureCause::OutOfDescriptors));
+        assert_eq!(cause(&outage), Some(FailureCause::ServerError));
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_outage_longer_than_its_limit_fails_the_waiting_operations_saying_so() {
         let inner = Arc::new(SwitchedStore::default());
