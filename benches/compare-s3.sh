@@ -21,12 +21,13 @@
 # LATENCY_MS=10 puts benches/latency-proxy.py between the tools and MinIO,
 # 10 ms each way (20 ms a round trip), as a store in another zone would be.
 # TLS=1 serves HTTPS, with a CA and certificate made by openssl for the run
-# (benches/minio.sh), given to each tool; not with LATENCY_MS.
+# (benches/minio.sh), given to haulage, restic and kopia; rustic and rclone are
+# left out then (reported as such); not with LATENCY_MS.
 # A WORKDIR that already holds data/ is measured as it is (e.g. the tree of
 # benches/deep-tree.py) and SIZE is not used.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -n "${TLS:-}" ] && [ -n "${LATENCY_MS:-}" ]; then
+if [ "${TLS:-}" = 1 ] && [ -n "${LATENCY_MS:-}" ]; then
     echo "compare-s3.sh: TLS=1 and LATENCY_MS do not go together (the latency proxy speaks plain HTTP)" >&2
     exit 2
 fi
@@ -74,7 +75,7 @@ export RCLONE_CONFIG_MINIO_TYPE=s3 RCLONE_CONFIG_MINIO_PROVIDER=Minio \
 bucket_create bench
 # restic 0.14 reads no CA from the environment.
 restic_tls=()
-[ -z "${TLS:-}" ] || restic_tls=(--cacert "$MINIO_CA")
+[ "${TLS:-}" != 1 ] || restic_tls=(--cacert "$MINIO_CA")
 
 TICKS=$(getconf CLK_TCK)
 server_cpu() { awk -v t="$TICKS" '{ printf "%.2f", ($14 + $15) / t }' "/proc/$MINIO_PID/stat"; }
@@ -115,7 +116,7 @@ measure() {
     rm -f "$log"
 }
 
-echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)${LATENCY_MS:+, ${LATENCY_MS} ms each way through benches/latency-proxy.py}"
+echo "dataset: $FILES files, $((DATA_BYTES / 1048576)) MiB; $(nproc) cores; MinIO on 127.0.0.1 (same machine)$([ "${TLS:-}" != 1 ] || echo ", over HTTPS")${LATENCY_MS:+, ${LATENCY_MS} ms each way through benches/latency-proxy.py}"
 echo
 echo "| tool | step | wall s | MiB/s | client CPU s | server CPU s | server CPU s/GiB | GETs | GETs/GiB | server sent MiB | client peak RSS MiB |"
 echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
@@ -140,6 +141,8 @@ else
 fi
 if ! wanted rustic; then
     :
+elif [ "${TLS:-}" = 1 ]; then
+    echo "| rustic | not run with TLS=1 (no CA option wired here) | | | | | | | | | |"
 elif [ -n "$RUSTIC" ]; then
     # rustic takes S3 options from a profile; -P ./NAME reads ./NAME.toml.
     cat >"$WORK/state/rustic-bench.toml" <<TOML
@@ -171,7 +174,7 @@ elif [ -n "$KOPIA" ]; then
     # Its cache removed with the run's state, not left in ~/.cache/kopia.
     export KOPIA_CONFIG_PATH="$WORK/state/kopia.config" KOPIA_CHECK_FOR_UPDATES=false \
         KOPIA_CACHE_DIRECTORY="$WORK/state/kopia-cache"
-    if [ -n "${TLS:-}" ]; then kopia_tls=(--root-ca-pem-path "$MINIO_CA"); else kopia_tls=(--disable-tls); fi
+    if [ "${TLS:-}" = 1 ]; then kopia_tls=(--root-ca-pem-path "$MINIO_CA"); else kopia_tls=(--disable-tls); fi
     "$KOPIA" repository create s3 --bucket bench --prefix kopia/ --endpoint "127.0.0.1:$PORT" "${kopia_tls[@]}" \
         --access-key "$AWS_ACCESS_KEY_ID" --secret-access-key "$AWS_SECRET_ACCESS_KEY" >/dev/null 2>&1
     measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
@@ -182,6 +185,8 @@ else
 fi
 if ! wanted rclone; then
     :
+elif [ "${TLS:-}" = 1 ]; then
+    echo "| rclone (raw copy) | not run with TLS=1 (no CA option wired here) | | | | | | | | | |"
 elif [ -n "$RCLONE" ]; then
     measure "rclone (raw copy)" upload "$RCLONE" copy --links "$WORK/data" minio:bench/rclone
     measure "rclone (raw copy)" download "$RCLONE" copy --links minio:bench/rclone "$RESTORE_ROOT/rclone"

@@ -25,13 +25,17 @@ minio_binary() {
 tls_certificates() {
     command -v openssl >/dev/null || { echo "$0: TLS=1 needs openssl (apt-get install openssl)" >&2; exit 1; }
     mkdir -p "$1"
-    openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=haulage bench CA" \
-        -keyout "$1/ca.key" -out "$1/ca.crt" 2>/dev/null
-    openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" \
-        -keyout "$1/private.key" -out "$1/leaf.csr" 2>/dev/null
-    printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >"$1/leaf.ext"
-    openssl x509 -req -in "$1/leaf.csr" -CA "$1/ca.crt" -CAkey "$1/ca.key" -CAcreateserial \
-        -days 2 -extfile "$1/leaf.ext" -out "$1/public.crt" 2>/dev/null
+    # Each step's messages go to DIR/openssl.log, shown if one fails.
+    {
+        openssl req -x509 -newkey rsa:2048 -nodes -days 2 -subj "/CN=haulage bench CA" \
+            -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign" \
+            -keyout "$1/ca.key" -out "$1/ca.crt" &&
+        openssl req -newkey rsa:2048 -nodes -subj "/CN=127.0.0.1" \
+            -keyout "$1/private.key" -out "$1/leaf.csr" &&
+        printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' >"$1/leaf.ext" &&
+        openssl x509 -req -in "$1/leaf.csr" -CA "$1/ca.crt" -CAkey "$1/ca.key" -CAcreateserial \
+            -days 2 -extfile "$1/leaf.ext" -out "$1/public.crt"
+    } >"$1/openssl.log" 2>&1 || { echo "$0: cannot make the TLS certificates:" >&2; cat "$1/openssl.log" >&2; exit 1; }
 }
 
 # minio_start DATA_DIR LOG: start MinIO with the benches' credentials (exported
@@ -46,7 +50,7 @@ minio_start() {
     local -a certs=()
     minio=$(minio_binary)
     unset AWS_CA_BUNDLE
-    if [ -n "${TLS:-}" ]; then
+    if [ "${TLS:-}" = 1 ]; then
         rm -rf "$1.certs"
         tls_certificates "$1.certs"
         export MINIO_CA="$1.certs/ca.crt"
