@@ -157,7 +157,7 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
         let (what, resumes, why) = if current.cause == FailureCause::OutOfDescriptors {
             (
                 "this agent has had no file descriptor free to reach the storage location",
-                "once a descriptor is free (the agent's other work closes files)",
+                "once a descriptor is free",
                 reason::AGENT_OUT_OF_FILE_DESCRIPTORS,
             )
         } else {
@@ -189,8 +189,13 @@ pub fn storage_condition(seen: &StorageSeen, generation: Option<i64>) -> Option<
         )
     });
     if let Some(ended) = &seen.last_ended {
+        let what = if ended.cause == FailureCause::OutOfDescriptors {
+            "this agent has a file descriptor free again to reach the storage location, after waiting"
+        } else {
+            "the storage location answers again after an outage of"
+        };
         let mut message = format!(
-            "the storage location answers again after an outage of {}s; the volume resumed where it was",
+            "{what} {}s; the volume resumed where it was",
             ended.lasted.as_secs()
         );
         if let Some(retried_text) = retried_text {
@@ -689,10 +694,29 @@ mod tests {
         seen.last_ended = Some(EndedOutage {
             since,
             lasted: Duration::from_secs(90),
+            cause: FailureCause::OutOfDescriptors,
+        });
+        let back = storage_condition(&seen, Some(1)).expect("after the wait");
+        assert!(
+            back.message
+                .starts_with("this agent has a file descriptor free again"),
+            "{}",
+            back.message
+        );
+        seen.last_ended = Some(EndedOutage {
+            since,
+            lasted: Duration::from_secs(90),
+            cause: FailureCause::Unreachable,
         });
         let back = storage_condition(&seen, Some(1)).expect("after the outage");
         assert_eq!(back.status, ConditionStatus::True);
         assert_eq!(back.reason, reason::STORAGE_LOCATION_AVAILABLE);
+        assert!(
+            back.message
+                .starts_with("the storage location answers again"),
+            "{}",
+            back.message
+        );
         assert_eq!(back.last_transition_time, at(90), "since it ended");
         assert!(back.message.contains("90s"), "{}", back.message);
     }
@@ -723,6 +747,7 @@ mod tests {
         seen.last_ended = Some(EndedOutage {
             since: UNIX_EPOCH + Duration::from_secs(1_800_000_000),
             lasted: Duration::from_secs(60),
+            cause: FailureCause::Unreachable,
         });
         let back = storage_condition(&seen, Some(1)).expect("after the outage");
         assert_eq!(back.reason, reason::STORAGE_LOCATION_AVAILABLE);

@@ -140,6 +140,8 @@ pub struct EndedOutage {
     pub since: SystemTime,
     /// How long it lasted.
     pub lasted: Duration,
+    /// What it was about at its end ([`OutageReport::cause`]).
+    pub cause: FailureCause,
 }
 
 /// Failed attempts that were retried within the budget, by what they
@@ -281,8 +283,20 @@ impl Outage {
         let mut began = false;
         self.inner.current.send_modify(|current| match current {
             Some(current) => {
-                current.error = message.clone();
-                current.cause = outage_cause(current.cause, cause);
+                let kept = outage_cause(current.cause, cause);
+                // The latest error said is one of the outage's own kind:
+                // a want of descriptors amid a location's outage does not
+                // put its remedy under the location's reason.
+                if kept == cause {
+                    current.error = message.clone();
+                }
+                if kept != current.cause && current.cause == FailureCause::OutOfDescriptors {
+                    tracing::warn!(
+                        error = %message,
+                        "the storage location itself fails now, after a wait for a file descriptor: waiting for it, probing; work resumes by itself when it answers"
+                    );
+                }
+                current.cause = kept;
             }
             None => {
                 began = true;
@@ -319,14 +333,22 @@ impl Outage {
                 ended = Some(EndedOutage {
                     since: current.since,
                     lasted: current.started.elapsed(),
+                    cause: current.cause,
                 });
             }
         });
         if let Some(ended) = ended {
-            tracing::info!(
-                seconds = ended.lasted.as_secs_f64(),
-                "the storage location answers again: work resumes"
-            );
+            if ended.cause == FailureCause::OutOfDescriptors {
+                tracing::info!(
+                    seconds = ended.lasted.as_secs_f64(),
+                    "a file descriptor is free again and the storage location answers: work resumes"
+                );
+            } else {
+                tracing::info!(
+                    seconds = ended.lasted.as_secs_f64(),
+                    "the storage location answers again: work resumes"
+                );
+            }
             let mut totals = self.totals();
             totals.ended += ended.lasted;
             totals.last_ended = Some(ended);

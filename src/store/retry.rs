@@ -712,7 +712,11 @@ mod tests {
             location: "test://".to_string(),
             operation: "put",
             key: "data/x".to_string(),
-            message: "failed".to_string(),
+            message: if cause == FailureCause::OutOfDescriptors {
+                "Too many open files (os error 24)".to_string()
+            } else {
+                "connection refused".to_string()
+            },
             cause,
         };
         let cause =
@@ -723,6 +727,14 @@ mod tests {
         outage.note(&error(FailureCause::Unreachable));
         outage.note(&error(FailureCause::OutOfDescriptors));
         assert_eq!(cause(&outage), Some(FailureCause::Unreachable));
+        // Nor does the descriptors' error (and its remedy) stand for it.
+        assert!(
+            outage
+                .current()
+                .is_some_and(|current| current.error.contains("refused")),
+            "{:?}",
+            outage.current()
+        );
         // Descriptors first, then the location: the location's from then on.
         let outage = crate::store::outage::Outage::default();
         outage.note(&error(FailureCause::OutOfDescriptors));

@@ -331,7 +331,13 @@ impl aws_sdk_s3::config::Intercept for UnsignedBodiesOverHttps {
         _: &aws_sdk_s3::config::RuntimeComponents,
         cfg: &mut aws_sdk_s3::config::ConfigBag,
     ) -> Result<(), aws_sdk_s3::error::BoxError> {
-        if !signs_upload_bodies(context.request().uri()) {
+        // An override already there (a streamed body's checksum trailer)
+        // is the SDK's own: left as it is.
+        if !signs_upload_bodies(context.request().uri())
+            && cfg
+                .load::<aws_runtime::auth::PayloadSigningOverride>()
+                .is_none()
+        {
             cfg.interceptor_state()
                 .store_put(aws_runtime::auth::PayloadSigningOverride::unsigned_payload());
         }
