@@ -98,22 +98,38 @@ struct Current {
 /// include a wait for descriptors first: said as the location's, the
 /// cautious reading).
 fn outage_cause(so_far: FailureCause, latest: FailureCause) -> FailureCause {
-    match (so_far, latest) {
-        (FailureCause::OutOfDescriptors, latest) => latest,
-        (so_far, FailureCause::OutOfDescriptors) => so_far,
-        (_, latest) => latest,
+    if latest == FailureCause::OutOfDescriptors && so_far != FailureCause::OutOfDescriptors {
+        so_far
+    } else {
+        latest
     }
 }
 
-impl Current {
-    /// What the operations wait for, said after "while" or before "for
-    /// Ns": the location to answer, or (for a want of this process's
-    /// descriptors, which is not the location's doing) a descriptor.
-    fn waiting_for(&self) -> &'static str {
-        if self.cause == FailureCause::OutOfDescriptors {
-            "this process has had no file descriptor free to reach it"
-        } else {
-            "it has not answered"
+/// How a wait is said, by what it waits for: the location to answer, or
+/// (for a want of this process's descriptors, which is not the location's
+/// doing) a descriptor.
+struct WaitWords {
+    /// Logged when the wait begins.
+    begins: &'static str,
+    /// Logged when it ends.
+    ends: &'static str,
+    /// In an error, after "while" or before "for Ns".
+    lasting: &'static str,
+}
+
+/// [`WaitWords`] of an outage of `cause`.
+fn wait_words(cause: FailureCause) -> WaitWords {
+    if cause == FailureCause::OutOfDescriptors {
+        WaitWords {
+            begins: "this process has no file descriptor free to reach the storage location: waiting, probing; work resumes by itself once one is free",
+            ends: "a file descriptor is free again and the storage location answers: work resumes",
+            lasting: "this process has had no file descriptor free to reach it",
+        }
+    } else {
+        WaitWords {
+            begins: "the storage location does not answer: waiting for it, probing; work resumes by itself when it answers",
+            ends: "the storage location answers again: work resumes",
+            lasting: "it has not answered",
         }
     }
 }
@@ -293,7 +309,8 @@ impl Outage {
                 if kept != current.cause && current.cause == FailureCause::OutOfDescriptors {
                     tracing::warn!(
                         error = %message,
-                        "the storage location itself fails now, after a wait for a file descriptor: waiting for it, probing; work resumes by itself when it answers"
+                        "after a wait for a file descriptor, {}",
+                        wait_words(kept).begins
                     );
                 }
                 current.cause = kept;
@@ -311,17 +328,7 @@ impl Outage {
         });
         if began {
             self.totals().outages += 1;
-            if cause == FailureCause::OutOfDescriptors {
-                tracing::warn!(
-                    error = %message,
-                    "this process has no file descriptor free to reach the storage location: waiting, probing; work resumes by itself once one is free"
-                );
-            } else {
-                tracing::warn!(
-                    error = %message,
-                    "the storage location does not answer: waiting for it, probing; work resumes by itself when it answers"
-                );
-            }
+            tracing::warn!(error = %message, "{}", wait_words(cause).begins);
         }
     }
 
@@ -338,17 +345,11 @@ impl Outage {
             }
         });
         if let Some(ended) = ended {
-            if ended.cause == FailureCause::OutOfDescriptors {
-                tracing::info!(
-                    seconds = ended.lasted.as_secs_f64(),
-                    "a file descriptor is free again and the storage location answers: work resumes"
-                );
-            } else {
-                tracing::info!(
-                    seconds = ended.lasted.as_secs_f64(),
-                    "the storage location answers again: work resumes"
-                );
-            }
+            tracing::info!(
+                seconds = ended.lasted.as_secs_f64(),
+                "{}",
+                wait_words(ended.cause).ends
+            );
             let mut totals = self.totals();
             totals.ended += ended.lasted;
             totals.last_ended = Some(ended);
@@ -428,7 +429,7 @@ impl Outage {
             key: "the storage location".to_string(),
             message: format!(
                 "{} for {}s, longer than failAfterUnavailableSeconds ({}); latest error: {}",
-                current.waiting_for(),
+                wait_words(current.cause).lasting,
                 current.started.elapsed().as_secs(),
                 limit.as_secs(),
                 current.error
@@ -447,7 +448,7 @@ fn stopped(current: &Current) -> StoreError {
         key: "the storage location".to_string(),
         message: format!(
             "stopping while {} for {}s (latest error: {}); what is stored stays and the work resumes when it runs again",
-            current.waiting_for(),
+            wait_words(current.cause).lasting,
             current.started.elapsed().as_secs(),
             current.error
         ),
