@@ -25,7 +25,7 @@ use haulage::store::{
 };
 
 use crate::store_conformance::{check_store, pattern};
-use crate::support::minio::{MinioServer, SECRET_KEY};
+use crate::support::minio::{MinioServer, SECRET_KEY, TestCertificates};
 use crate::support::proxy::FaultProxy;
 
 const BUCKET: &str = "haulage-test";
@@ -761,5 +761,180 @@ async fn neighbouring_blob_ranges_are_read_in_one_request() {
             &data.slice(range.start as usize..range.end as usize),
             "{range:?}"
         );
+    }
+}
+
+/// Requests seen by [`recording_server`]: method with path and query,
+/// and `x-amz-content-sha256`.
+type Seen = Arc<std::sync::Mutex<Vec<(String, String)>>>;
+
+/// Answer the requests of one connection of [`recording_server`].
+async fn answer_puts(
+    socket: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    recorded: Seen,
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let mut socket = BufReader::new(socket);
+    loop {
+        let mut request_line = String::new();
+        if socket.read_line(&mut request_line).await.unwrap_or(0) == 0 {
+            return;
+        }
+        let (mut length, mut sha) = (0usize, String::new());
+        loop {
+            let mut line = String::new();
+            socket.read_line(&mut line).await.expect("header");
+            let line = line.trim_end();
+            if line.is_empty() {
+                break;
+            }
+            let (name, value) = line.split_once(':').expect("header line");
+            match name.to_ascii_lowercase().as_str() {
+                "content-length" => length = value.trim().parse().expect("length"),
+                "x-amz-content-sha256" => sha = value.trim().to_string(),
+                _ => {}
+            }
+        }
+        let mut body = vec![0; length];
+        socket.read_exact(&mut body).await.expect("body");
+        let target = request_line
+            .split_whitespace()
+            .take(2)
+            .collect::<Vec<_>>()
+            .join(" ");
+        let reply = if target.starts_with("POST") && target.ends_with("?uploads") {
+            "<InitiateMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId></InitiateMultipartUploadResult>"
+        } else if target.starts_with("POST") {
+            "<CompleteMultipartUploadResult><Bucket>b</Bucket><Key>k</Key><ETag>\"e\"</ETag></CompleteMultipartUploadResult>"
+        } else {
+            ""
+        };
+        recorded.lock().expect("requests").push((target, sha));
+        let response = format!(
+            "HTTP/1.1 200 OK\r\nETag: \"e\"\r\nContent-Length: {}\r\n\r\n{reply}",
+            reply.len()
+        );
+        socket.write_all(response.as_bytes()).await.expect("reply");
+        socket.flush().await.expect("flush");
+    }
+}
+
+/// A server on 127.0.0.1 that answers every request of a put (a single
+/// PUT, or a multipart upload's creation, parts and completion) with
+/// success and records it; plain HTTP, or HTTPS with a certificate of a
+/// throwaway CA when `tls` (the CA's PEM returned with the endpoint).
+async fn recording_server(tls: bool) -> (String, Option<Vec<u8>>, Seen) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let address = listener.local_addr().expect("address");
+    let seen: Seen = Default::default();
+    let recorded = seen.clone();
+    let (acceptor, ca) = if tls {
+        let certificates = TestCertificates::new().expect("certificates");
+        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(
+                vec![certificates.server.der().clone()],
+                tokio_rustls::rustls::pki_types::PrivateKeyDer::Pkcs8(
+                    certificates.server_key.serialize_der().into(),
+                ),
+            )
+            .expect("server config");
+        (
+            Some(tokio_rustls::TlsAcceptor::from(Arc::new(config))),
+            Some(certificates.ca_pem.into_bytes()),
+        )
+    } else {
+        (None, None)
+    };
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let recorded = recorded.clone();
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                match acceptor {
+                    Some(acceptor) => {
+                        if let Ok(socket) = acceptor.accept(socket).await {
+                            answer_puts(socket, recorded).await;
+                        }
+                    }
+                    None => answer_puts(socket, recorded).await,
+                }
+            });
+        }
+    });
+    let scheme = if tls { "https" } else { "http" };
+    (format!("{scheme}://{address}"), ca, seen)
+}
+
+#[tokio::test]
+async fn a_put_signs_its_body_over_plain_http_and_sends_it_unsigned_over_https() {
+    let sha256 = |data: &[u8]| {
+        use sha2::Digest;
+        hex::encode(sha2::Sha256::digest(data))
+    };
+    let small = Bytes::from_static(b"a small object");
+    let large = Bytes::from(vec![
+        7u8;
+        haulage::store::s3::MIN_PART_SIZE_BYTES as usize + 1024
+    ]);
+    for tls in [false, true] {
+        let (endpoint, ca, seen) = recording_server(tls).await;
+        let options = S3Options {
+            endpoint: Some(endpoint),
+            region: Some("us-east-1".to_string()),
+            credentials: Some(S3Credentials {
+                access_key_id: "AKID".to_string(),
+                secret_access_key: "secret".to_string(),
+                session_token: None,
+            }),
+            ca_bundle_pem: ca,
+            multipart_threshold_bytes: Some(haulage::store::s3::MIN_PART_SIZE_BYTES),
+            part_size_bytes: Some(haulage::store::s3::MIN_PART_SIZE_BYTES),
+            ..S3Options::default()
+        };
+        let store = S3Store::open("s3://bucket/prefix", &options)
+            .await
+            .expect("open");
+        store
+            .put("data/small", small.clone(), PutMode::Overwrite)
+            .await
+            .expect("single put");
+        store
+            .put("data/large", large.clone(), PutMode::Overwrite)
+            .await
+            .expect("multipart put");
+        let requests = seen.lock().expect("requests").clone();
+        let body_of = |target: &str| {
+            requests
+                .iter()
+                .filter(|(seen, _)| seen.starts_with(target))
+                .map(|(_, sha)| sha.clone())
+                .collect::<Vec<_>>()
+        };
+        let single = body_of("PUT /bucket/prefix/data/small");
+        let mut parts = body_of("PUT /bucket/prefix/data/large?");
+        assert_eq!((single.len(), parts.len()), (1, 2), "{requests:?}");
+        if tls {
+            assert_eq!(single[0], "UNSIGNED-PAYLOAD");
+            assert!(
+                parts.iter().all(|sha| sha == "UNSIGNED-PAYLOAD"),
+                "{parts:?}"
+            );
+        } else {
+            assert_eq!(single[0], sha256(&small));
+            // The parts go up at once, in either order.
+            let mut expected = vec![
+                sha256(&large[..haulage::store::s3::MIN_PART_SIZE_BYTES as usize]),
+                sha256(&large[haulage::store::s3::MIN_PART_SIZE_BYTES as usize..]),
+            ];
+            parts.sort();
+            expected.sort();
+            assert_eq!(parts, expected);
+        }
     }
 }

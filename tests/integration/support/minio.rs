@@ -145,22 +145,49 @@ pub struct MinioServer {
 
 /// Write a throwaway CA and a 127.0.0.1/localhost server certificate it
 /// issued into `certs_dir` (as MinIO expects them); returns the CA's PEM path.
+/// A throwaway CA and a server certificate it issued for 127.0.0.1 and
+/// localhost, with the server's key.
+pub struct TestCertificates {
+    /// The CA's certificate (PEM), for the client's CA bundle.
+    pub ca_pem: String,
+    /// The server's certificate.
+    pub server: rcgen::Certificate,
+    /// The server's key.
+    pub server_key: rcgen::KeyPair,
+}
+
+impl TestCertificates {
+    pub fn new() -> anyhow::Result<Self> {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "haulage test CA");
+        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+        let server_key = KeyPair::generate()?;
+        let server_params =
+            CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
+        let server = server_params.signed_by(&server_key, &ca)?;
+        Ok(TestCertificates {
+            ca_pem: ca.pem(),
+            server,
+            server_key,
+        })
+    }
+}
+
+/// Write [`TestCertificates`] where MinIO reads them (`public.crt`,
+/// `private.key` in `certs_dir`); returns the CA's PEM file.
 fn write_test_certificates(certs_dir: &Path) -> anyhow::Result<PathBuf> {
-    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "haulage test CA");
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
-    let server_key = KeyPair::generate()?;
-    let server_params =
-        CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;
-    let server_cert = server_params.signed_by(&server_key, &ca)?;
-    std::fs::write(certs_dir.join("public.crt"), server_cert.pem())?;
-    std::fs::write(certs_dir.join("private.key"), server_key.serialize_pem())?;
+    let certificates = TestCertificates::new()?;
+    std::fs::write(certs_dir.join("public.crt"), certificates.server.pem())?;
+    std::fs::write(
+        certs_dir.join("private.key"),
+        certificates.server_key.serialize_pem(),
+    )?;
     let ca_path = certs_dir.join("test-ca.pem");
-    std::fs::write(&ca_path, ca.pem())?;
+    std::fs::write(&ca_path, certificates.ca_pem)?;
     Ok(ca_path)
 }
 
