@@ -30,6 +30,10 @@ fi
 
 rm -rf "$WORK/repos" "$RESTORE"
 mkdir -p "$WORK/repos" "$RESTORE"
+# Each tool's restore is removed once measured: left in place, the restores of
+# the tools before held the next one's memory (4 x 2 GiB in a RESTORE_ROOT on
+# /dev/shm is RAM) and pushed the source out of the page cache before the next
+# tool's backup (docs/benchmarks.md, "Side by side again, 2026-12-07, evening").
 if [ ! -d "$WORK/data" ]; then
     "$HAULAGE" sample-data "$WORK/data" --size "$SIZE" >&2
 fi
@@ -37,6 +41,15 @@ DATA_BYTES=$(du -sb "$WORK/data" | cut -f1)
 FILES=$(find "$WORK/data" -type f | wc -l)
 # Hot cache: read everything once.
 find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null
+
+# checked NAME: the restore into $RESTORE/NAME has every file (content is the
+# tools' business; the engine tests check haulage's); then remove it.
+checked() {
+    local found
+    found=$(find "$RESTORE/$1" -type f 2>/dev/null | wc -l)
+    [ "$found" -ge "$FILES" ] || echo "warning: $1 restored $found of $FILES files" >&2
+    rm -rf "${RESTORE:?}/$1"
+}
 
 # measure LABEL CMD... : run, print "| tool | step | s | MiB/s | peak RSS MiB |"
 measure() {
@@ -69,6 +82,7 @@ haulage_rows() {
     measure "$1" "first backup" "$2" backup "$WORK/data" --no-progress --repo "$WORK/repos/$3"
     measure "$1" "second backup" "$2" backup "$WORK/data" --no-progress --repo "$WORK/repos/$3"
     measure "$1" restore "$2" restore latest "$RESTORE/$3" --no-progress --repo "$WORK/repos/$3"
+    checked "$3"
 }
 if [ -n "${HAULAGE_BEFORE:-}" ]; then
     haulage_rows "haulage (before)" "$HAULAGE_BEFORE" haulage-before
@@ -80,6 +94,7 @@ if command -v restic >/dev/null; then
     measure restic "first backup" restic backup -q --repo "$WORK/repos/restic" "$WORK/data"
     measure restic "second backup" restic backup -q --repo "$WORK/repos/restic" "$WORK/data"
     measure restic restore restic restore -q latest --repo "$WORK/repos/restic" --target "$RESTORE/restic"
+    checked "restic"
 else
     echo "| restic | not installed | | | | |"
 fi
@@ -88,6 +103,7 @@ if command -v rustic >/dev/null; then
     measure rustic "first backup" rustic backup --repository "$WORK/repos/rustic" "$WORK/data"
     measure rustic "second backup" rustic backup --repository "$WORK/repos/rustic" "$WORK/data"
     measure rustic restore rustic restore --repository "$WORK/repos/rustic" latest "$RESTORE/rustic"
+    checked "rustic"
 else
     echo "| rustic | not installed | | | | |"
 fi
@@ -102,6 +118,7 @@ if [ -n "$KOPIA" ]; then
     measure kopia "first backup" "$KOPIA" snapshot create "$WORK/data"
     measure kopia "second backup" "$KOPIA" snapshot create "$WORK/data"
     measure kopia restore "$KOPIA" snapshot restore "$WORK/data" "$RESTORE/kopia"
+    checked "kopia"
 else
     echo "| kopia | not installed (bash benches/build-kopia.sh builds it) | | | | |"
 fi
