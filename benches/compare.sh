@@ -30,10 +30,6 @@ fi
 
 rm -rf "$WORK/repos" "$RESTORE"
 mkdir -p "$WORK/repos" "$RESTORE"
-# Each tool's restore is removed once measured: left in place, the restores of
-# the tools before held the next one's memory (4 x 2 GiB in a RESTORE_ROOT on
-# /dev/shm is RAM) and pushed the source out of the page cache before the next
-# tool's backup (docs/benchmarks.md, "Side by side again, 2026-12-07, evening").
 if [ ! -d "$WORK/data" ]; then
     "$HAULAGE" sample-data "$WORK/data" --size "$SIZE" >&2
 fi
@@ -43,12 +39,18 @@ FILES=$(find "$WORK/data" -type f | wc -l)
 find "$WORK/data" -type f -print0 | xargs -0 cat >/dev/null
 
 # checked NAME: the restore into $RESTORE/NAME has every file (content is the
-# tools' business; the engine tests check haulage's); then remove it.
+# tools' business; the engine tests check haulage's). On tmpfs the restore is
+# then removed: left there, each tool ran beside the restores of the tools
+# before it, 2 GiB of RAM each (docs/benchmarks.md, "Side by side again,
+# 2026-12-07, evening"). On a disk it stays until the next run, so that no
+# tool restores into space just freed (the ext4 scan above).
+restore_in_ram=false
+[ "$(stat -f -c %T "$RESTORE")" = tmpfs ] && restore_in_ram=true
 checked() {
     local found
-    found=$(find "$RESTORE/$1" -type f 2>/dev/null | wc -l)
+    found=$(find "$RESTORE/$1" -type f 2>/dev/null | wc -l) || true
     [ "$found" -ge "$FILES" ] || echo "warning: $1 restored $found of $FILES files" >&2
-    rm -rf "${RESTORE:?}/$1"
+    if $restore_in_ram; then rm -rf "${RESTORE:?}/$1"; fi
 }
 
 # measure LABEL CMD... : run, print "| tool | step | s | MiB/s | peak RSS MiB |"
