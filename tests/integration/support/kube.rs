@@ -166,17 +166,9 @@ struct Pki {
 }
 
 fn write_pki(dir: &Path) -> anyhow::Result<Pki> {
-    use rcgen::{
-        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
-        IsCa, KeyPair, SanType,
-    };
+    use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, KeyPair, SanType};
     std::fs::create_dir_all(dir)?;
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "haulage test cluster CA");
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+    let ca = super::test_ca("haulage test cluster CA")?;
     let server_key = KeyPair::generate()?;
     let mut server_params = CertificateParams::new(vec![
         "localhost".to_string(),

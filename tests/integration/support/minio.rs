@@ -143,8 +143,6 @@ pub struct MinioServer {
     tls: Option<(TempDir, PathBuf)>,
 }
 
-/// Write a throwaway CA and a 127.0.0.1/localhost server certificate it
-/// issued into `certs_dir` (as MinIO expects them); returns the CA's PEM path.
 /// A throwaway CA and a server certificate it issued for 127.0.0.1 and
 /// localhost, with the server's key.
 pub struct TestCertificates {
@@ -158,13 +156,8 @@ pub struct TestCertificates {
 
 impl TestCertificates {
     pub fn new() -> anyhow::Result<Self> {
-        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
-        let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(DnType::CommonName, "haulage test CA");
-        let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate()?)?;
+        use rcgen::{CertificateParams, KeyPair};
+        let ca = super::test_ca("haulage test CA")?;
         let server_key = KeyPair::generate()?;
         let server_params =
             CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])?;

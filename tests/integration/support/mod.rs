@@ -26,6 +26,21 @@ pub mod provisioner;
 pub mod proxy;
 pub mod scrape;
 
+/// A throwaway certificate authority named `common_name`, self-signed, to
+/// issue the certificates of the test servers (MinIO over TLS, the
+/// kube-apiserver).
+pub fn test_ca(
+    common_name: &str,
+) -> anyhow::Result<rcgen::CertifiedIssuer<'static, rcgen::KeyPair>> {
+    use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair};
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, common_name);
+    Ok(CertifiedIssuer::self_signed(params, KeyPair::generate()?)?)
+}
+
 /// The whole number in the environment variable `name` (a repeated test's
 /// count, e.g. `HAULAGE_KILL_ROUNDS=30`), or `default` when it is not
 /// set; a value that is not a number fails the test naming it, rather
