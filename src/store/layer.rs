@@ -124,6 +124,10 @@ impl<L: Layer> ObjectStore for Layered<L> {
         self.inner.location()
     }
 
+    fn is_remote(&self) -> bool {
+        self.inner.is_remote()
+    }
+
     async fn sweep_incomplete_uploads(
         &self,
         older_than: Duration,

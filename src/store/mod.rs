@@ -313,6 +313,14 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
     /// Where this store points, for messages (`file:///var/backups/repo`).
     /// Never contains credentials.
     fn location(&self) -> String;
+    /// Whether a `put` is answered by a server across a network (S3)
+    /// rather than by the local file system: a backup with the memory for
+    /// it then keeps a second pack upload in flight
+    /// (`engine::memory::BackupBuffers::data_pack_uploads`). Wrappers
+    /// forward it; the default is local.
+    fn is_remote(&self) -> bool {
+        false
+    }
     /// Remove what interrupted writers left behind (S3 multipart uploads,
     /// local temporary files) that is older than `older_than`.
     ///

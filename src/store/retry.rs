@@ -273,6 +273,10 @@ impl ObjectStore for RetryStore {
         self.inner.location()
     }
 
+    fn is_remote(&self) -> bool {
+        self.inner.is_remote()
+    }
+
     async fn sweep_incomplete_uploads(
         &self,
         older_than: Duration,

@@ -1319,6 +1319,10 @@ impl ObjectStore for S3Store {
         }
     }
 
+    fn is_remote(&self) -> bool {
+        true
+    }
+
     fn location(&self) -> String {
         if self.location.prefix.is_empty() {
             format!("s3://{}", self.location.bucket)

@@ -148,6 +148,21 @@ async fn s3_store_at_the_bucket_root_passes_the_conformance_suite() {
 }
 
 #[tokio::test]
+async fn s3_store_behind_every_wrapper_passes_the_conformance_suite() {
+    let server = server_with_bucket().await;
+    let options = haulage::store::StoreOptions {
+        max_concurrent_requests: Some(3),
+        upload_bytes_per_second: std::num::NonZeroU64::new(512 * 1024 * 1024),
+        retry: Some(haulage::store::retry::RetryPolicy::default()),
+        ..server.store_options()
+    };
+    let store = open_store(&format!("s3://{BUCKET}/wrapped"), &options)
+        .await
+        .expect("open");
+    check_store(store).await;
+}
+
+#[tokio::test]
 async fn s3_store_sending_every_object_as_multipart_passes_the_conformance_suite() {
     let server = server_with_bucket().await;
     let mut options = server.s3_options();

@@ -313,6 +313,13 @@ async fn location_names_the_store(store: &DynStore) {
         location.starts_with("file://") || location.starts_with("s3://"),
         "{location}"
     );
+    // Through every wrapper: a backup keeps a second pack upload in
+    // flight only to a remote store.
+    assert_eq!(
+        store.is_remote(),
+        location.starts_with("s3://"),
+        "{location}"
+    );
 }
 
 #[tokio::test]
