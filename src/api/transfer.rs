@@ -43,7 +43,7 @@ pub const INDEX_MEMORY_BYTES_PER_BLOB: u64 = 53;
 /// (a backup's 16 MiB packs and chunks in flight, a restore's whole-pack
 /// reads, its verification's trees). More buys an engine nothing
 /// measurable; an agent with the default 128Mi to itself gives its one
-/// engine what the baseline leaves, 88 MiB.
+/// engine what the baseline leaves, 92 MiB.
 pub const DEFAULT_VOLUME_SHARE_BYTES: u64 = 94 * MIB;
 /// The least memory one volume's engine is given: a backup's read
 /// buffer, a compression output, a largest chunk in flight and two data

@@ -11,7 +11,7 @@
 //!   │                           order; a small file (up to half a maximal
 //!   │                           chunk) is one job: read, cut, hash, compress
 //! assembler (async task)        file extents, tree blobs, packer
-//!   │ JoinSet behind MAX_PACK_UPLOADS_IN_FLIGHT
+//!   │ JoinSet of one or two uploads (BackupBuffers::data_pack_uploads)
 //! store                         packs, then index files, then the snapshot
 //! ```
 //!
@@ -100,8 +100,6 @@ const OUT_OF_OPEN_FILES_LONGEST_PAUSE: Duration = Duration::from_millis(100);
 
 /// Chunks smaller than this are hashed and compressed on the walker thread.
 const INLINE_CHUNK_BYTES: usize = 64 * 1024;
-/// Packs being uploaded at once; each holds its full pack in memory.
-const MAX_PACK_UPLOADS_IN_FLIGHT: usize = 1;
 /// Write an index checkpoint after this many packs (or sooner, when they
 /// hold [`MAX_BLOBS_PER_INDEX_FILE`] blobs), so an interrupted backup's
 /// packs are found by their index and not by reading trailers.
@@ -527,6 +525,7 @@ pub async fn backup(
     let buffers = options.memory.backup(
         chunk_buffer_bytes,
         repository.config().pack_target_bytes as usize,
+        repository.store().is_remote(),
     );
     let shared = Arc::new(Shared {
         repository: repository.clone(),
@@ -2761,7 +2760,7 @@ impl Packer {
         // now, and only to it: held idle while another fills, it would be
         // one buffer more in memory.
         let mut spare = None;
-        while self.uploads.len() >= MAX_PACK_UPLOADS_IN_FLIGHT {
+        while self.uploads.len() >= self.sizes.data_pack_uploads {
             spare = self.collect_one().await?;
         }
         let fresh = self.new_writer(kind, spare);

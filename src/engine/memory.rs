@@ -36,6 +36,10 @@ const MIB: u64 = 1024 * 1024;
 /// flight (16 with the 1 MiB average), enough to keep two cores busy, and
 /// bounds the pipeline's chunk memory.
 const CHUNK_BYTES_IN_FLIGHT: u64 = 16 * MIB;
+/// The same with the default share into a remote store, where 4 MiB of
+/// chunks and four of the buffers kept make room for a second pack upload
+/// in flight ([`BackupBuffers::data_pack_uploads`]).
+const REMOTE_CHUNK_BYTES_IN_FLIGHT: u64 = 12 * MIB;
 /// Idle chunk buffers a backup keeps for reuse with the default share:
 /// enough for the chunks and compressed outputs in flight with average
 /// chunks.
@@ -79,8 +83,19 @@ pub(crate) struct BackupBuffers {
     /// repository's target), or before a blob that would take it past its
     /// buffer.
     pub data_pack_target_bytes: usize,
-    /// The capacity of a data pack's buffer (one filled, one uploaded).
+    /// The capacity of a data pack's buffer (one filled, and one for
+    /// each upload in flight).
     pub data_pack_buffer_bytes: usize,
+    /// Data packs uploaded at once: two into a remote store with the whole
+    /// default share (one engine alone: the CLI, or an agent whose stage
+    /// pod has memory to spare), when it holds a third pack buffer; else
+    /// one. Each S3
+    /// PUT is answered only once the server has stored the object; with
+    /// one in flight the pipeline waited for every pack's answer (a first
+    /// backup to MinIO on this machine took 5.48 s with one, 4.74 s with
+    /// two, docs/benchmarks.md). A local directory's write is not worth
+    /// the memory: the same trade made a backup to disk 3 % slower.
+    pub data_pack_uploads: usize,
     /// A tree pack closes once it holds this much.
     pub tree_pack_target_bytes: usize,
 }
@@ -133,24 +148,62 @@ impl EngineMemory {
 
     /// A backup's buffers in a repository whose largest stored chunk
     /// takes `max_chunk_buffer` bytes and whose packs aim at
-    /// `pack_target` bytes. Every share holds the walker's read buffer
-    /// and one compression output (a largest chunk each). The default
-    /// share gives 16 MiB of chunks in flight, six buffers kept, and packs
-    /// of the repository's target closed after the blob that reaches it
-    /// (their buffer has room for a largest chunk past it), as a backup
-    /// always had: 92 MiB with two data packs and a tree pack. A smaller
-    /// share scales the chunks in flight and the packs down, to one
-    /// largest chunk in flight, data packs of a largest chunk whose buffer
-    /// has no room past the target (a pack closes before a blob that
-    /// would not fit) and tree packs of 1 MiB, and keeps as many buffers
-    /// as the rest holds (none in the smallest).
-    pub(crate) fn backup(&self, max_chunk_buffer: usize, pack_target: usize) -> BackupBuffers {
+    /// `pack_target` bytes, into a remote store (S3) or a local one. Every
+    /// share holds the walker's read buffer and one compression output (a
+    /// largest chunk each). The default share gives 16 MiB of chunks in
+    /// flight, six buffers kept, and packs of the repository's target
+    /// closed after the blob that reaches it (their buffer has room for a
+    /// largest chunk past it), one uploaded while the next fills: 92 MiB
+    /// with two data packs and a tree pack. Into a remote store it gives 12
+    /// MiB of chunks in flight and two buffers kept instead, so that a
+    /// third data pack fits and two uploads are in flight: 92 MiB again. A
+    /// smaller share (an agent of the default 128Mi gives its one volume 92
+    /// MiB) uploads one pack at a time, scales the chunks in
+    /// flight and the packs down, to one largest chunk in flight, data
+    /// packs of a largest chunk whose buffer has no room past the target
+    /// (a pack closes before a blob that would not fit) and tree packs of
+    /// 1 MiB, and keeps as many buffers as the rest holds (none in the
+    /// smallest).
+    pub(crate) fn backup(
+        &self,
+        max_chunk_buffer: usize,
+        pack_target: usize,
+        remote_store: bool,
+    ) -> BackupBuffers {
         let max_chunk = max_chunk_buffer as u64;
         let working = 2 * max_chunk;
+        let default_pack_buffer = pack_target + max_chunk_buffer + PACK_TRAILER_ROOM;
+        let tree_pack_target_bytes = self
+            .part(TREE_PACK_TARGET_BYTES)
+            .clamp(SMALLEST_TREE_PACK_TARGET_BYTES, TREE_PACK_TARGET_BYTES)
+            as usize;
+        let tree_pack = (tree_pack_target_bytes + PACK_TRAILER_ROOM) as u64;
+        // Into a remote store, with the whole default share, a second
+        // upload when three full data packs fit beside fewer chunks in
+        // flight. Not with less: an agent of the default 128Mi gives its
+        // one volume 92 MiB, and a stage pod's agent backing up a claim of
+        // random data alone peaked at 127.6 MiB of its 128Mi request
+        // (docs/benchmarks.md, "The agent's memory in its cgroup").
+        if remote_store && self.bytes >= DEFAULT_VOLUME_SHARE_BYTES {
+            let chunk_bytes_in_flight = self
+                .part(REMOTE_CHUNK_BYTES_IN_FLIGHT)
+                .clamp(max_chunk, REMOTE_CHUNK_BYTES_IN_FLIGHT);
+            let held = working + chunk_bytes_in_flight + 3 * default_pack_buffer as u64 + tree_pack;
+            if let Some(rest) = self.bytes.checked_sub(held) {
+                return BackupBuffers {
+                    chunk_bytes_in_flight: u32::try_from(chunk_bytes_in_flight).unwrap_or(u32::MAX),
+                    chunk_buffers_kept: (rest / max_chunk.max(1)).min(CHUNK_BUFFERS_KEPT as u64)
+                        as usize,
+                    data_pack_target_bytes: pack_target,
+                    data_pack_buffer_bytes: default_pack_buffer,
+                    data_pack_uploads: 2,
+                    tree_pack_target_bytes,
+                };
+            }
+        }
         let chunk_bytes_in_flight = self
             .part(CHUNK_BYTES_IN_FLIGHT)
             .clamp(max_chunk, CHUNK_BYTES_IN_FLIGHT);
-        let default_pack_buffer = pack_target + max_chunk_buffer + PACK_TRAILER_ROOM;
         // Two data packs (one filled, one uploaded).
         let pack_room = (self.part(2 * default_pack_buffer as u64) / 2) as usize;
         let (data_pack_target_bytes, data_pack_buffer_bytes) = if pack_room >= default_pack_buffer {
@@ -159,15 +212,8 @@ impl EngineMemory {
             let buffer = pack_room.max(max_chunk_buffer + PACK_TRAILER_ROOM);
             ((buffer - PACK_TRAILER_ROOM).min(pack_target), buffer)
         };
-        let tree_pack_target_bytes = self
-            .part(TREE_PACK_TARGET_BYTES)
-            .clamp(SMALLEST_TREE_PACK_TARGET_BYTES, TREE_PACK_TARGET_BYTES)
-            as usize;
         let rest = self.bytes.saturating_sub(
-            working
-                + chunk_bytes_in_flight
-                + 2 * data_pack_buffer_bytes as u64
-                + (tree_pack_target_bytes + PACK_TRAILER_ROOM) as u64,
+            working + chunk_bytes_in_flight + 2 * data_pack_buffer_bytes as u64 + tree_pack,
         );
         let chunk_buffers_kept = (rest / max_chunk.max(1)).min(CHUNK_BUFFERS_KEPT as u64) as usize;
         BackupBuffers {
@@ -175,6 +221,7 @@ impl EngineMemory {
             chunk_buffers_kept,
             data_pack_target_bytes,
             data_pack_buffer_bytes,
+            data_pack_uploads: 1,
             tree_pack_target_bytes,
         }
     }
@@ -255,9 +302,10 @@ mod tests {
 
     #[test]
     fn the_default_share_gives_the_buffers_one_engine_always_had() {
-        let backup = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET);
+        let backup = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET, false);
         assert_eq!(backup.chunk_bytes_in_flight, 16 << 20);
         assert_eq!(backup.chunk_buffers_kept, 6, "{backup:?}");
+        assert_eq!(backup.data_pack_uploads, 1);
         assert_eq!(backup.data_pack_target_bytes, PACK_TARGET);
         assert_eq!(
             backup.data_pack_buffer_bytes,
@@ -275,14 +323,45 @@ mod tests {
         assert_eq!(EngineMemory::default().verify_parallel_checks(), 4);
     }
 
+    #[test]
+    fn the_default_share_uploads_two_packs_at_once_into_a_remote_store() {
+        let local = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET, false);
+        let remote = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET, true);
+        assert_eq!(remote.data_pack_uploads, 2, "{remote:?}");
+        assert_eq!(remote.chunk_bytes_in_flight, 12 << 20);
+        assert_eq!(remote.chunk_buffers_kept, 2, "{remote:?}");
+        // The same packs, and what the third costs taken from the chunks.
+        assert_eq!(remote.data_pack_target_bytes, local.data_pack_target_bytes);
+        assert_eq!(remote.data_pack_buffer_bytes, local.data_pack_buffer_bytes);
+        assert_eq!(remote.tree_pack_target_bytes, local.tree_pack_target_bytes);
+        assert!(
+            backup_total(&remote, MAX_CHUNK_BUFFER) <= DEFAULT_VOLUME_SHARE_BYTES,
+            "{remote:?}"
+        );
+        // Less than the whole default share: one upload at a time, as
+        // into a local store. That is the share of one volume in an agent
+        // of the default 128Mi (whose peak has no room for a third pack),
+        // and of several.
+        let one_volume_of_an_agent =
+            haulage_api::transfer::AgentMemory::of_budget(128 * MIB).volume_share_bytes(1);
+        for share in [one_volume_of_an_agent, DEFAULT_VOLUME_SHARE_BYTES / 2] {
+            let smaller = EngineMemory::new(share);
+            assert_eq!(
+                smaller.backup(MAX_CHUNK_BUFFER, PACK_TARGET, true),
+                smaller.backup(MAX_CHUNK_BUFFER, PACK_TARGET, false)
+            );
+        }
+    }
+
     /// What the buffers of one engine add up to: the walker's buffer and a
-    /// compression output, both data packs, the tree pack, the chunks in
+    /// compression output, the data packs (one filled, one for each upload
+    /// in flight), the tree pack, the chunks in
     /// flight and kept; the reads, the workers'
     /// buffers, the batches, the trees kept, those loaded ahead and the
     /// tree packs held.
     fn backup_total(buffers: &BackupBuffers, max_chunk_buffer: usize) -> u64 {
         2 * max_chunk_buffer as u64
-            + 2 * buffers.data_pack_buffer_bytes as u64
+            + (1 + buffers.data_pack_uploads as u64) * buffers.data_pack_buffer_bytes as u64
             + (buffers.tree_pack_target_bytes + PACK_TRAILER_ROOM) as u64
             + u64::from(buffers.chunk_bytes_in_flight)
             + (buffers.chunk_buffers_kept * max_chunk_buffer) as u64
@@ -302,15 +381,18 @@ mod tests {
         let mut share = SMALLEST_VOLUME_SHARE_BYTES;
         while share <= 2 * DEFAULT_VOLUME_SHARE_BYTES {
             let memory = EngineMemory::new(share);
-            let backup = memory.backup(MAX_CHUNK_BUFFER, PACK_TARGET);
-            assert!(
-                backup_total(&backup, MAX_CHUNK_BUFFER) <= share,
-                "a backup in {share} bytes holds {} ({backup:?})",
-                backup_total(&backup, MAX_CHUNK_BUFFER)
-            );
-            assert!(u64::from(backup.chunk_bytes_in_flight) >= MAX_CHUNK_BUFFER as u64);
-            assert!(backup.data_pack_buffer_bytes >= MAX_CHUNK_BUFFER + PACK_TRAILER_ROOM);
-            assert!(backup.data_pack_target_bytes <= PACK_TARGET);
+            for remote_store in [false, true] {
+                let backup = memory.backup(MAX_CHUNK_BUFFER, PACK_TARGET, remote_store);
+                assert!(
+                    backup_total(&backup, MAX_CHUNK_BUFFER) <= share,
+                    "a backup in {share} bytes holds {} ({backup:?})",
+                    backup_total(&backup, MAX_CHUNK_BUFFER)
+                );
+                assert!(u64::from(backup.chunk_bytes_in_flight) >= MAX_CHUNK_BUFFER as u64);
+                assert!(backup.data_pack_buffer_bytes >= MAX_CHUNK_BUFFER + PACK_TRAILER_ROOM);
+                assert!(backup.data_pack_target_bytes <= PACK_TARGET);
+                assert!((1..=2).contains(&backup.data_pack_uploads));
+            }
             let restore = memory.restore(MAX_CHUNK, MAX_CHUNK_BUFFER as u64);
             assert!(
                 restore_total(&restore, &memory) <= share,

@@ -1008,3 +1008,130 @@ async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once(
         layer.most_in_flight.load(SeqCst)
     );
 }
+
+/// A store that holds each pack upload a while, as a server some way off
+/// answers a PUT only once it has stored the object, and counts how many
+/// were in flight at once; remote (as S3) or local (as a directory) as
+/// told.
+#[derive(Debug)]
+struct SlowPackUploads {
+    inner: DynStore,
+    remote: bool,
+    delay: std::time::Duration,
+    in_flight: std::sync::atomic::AtomicUsize,
+    most_in_flight: std::sync::atomic::AtomicUsize,
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for SlowPackUploads {
+    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if haulage::repo::id_from_key(key, haulage::repo::DATA_PREFIX).is_none() {
+            return self.inner.put(key, data, mode).await;
+        }
+        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+        self.most_in_flight.fetch_max(now, SeqCst);
+        tokio::time::sleep(self.delay).await;
+        let stored = self.inner.put(key, data, mode).await;
+        self.in_flight.fetch_sub(1, SeqCst);
+        stored
+    }
+
+    async fn get(
+        &self,
+        key: &str,
+        range: Option<std::ops::Range<u64>>,
+    ) -> Result<Bytes, StoreError> {
+        self.inner.get(key, range).await
+    }
+
+    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
+        self.inner.head(key).await
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.inner.list(prefix).await
+    }
+
+    async fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.inner.delete(key).await
+    }
+
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+
+    fn is_remote(&self) -> bool {
+        self.remote
+    }
+}
+
+/// Into a remote store, a backup with the default memory share keeps two
+/// pack uploads in flight, so the pipeline does not wait for the server's
+/// answer to each pack; into a local one, and with a share of several
+/// volumes, one at a time. Each upload is held 200 ms, and the packs of
+/// 1 MiB fill in a few milliseconds each, so the next upload is always
+/// waiting for its place. What is stored is the same either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_into_a_remote_store_keeps_two_pack_uploads_in_flight() {
+    use haulage::engine::backup::{BackupOptions, backup};
+    use haulage::engine::memory::EngineMemory;
+    use std::sync::atomic::Ordering::SeqCst;
+    let source = tempfile::tempdir().expect("source");
+    std::fs::write(source.path().join("random.bin"), random_bytes(77, 8 << 20)).expect("write");
+    let share_of_four = EngineMemory::new(haulage::api::transfer::DEFAULT_VOLUME_SHARE_BYTES / 4);
+    let mut most_in_flight = Vec::new();
+    for (remote, memory) in [
+        (true, EngineMemory::default()),
+        (false, EngineMemory::default()),
+        (true, share_of_four),
+    ] {
+        let dir = tempfile::tempdir().expect("repository");
+        let local: DynStore = Arc::new(LocalStore::new(dir.path()));
+        // Packs of 1 MiB (the least a repository takes), so that 8 MiB
+        // make several.
+        let mut config = haulage::repo::config::RepoConfig::generate(&mut rand::rng());
+        config.pack_target_bytes = 1 << 20;
+        local
+            .put(
+                haulage::repo::CONFIG_KEY,
+                config.to_json().into(),
+                PutMode::Create,
+            )
+            .await
+            .expect("config");
+        let store = Arc::new(SlowPackUploads {
+            inner: local,
+            remote,
+            delay: std::time::Duration::from_millis(200),
+            in_flight: Default::default(),
+            most_in_flight: Default::default(),
+        });
+        let repository =
+            Repository::open(store.clone(), &haulage::engine::KeySource::PlaintextOnly)
+                .await
+                .expect("open");
+        let mut options = BackupOptions::new(source.path());
+        options.memory = memory;
+        let outcome = backup(&repository, options, Default::default(), Default::default())
+            .await
+            .expect("backup");
+        let target = tempfile::tempdir().expect("target");
+        restore(
+            &repository,
+            &outcome.snapshot_id,
+            RestoreOptions::new(target.path().join("restored")),
+            Default::default(),
+            Default::default(),
+        )
+        .await
+        .expect("restore");
+        assert_same_tree(source.path(), &target.path().join("restored"));
+        most_in_flight.push(store.most_in_flight.load(SeqCst));
+    }
+    assert_eq!(
+        most_in_flight,
+        [2, 1, 1],
+        "pack uploads in flight at most: remote with the default share, local, remote with a quarter of it"
+    );
+}
