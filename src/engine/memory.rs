@@ -7,7 +7,9 @@
 //!
 //! The default share is what one engine alone had before shares existed
 //! (a backup's 16 MiB packs and 16 MiB of chunks in flight, a restore's
-//! whole-pack reads), so the CLI, which runs one engine, is unchanged. A
+//! whole-pack reads), so the CLI, which runs one engine, is unchanged,
+//! except that into S3 it holds 12 MiB of chunks in flight and uploads two
+//! packs at once ([`BackupBuffers::data_pack_uploads`]). A
 //! smaller share closes data packs before they pass a smaller target,
 //! keeps fewer chunks and pack reads in flight, writes with fewer scatter
 //! workers and batches fewer files; none of that changes what is stored
@@ -86,9 +88,11 @@ pub(crate) struct BackupBuffers {
     /// The capacity of a data pack's buffer (one filled, and one for
     /// each upload in flight).
     pub data_pack_buffer_bytes: usize,
-    /// Data packs uploaded at once: two into a remote store with the whole
+    /// Packs uploaded at once (data packs, and tree packs in the same
+    /// places): two into a remote store with the whole
     /// default share (one engine alone: the CLI, or an agent whose stage
-    /// pod has memory to spare), when it holds a third pack buffer; else
+    /// pod has 130 MiB or more and moves one volume), when it holds a
+    /// third data pack buffer (packs that aim at 19 MiB or less); else
     /// one. Each S3
     /// PUT is answered only once the server has stored the object; with
     /// one in flight the pipeline waited for every pack's answer (a first
@@ -187,7 +191,8 @@ impl EngineMemory {
         if remote_store && self.bytes >= DEFAULT_VOLUME_SHARE_BYTES {
             let chunk_bytes_in_flight = self
                 .part(REMOTE_CHUNK_BYTES_IN_FLIGHT)
-                .clamp(max_chunk, REMOTE_CHUNK_BYTES_IN_FLIGHT);
+                .min(REMOTE_CHUNK_BYTES_IN_FLIGHT)
+                .max(max_chunk);
             let held = working + chunk_bytes_in_flight + 3 * default_pack_buffer as u64 + tree_pack;
             if let Some(rest) = self.bytes.checked_sub(held) {
                 return BackupBuffers {
@@ -203,7 +208,8 @@ impl EngineMemory {
         }
         let chunk_bytes_in_flight = self
             .part(CHUNK_BYTES_IN_FLIGHT)
-            .clamp(max_chunk, CHUNK_BYTES_IN_FLIGHT);
+            .min(CHUNK_BYTES_IN_FLIGHT)
+            .max(max_chunk);
         // Two data packs (one filled, one uploaded).
         let pack_room = (self.part(2 * default_pack_buffer as u64) / 2) as usize;
         let (data_pack_target_bytes, data_pack_buffer_bytes) = if pack_room >= default_pack_buffer {
@@ -410,6 +416,43 @@ mod tests {
             );
             assert!(restore.decode_buffer_bytes >= MAX_CHUNK);
             share += MIB / 2;
+        }
+    }
+
+    /// A repository may cut chunks of up to 16 MiB (FastCDC's largest) and
+    /// aim at packs of up to a gigabyte: every share plans a backup for
+    /// it, with a largest chunk in flight at least, and two uploads only
+    /// where the three packs fit in the share.
+    #[test]
+    fn every_chunk_and_pack_size_a_repository_takes_gets_a_plan() {
+        for max_chunk in [64 * 1024, MAX_CHUNK, 12 * MIB, 16 * MIB] {
+            let max_chunk_buffer = zstd::zstd_safe::compress_bound(max_chunk as usize) + 64;
+            for pack_target in [MIB, 16 * MIB, 64 * MIB, 1024 * MIB] {
+                for share in [
+                    SMALLEST_VOLUME_SHARE_BYTES,
+                    DEFAULT_VOLUME_SHARE_BYTES / 2,
+                    DEFAULT_VOLUME_SHARE_BYTES,
+                ] {
+                    for remote_store in [false, true] {
+                        let backup = EngineMemory::new(share).backup(
+                            max_chunk_buffer,
+                            pack_target as usize,
+                            remote_store,
+                        );
+                        assert!(
+                            u64::from(backup.chunk_bytes_in_flight) >= max_chunk_buffer as u64,
+                            "{backup:?}"
+                        );
+                        if backup.data_pack_uploads == 2 {
+                            assert!(remote_store);
+                            assert!(
+                                backup_total(&backup, max_chunk_buffer) <= share,
+                                "{backup:?}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 
