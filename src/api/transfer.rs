@@ -40,7 +40,8 @@ pub const INDEX_FILE_BYTES_PER_BLOB: u64 = 33;
 /// 52.8 at a million blobs with its prefix table).
 pub const INDEX_MEMORY_BYTES_PER_BLOB: u64 = 53;
 /// The memory of one volume's engine at most, what one engine always had
-/// (a backup's 16 MiB packs and chunks in flight, a restore's whole-pack
+/// (a backup's 16 MiB packs and chunks in flight, or 12 MiB of chunks and
+/// two uploads at once into S3; a restore's whole-pack
 /// reads, its verification's trees). More buys an engine nothing
 /// measurable; an agent with the default 128Mi to itself gives its one
 /// engine what the baseline leaves, 92 MiB.

@@ -150,8 +150,9 @@ pub struct BackupOptions {
     pub parallelism: usize,
     /// The memory its buffers may take: chunks in flight (with the
     /// default share 16 MiB, at least 4 chunks and 16 of the 1 MiB
-    /// average, enough to keep two cores busy), chunk buffers kept for
-    /// reuse, and the packs filled and uploaded.
+    /// average, enough to keep two cores busy; 12 MiB into S3, where two
+    /// packs are uploaded at once), chunk buffers kept for reuse, and the
+    /// packs filled and uploaded.
     pub memory: EngineMemory,
     /// Back up only these files of the source (and the directories on the
     /// way to them); `None` backs up everything. `haulage bench` backs up
@@ -2771,7 +2772,7 @@ impl Packer {
         Ok(())
     }
 
-    /// Wait for the oldest upload in flight and note its pack; returns its
+    /// Wait for the first upload in flight to end and note its pack; returns its
     /// buffer, when the store let go of it.
     async fn collect_one(&mut self) -> Result<Option<Vec<u8>>, EngineError> {
         let Some(result) = self.uploads.join_next().await else {

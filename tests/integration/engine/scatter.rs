@@ -1069,9 +1069,9 @@ impl ObjectStore for SlowPackUploads {
 /// Into a remote store, a backup with the default memory share keeps two
 /// pack uploads in flight, so the pipeline does not wait for the server's
 /// answer to each pack; into a local one, and with a share of several
-/// volumes, one at a time. Each upload is held 200 ms, and the packs of
-/// 1 MiB fill in a few milliseconds each, so the next upload is always
-/// waiting for its place. What is stored is the same either way.
+/// volumes, one at a time. Each upload is held 200 ms, and the packs
+/// (closed past 1 MiB, so of one or two chunks) fill in a few milliseconds
+/// each, so the next upload is always waiting for its place. What is stored is the same either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backup_into_a_remote_store_keeps_two_pack_uploads_in_flight() {
     use haulage::engine::backup::{BackupOptions, backup};
