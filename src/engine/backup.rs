@@ -11,7 +11,7 @@
 //!   │                           order; a small file (up to half a maximal
 //!   │                           chunk) is one job: read, cut, hash, compress
 //! assembler (async task)        file extents, tree blobs, packer
-//!   │ JoinSet of one or two uploads (BackupBuffers::data_pack_uploads)
+//!   │ JoinSet of one or two uploads (BackupBuffers::pack_uploads)
 //! store                         packs, then index files, then the snapshot
 //! ```
 //!
@@ -2761,7 +2761,7 @@ impl Packer {
         // now, and only to it: held idle while another fills, it would be
         // one buffer more in memory.
         let mut spare = None;
-        while self.uploads.len() >= self.sizes.data_pack_uploads {
+        while self.uploads.len() >= self.sizes.pack_uploads {
             spare = self.collect_one().await?;
         }
         let fresh = self.new_writer(kind, spare);

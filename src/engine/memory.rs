@@ -9,7 +9,7 @@
 //! (a backup's 16 MiB packs and 16 MiB of chunks in flight, a restore's
 //! whole-pack reads), so the CLI, which runs one engine, is unchanged,
 //! except that into S3 it holds 12 MiB of chunks in flight and uploads two
-//! packs at once ([`BackupBuffers::data_pack_uploads`]). A
+//! packs at once ([`BackupBuffers::pack_uploads`]). A
 //! smaller share closes data packs before they pass a smaller target,
 //! keeps fewer chunks and pack reads in flight, writes with fewer scatter
 //! workers and batches fewer files; none of that changes what is stored
@@ -40,7 +40,7 @@ const MIB: u64 = 1024 * 1024;
 const CHUNK_BYTES_IN_FLIGHT: u64 = 16 * MIB;
 /// The same with the default share into a remote store, where 4 MiB of
 /// chunks and four of the buffers kept make room for a second pack upload
-/// in flight ([`BackupBuffers::data_pack_uploads`]).
+/// in flight ([`BackupBuffers::pack_uploads`]).
 const REMOTE_CHUNK_BYTES_IN_FLIGHT: u64 = 12 * MIB;
 /// Idle chunk buffers a backup keeps for reuse with the default share:
 /// enough for the chunks and compressed outputs in flight with average
@@ -99,7 +99,7 @@ pub(crate) struct BackupBuffers {
     /// backup to MinIO on this machine took 5.48 s with one, 4.74 s with
     /// two, docs/benchmarks.md). A local directory's write is not worth
     /// the memory: the same trade made a backup to disk 3 % slower.
-    pub data_pack_uploads: usize,
+    pub pack_uploads: usize,
     /// A tree pack closes once it holds this much.
     pub tree_pack_target_bytes: usize,
 }
@@ -188,38 +188,35 @@ impl EngineMemory {
         // one volume 92 MiB, and a stage pod's agent backing up a claim of
         // random data alone peaked at 127.6 MiB of its 128Mi request
         // (docs/benchmarks.md, "The agent's memory in its cgroup").
-        if remote_store && self.bytes >= DEFAULT_VOLUME_SHARE_BYTES {
-            let chunk_bytes_in_flight = self
-                .part(REMOTE_CHUNK_BYTES_IN_FLIGHT)
-                .min(REMOTE_CHUNK_BYTES_IN_FLIGHT)
-                .max(max_chunk);
-            let held = working + chunk_bytes_in_flight + 3 * default_pack_buffer as u64 + tree_pack;
-            if let Some(rest) = self.bytes.checked_sub(held) {
-                return BackupBuffers {
-                    chunk_bytes_in_flight: u32::try_from(chunk_bytes_in_flight).unwrap_or(u32::MAX),
-                    chunk_buffers_kept: (rest / max_chunk.max(1)).min(CHUNK_BUFFERS_KEPT as u64)
-                        as usize,
-                    data_pack_target_bytes: pack_target,
-                    data_pack_buffer_bytes: default_pack_buffer,
-                    data_pack_uploads: 2,
-                    tree_pack_target_bytes,
-                };
-            }
-        }
-        let chunk_bytes_in_flight = self
-            .part(CHUNK_BYTES_IN_FLIGHT)
-            .min(CHUNK_BYTES_IN_FLIGHT)
-            .max(max_chunk);
-        // Two data packs (one filled, one uploaded).
-        let pack_room = (self.part(2 * default_pack_buffer as u64) / 2) as usize;
-        let (data_pack_target_bytes, data_pack_buffer_bytes) = if pack_room >= default_pack_buffer {
-            (pack_target, default_pack_buffer)
-        } else {
-            let buffer = pack_room.max(max_chunk_buffer + PACK_TRAILER_ROOM);
-            ((buffer - PACK_TRAILER_ROOM).min(pack_target), buffer)
-        };
+        let two_uploads = (remote_store && self.bytes >= DEFAULT_VOLUME_SHARE_BYTES)
+            .then(|| REMOTE_CHUNK_BYTES_IN_FLIGHT.max(max_chunk))
+            .filter(|chunks| {
+                working + chunks + 3 * default_pack_buffer as u64 + tree_pack <= self.bytes
+            });
+        let (chunk_bytes_in_flight, data_pack_target_bytes, data_pack_buffer_bytes, pack_uploads) =
+            match two_uploads {
+                Some(chunks) => (chunks, pack_target, default_pack_buffer, 2),
+                None => {
+                    let chunks = self
+                        .part(CHUNK_BYTES_IN_FLIGHT)
+                        .min(CHUNK_BYTES_IN_FLIGHT)
+                        .max(max_chunk);
+                    // Two data packs (one filled, one uploaded).
+                    let pack_room = (self.part(2 * default_pack_buffer as u64) / 2) as usize;
+                    if pack_room >= default_pack_buffer {
+                        (chunks, pack_target, default_pack_buffer, 1)
+                    } else {
+                        let buffer = pack_room.max(max_chunk_buffer + PACK_TRAILER_ROOM);
+                        let target = (buffer - PACK_TRAILER_ROOM).min(pack_target);
+                        (chunks, target, buffer, 1)
+                    }
+                }
+            };
         let rest = self.bytes.saturating_sub(
-            working + chunk_bytes_in_flight + 2 * data_pack_buffer_bytes as u64 + tree_pack,
+            working
+                + chunk_bytes_in_flight
+                + (1 + pack_uploads as u64) * data_pack_buffer_bytes as u64
+                + tree_pack,
         );
         let chunk_buffers_kept = (rest / max_chunk.max(1)).min(CHUNK_BUFFERS_KEPT as u64) as usize;
         BackupBuffers {
@@ -227,7 +224,7 @@ impl EngineMemory {
             chunk_buffers_kept,
             data_pack_target_bytes,
             data_pack_buffer_bytes,
-            data_pack_uploads: 1,
+            pack_uploads,
             tree_pack_target_bytes,
         }
     }
@@ -311,7 +308,7 @@ mod tests {
         let backup = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET, false);
         assert_eq!(backup.chunk_bytes_in_flight, 16 << 20);
         assert_eq!(backup.chunk_buffers_kept, 6, "{backup:?}");
-        assert_eq!(backup.data_pack_uploads, 1);
+        assert_eq!(backup.pack_uploads, 1);
         assert_eq!(backup.data_pack_target_bytes, PACK_TARGET);
         assert_eq!(
             backup.data_pack_buffer_bytes,
@@ -333,7 +330,7 @@ mod tests {
     fn the_default_share_uploads_two_packs_at_once_into_a_remote_store() {
         let local = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET, false);
         let remote = EngineMemory::default().backup(MAX_CHUNK_BUFFER, PACK_TARGET, true);
-        assert_eq!(remote.data_pack_uploads, 2, "{remote:?}");
+        assert_eq!(remote.pack_uploads, 2, "{remote:?}");
         assert_eq!(remote.chunk_bytes_in_flight, 12 << 20);
         assert_eq!(remote.chunk_buffers_kept, 2, "{remote:?}");
         // The same packs, and what the third costs taken from the chunks.
@@ -367,7 +364,7 @@ mod tests {
     /// tree packs held.
     fn backup_total(buffers: &BackupBuffers, max_chunk_buffer: usize) -> u64 {
         2 * max_chunk_buffer as u64
-            + (1 + buffers.data_pack_uploads as u64) * buffers.data_pack_buffer_bytes as u64
+            + (1 + buffers.pack_uploads as u64) * buffers.data_pack_buffer_bytes as u64
             + (buffers.tree_pack_target_bytes + PACK_TRAILER_ROOM) as u64
             + u64::from(buffers.chunk_bytes_in_flight)
             + (buffers.chunk_buffers_kept * max_chunk_buffer) as u64
@@ -397,7 +394,7 @@ mod tests {
                 assert!(u64::from(backup.chunk_bytes_in_flight) >= MAX_CHUNK_BUFFER as u64);
                 assert!(backup.data_pack_buffer_bytes >= MAX_CHUNK_BUFFER + PACK_TRAILER_ROOM);
                 assert!(backup.data_pack_target_bytes <= PACK_TARGET);
-                assert!((1..=2).contains(&backup.data_pack_uploads));
+                assert!((1..=2).contains(&backup.pack_uploads));
             }
             let restore = memory.restore(MAX_CHUNK, MAX_CHUNK_BUFFER as u64);
             assert!(
@@ -443,7 +440,7 @@ mod tests {
                             u64::from(backup.chunk_bytes_in_flight) >= max_chunk_buffer as u64,
                             "{backup:?}"
                         );
-                        if backup.data_pack_uploads == 2 {
+                        if backup.pack_uploads == 2 {
                             assert!(remote_store);
                             assert!(
                                 backup_total(&backup, max_chunk_buffer) <= share,

@@ -316,7 +316,7 @@ pub trait ObjectStore: Send + Sync + fmt::Debug {
     /// Whether a `put` is answered by a server across a network (S3)
     /// rather than by the local file system: a backup with the memory for
     /// it then keeps a second pack upload in flight
-    /// (`engine::memory::BackupBuffers::data_pack_uploads`). Wrappers
+    /// (`engine::memory::BackupBuffers::pack_uploads`). Wrappers
     /// forward it; the default is local.
     fn is_remote(&self) -> bool {
         false

@@ -764,21 +764,43 @@ async fn a_shared_index_is_made_of_four_layers_at_most() {
     assert!(trees.iter().all(|tree| held[4].contains(tree)));
 }
 
-/// Tree-pack reads held back by a delay, as by a store some way off,
-/// with how many ran at once at most.
+/// Requests of one kind held back by a delay, as by a store some way off,
+/// with how many there were and how many ran at once at most.
 #[derive(Debug)]
-struct SlowTreeReads {
-    tree_packs: BTreeSet<ObjectId>,
+struct SlowRequests {
+    which: Slowed,
     delay: std::time::Duration,
     in_flight: Arc<std::sync::atomic::AtomicUsize>,
     most_in_flight: std::sync::atomic::AtomicUsize,
-    reads: std::sync::atomic::AtomicUsize,
+    count: std::sync::atomic::AtomicUsize,
 }
 
-/// One tree-pack read in flight, until dropped.
-struct TreeReadInFlight(Option<Arc<std::sync::atomic::AtomicUsize>>);
+/// Which requests [`SlowRequests`] holds back.
+#[derive(Debug)]
+enum Slowed {
+    /// Reads of these packs (of trees).
+    TreePackReads(BTreeSet<ObjectId>),
+    /// Uploads of packs, as a server answers a PUT only once it has
+    /// stored the object.
+    PackUploads,
+}
 
-impl Drop for TreeReadInFlight {
+impl SlowRequests {
+    fn new(which: Slowed, delay: std::time::Duration) -> Self {
+        SlowRequests {
+            which,
+            delay,
+            in_flight: Arc::default(),
+            most_in_flight: Default::default(),
+            count: Default::default(),
+        }
+    }
+}
+
+/// One held request in flight, until dropped.
+struct RequestInFlight(Option<Arc<std::sync::atomic::AtomicUsize>>);
+
+impl Drop for RequestInFlight {
     fn drop(&mut self) {
         if let Some(in_flight) = &self.0 {
             in_flight.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
@@ -787,24 +809,28 @@ impl Drop for TreeReadInFlight {
 }
 
 #[async_trait::async_trait]
-impl haulage::store::layer::Layer for SlowTreeReads {
-    type Held = TreeReadInFlight;
+impl haulage::store::layer::Layer for SlowRequests {
+    type Held = RequestInFlight;
 
-    async fn before(&self, request: haulage::store::layer::Request<'_>) -> TreeReadInFlight {
+    async fn before(&self, request: haulage::store::layer::Request<'_>) -> RequestInFlight {
+        use haulage::store::layer::Request;
         use std::sync::atomic::Ordering::SeqCst;
-        let haulage::store::layer::Request::Get { key, .. } = request else {
-            return TreeReadInFlight(None);
+        let pack = |key| haulage::repo::id_from_key(key, haulage::repo::DATA_PREFIX);
+        let held = match (&self.which, request) {
+            (Slowed::TreePackReads(tree_packs), Request::Get { key, .. }) => {
+                pack(key).is_some_and(|pack| tree_packs.contains(&pack))
+            }
+            (Slowed::PackUploads, Request::Put { key, .. }) => pack(key).is_some(),
+            _ => false,
         };
-        let tree_pack = haulage::repo::id_from_key(key, haulage::repo::DATA_PREFIX)
-            .is_some_and(|pack| self.tree_packs.contains(&pack));
-        if !tree_pack {
-            return TreeReadInFlight(None);
+        if !held {
+            return RequestInFlight(None);
         }
-        self.reads.fetch_add(1, SeqCst);
+        self.count.fetch_add(1, SeqCst);
         let now = self.in_flight.fetch_add(1, SeqCst) + 1;
         self.most_in_flight.fetch_max(now, SeqCst);
         tokio::time::sleep(self.delay).await;
-        TreeReadInFlight(Some(self.in_flight.clone()))
+        RequestInFlight(Some(self.in_flight.clone()))
     }
 }
 
@@ -951,14 +977,11 @@ impl FiveWide {
 
     /// Restore it from `store` with its tree-pack reads held 20 ms each;
     /// the reads, counted.
-    async fn restore_from(&self, store: DynStore) -> Arc<Layered<SlowTreeReads>> {
-        let slow = SlowTreeReads {
-            tree_packs: self.tree_packs.keys().copied().collect(),
-            delay: std::time::Duration::from_millis(20),
-            in_flight: Arc::default(),
-            most_in_flight: Default::default(),
-            reads: Default::default(),
-        };
+    async fn restore_from(&self, store: DynStore) -> Arc<Layered<SlowRequests>> {
+        let slow = SlowRequests::new(
+            Slowed::TreePackReads(self.tree_packs.keys().copied().collect()),
+            std::time::Duration::from_millis(20),
+        );
         let (slow, repository) = open_through(store, slow).await;
         restore_intact(
             &repository,
@@ -976,7 +999,7 @@ async fn a_pack_of_trees_is_read_whole_once_however_many_windows_it_serves() {
     let tree = FiveWide::backed_up().await;
     let slow = tree.restore_from(local_store(&tree.repo)).await;
     // The root's tree, then the pack whole: 31 windows cut from it.
-    let reads = slow.layer().reads.load(std::sync::atomic::Ordering::SeqCst);
+    let reads = slow.layer().count.load(std::sync::atomic::Ordering::SeqCst);
     assert_eq!(reads, 2);
 }
 
@@ -1000,7 +1023,7 @@ async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once(
     // Each directory's subtrees in one read, and none twice: the root's
     // tree, the pack asked whole (refused), then one read per directory
     // with subdirectories.
-    assert_eq!(layer.reads.load(SeqCst), 2 + with_subdirectories);
+    assert_eq!(layer.count.load(SeqCst), 2 + with_subdirectories);
     assert!(
         layer.most_in_flight.load(SeqCst) > 1,
         "the subtrees of directories not yet entered were loaded while the walk waited for \
@@ -1009,90 +1032,48 @@ async fn the_subtrees_of_directories_not_yet_entered_are_loaded_ahead_each_once(
     );
 }
 
-/// A store that holds each pack upload a while, as a server some way off
-/// answers a PUT only once it has stored the object, and counts how many
-/// were in flight at once; remote (as S3) or local (as a directory) as
-/// told.
-#[derive(Debug)]
-struct SlowPackUploads {
-    inner: DynStore,
-    remote: bool,
-    delay: std::time::Duration,
-    in_flight: std::sync::atomic::AtomicUsize,
-    most_in_flight: std::sync::atomic::AtomicUsize,
-}
-
-#[async_trait::async_trait]
-impl ObjectStore for SlowPackUploads {
-    async fn put(&self, key: &str, data: Bytes, mode: PutMode) -> Result<(), StoreError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        if haulage::repo::id_from_key(key, haulage::repo::DATA_PREFIX).is_none() {
-            return self.inner.put(key, data, mode).await;
-        }
-        let now = self.in_flight.fetch_add(1, SeqCst) + 1;
-        self.most_in_flight.fetch_max(now, SeqCst);
-        tokio::time::sleep(self.delay).await;
-        let stored = self.inner.put(key, data, mode).await;
-        self.in_flight.fetch_sub(1, SeqCst);
-        stored
-    }
-
-    async fn get(
-        &self,
-        key: &str,
-        range: Option<std::ops::Range<u64>>,
-    ) -> Result<Bytes, StoreError> {
-        self.inner.get(key, range).await
-    }
-
-    async fn head(&self, key: &str) -> Result<ObjectMeta, StoreError> {
-        self.inner.head(key).await
-    }
-
-    async fn list(&self, prefix: &str) -> Result<Vec<ObjectMeta>, StoreError> {
-        self.inner.list(prefix).await
-    }
-
-    async fn delete(&self, key: &str) -> Result<(), StoreError> {
-        self.inner.delete(key).await
-    }
-
-    fn location(&self) -> String {
-        self.inner.location()
-    }
-
-    fn is_remote(&self) -> bool {
-        self.remote
-    }
-}
-
-/// Into a remote store, a backup with the default memory share keeps two
-/// pack uploads in flight, so the pipeline does not wait for the server's
-/// answer to each pack; into a local one, and with a share of several
-/// volumes, one at a time. Each upload is held 200 ms, and the packs
-/// (closed past 1 MiB, so of one or two chunks) fill in a few milliseconds
-/// each, so the next upload is always waiting for its place. What is stored is the same either way.
+/// Into a remote store (MinIO), a backup with the default memory share
+/// keeps two pack uploads in flight, so the pipeline does not wait for the
+/// server's answer to each pack; into a local one, and with a share of
+/// several volumes, one at a time. Each upload is held 200 ms more, and
+/// the packs (closed past 1 MiB, so of one or two chunks) fill in a few
+/// milliseconds each, so the next upload is always waiting for its place.
+/// What is stored is the same either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backup_into_a_remote_store_keeps_two_pack_uploads_in_flight() {
     use haulage::engine::backup::{BackupOptions, backup};
     use haulage::engine::memory::EngineMemory;
     use std::sync::atomic::Ordering::SeqCst;
+    const BUCKET: &str = "uploads";
+    let server = crate::support::minio::MinioServer::start()
+        .await
+        .expect("start MinIO");
+    server.create_bucket(BUCKET).await.expect("bucket");
     let source = tempfile::tempdir().expect("source");
     std::fs::write(source.path().join("random.bin"), random_bytes(77, 8 << 20)).expect("write");
     let share_of_four = EngineMemory::new(haulage::api::transfer::DEFAULT_VOLUME_SHARE_BYTES / 4);
+    let local = tempfile::tempdir().expect("repository");
     let mut most_in_flight = Vec::new();
-    for (remote, memory) in [
-        (true, EngineMemory::default()),
-        (false, EngineMemory::default()),
-        (true, share_of_four),
+    for (round, remote, memory) in [
+        (0, true, EngineMemory::default()),
+        (1, false, EngineMemory::default()),
+        (2, true, share_of_four),
     ] {
-        let dir = tempfile::tempdir().expect("repository");
-        let local: DynStore = Arc::new(LocalStore::new(dir.path()));
+        let store: DynStore = if remote {
+            haulage::store::open_store(
+                &format!("s3://{BUCKET}/round-{round}"),
+                &server.store_options(),
+            )
+            .await
+            .expect("open the bucket")
+        } else {
+            Arc::new(LocalStore::new(local.path()))
+        };
         // Packs of 1 MiB (the least a repository takes), so that 8 MiB
         // make several.
         let mut config = haulage::repo::config::RepoConfig::generate(&mut rand::rng());
         config.pack_target_bytes = 1 << 20;
-        local
+        store
             .put(
                 haulage::repo::CONFIG_KEY,
                 config.to_json().into(),
@@ -1100,34 +1081,25 @@ async fn a_backup_into_a_remote_store_keeps_two_pack_uploads_in_flight() {
             )
             .await
             .expect("config");
-        let store = Arc::new(SlowPackUploads {
-            inner: local,
-            remote,
-            delay: std::time::Duration::from_millis(200),
-            in_flight: Default::default(),
-            most_in_flight: Default::default(),
-        });
-        let repository =
-            Repository::open(store.clone(), &haulage::engine::KeySource::PlaintextOnly)
-                .await
-                .expect("open");
+        let (slow, repository) = open_through(
+            store,
+            SlowRequests::new(Slowed::PackUploads, std::time::Duration::from_millis(200)),
+        )
+        .await;
         let mut options = BackupOptions::new(source.path());
         options.memory = memory;
         let outcome = backup(&repository, options, Default::default(), Default::default())
             .await
             .expect("backup");
         let target = tempfile::tempdir().expect("target");
-        restore(
+        restore_intact(
             &repository,
             &outcome.snapshot_id,
             RestoreOptions::new(target.path().join("restored")),
-            Default::default(),
-            Default::default(),
+            source.path(),
         )
-        .await
-        .expect("restore");
-        assert_same_tree(source.path(), &target.path().join("restored"));
-        most_in_flight.push(store.most_in_flight.load(SeqCst));
+        .await;
+        most_in_flight.push(slow.layer().most_in_flight.load(SeqCst));
     }
     assert_eq!(
         most_in_flight,
